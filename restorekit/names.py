@@ -1,0 +1,248 @@
+"""Name rules shared by every module: ':0' and '/part_N' suffixes, patterns, rename rules.
+
+Two kinds of names never mix: a *checkpoint name* is a key in a checkpoint
+(``dense/kernel``); a *variable name* is the graph name without its output index
+(``dense/kernel``, from ``dense/kernel:0``).
+
+Patterns (``include``, ``exclude``, group rules, ``delete``) all follow one rule,
+``matches(pattern, name)``:
+
+* a string is a regular expression matched from the *start* of the name, as tf-slim's
+  ``get_variables_to_restore(include=[scope])`` does, and the match must end at a scope
+  boundary (``/`` or the end of the name): ``'block1'`` takes ``block1/conv/weights``
+  but not ``block10/conv/weights``. Plain scope prefixes are therefore patterns too.
+  Start a pattern with ``'.*'`` to match anywhere (``'.*BatchNorm'``).
+* a compiled ``re.Pattern`` is used as given, with ``search``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Callable, Iterable, Mapping, Sequence
+
+from restorekit.errors import NameCollisionError, NoMatchError, InvalidArgumentError, format_names
+
+__all__ = [
+    "closest_names",
+    "global_step_name",
+    "is_global_step",
+    "matches",
+    "optimizer_slot_kind",
+    "rename_rule",
+    "strip_output_index",
+    "strip_partition",
+]
+
+_OUTPUT_INDEX = re.compile(r":\d+$")
+_PARTITION = re.compile(r"/part_\d+$")
+
+
+def strip_output_index(name: str) -> str:
+    """'dense/kernel:0' -> 'dense/kernel'."""
+    return _OUTPUT_INDEX.sub("", name)
+
+
+def strip_partition(name: str) -> str:
+    """'emb/part_3' -> 'emb' (the full name of a partitioned variable)."""
+    return _PARTITION.sub("", name)
+
+
+def _compile(pattern) -> Callable[[str], bool]:
+    if isinstance(pattern, re.Pattern):
+        return lambda name: pattern.search(name) is not None
+    if not isinstance(pattern, str):
+        raise InvalidArgumentError(
+            f"a pattern must be a str or a compiled re.Pattern, got {type(pattern).__name__}: {pattern!r}"
+        )
+    try:
+        if pattern.endswith("/"):
+            compiled = re.compile(pattern)
+        else:
+            compiled = re.compile(f"(?:{pattern})(?=/|$)")
+    except re.error as e:
+        raise InvalidArgumentError(f"pattern {pattern!r} is not a valid regular expression: {e}") from None
+    return lambda name: compiled.match(name) is not None
+
+
+def matches(pattern, name: str) -> bool:
+    """True when ``pattern`` (see module docstring) takes ``name``."""
+    return _compile(pattern)(name)
+
+
+class PatternSet:
+    """An ordered list of patterns, compiled once; knows which pattern took each name."""
+
+    def __init__(self, patterns, *, what: str = "pattern"):
+        if patterns is None:
+            patterns = []
+        elif isinstance(patterns, (str, re.Pattern)):
+            patterns = [patterns]
+        self.patterns = list(patterns)
+        self._tests = [_compile(p) for p in self.patterns]
+        self.what = what
+        self.used = [False] * len(self.patterns)
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def first_match(self, name: str):
+        """The first pattern taking ``name``, or None. Records the use."""
+        for i, test in enumerate(self._tests):
+            if test(name):
+                self.used[i] = True
+                return self.patterns[i]
+        return None
+
+    def check_all_used(self, names: Iterable[str]) -> None:
+        """Raise NoMatchError for the first pattern that took no name."""
+        names = list(names)
+        for pattern, used in zip(self.patterns, self.used):
+            if not used:
+                text = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
+                near = closest_names(text, names)
+                hint = f" Closest names: {format_names(near)}." if near else ""
+                raise NoMatchError(f"{self.what} {text!r} matches no name among {len(names)}.{hint}", near)
+
+
+def closest_names(name: str, candidates: Iterable[str], n: int = 5) -> tuple[str, ...]:
+    """Near misses for ``name``: by similarity of the whole name and of its last part."""
+    candidates = list(candidates)
+    found = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
+    if len(found) < n:
+        leaf = name.rstrip("/").rsplit("/", 1)[-1]
+        for c in candidates:
+            if c not in found and leaf and leaf in c:
+                found.append(c)
+                if len(found) >= n:
+                    break
+    return tuple(found)
+
+
+# ---------------------------------------------------------------- optimizer slots
+
+# Last path component of a TF1 slot variable, by optimizer. Optimizers uniquify a
+# second slot with '_1' (Adam_1 is the second moment), and graphs built twice add
+# further '_N' suffixes, hence the optional number.
+_SLOT_LEAVES = {
+    "Momentum": "Momentum",
+    "Adam": "Adam",
+    "AdamW": "AdamW",
+    "Nadam": "Nadam",
+    "RMSProp": "RMSProp",
+    "Adagrad": "Adagrad",
+    "AdagradDA": "AdagradDA",
+    "Adadelta": "Adadelta",
+    "Ftrl": "Ftrl",
+    "ProximalAdagrad": "ProximalAdagrad",
+    "LazyAdam": "LazyAdam",
+    "Adafactor": "Adafactor",
+    "LARS": "LARS",
+    "LAMB": "LAMB",
+    "adam_m": "Adam (BERT)",
+    "adam_v": "Adam (BERT)",
+    "accumulator": "Adagrad",
+    "gradient_accumulator": "Adadelta",
+    "update_accumulator": "Adadelta",
+}
+_SLOT_LEAF = re.compile(r"^(?P<leaf>[A-Za-z_]+?)(?:_\d+)?$")
+# Non-slot optimizer state living beside the variables.
+_OPTIMIZER_STATE = re.compile(r"(^|/)(beta1_power|beta2_power|beta_1_power|beta_2_power)(_\d+)?$")
+_TF2_SLOT = re.compile(r"/\.OPTIMIZER_SLOT/|^optimizer/|/optimizer/")
+
+
+def optimizer_slot_kind(name: str) -> str | None:
+    """The optimizer a checkpoint or variable name belongs to, or None for model weights.
+
+    >>> optimizer_slot_kind('conv1/weights/Momentum')
+    'Momentum'
+    >>> optimizer_slot_kind('bert/encoder/dense/kernel/adam_m')
+    'Adam (BERT)'
+    """
+    name = strip_partition(strip_output_index(name))
+    if _TF2_SLOT.search(name):
+        return "optimizer (TF2)"
+    m = _OPTIMIZER_STATE.search(name)
+    if m:
+        return "Adam" if m.group(2).startswith("beta") else "optimizer"
+    if "/" not in name:
+        return None
+    leaf = name.rsplit("/", 1)[1]
+    m = _SLOT_LEAF.match(leaf)
+    if m and m.group("leaf") in _SLOT_LEAVES:
+        return _SLOT_LEAVES[m.group("leaf")]
+    if leaf in _SLOT_LEAVES:
+        return _SLOT_LEAVES[leaf]
+    return None
+
+
+_GLOBAL_STEP = re.compile(r"(^|/)global_step$|^save_counter(/\.ATTRIBUTES/VARIABLE_VALUE)?$")
+
+
+def is_global_step(name: str) -> bool:
+    """True for the global_step (TF1) and save_counter (TF2) bookkeeping counters."""
+    return bool(_GLOBAL_STEP.search(strip_output_index(name)))
+
+
+def global_step_name(names: Iterable[str]) -> str | None:
+    for n in names:
+        if is_global_step(n):
+            return n
+    return None
+
+
+# ---------------------------------------------------------------- rename rules
+
+RenameRule = Callable[[str], str]
+
+
+def rename_rule(rule) -> RenameRule:
+    """Turn a callable, a mapping, or a list of (regex, replacement) pairs into one function.
+
+    * a callable is used as given (return the name unchanged to keep it);
+    * a mapping renames exact names and leaves the rest;
+    * a list of ``(regex, replacement)`` applies every pair in order with ``re.sub``.
+    """
+    if callable(rule):
+        return rule
+    if isinstance(rule, Mapping):
+        table = dict(rule)
+        return lambda name: table.get(name, name)
+    if isinstance(rule, Sequence) and not isinstance(rule, str):
+        pairs = []
+        for item in rule:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise InvalidArgumentError(f"a rename rule list holds (regex, replacement) pairs, got {item!r}")
+            pattern, repl = item
+            try:
+                pairs.append((re.compile(pattern) if isinstance(pattern, str) else pattern, repl))
+            except re.error as e:
+                raise InvalidArgumentError(f"rename pattern {pattern!r} is not a valid regular expression: {e}") from None
+
+        def apply(name: str) -> str:
+            for pattern, repl in pairs:
+                name = pattern.sub(repl, name)
+            return name
+
+        return apply
+    raise InvalidArgumentError(f"a rename rule is a callable, a mapping or a list of (regex, replacement); got {rule!r}")
+
+
+def apply_renames(names: Sequence[str], rule) -> dict[str, str]:
+    """Map each name to its new name under ``rule``; raise on collisions.
+
+    Raises:
+        NameCollisionError: two names land on one, or a new name hits a kept one.
+    """
+    fn = rename_rule(rule)
+    result: dict[str, str] = {}
+    owners: dict[str, str] = {}
+    for name in names:
+        new = fn(name)
+        if not isinstance(new, str) or not new:
+            raise InvalidArgumentError(f"rename rule turned {name!r} into {new!r}; it must return a non-empty str")
+        if new in owners:
+            raise NameCollisionError(f"rename collision: {owners[new]!r} and {name!r} both become {new!r}")
+        owners[new] = name
+        result[name] = new
+    return result
