@@ -1,0 +1,1 @@
+"""The checkpoint (tensor bundle) format itself: index table, entry protos, shard bytes."""

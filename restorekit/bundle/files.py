@@ -1,0 +1,73 @@
+"""File access for checkpoints: the local disk directly, any other scheme through tf.io.gfile.
+
+Local paths never import TensorFlow, so listing a checkpoint stays fast; ``gs://``,
+``ram://``, ``hdfs://`` and the like go through ``tf.io.gfile``, imported on first use.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+
+__all__ = ["exists", "glob", "isdir", "join", "mtime", "read_bytes", "read_range", "is_remote"]
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(path: str) -> bool:
+    return bool(_SCHEME.match(str(path)))
+
+
+def _gfile():
+    import tensorflow as tf
+
+    return tf.io.gfile
+
+
+def join(*parts: str) -> str:
+    if is_remote(parts[0]):
+        return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]])
+    return os.path.join(*parts)
+
+
+def exists(path: str) -> bool:
+    return _gfile().exists(path) if is_remote(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+    return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
+
+
+def glob(directory: str, pattern: str) -> list[str]:
+    """Files in ``directory`` whose names match a shell ``pattern``."""
+    if is_remote(directory):
+        names = _gfile().listdir(directory)
+    else:
+        names = os.listdir(directory)
+    return sorted(join(directory, n.rstrip("/")) for n in names if fnmatch.fnmatch(n.rstrip("/"), pattern))
+
+
+def mtime(path: str) -> float:
+    if is_remote(path):
+        return _gfile().stat(path).mtime_nsec / 1e9
+    return os.path.getmtime(path)
+
+
+def read_bytes(path: str) -> bytes:
+    if is_remote(path):
+        with _gfile().GFile(path, "rb") as f:
+            return f.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def read_range(path: str, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset``; fewer when the file is shorter (callers check)."""
+    if is_remote(path):
+        with _gfile().GFile(path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)

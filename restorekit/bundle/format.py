@@ -1,0 +1,262 @@
+"""Tensor bytes in a data shard: dtypes, checksums, string tensors and slice keys.
+
+Decoding is our own code (no maintained library decodes bundle shards without TF);
+checksums use google-crc32c.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import google_crc32c
+import numpy as np
+
+from restorekit.bundle.table import mask_crc, unmask_crc
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, MissingDependencyError
+
+__all__ = [
+    "DTYPE_NAMES",
+    "decode_slice_key",
+    "decode_tensor",
+    "dtype_enum",
+    "dtype_name",
+    "encode_string_tensor",
+    "numpy_dtype",
+    "tensor_crc",
+]
+
+# TF DataType enum -> (name, numpy dtype string or None when not a plain buffer).
+_DTYPES = {
+    1: ("float32", "<f4"),
+    2: ("float64", "<f8"),
+    3: ("int32", "<i4"),
+    4: ("uint8", "u1"),
+    5: ("int16", "<i2"),
+    6: ("int8", "i1"),
+    7: ("string", None),
+    8: ("complex64", "<c8"),
+    9: ("int64", "<i8"),
+    10: ("bool", "?"),
+    11: ("qint8", "i1"),
+    12: ("quint8", "u1"),
+    13: ("qint32", "<i4"),
+    14: ("bfloat16", "bfloat16"),
+    15: ("qint16", "<i2"),
+    16: ("quint16", "<u2"),
+    17: ("uint16", "<u2"),
+    18: ("complex128", "<c16"),
+    19: ("float16", "<f2"),
+    20: ("resource", None),
+    21: ("variant", None),
+    22: ("uint32", "<u4"),
+    23: ("uint64", "<u8"),
+    24: ("float8_e5m2", "float8_e5m2"),
+    25: ("float8_e4m3fn", "float8_e4m3fn"),
+}
+DTYPE_NAMES = {code: name for code, (name, _) in _DTYPES.items()}
+_BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
+_BY_NAME.update({"float": 1, "double": 2, "half": 19, "bytes": 7, "str": 7, "object": 7})
+_ML_DTYPES = ("bfloat16", "float8_e5m2", "float8_e4m3fn")
+
+
+def dtype_name(code: int) -> str:
+    """TF DataType enum -> 'float32', 'bfloat16', 'string', ... ('dtype_99' when unknown)."""
+    return DTYPE_NAMES.get(code, f"dtype_{code}")
+
+
+def dtype_enum(dtype) -> int:
+    """A dtype name, numpy dtype or tf.DType -> the TF DataType enum.
+
+    Raises:
+        ValueError: a dtype the checkpoint format has no code for.
+    """
+    if hasattr(dtype, "as_datatype_enum"):
+        return int(dtype.as_datatype_enum)
+    if isinstance(dtype, str) and dtype in _BY_NAME:
+        return _BY_NAME[dtype]
+    np_dtype = np.dtype(dtype)
+    if np_dtype.kind in "SUO":
+        return 7
+    name = np_dtype.name
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    raise ValueError(f"dtype {dtype!r} has no TensorFlow checkpoint equivalent")
+
+
+def numpy_dtype(code: int) -> np.dtype:
+    """The numpy dtype holding a TF dtype's values (object for strings)."""
+    if code not in _DTYPES:
+        raise CorruptCheckpointError(f"unknown TensorFlow dtype code {code}")
+    name, np_name = _DTYPES[code]
+    if np_name is None:
+        if code == 7:
+            return np.dtype(object)
+        raise CorruptCheckpointError(f"dtype {name!r} tensors cannot be read as numpy arrays")
+    if np_name in _ML_DTYPES:
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - ml_dtypes ships with TensorFlow
+            raise MissingDependencyError(f"reading {name} needs ml_dtypes: pip install ml_dtypes") from None
+        return np.dtype(getattr(ml_dtypes, np_name))
+    return np.dtype(np_name)
+
+
+def tensor_crc(raw: bytes) -> int:
+    """Masked crc32c of a non-string tensor's bytes, as stored in its BundleEntryProto."""
+    return mask_crc(google_crc32c.value(raw))
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise CorruptCheckpointError("string tensor: truncated length varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise CorruptCheckpointError("string tensor: length varint too long")
+
+
+def _decode_strings(raw: bytes, count: int, name: str, expected_crc: int | None) -> np.ndarray:
+    # Layout: varint64 length per element, a masked crc32c (4 bytes) of the lengths
+    # as little-endian uint32, then the bytes. The entry's crc covers the uint32
+    # lengths, the 4 checksum bytes and the string bytes, in that order.
+    pos = 0
+    lengths = []
+    for _ in range(count):
+        n, pos = _varint(raw, pos)
+        lengths.append(n)
+    if pos + 4 > len(raw) or pos + 4 + sum(lengths) != len(raw):
+        raise CorruptCheckpointError(f"{name!r}: string tensor lengths do not add up to its {len(raw)} bytes")
+    len_bytes = struct.pack(f"<{count}I", *[n & 0xFFFFFFFF for n in lengths])
+    stored_len_crc = struct.unpack_from("<I", raw, pos)[0]
+    if expected_crc is not None:
+        crc = google_crc32c.extend(google_crc32c.value(len_bytes), raw[pos:])
+        if mask_crc(crc) != expected_crc or mask_crc(google_crc32c.value(len_bytes)) != stored_len_crc:
+            raise ChecksumMismatchError(f"{name!r}: string tensor fails its crc32c check; the shard is corrupt")
+    pos += 4
+    out = np.empty(count, dtype=object)
+    for i, n in enumerate(lengths):
+        out[i] = bytes(raw[pos : pos + n])
+        pos += n
+    return out
+
+
+def encode_string_tensor(values) -> tuple[bytes, int]:
+    """Serialize a string tensor for a data shard; return (bytes, masked entry crc)."""
+    flat = [v.encode() if isinstance(v, str) else bytes(v) for v in np.asarray(values, dtype=object).ravel()]
+    out = bytearray()
+    for v in flat:
+        n = len(v)
+        while True:
+            b = n & 0x7F
+            n >>= 7
+            out.append(b | 0x80 if n else b)
+            if not n:
+                break
+    len_bytes = struct.pack(f"<{len(flat)}I", *[len(v) & 0xFFFFFFFF for v in flat])
+    len_crc = mask_crc(google_crc32c.value(len_bytes))
+    checksum = struct.pack("<I", len_crc)
+    out += checksum
+    crc = google_crc32c.extend(google_crc32c.value(len_bytes), checksum)
+    for v in flat:
+        out += v
+        crc = google_crc32c.extend(crc, v)
+    return bytes(out), mask_crc(crc)
+
+
+def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32c: int | None = None) -> np.ndarray:
+    """Tensor bytes from a shard -> numpy array, checking the crc when one is given.
+
+    Raises:
+        ChecksumMismatchError: the bytes do not match ``crc32c``.
+        CorruptCheckpointError: the byte count does not fit the dtype and shape.
+    """
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if dtype == 7:
+        return _decode_strings(raw, count, name, crc32c).reshape(shape)
+    np_dtype = numpy_dtype(dtype)
+    if len(raw) != count * np_dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{name!r}: {len(raw)} bytes do not hold a {dtype_name(dtype)} tensor of shape {list(shape)}"
+        )
+    if crc32c is not None and tensor_crc(raw) != crc32c:
+        raise ChecksumMismatchError(
+            f"{name!r}: tensor bytes fail their crc32c check (stored {crc32c:#010x}, "
+            f"computed {tensor_crc(raw):#010x}); the data shard is corrupt"
+        )
+    return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
+
+
+# ------------------------------------------------------------------ slice keys
+
+def _ordered_string(key: bytes, pos: int) -> tuple[bytes, int]:
+    out = bytearray()
+    while pos + 1 < len(key):
+        b = key[pos]
+        if b == 0x00:
+            nxt = key[pos + 1]
+            if nxt == 0x01:
+                return bytes(out), pos + 2
+            if nxt == 0xFF:
+                out.append(0)
+                pos += 2
+                continue
+            break
+        if b == 0xFF:
+            if key[pos + 1] == 0x00:
+                out.append(0xFF)
+                pos += 2
+                continue
+            break
+        out.append(b)
+        pos += 1
+    raise CorruptCheckpointError("malformed slice key in index")
+
+
+def _ordered_num(key: bytes, pos: int) -> tuple[int, int]:
+    if pos >= len(key):
+        raise CorruptCheckpointError("truncated slice key in index")
+    n = key[pos]
+    if pos + 1 + n > len(key):
+        raise CorruptCheckpointError("truncated slice key in index")
+    return int.from_bytes(key[pos + 1 : pos + 1 + n], "big"), pos + 1 + n
+
+
+def _ordered_signed(key: bytes, pos: int) -> tuple[int, int]:
+    if pos >= len(key):
+        raise CorruptCheckpointError("truncated slice key in index")
+    first = key[pos]
+    negative = not first & 0x80
+    flip = 0xFF if negative else 0x00
+    header = first ^ flip
+    n = 0
+    while n < 8 and header & (0x80 >> n):
+        n += 1
+    if n == 0 or n >= 8 or pos + n > len(key):
+        raise CorruptCheckpointError("unsupported or truncated number in slice key")
+    body = bytes(b ^ flip for b in key[pos : pos + n])
+    value = int.from_bytes(body, "big") & ((1 << (8 * n - n - 1)) - 1)
+    return (~value if negative else value), pos + n
+
+
+def decode_slice_key(key: bytes) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """A partitioned variable's slice key -> (full name, ((start, length), ...)).
+
+    Length -1 means the whole dimension.
+    """
+    zero, pos = _ordered_num(key, 0)
+    if zero != 0:
+        raise CorruptCheckpointError("slice key does not start with 0")
+    name, pos = _ordered_string(key, pos)
+    dims, pos = _ordered_num(key, pos)
+    extents = []
+    for _ in range(dims):
+        start, pos = _ordered_signed(key, pos)
+        length, pos = _ordered_signed(key, pos)
+        extents.append((start, length))
+    return name.decode("utf-8", "replace"), tuple(extents)

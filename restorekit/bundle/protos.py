@@ -1,0 +1,237 @@
+"""BundleEntryProto and BundleHeaderProto, decoded and encoded without importing TensorFlow.
+
+TF's generated classes (``tensorflow.core.protobuf.tensor_bundle_pb2``) import all of
+TensorFlow (4-8 s), which would make ``restorekit inspect`` slow and tie the editor to
+TF. These two messages are small and frozen since 2016, so we carry our own codec of
+the protobuf wire format for exactly them; tests cross-check it against TF's classes.
+Unknown fields are kept verbatim so a re-encoded entry loses nothing.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field, replace
+
+from restorekit.errors import CorruptCheckpointError
+
+__all__ = ["BundleEntry", "BundleHeader", "decode_entry", "decode_header", "encode_entry", "encode_header"]
+
+
+@dataclass(frozen=True)
+class BundleEntry:
+    """One tensor's record in the index: where its bytes are and how to check them."""
+
+    dtype: int = 0
+    shape: tuple = ()
+    shard_id: int = 0
+    offset: int = 0
+    size: int = 0
+    crc32c: int = 0
+    # Partitioned-variable slices (TensorSliceProto bytes), kept opaque.
+    slices: tuple = ()
+    unknown_rank: bool = False
+    extra: bytes = b""
+
+    def replace(self, **changes) -> "BundleEntry":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BundleHeader:
+    num_shards: int = 1
+    endianness: int = 0  # 0 little, 1 big
+    version_producer: int = 1
+    version_min_consumer: int = 0
+    bad_consumers: tuple = field(default_factory=tuple)
+
+
+def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end:
+            raise CorruptCheckpointError("truncated varint in index entry")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise CorruptCheckpointError("varint longer than 64 bits in index entry")
+
+
+def _fields(buf: bytes, pos: int = 0, end: int | None = None):
+    """Yield (field_number, wire_type, value, start, stop) for each field of a message."""
+    end = len(buf) if end is None else end
+    while pos < end:
+        start = pos
+        key, pos = _varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos, end)
+        elif wire == 1:
+            if pos + 8 > end:
+                raise CorruptCheckpointError("truncated fixed64 in index entry")
+            value = struct.unpack_from("<Q", buf, pos)[0]
+            pos += 8
+        elif wire == 2:
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise CorruptCheckpointError("length-delimited field runs past the end of an index entry")
+            value = bytes(buf[pos : pos + length])
+            pos += length
+        elif wire == 5:
+            if pos + 4 > end:
+                raise CorruptCheckpointError("truncated fixed32 in index entry")
+            value = struct.unpack_from("<I", buf, pos)[0]
+            pos += 4
+        else:
+            raise CorruptCheckpointError(f"unsupported protobuf wire type {wire} in index entry")
+        if number == 0:
+            raise CorruptCheckpointError("protobuf field number 0 in index entry")
+        yield number, wire, value, start, pos
+
+
+def _decode_shape(buf: bytes) -> tuple[tuple, bool]:
+    dims = []
+    unknown_rank = False
+    for number, wire, value, _, _ in _fields(buf):
+        if number == 2 and wire == 2:
+            size = 0
+            for n2, w2, v2, _, _ in _fields(value):
+                if n2 == 1 and w2 == 0:
+                    size = v2 - (1 << 64) if v2 >= 1 << 63 else v2
+            dims.append(size)
+        elif number == 3 and wire == 0:
+            unknown_rank = bool(value)
+    return tuple(dims), unknown_rank
+
+
+def decode_entry(buf: bytes) -> BundleEntry:
+    """Parse a serialized BundleEntryProto.
+
+    Raises:
+        CorruptCheckpointError: the bytes are not a well-formed entry.
+    """
+    values = {}
+    slices = []
+    extra = bytearray()
+    shape: tuple = ()
+    unknown_rank = False
+    for number, wire, value, start, stop in _fields(buf):
+        if number == 2 and wire == 2:
+            shape, unknown_rank = _decode_shape(value)
+        elif number == 7 and wire == 2:
+            slices.append(value)
+        elif (number, wire) in ((1, 0), (3, 0), (4, 0), (5, 0), (6, 5)):
+            values[number] = value
+        else:
+            extra += buf[start:stop]
+    if any(d < 0 for d in shape):
+        raise CorruptCheckpointError(f"negative dimension in stored shape {shape}")
+    return BundleEntry(
+        dtype=values.get(1, 0),
+        shape=shape,
+        shard_id=values.get(3, 0),
+        offset=values.get(4, 0),
+        size=values.get(5, 0),
+        crc32c=values.get(6, 0),
+        slices=tuple(slices),
+        unknown_rank=unknown_rank,
+        extra=bytes(extra),
+    )
+
+
+def decode_header(buf: bytes) -> BundleHeader:
+    values = {}
+    version = {}
+    for number, wire, value, _, _ in _fields(buf):
+        if number == 3 and wire == 2:
+            for n2, w2, v2, _, _ in _fields(value):
+                if w2 == 0:
+                    version.setdefault(n2, []).append(v2)
+        elif wire == 0:
+            values[number] = value
+    return BundleHeader(
+        num_shards=values.get(1, 1),
+        endianness=values.get(2, 0),
+        version_producer=version.get(1, [1])[0],
+        version_min_consumer=version.get(2, [0])[0],
+        bad_consumers=tuple(version.get(3, [])),
+    )
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    if value < 0:
+        value += 1 << 64
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return
+
+
+def _put_field(out: bytearray, number: int, wire: int, value) -> None:
+    _put_varint(out, (number << 3) | wire)
+    if wire == 0:
+        _put_varint(out, value)
+    elif wire == 2:
+        _put_varint(out, len(value))
+        out += value
+    elif wire == 5:
+        out += struct.pack("<I", value)
+
+
+def _encode_shape(shape: tuple, unknown_rank: bool) -> bytes:
+    out = bytearray()
+    for d in shape:
+        dim = bytearray()
+        if d:
+            _put_field(dim, 1, 0, d)
+        _put_field(out, 2, 2, bytes(dim))
+    if unknown_rank:
+        _put_field(out, 3, 0, 1)
+    return bytes(out)
+
+
+def encode_entry(entry: BundleEntry) -> bytes:
+    """Serialize a BundleEntry the way TF does (default-valued fields omitted)."""
+    out = bytearray()
+    if entry.dtype:
+        _put_field(out, 1, 0, entry.dtype)
+    shape = _encode_shape(entry.shape, entry.unknown_rank)
+    if shape or not entry.slices:
+        _put_field(out, 2, 2, shape)
+    if entry.shard_id:
+        _put_field(out, 3, 0, entry.shard_id)
+    if entry.offset:
+        _put_field(out, 4, 0, entry.offset)
+    if entry.size:
+        _put_field(out, 5, 0, entry.size)
+    if entry.crc32c:
+        _put_field(out, 6, 5, entry.crc32c)
+    for s in entry.slices:
+        _put_field(out, 7, 2, s)
+    out += entry.extra
+    return bytes(out)
+
+
+def encode_header(header: BundleHeader) -> bytes:
+    out = bytearray()
+    if header.num_shards:
+        _put_field(out, 1, 0, header.num_shards)
+    if header.endianness:
+        _put_field(out, 2, 0, header.endianness)
+    version = bytearray()
+    if header.version_producer:
+        _put_field(version, 1, 0, header.version_producer)
+    if header.version_min_consumer:
+        _put_field(version, 2, 0, header.version_min_consumer)
+    for b in header.bad_consumers:
+        _put_field(version, 3, 0, b)
+    _put_field(out, 3, 2, bytes(version))
+    return bytes(out)

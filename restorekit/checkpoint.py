@@ -1,0 +1,265 @@
+"""Checkpoint: resolve a path to a checkpoint prefix, list its entries, read tensors.
+
+Only the ``.index`` is read when a Checkpoint is made; data shards are opened when a
+tensor is read. TensorFlow is never imported for local paths.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from restorekit.bundle import files
+from restorekit.bundle.format import decode_slice_key, decode_tensor, dtype_name, numpy_dtype
+from restorekit.bundle.protos import BundleEntry, BundleHeader, decode_entry, decode_header
+from restorekit.bundle.table import read_table
+from restorekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NoMatchError,
+    format_names,
+)
+from restorekit.names import closest_names
+
+__all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "resolve_prefix"]
+
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_STATE_LINE = re.compile(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\]|\\.)*)"\s*$', re.M)
+
+
+class RestoreKitWarning(UserWarning):
+    """Something was guessed or skipped; the message says what."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a checkpoint. ``nbytes`` is its size in the data shards."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+def _state_file_prefix(directory: str) -> str | None:
+    state = files.join(directory, "checkpoint")
+    if not files.exists(state):
+        return None
+    m = _STATE_LINE.search(files.read_bytes(state).decode("utf-8", "replace"))
+    if not m:
+        return None
+    named = m.group(1).encode().decode("unicode_escape")
+    if files.is_remote(named) or named.startswith("/"):
+        return named
+    return files.join(directory, named)
+
+
+def _newest_index(directory: str) -> str | None:
+    indexes = files.glob(directory, "*.index")
+    if not indexes:
+        return None
+    return max(indexes, key=lambda p: (files.mtime(p), p))[: -len(".index")]
+
+
+def resolve_prefix(path) -> str:
+    """Turn any accepted path into a checkpoint prefix whose ``.index`` exists.
+
+    Accepts a prefix, a directory (its ``checkpoint`` state file, else the newest
+    ``*.index``), a ``.index`` or ``.data-*`` file, a SavedModel directory, or any
+    ``tf.io.gfile`` path.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path`` is a checkpoint.
+    """
+    path = str(path)
+    if path.endswith(".index"):
+        path = path[: -len(".index")]
+    path = _DATA_SUFFIX.sub("", path)
+    if files.exists(path + ".index"):
+        return path
+    if files.isdir(path):
+        saved_model = files.join(path, "variables", "variables")
+        if files.exists(saved_model + ".index"):
+            return saved_model
+        named = _state_file_prefix(path)
+        if named is not None and files.exists(named + ".index"):
+            return named
+        fallback = None
+        if named is not None:
+            # Checkpoints copied from another machine name an absolute path there;
+            # the same file name here is almost always what was meant.
+            local = files.join(path, re.split(r"[/\\]", named)[-1])
+            if files.exists(local + ".index"):
+                fallback = local
+        fallback = fallback or _newest_index(path)
+        if fallback is None:
+            raise CheckpointNotFoundError(
+                f"directory {path!r} holds no checkpoint (no 'checkpoint' state file naming an existing "
+                f"prefix and no *.index file). Pass the prefix of a checkpoint, such as 'dir/model.ckpt-1000'.",
+                path,
+            )
+        reason = (
+            f"its 'checkpoint' file names {named!r}, which does not exist"
+            if named is not None
+            else "it has no 'checkpoint' state file"
+        )
+        warnings.warn(f"restorekit: in {path!r} {reason}; using {fallback!r}.", RestoreKitWarning, stacklevel=3)
+        return fallback
+    hint = ""
+    parent = path.rsplit("/", 1)[0] if "/" in path else "."
+    if files.isdir(parent):
+        candidates = [p[: -len(".index")] for p in files.glob(parent, "*.index")]
+        near = closest_names(path, candidates)
+        if near:
+            hint = f" Checkpoints nearby: {format_names(near)}."
+    raise CheckpointNotFoundError(f"no checkpoint at {path!r} (looked for {path + '.index'!r}).{hint}", path)
+
+
+class Checkpoint(Mapping):
+    """A read-only view of a TensorFlow (V2) checkpoint.
+
+    Reads the ``.index`` once, on construction; tensor bytes are read on ``read``.
+
+        ckpt = restorekit.Checkpoint('train_dir')      # or a prefix, .index, SavedModel
+        ckpt.entries['conv1/weights'].shape            # (7, 7, 3, 64)
+        w = ckpt.read('conv1/weights')                 # numpy array, crc checked
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at the path.
+        CorruptCheckpointError: the index is truncated or malformed.
+    """
+
+    def __init__(self, path):
+        self.prefix = resolve_prefix(path)
+        index_path = self.prefix + ".index"
+        data = files.read_bytes(index_path)
+        try:
+            self._load_index(data)
+        except CorruptCheckpointError as e:
+            raise type(e)(f"{index_path!r} is not a readable checkpoint index: {e}") from None
+
+    def _load_index(self, data: bytes) -> None:
+        records = read_table(data)
+        if not records or records[0][0] != b"":
+            raise CorruptCheckpointError("index has no header record")
+        self.header: BundleHeader = decode_header(records[0][1])
+        if self.header.endianness != 0:
+            raise CorruptCheckpointError("big-endian checkpoints are not supported")
+        if not 1 <= self.header.num_shards <= 1_000_000:
+            raise CorruptCheckpointError(f"impossible shard count {self.header.num_shards}")
+        bundle: dict[str, BundleEntry] = {}
+        slices: dict[str, list[tuple[tuple, BundleEntry]]] = {}
+        for key, value in records[1:]:
+            entry = decode_entry(value)
+            if key[:1] == b"\x00":
+                full_name, extents = decode_slice_key(key)
+                slices.setdefault(full_name, []).append((extents, entry))
+                continue
+            try:
+                name = key.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorruptCheckpointError(f"entry name {key[:60]!r} is not UTF-8") from None
+            if not entry.slices and entry.shard_id >= self.header.num_shards:
+                raise CorruptCheckpointError(
+                    f"entry {name!r} lives in shard {entry.shard_id} of {self.header.num_shards}"
+                )
+            bundle[name] = entry
+        for name, parts in slices.items():
+            if name not in bundle:
+                raise CorruptCheckpointError(f"slices of {name!r} without a full entry")
+        self._bundle = bundle
+        self._slices = slices
+        entries = {}
+        for name, entry in bundle.items():
+            nbytes = sum(e.size for _, e in slices[name]) if name in slices else entry.size
+            entries[name] = Entry(name, tuple(entry.shape), dtype_name(entry.dtype), nbytes)
+        self._entries = MappingProxyType(dict(sorted(entries.items())))
+
+    # -- mapping protocol: name -> Entry
+    @property
+    def entries(self) -> Mapping[str, Entry]:
+        """Sorted mapping checkpoint name -> Entry (partitioned variables under their full name)."""
+        return self._entries
+
+    def __getitem__(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise self._unknown(name) from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.prefix!r}, {len(self)} entries)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def _unknown(self, name: str) -> NoMatchError:
+        near = closest_names(name, self._entries)
+        hint = f" Closest: {format_names(near)}." if near else ""
+        return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.{hint}", near)
+
+    # -- low-level access for the editor and the exporters
+    def data_file(self, shard_id: int) -> str:
+        return f"{self.prefix}.data-{shard_id:05d}-of-{self.header.num_shards:05d}"
+
+    def bundle_entry(self, name: str) -> BundleEntry:
+        """The raw index record of a (non-partitioned) entry."""
+        if name not in self._bundle:
+            raise self._unknown(name)
+        return self._bundle[name]
+
+    def is_partitioned(self, name: str) -> bool:
+        return name in self._slices
+
+    def read_raw(self, entry: BundleEntry, name: str = "") -> bytes:
+        """The exact bytes of one stored tensor, length-checked."""
+        path = self.data_file(entry.shard_id)
+        if not files.exists(path):
+            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing")
+        raw = files.read_range(path, entry.offset, entry.size)
+        if len(raw) != entry.size:
+            raise CorruptCheckpointError(
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+            )
+        return raw
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor stored under ``name``, as a numpy array (crc32c verified).
+
+        Raises:
+            NoMatchError: no such entry (lists the closest names).
+            CorruptCheckpointError: the shard is missing, truncated or fails its checksum.
+        """
+        entry = self.bundle_entry(name)
+        if name not in self._slices:
+            return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
+        full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
+        for extents, part in self._slices[name]:
+            index = tuple(
+                slice(None) if length < 0 else slice(start, start + length) for start, length in extents
+            )
+            full[index] = decode_tensor(
+                self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
+            )
+        return full
