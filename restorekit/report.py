@@ -1,0 +1,176 @@
+"""RestoreReport: what a restore will do, as plain values (names, shapes, dtypes).
+
+Pure Python: importing this module never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+
+from restorekit.errors import IncompleteRestoreError
+
+__all__ = ["Record", "RestoreReport"]
+
+
+def _shape(shape) -> str:
+    if shape is None:
+        return "?"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One line of a report.
+
+    ``variable_name`` is the model side (graph name without ':0', or the Keras path),
+    ``checkpoint_name`` the checkpoint key; either is None where it does not apply
+    (an unused entry has no variable). ``shape``/``dtype`` describe the variable,
+    ``checkpoint_shape``/``checkpoint_dtype`` the entry. ``reason`` says why a record
+    was skipped, or how a match was made (``'ema'``, ``'ema fallback: ...'``).
+    """
+
+    variable_name: str | None
+    checkpoint_name: str | None
+    shape: tuple | None = None
+    dtype: str | None = None
+    checkpoint_shape: tuple | None = None
+    checkpoint_dtype: str | None = None
+    reason: str = ""
+
+    def describe(self) -> str:
+        name = self.variable_name if self.variable_name is not None else self.checkpoint_name
+        shape = self.shape if self.variable_name is not None else self.checkpoint_shape
+        return f"{name} {_shape(shape)}"
+
+
+_KINDS = ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """The plan of a partial restore: every variable and every checkpoint entry, once.
+
+    Fields hold tuples of ``Record``:
+
+    * ``matched``: variables that will be restored from ``checkpoint_name``;
+    * ``missing``: variables with no entry in the checkpoint;
+    * ``shape_mismatched`` / ``dtype_mismatched``: an entry exists but does not fit;
+    * ``skipped``: variables or entries left out on purpose, each with its reason
+      (optimizer slot, global_step, excluded by a rule, EMA shadow or raw weights);
+    * ``unused``: checkpoint entries nothing takes.
+
+    ``hints`` suggests fixes for near misses. A report is a value: it compares,
+    pickles and serializes to JSON without the live variables it was made from.
+    """
+
+    checkpoint: str
+    num_variables: int
+    matched: tuple = ()
+    missing: tuple = ()
+    shape_mismatched: tuple = ()
+    dtype_mismatched: tuple = ()
+    skipped: tuple = ()
+    unused: tuple = ()
+    hints: tuple = ()
+    # variable_name -> live variable (or list of partitions). Private: used by
+    # partial_saver/warm_start to find the very variables scanned; never compared,
+    # pickled or serialized.
+    _handles: dict = field(default=None, compare=False, repr=False)
+
+    # -- values
+    @property
+    def is_complete(self) -> bool:
+        """True when every variable in scope has a fitting entry (skips by choice are fine)."""
+        return not (self.missing or self.shape_mismatched or self.dtype_mismatched)
+
+    def assert_complete(self) -> "RestoreReport":
+        """Return self when complete, else raise IncompleteRestoreError carrying this report."""
+        if self.is_complete:
+            return self
+        raise IncompleteRestoreError(self.incomplete_message(), self)
+
+    def incomplete_message(self) -> str:
+        problems = len(self.missing) + len(self.shape_mismatched) + len(self.dtype_mismatched)
+        in_scope = problems + len(self.matched)
+        lines = [f"{self.checkpoint!r} cannot restore {problems} of {in_scope} variables:"]
+        shown = 0
+        for r in self.missing:
+            if shown < 20:
+                lines.append(f"  missing     {r.variable_name} {_shape(r.shape)} (looked for {r.checkpoint_name!r})")
+            shown += 1
+        for r in self.shape_mismatched:
+            if shown < 20:
+                lines.append(
+                    f"  mismatched  {r.variable_name}: checkpoint {_shape(r.checkpoint_shape)}, model {_shape(r.shape)}"
+                )
+            shown += 1
+        for r in self.dtype_mismatched:
+            if shown < 20:
+                lines.append(f"  mismatched  {r.variable_name}: checkpoint {r.checkpoint_dtype}, model {r.dtype}")
+            shown += 1
+        if shown > 20:
+            lines.append(f"  ... and {shown - 20} more")
+        lines.extend(f"  hint: {h}" for h in self.hints[:5])
+        lines.append(
+            f"Pass strict=False to restore the {len(self.matched)} that fit and initialize the rest."
+        )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready dict (shapes as lists)."""
+        out = {"checkpoint": self.checkpoint, "num_variables": self.num_variables, "is_complete": self.is_complete}
+        for kind in _KINDS:
+            out[kind] = [
+                {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
+                for r in getattr(self, kind)
+            ]
+        out["hints"] = list(self.hints)
+        return out
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __getstate__(self):
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_handles"}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_handles", None)
+
+    # -- reading
+    @property
+    def matched_names(self) -> tuple:
+        """Variable names that will be restored."""
+        return tuple(r.variable_name for r in self.matched)
+
+    def __str__(self) -> str:
+        lines = [f"restorekit: {self.checkpoint} -> {self.num_variables} variables"]
+
+        def row(label: str, records, detail: str) -> None:
+            lines.append(f"  {label:<11}{len(records):>5}   {detail}".rstrip())
+
+        def listing(records, limit: int = 4) -> str:
+            text = ", ".join(r.describe() for r in records[:limit])
+            return text + (f", ... and {len(records) - limit} more" if len(records) > limit else "")
+
+        ema = Counter(r.reason.split(":")[0] for r in self.matched if r.reason)
+        row("matched", self.matched, ", ".join(f"{n} via {k}" for k, n in ema.items()))
+        row("missing", self.missing, listing(self.missing))
+        mismatched = [
+            f"{r.variable_name} (checkpoint {_shape(r.checkpoint_shape)}, model {_shape(r.shape)})"
+            for r in self.shape_mismatched
+        ] + [
+            f"{r.variable_name} (checkpoint {r.checkpoint_dtype}, model {r.dtype})" for r in self.dtype_mismatched
+        ]
+        text = ", ".join(mismatched[:4]) + (f", ... and {len(mismatched) - 4} more" if len(mismatched) > 4 else "")
+        row("mismatched", tuple(self.shape_mismatched) + tuple(self.dtype_mismatched), text)
+        reasons = Counter(r.reason for r in self.skipped)
+        row("skipped", self.skipped, ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common()))
+        row("unused", self.unused, listing(self.unused))
+        lines.extend(f"  hint: {h}" for h in self.hints[:8])
+        if len(self.hints) > 8:
+            lines.append(f"  ... and {len(self.hints) - 8} more hints")
+        return "\n".join(lines)

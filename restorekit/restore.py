@@ -1,0 +1,88 @@
+"""Turn a RestoreReport into TF1 restore machinery: a Saver over the matches, warm-start initializers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
+from restorekit.report import RestoreReport
+
+__all__ = ["assign_from_checkpoint_fn", "partial_saver", "warm_start"]
+
+
+def _handles(report: RestoreReport) -> dict:
+    if not isinstance(report, RestoreReport):
+        raise InvalidArgumentError(f"expected a RestoreReport from restorekit.scan, got {type(report).__name__}")
+    if report._handles is None:
+        raise InvalidArgumentError(
+            "this RestoreReport was unpickled or rebuilt and no longer knows its variables; "
+            "call restorekit.scan again in the process that builds the graph"
+        )
+    return report._handles
+
+
+def _saver_var_list(report: RestoreReport) -> dict:
+    handles = _handles(report)
+    counts = Counter(r.checkpoint_name for r in report.matched)
+    shared = sorted(name for name, n in counts.items() if n > 1)
+    if shared:
+        feeding = [r.variable_name for r in report.matched if r.checkpoint_name == shared[0]]
+        raise AssignmentMapError(
+            f"a Saver restores each checkpoint tensor into one variable, but {shared[0]!r} feeds "
+            f"{format_names(feeding)}" + (f" (and {len(shared) - 1} more shared tensors)" if len(shared) > 1 else "")
+            + ". Use restorekit.warm_start(report), which lets one tensor initialize several variables."
+        )
+    return {r.checkpoint_name: handles[r.variable_name] for r in report.matched}
+
+
+def partial_saver(report: RestoreReport, **saver_kwargs):
+    """A ``tf.compat.v1.train.Saver`` over exactly the matched variables, keyed by checkpoint name.
+
+    Call ``saver.restore(session, report.checkpoint)`` to restore them. Partitioned
+    variables restore across different partitionings.
+
+    Args:
+        report: from ``restorekit.scan`` in this graph.
+        **saver_kwargs: passed to the Saver (``sharded``, ``name``, ...).
+
+    Raises:
+        AssignmentMapError: one checkpoint tensor feeds several variables (a Saver
+            cannot); use ``warm_start`` for that.
+        InvalidArgumentError: nothing matched, or the report lost its variables.
+    """
+    import tensorflow as tf
+
+    var_list = _saver_var_list(report)
+    if not var_list:
+        raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
+    saver_kwargs.setdefault("name", "restorekit_partial_saver")
+    return tf.compat.v1.train.Saver(var_list=var_list, **saver_kwargs)
+
+
+def assign_from_checkpoint_fn(report: RestoreReport):
+    """A callback ``fn(session)`` that restores the matched variables (tf-slim's word for it).
+
+    Builds its Saver now, so the graph can be finalized afterwards.
+    """
+    saver = partial_saver(report)
+
+    def restore(session):
+        saver.restore(session, report.checkpoint)
+
+    return restore
+
+
+def warm_start(report: RestoreReport) -> None:
+    """Make the matched variables' initializers read their values from the checkpoint.
+
+    The ``init_from_checkpoint`` way, for code that never calls a Saver: after this,
+    running ``tf.compat.v1.global_variables_initializer()`` (or a Scaffold's init
+    op) loads the checkpoint values. One checkpoint tensor may feed several variables.
+    """
+    import tensorflow as tf
+
+    handles = _handles(report)
+    if not report.matched:
+        raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to warm-start\n{report}")
+    for record in report.matched:
+        tf.compat.v1.train.init_from_checkpoint(report.checkpoint, {record.checkpoint_name: handles[record.variable_name]})

@@ -1,0 +1,99 @@
+"""easy_going_scaffold: a MonitoredTrainingSession Scaffold that restores what fits and initializes the rest.
+
+Composed from the smaller pieces: ``scan`` plans, ``partial_saver`` (or ``warm_start``)
+restores, a ``variables_initializer`` over the rest initializes.
+"""
+
+from __future__ import annotations
+
+from restorekit.errors import AssignmentMapError
+from restorekit.restore import partial_saver, warm_start
+from restorekit.scan import scan
+from restorekit.targets import collect
+
+__all__ = ["easy_going_scaffold"]
+
+
+def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, saver=None, **scan_options):
+    """A ``tf.compat.v1.train.Scaffold`` that warm-starts a new graph from ``checkpoint``.
+
+    * Fresh start (no checkpoint in the session's ``checkpoint_dir``): the chief
+      initializes only the variables that will not be restored, then restores the
+      matched ones from ``checkpoint``.
+    * Restart: an existing checkpoint in ``checkpoint_dir`` wins and ``checkpoint``
+      is not read again (the standard MonitoredTrainingSession behaviour).
+    * Non-chief workers wait until the chief's variables are ready; ``ready_op``
+      covers every global, local and scanned variable.
+
+    The scan happens now, while the graph is built (it reads only the index), so
+    ``scaffold.restore_report`` is available before the session starts. In a
+    ps/worker cluster the restore ops run on the parameter servers, which must be
+    able to read ``checkpoint``.
+
+    Args:
+        checkpoint: a Checkpoint or path (prefix, directory, SavedModel, ...).
+        variables: as ``restorekit.scan`` takes; None means global variables.
+        strict: raise IncompleteRestoreError (carrying the report) when anything is
+            missing or mismatched.
+        saver: the Saver for ``checkpoint_dir`` (default: the Scaffold's own).
+        **scan_options: passed to ``restorekit.scan`` (assignment_map, include,
+            exclude, ema, skip_optimizer_slots, include_global_step).
+
+    Returns:
+        A Scaffold with an extra attribute ``restore_report``.
+
+    Raises:
+        IncompleteRestoreError: strict=True and the restore cannot be complete.
+
+    Example:
+        >>> scaffold = restorekit.easy_going_scaffold('pretrained/', exclude=['logits'])
+        >>> with tf.compat.v1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=d) as s: ...
+    """
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    report = scan(checkpoint, variables, **scan_options)
+    if strict:
+        report.assert_complete()
+
+    scanned = []
+    for t in collect(variables):
+        scanned.extend(t.parts or [t.handle])
+    all_globals = list(tf1.global_variables())
+    known = {id(v) for v in all_globals}
+    everything = all_globals + [v for v in scanned if id(v) not in known]
+
+    restored_ids = set()
+    for handle in report._handles.values():
+        for v in handle if isinstance(handle, list) else [handle]:
+            restored_ids.add(id(v))
+
+    init_fn = None
+    with tf1.name_scope("restorekit"):
+        try:
+            restore_saver = partial_saver(report) if report.matched else None
+        except AssignmentMapError:
+            # One tensor feeds several variables: a Saver cannot, initializers can.
+            warm_start(report)
+            restore_saver = None
+            restored_ids = set()
+        if restore_saver is not None:
+            prefix = report.checkpoint
+
+            def init_fn(scaffold, session):
+                restore_saver.restore(session, prefix)
+
+        init_op = tf1.variables_initializer(
+            [v for v in everything if id(v) not in restored_ids], name="init_not_restored"
+        )
+        ready_op = tf1.report_uninitialized_variables(everything + list(tf1.local_variables()))
+        ready_for_local_init_op = tf1.report_uninitialized_variables(everything)
+    scaffold = tf1.train.Scaffold(
+        init_op=init_op,
+        init_fn=init_fn,
+        ready_op=ready_op,
+        ready_for_local_init_op=ready_for_local_init_op,
+        saver=saver,
+    )
+    scaffold.restore_report = report
+    return scaffold

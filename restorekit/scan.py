@@ -1,0 +1,309 @@
+"""scan(): plan a restore of a checkpoint into variables, building no ops."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+
+from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
+from restorekit.ema import is_shadow_name, shadow_suffix
+from restorekit.errors import AssignmentMapError, NoMatchError, format_names
+from restorekit.names import PatternSet, closest_names, is_global_step, optimizer_slot_kind
+from restorekit.report import Record, RestoreReport
+from restorekit.targets import Target, collect, variable_name
+
+__all__ = ["as_checkpoint", "scan"]
+
+
+def as_checkpoint(checkpoint) -> Checkpoint:
+    """A Checkpoint, or a path any Checkpoint accepts."""
+    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+
+
+# ------------------------------------------------------------------ assignment maps
+
+def _value_names(value, known: set[str]) -> list[str]:
+    """The variable names (or scopes) an assignment_map value stands for."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        if value and all(not isinstance(v, str) and getattr(v, "_save_slice_info", None) is not None for v in value):
+            return [value[0]._save_slice_info.full_name]  # one partitioned variable
+        names = []
+        for v in value:
+            names.extend(_value_names(v, known))
+        return names
+    if type(value).__name__ == "PartitionedVariable":
+        return [variable_name(value)]
+    info = getattr(value, "_save_slice_info", None)
+    if info is not None:
+        return [info.full_name]
+    if hasattr(value, "name") and hasattr(value, "dtype"):
+        return [variable_name(value)]
+    raise AssignmentMapError(f"assignment_map values are variable names, scopes or variables; got {value!r}")
+
+
+def _mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
+    """A function variable_name -> checkpoint name or None, from init_from_checkpoint-style maps."""
+    if assignment_map is None:
+        return lambda name: name
+    if callable(assignment_map) and not isinstance(assignment_map, Mapping):
+        def call(name):
+            result = assignment_map(name)
+            if result is not None and not isinstance(result, str):
+                raise AssignmentMapError(f"assignment_map({name!r}) returned {result!r}; return a str or None")
+            return result
+
+        return call
+    if not isinstance(assignment_map, Mapping):
+        raise AssignmentMapError(f"assignment_map must be a dict or a callable, got {type(assignment_map).__name__}")
+    var_names = [t.variable_name for t in targets]
+    known = set(var_names)
+    ckpt_names = list(checkpoint.entries)
+    exact: dict[str, str] = {}
+    scopes: list[tuple[str, str]] = []  # (variable scope, checkpoint scope), '' means root
+    for key, value in assignment_map.items():
+        if not isinstance(key, str) or not key:
+            raise AssignmentMapError(f"assignment_map keys are checkpoint names or scopes, got {key!r}")
+        key_is_scope = key.endswith("/")
+        if key_is_scope and key != "/" and not any(n.startswith(key) for n in ckpt_names):
+            near = closest_names(key.rstrip("/"), ckpt_names)
+            raise NoMatchError(
+                f"assignment_map key {key!r} matches no entry of {checkpoint.prefix!r}."
+                + (f" Closest: {format_names(near)}." if near else ""),
+                near,
+            )
+        for target_name in _value_names(value, known):
+            is_scope = target_name.endswith("/") or (
+                target_name not in known and any(n.startswith(target_name + "/") for n in var_names)
+            )
+            if is_scope:
+                if not key_is_scope:
+                    raise AssignmentMapError(
+                        f"assignment_map maps {key!r} to the scope {target_name!r}; a key without a trailing '/' "
+                        f"names one tensor. Write {{{key + '/'!r}: {target_name.rstrip('/') + '/'!r}}} to map a scope."
+                    )
+                var_scope = "" if target_name == "/" else target_name.rstrip("/") + "/"
+                if var_scope and not any(n.startswith(var_scope) for n in var_names):
+                    near = closest_names(var_scope.rstrip("/"), var_names)
+                    raise NoMatchError(
+                        f"assignment_map value {target_name!r} matches no variable."
+                        + (f" Closest: {format_names(near)}." if near else ""),
+                        near,
+                    )
+                scopes.append((var_scope, "" if key == "/" else key))
+                continue
+            if key_is_scope:
+                raise AssignmentMapError(
+                    f"assignment_map maps the scope {key!r} to the single variable {target_name!r}; "
+                    f"map a scope to a scope ({key!r}: 'new_scope/') or a tensor to a variable."
+                )
+            if key not in checkpoint.entries:
+                near = closest_names(key, ckpt_names)
+                raise NoMatchError(
+                    f"assignment_map key {key!r} is not in checkpoint {checkpoint.prefix!r}."
+                    + (f" Closest: {format_names(near)}." if near else ""),
+                    near,
+                )
+            if target_name not in known:
+                near = closest_names(target_name, var_names)
+                raise NoMatchError(
+                    f"assignment_map value {target_name!r} is not a variable being restored."
+                    + (f" Closest: {format_names(near)}." if near else ""),
+                    near,
+                )
+            exact[target_name] = key
+    # The most specific variable scope wins, as an exact name beats any scope.
+    scopes.sort(key=lambda pair: len(pair[0]), reverse=True)
+
+    def lookup(name: str):
+        if name in exact:
+            return exact[name]
+        for var_scope, ckpt_scope in scopes:
+            if name.startswith(var_scope):
+                return ckpt_scope + name[len(var_scope):]
+        return None
+
+    return lookup
+
+
+# ------------------------------------------------------------------ hints
+
+_SYNONYMS = {"biases": "bias", "weights": "kernel", "gamma": "scale", "embeddings": "embedding"}
+_UNIQUIFIED = re.compile(r"_\d+$")
+
+
+def _canonical(name: str) -> str:
+    parts = []
+    for part in name.split("/"):
+        part = _UNIQUIFIED.sub("", part)
+        parts.append(_SYNONYMS.get(part, part))
+    return "/".join(parts)
+
+
+def _hints(missing, shape_mismatched, unused) -> tuple[str, ...]:
+    hints = []
+    by_canonical: dict[str, list[Record]] = {}
+    for r in unused:
+        by_canonical.setdefault(_canonical(r.checkpoint_name), []).append(r)
+    for r in missing:
+        candidates = by_canonical.get(_canonical(r.checkpoint_name), [])
+        if len(candidates) == 1:
+            c = candidates[0]
+            fits = c.checkpoint_shape == r.shape or r.shape is None
+            hints.append(
+                f"{r.variable_name!r} is missing but checkpoint entry {c.checkpoint_name!r} differs only in naming"
+                + ("" if fits else f" (and shape: checkpoint {list(c.checkpoint_shape)}, model {list(r.shape)})")
+                + f"; pass assignment_map={{{c.checkpoint_name!r}: {r.variable_name!r}}}."
+            )
+    for r in shape_mismatched:
+        hints.append(
+            f"{r.variable_name!r} differs only in shape "
+            f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)})."
+        )
+    return tuple(hints)
+
+
+# ------------------------------------------------------------------ scan
+
+def _shapes_fit(model_shape, checkpoint_shape) -> bool:
+    if model_shape is None:
+        return True
+    if len(model_shape) != len(checkpoint_shape):
+        return False
+    return all(m is None or m == c for m, c in zip(model_shape, checkpoint_shape))
+
+
+def scan(
+    checkpoint,
+    variables=None,
+    *,
+    assignment_map=None,
+    include=None,
+    exclude=None,
+    skip_optimizer_slots: bool = True,
+    include_global_step: bool = False,
+    ema=None,
+) -> RestoreReport:
+    """Plan a restore of ``checkpoint`` into ``variables``; build no ops.
+
+    Args:
+        checkpoint: a ``Checkpoint`` or any path it accepts.
+        variables: None (default graph's global variables), a list of variables
+            (ref, resource, partitioned, Keras 3), a ``{checkpoint_name: variable}``
+            dict as a Saver takes, or a Keras model / tf.Module.
+        assignment_map: ``tf.compat.v1.train.init_from_checkpoint`` semantics, keys
+            are checkpoint names or scopes, values variable names, scopes,
+            variables or lists of them: ``{'old/': 'new/'}``, ``{'/': 'scope/'}``,
+            ``{'emb': ['enc/emb', 'dec/emb']}``. Variables it does not cover are
+            skipped. Or a callable ``variable_name -> checkpoint_name | None``.
+        include, exclude: patterns over variable names (see ``restorekit.names``:
+            a regex matched from the start and ending at a '/' boundary, so plain
+            scope prefixes work as tf-slim users expect; compiled patterns use
+            ``search``). A variable must match an include pattern (when given)
+            and no exclude pattern. A pattern that matches nothing is an error.
+        skip_optimizer_slots: leave optimizer slots (Momentum, Adam, adam_m, ...)
+            to their initializers, and do not count the checkpoint's as unused.
+        include_global_step: also restore global_step.
+        ema: an ExponentialMovingAverage or a shadow suffix: restore each variable
+            from its shadow entry, falling back per variable to the raw entry.
+
+    Returns:
+        A RestoreReport.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: the checkpoint cannot be read.
+        NoMatchError: an include/exclude pattern or assignment_map entry matches nothing.
+        AssignmentMapError: an assignment_map that cannot be applied.
+
+    Example:
+        >>> report = restorekit.scan('pretrained/model.ckpt-1000', exclude=['logits'])
+        >>> print(report)
+    """
+    ckpt = as_checkpoint(checkpoint)
+    targets = collect(variables)
+    entries = ckpt.entries
+    suffix = shadow_suffix(ema) if ema is not None and ema is not False else None
+    includes = PatternSet(include, what="include pattern")
+    excludes = PatternSet(exclude, what="exclude pattern")
+    lookup = _mapper(assignment_map, targets, ckpt)
+
+    matched, missing, shape_mm, dtype_mm, skipped = [], [], [], [], []
+    taken: set[str] = set()
+    raw_replaced: set[str] = set()
+    handles: dict[str, object] = {}
+    for t in targets:
+        name = t.variable_name
+        if includes and includes.first_match(name) is None:
+            skipped.append(Record(name, None, t.shape, t.dtype, reason="not included"))
+            continue
+        pattern = excludes.first_match(name) if excludes else None
+        if pattern is not None:
+            shown = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
+            skipped.append(Record(name, None, t.shape, t.dtype, reason=f"excluded by {shown!r}"))
+            continue
+        slot = optimizer_slot_kind(name)
+        if slot and skip_optimizer_slots:
+            skipped.append(Record(name, None, t.shape, t.dtype, reason=f"optimizer slot ({slot})"))
+            continue
+        if is_global_step(name) and not include_global_step:
+            skipped.append(Record(name, None, t.shape, t.dtype, reason="global_step"))
+            continue
+        ckpt_name = t.checkpoint_name if t.checkpoint_name is not None else lookup(name)
+        if ckpt_name is None:
+            skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
+            continue
+        reason = ""
+        if suffix is not None and not is_shadow_name(ckpt_name, suffix):
+            shadow = f"{ckpt_name}/{suffix}"
+            if shadow in entries:
+                raw_replaced.add(ckpt_name)
+                ckpt_name, reason = shadow, "ema"
+            else:
+                reason = "ema fallback: no shadow entry, raw weights used"
+        entry = entries.get(ckpt_name)
+        if entry is None:
+            missing.append(Record(name, ckpt_name, t.shape, t.dtype))
+            continue
+        taken.add(ckpt_name)
+        record = Record(name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason)
+        if not _shapes_fit(t.shape, entry.shape):
+            shape_mm.append(record)
+        elif t.dtype != entry.dtype:
+            dtype_mm.append(record)
+        else:
+            matched.append(record)
+            handles[name] = t.handle
+    includes.check_all_used([t.variable_name for t in targets])
+    excludes.check_all_used([t.variable_name for t in targets])
+
+    unused = []
+    for name, entry in entries.items():
+        if name in taken or name == OBJECT_GRAPH_KEY:
+            continue
+        record = Record(None, name, checkpoint_shape=entry.shape, checkpoint_dtype=entry.dtype)
+        slot = optimizer_slot_kind(name)
+        if slot and skip_optimizer_slots:
+            skipped.append(replace(record, reason=f"optimizer slot ({slot})"))
+        elif is_global_step(name) and not include_global_step:
+            skipped.append(replace(record, reason="global_step"))
+        elif name in raw_replaced:
+            skipped.append(replace(record, reason="raw weights (EMA shadow restored instead)"))
+        elif is_shadow_name(name, suffix or "ExponentialMovingAverage") and suffix is None:
+            skipped.append(replace(record, reason="EMA shadow (pass ema= to restore it)"))
+        else:
+            unused.append(record)
+    return RestoreReport(
+        checkpoint=ckpt.prefix,
+        num_variables=len(targets),
+        matched=tuple(matched),
+        missing=tuple(missing),
+        shape_mismatched=tuple(shape_mm),
+        dtype_mismatched=tuple(dtype_mm),
+        skipped=tuple(skipped),
+        unused=tuple(unused),
+        hints=_hints(missing, shape_mm, unused),
+        _handles=handles,
+    )
+

@@ -1,0 +1,144 @@
+"""Targets: the variables a restore writes into, normalized to name, full shape, dtype, handle.
+
+TF1 ref and resource variables, partitioned variables (grouped under their full name,
+with the full shape from their save-slice info), Saver-style dicts, Keras 3 variables
+and ``tf.Module``s all become the same ``Target`` records, so ``scan`` never needs to
+know where a variable came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from restorekit.errors import InvalidArgumentError
+from restorekit.names import strip_output_index, strip_partition
+
+__all__ = ["Target", "collect", "variable_name"]
+
+
+@dataclass
+class Target:
+    """One restorable thing: a variable, or all partitions of a partitioned variable."""
+
+    variable_name: str
+    shape: tuple
+    dtype: str
+    handle: object
+    # Fixed by a Saver-style {checkpoint_name: variable} dict; else derived by scan.
+    checkpoint_name: str | None = None
+    parts: list = field(default_factory=list)
+
+    @property
+    def partitioned(self) -> bool:
+        return bool(self.parts)
+
+
+def _is_partitioned(obj) -> bool:
+    # tf.compat.v1 exports no PartitionedVariable class to isinstance against.
+    return type(obj).__name__ == "PartitionedVariable" and hasattr(obj, "_get_variable_list")
+
+
+def variable_name(var) -> str:
+    """Graph name without ':0' (Keras 3 variables: their ``path``)."""
+    if type(var).__module__.startswith("keras"):
+        return var.path
+    return strip_output_index(var.name)
+
+
+def _shape(var) -> tuple:
+    shape = var.shape
+    if hasattr(shape, "as_list"):
+        if shape.rank is None:
+            return None
+        return tuple(shape.as_list())
+    return tuple(shape)
+
+
+def _dtype(var) -> str:
+    dtype = var.dtype
+    base = getattr(dtype, "base_dtype", None)
+    if base is not None:
+        return base.name
+    return str(dtype).replace("<dtype: '", "").rstrip("'>")
+
+
+def _slice_info(var):
+    # The full name and shape of a partition live only in its save-slice info;
+    # tf.Variable exposes no public accessor for it.
+    return getattr(var, "_save_slice_info", None)
+
+
+def _partition_target(name: str, parts: list, checkpoint_name=None) -> Target:
+    info = _slice_info(parts[0])
+    if info is not None:
+        full_shape = tuple(info.full_shape)
+        full_name = info.full_name
+    else:
+        full_name = strip_partition(variable_name(parts[0]))
+        full_shape = _shape(parts[0])
+    return Target(name or full_name, full_shape, _dtype(parts[0]), parts, checkpoint_name, parts=list(parts))
+
+
+def _from_object(obj, checkpoint_name=None) -> list[Target]:
+    if _is_partitioned(obj):
+        parts = list(obj)
+        return [_partition_target(strip_output_index(obj.name), parts, checkpoint_name)]
+    if isinstance(obj, (list, tuple)) and obj and all(_slice_info(v) is not None for v in obj):
+        return [_partition_target(None, list(obj), checkpoint_name)]
+    if type(obj).__module__.startswith("keras"):
+        return [Target(obj.path, _shape(obj), _dtype(obj), obj.value, checkpoint_name)]
+    if not hasattr(obj, "dtype") or not hasattr(obj, "shape") or not hasattr(obj, "name"):
+        raise InvalidArgumentError(f"expected a variable, got {type(obj).__name__}: {obj!r}")
+    return [Target(variable_name(obj), _shape(obj), _dtype(obj), obj, checkpoint_name)]
+
+
+def collect(variables=None) -> list[Target]:
+    """Normalize the ``variables`` argument of scan and friends into Targets.
+
+    Args:
+        variables: None (the default graph's global variables), a list of variables
+            (ref, resource, Keras 3, or PartitionedVariable), a dict
+            ``{checkpoint_name: variable or list of partitions}`` as a Saver takes,
+            or an object with a ``variables`` attribute (Keras model, tf.Module).
+
+    Raises:
+        InvalidArgumentError: an element that is not a variable, or no variables at all
+            in eager mode with ``variables=None``.
+    """
+    if variables is None:
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            raise InvalidArgumentError(
+                "variables=None means the default graph's global variables, but TensorFlow is executing "
+                "eagerly; pass a Keras model, a tf.Module or a list of variables"
+            )
+        variables = tf.compat.v1.global_variables()
+    if isinstance(variables, dict):
+        targets = []
+        for key, value in variables.items():
+            targets.extend(_from_object(value, checkpoint_name=key))
+        return targets
+    if not isinstance(variables, (list, tuple)) and hasattr(variables, "variables"):
+        variables = list(variables.variables)
+    if _is_partitioned(variables):
+        variables = [variables]
+    targets: list[Target] = []
+    groups: dict[str, list] = {}
+    seen: set[int] = set()
+    for obj in variables:
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        info = _slice_info(obj) if not _is_partitioned(obj) else None
+        if info is not None:
+            if info.full_name not in groups:
+                groups[info.full_name] = []
+                targets.append(info.full_name)  # placeholder keeps order
+            groups[info.full_name].append(obj)
+            continue
+        targets.extend(_from_object(obj))
+    return [
+        _partition_target(t, groups[t]) if isinstance(t, str) else t
+        for t in targets
+    ]
