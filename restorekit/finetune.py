@@ -55,7 +55,7 @@ from restorekit.errors import (
     NoMatchError,
     format_names,
 )
-from restorekit.names import PatternSet, closest_names, strip_output_index, strip_partition
+from restorekit.names import PatternSet, closest_names, matches, strip_output_index, strip_partition
 
 __all__ = [
     "GroupedOptimizer",
@@ -423,6 +423,15 @@ def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableG
     for name, match_name, tf_var, keras_var in found:
         pattern = patterns.first_match(match_name)
         members_of[len(pairs) if pattern is None else index[pattern]].append((name, tf_var, keras_var))
+    for (pattern, _), used in zip(pairs, patterns.used):
+        shadowed = [f[1] for f in found if not used and matches(pattern, f[1])]
+        if shadowed:
+            taker = patterns.first_match(shadowed[0])
+            raise NoMatchError(
+                f"group rule {_rule_text(pattern)!r} takes no variable: earlier rules took every name "
+                f"it matches ({shadowed[0]!r} went to rule {_rule_text(taker)!r}); reorder or drop it",
+                tuple(shadowed[:5]),
+            )
     patterns.check_all_used(sorted({f[1] for f in found}))
 
     groups, members = [], []
@@ -467,8 +476,10 @@ def layerwise_decay(
             first layer; default ones that match nothing are left out.
 
     Returns:
-        An ordered dict of rules (compiled patterns for layers) for ``group_variables``;
-        put freeze rules before it: ``group_variables({"emb": 0, **rules}, variables)``.
+        An ordered dict of rules (compiled patterns for layers) for ``group_variables``.
+        Put freeze rules before it, and leave frozen names out of ``embeddings`` (a
+        shadowed rule is an error): ``group_variables({"bert/embeddings": 0,
+        **layerwise_decay(v, 0.9, embeddings=())}, v)``.
 
     Raises:
         InvalidArgumentError: bad ``decay``, ``num_layers`` or ``pattern``, or a layer
