@@ -20,6 +20,7 @@ __all__ = [
     "decode_tensor",
     "dtype_enum",
     "dtype_name",
+    "encode_slice_key",
     "encode_string_tensor",
     "numpy_dtype",
     "tensor_crc",
@@ -260,3 +261,46 @@ def decode_slice_key(key: bytes) -> tuple[str, tuple[tuple[int, int], ...]]:
         length, pos = _ordered_signed(key, pos)
         extents.append((start, length))
     return name.decode("utf-8", "replace"), tuple(extents)
+
+
+def _put_ordered_string(out: bytearray, value: bytes) -> None:
+    # 0x00 -> 0x00 0xff and 0xff -> 0xff 0x00, terminated by 0x00 0x01.
+    for b in value:
+        out += b"\x00\xff" if b == 0 else b"\xff\x00" if b == 0xFF else bytes((b,))
+    out += b"\x00\x01"
+
+
+def _put_ordered_num(out: bytearray, value: int) -> None:
+    n = (value.bit_length() + 7) // 8
+    out.append(n)
+    out += value.to_bytes(n, "big")
+
+
+def _put_ordered_signed(out: bytearray, value: int) -> None:
+    # OrderedCode::WriteSignedNumIncreasing: n header bits of 1 (of 0 when negative),
+    # then the sign bit, then the two's complement value in the rest of n bytes.
+    x = ~value if value < 0 else value
+    n = 1
+    while x >= 1 << (7 * n - 1):
+        n += 1
+    if n >= 8:
+        raise ValueError(f"slice bound {value} is too large for a slice key")
+    body = bytearray((value & ((1 << (8 * n)) - 1)).to_bytes(n, "big"))
+    body[0] ^= (0xFF << (8 - n)) & 0xFF
+    out += body
+
+
+def encode_slice_key(name: str, extents) -> bytes:
+    """(full name, ((start, length), ...)) -> a partitioned variable's slice key.
+
+    The inverse of ``decode_slice_key`` (TF's ``EncodeTensorNameSlice``); length -1
+    means the whole dimension.
+    """
+    out = bytearray()
+    _put_ordered_num(out, 0)
+    _put_ordered_string(out, name.encode("utf-8"))
+    _put_ordered_num(out, len(extents))
+    for start, length in extents:
+        _put_ordered_signed(out, start)
+        _put_ordered_signed(out, length)
+    return bytes(out)

@@ -1,7 +1,7 @@
-"""The LevelDB-style sorted table that holds a checkpoint's ``.index``.
+"""The LevelDB-style sorted table that holds a checkpoint's ``.index``: reader and writer.
 
-Our own reader because no maintained Python package reads this (TF-flavoured, no
-snappy) table format without TensorFlow. Layout, from the end of the file:
+Our own reader and writer because no maintained Python package reads or writes this (TF-flavoured,
+no snappy) table format without TensorFlow. Layout, from the end of the file:
 
 * a 48-byte footer: two block handles (metaindex, index) as varints, zero padding,
   and the magic number ``0xdb4775248b80fb57``;
@@ -22,7 +22,7 @@ import google_crc32c
 
 from restorekit.errors import CorruptCheckpointError, ChecksumMismatchError
 
-__all__ = ["FOOTER_SIZE", "MAGIC", "mask_crc", "read_table", "unmask_crc"]
+__all__ = ["FOOTER_SIZE", "MAGIC", "mask_crc", "read_table", "unmask_crc", "write_table"]
 
 MAGIC = 0xDB4775248B80FB57
 FOOTER_SIZE = 48
@@ -132,3 +132,97 @@ def read_table(data: bytes, *, verify: bool = True) -> list[tuple[bytes, bytes]]
             previous = key
             records.append((key, value))
     return records
+
+
+# ------------------------------------------------------------------ writer
+# Our own writer for the same reason as the reader: no maintained Python package
+# writes this table format. It follows LevelDB's TableBuilder (what TF links):
+# data blocks with restarts every 16 keys, an empty metaindex block, an index block
+# (restart interval 1) keyed by each data block's last key, then the footer.
+
+BLOCK_SIZE = 256 * 1024
+_RESTART_INTERVAL = 16
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return
+
+
+def _build_block(records, restart_interval: int) -> bytes:
+    out = bytearray()
+    restarts = []
+    last = b""
+    for i, (key, value) in enumerate(records):
+        if i % restart_interval == 0:
+            restarts.append(len(out))
+            shared = 0
+        else:
+            shared = 0
+            limit = min(len(last), len(key))
+            while shared < limit and last[shared] == key[shared]:
+                shared += 1
+        _put_varint(out, shared)
+        _put_varint(out, len(key) - shared)
+        _put_varint(out, len(value))
+        out += key[shared:]
+        out += value
+        last = key
+    for r in restarts or [0]:
+        out += struct.pack("<I", r)
+    out += struct.pack("<I", len(restarts or [0]))
+    return bytes(out)
+
+
+def _with_trailer(block: bytes) -> bytes:
+    crc = google_crc32c.extend(google_crc32c.value(block), b"\x00")
+    return block + b"\x00" + struct.pack("<I", mask_crc(crc))
+
+
+def write_table(records) -> bytes:
+    """Serialize sorted (key, value) byte records as an uncompressed table (an ``.index`` file).
+
+    Raises:
+        ValueError: keys that are not strictly increasing.
+    """
+    out = bytearray()
+    index = []
+    block: list[tuple[bytes, bytes]] = []
+    block_bytes = 0
+    previous = None
+
+    def flush():
+        nonlocal block, block_bytes
+        if not block:
+            return
+        raw = _build_block(block, _RESTART_INTERVAL)
+        handle = bytearray()
+        _put_varint(handle, len(out))
+        _put_varint(handle, len(raw))
+        index.append((block[-1][0], bytes(handle)))
+        out.extend(_with_trailer(raw))
+        block, block_bytes = [], 0
+
+    for key, value in records:
+        key, value = bytes(key), bytes(value)
+        if previous is not None and key <= previous:
+            raise ValueError(f"table keys must be strictly increasing: {key[:80]!r} after {previous[:80]!r}")
+        previous = key
+        block.append((key, value))
+        block_bytes += len(key) + len(value) + 8
+        if block_bytes >= BLOCK_SIZE:
+            flush()
+    flush()
+    handles = bytearray()
+    for raw in (_build_block([], 1), _build_block(index, 1)):
+        _put_varint(handles, len(out))
+        _put_varint(handles, len(raw))
+        out.extend(_with_trailer(raw))
+    footer = bytes(handles).ljust(FOOTER_SIZE - 8, b"\x00") + struct.pack("<Q", MAGIC)
+    return bytes(out + footer)

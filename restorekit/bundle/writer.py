@@ -1,0 +1,217 @@
+"""BundleWriter: stream tensors into a TensorFlow V2 checkpoint without TensorFlow.
+
+Our own because TF's writer (``tf.raw_ops.SaveV2``, ``BundleWriter`` in C++) needs every
+tensor as a live TF tensor and gives no way to copy stored bytes verbatim or to reuse
+existing shards; the editor and the importers need both. Files are written under
+temporary names and renamed into place on ``finish`` (see ``atomic.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import google_crc32c
+import numpy as np
+
+from restorekit.bundle import atomic
+from restorekit.bundle.format import dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
+from restorekit.bundle.protos import BundleEntry, BundleHeader, encode_entry, encode_header
+from restorekit.bundle.table import mask_crc, write_table
+from restorekit.errors import ChecksumMismatchError, EditError, NameCollisionError
+
+__all__ = ["BundleWriter", "CHUNK_SIZE", "array_chunks"]
+
+CHUNK_SIZE = 8 << 20
+STRING = 7
+
+
+def array_chunks(array: np.ndarray, chunk_size: int = CHUNK_SIZE):
+    """The little-endian bytes of a fixed-size-dtype array, as read-only chunks (no full copy)."""
+    array = np.asarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    for start in range(0, flat.size, chunk_size):
+        yield flat[start : start + chunk_size].tobytes()
+
+
+class BundleWriter:
+    """Write a single-shard V2 checkpoint, one tensor at a time.
+
+        with BundleWriter('out/model.ckpt') as w:     # finish() on a clean exit
+            w.add('dense/kernel', kernel)              # written to the shard now
+            w.add('global_step', np.int64(7))
+
+    Memory is bounded by the tensor being added. Nothing appears at ``prefix`` until
+    ``finish``; an error inside the ``with`` block removes every temporary file.
+
+    Args:
+        prefix: the checkpoint prefix to create (``dir/model.ckpt``).
+        num_shards: shard count recorded in the header; shards other than ``shard_id``
+            must be supplied by the caller (the editor links existing shards).
+        shard_id: the shard this writer fills, or None to write only an index.
+        staging: an ``atomic.Staging`` owned by the caller, who then commits it;
+            by default the writer makes its own and commits on ``finish``.
+    """
+
+    def __init__(self, prefix, *, num_shards: int = 1, shard_id: int | None = 0, staging=None):
+        self.prefix = os.path.abspath(os.fspath(prefix))
+        self.num_shards = num_shards
+        self.shard_id = shard_id
+        self._own_staging = staging is None
+        self.staging = staging or atomic.Staging(os.path.dirname(self.prefix))
+        self._entries: dict[bytes, BundleEntry] = {}
+        self._offset = 0
+        self._file = None
+        self.finished = False
+        if shard_id is not None:
+            self._file = open(self.staging.path(self.data_path(shard_id)), "wb")
+
+    # -- names
+    def data_path(self, shard_id: int) -> str:
+        return f"{self.prefix}.data-{shard_id:05d}-of-{self.num_shards:05d}"
+
+    @property
+    def index_path(self) -> str:
+        return self.prefix + ".index"
+
+    def _key(self, name) -> bytes:
+        key = name if isinstance(name, bytes) else str(name).encode("utf-8")
+        if not key:
+            raise EditError("the empty name is reserved for the checkpoint header")
+        if key in self._entries:
+            shown = key.decode("utf-8", "replace")
+            raise NameCollisionError(f"{shown!r} was already added to {self.prefix!r}")
+        return key
+
+    def _need_data(self) -> None:
+        if self._file is None:
+            raise EditError(f"this writer of {self.prefix!r} writes only an index (shard_id=None)")
+
+    # -- adding tensors
+    def add(self, name, array) -> BundleEntry:
+        """Write one tensor (numpy, incl. bfloat16, bool, complex, strings/object arrays)."""
+        key = self._key(name)
+        array = np.asarray(array)
+        code = dtype_enum(array.dtype)
+        if code == STRING:
+            self._need_data()
+            raw, crc = encode_string_tensor(array)
+            entry = BundleEntry(dtype=STRING, shape=array.shape, shard_id=self.shard_id, offset=self._offset,
+                                size=len(raw), crc32c=crc)
+            self._file.write(raw)
+            self._offset += len(raw)
+            self._entries[key] = entry
+            return entry
+        return self._stream(key, code, array.shape, array_chunks(array), expected_crc=None)
+
+    def add_stream(self, name, dtype, shape, chunks) -> BundleEntry:
+        """Write a fixed-size-dtype tensor given as byte chunks (e.g. a cast done piece by piece)."""
+        key = self._key(name)
+        code = dtype_enum(dtype)
+        if code == STRING:
+            raise EditError(f"{key!r}: string tensors cannot be streamed; use add()")
+        return self._stream(key, code, tuple(shape), chunks, expected_crc=None)
+
+    def add_raw(self, name, entry: BundleEntry, raw) -> BundleEntry:
+        """Copy a stored tensor's bytes verbatim (``bytes`` or an iterable of chunks).
+
+        The crc of non-string tensors is recomputed while copying and must match
+        ``entry.crc32c`` (string tensors' crc covers a different byte layout; it is kept).
+
+        Raises:
+            ChecksumMismatchError: the bytes do not match the entry's crc32c or size.
+        """
+        key = self._key(name)
+        chunks = [raw] if isinstance(raw, (bytes, bytearray, memoryview)) else raw
+        if entry.dtype == STRING:
+            self._need_data()
+            start = self._offset
+            for chunk in chunks:
+                self._file.write(chunk)
+                self._offset += len(chunk)
+            if self._offset - start != entry.size:
+                raise ChecksumMismatchError(f"{key!r}: copied {self._offset - start} bytes, the entry says {entry.size}")
+            new = entry.replace(shard_id=self.shard_id, offset=start)
+            self._entries[key] = new
+            return new
+        return self._stream(key, entry.dtype, entry.shape, chunks, expected_crc=entry.crc32c, like=entry,
+                            expected_size=entry.size)
+
+    def add_entry_only(self, name, entry: BundleEntry) -> None:
+        """Record an index entry whose bytes already exist in this bundle's shards."""
+        self._entries[self._key(name)] = entry
+
+    def _stream(self, key, code, shape, chunks, *, expected_crc, like=None, expected_size=None) -> BundleEntry:
+        self._need_data()
+        atomic.crash_point(f"tensor-{len(self._entries)}")
+        start = self._offset
+        crc = 0
+        for chunk in chunks:
+            if not isinstance(chunk, bytes):
+                chunk = bytes(chunk)
+            crc = google_crc32c.extend(crc, chunk)
+            self._file.write(chunk)
+            self._offset += len(chunk)
+        size = self._offset - start
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        expected = expected_size if expected_size is not None else count * numpy_dtype(code).itemsize
+        shown = key.decode("utf-8", "replace")
+        if size != expected:
+            raise ChecksumMismatchError(
+                f"{shown!r}: got {size} bytes for a {dtype_name(code)} tensor of shape {list(shape)} ({expected} expected)"
+            )
+        crc = mask_crc(crc)
+        if expected_crc is not None and crc != expected_crc:
+            raise ChecksumMismatchError(
+                f"{shown!r}: source bytes fail their crc32c check (stored {expected_crc:#010x}, computed "
+                f"{crc:#010x}); the source data shard is corrupt"
+            )
+        base = like or BundleEntry(dtype=code, shape=tuple(shape))
+        entry = base.replace(shard_id=self.shard_id, offset=start, size=size, crc32c=crc)
+        self._entries[key] = entry
+        return entry
+
+    # -- finishing
+    @property
+    def entries(self) -> dict[bytes, BundleEntry]:
+        return dict(self._entries)
+
+    def finish(self, *, commit: bool | None = None) -> str:
+        """Write the index (sorted keys); rename everything into place if this writer owns the staging.
+
+        Returns:
+            The checkpoint prefix.
+        """
+        if self.finished:
+            return self.prefix
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+        header = BundleHeader(num_shards=self.num_shards)
+        records = [(b"", encode_header(header))]
+        records += [(k, encode_entry(self._entries[k])) for k in sorted(self._entries)]
+        with open(self.staging.path(self.index_path), "wb") as f:
+            f.write(write_table(records))
+        self.finished = True
+        if commit if commit is not None else self._own_staging:
+            self.staging.commit()
+        return self.prefix
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._own_staging:
+            self.staging.abort()
+
+    def __enter__(self) -> "BundleWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self.finished:
+            self.finish()
