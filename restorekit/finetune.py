@@ -21,11 +21,11 @@ What Keras 3 offers natively, and why this module still exists: a Keras 3 optimi
 has one learning rate for all its variables; there is no per-variable multiplier.
 ``exclude_from_weight_decay`` only exempts variables from weight decay, and
 ``layer.trainable = False`` freezes whole layers but cannot slow them down.
-``keras.optimizers.MultiOptimizer`` (Keras 3.15+, new in 2026) maps variables to
-sub-optimizers, but its ``OptimizerMap`` patterns are full-match regexes on
+``keras.optimizers.MultiOptimizer`` (in recent Keras 3 releases such as 3.15, absent
+from older ones) maps variables to sub-optimizers, but its ``OptimizerMap`` patterns are full-match regexes on
 ``variable.path`` where two matching patterns are an error rather than an order, a
 pattern that matches nothing passes silently (the backbone trains anyway), there is
-no frozen group, and it does not exist in the Keras 3 releases TF 2.16-2.20 ship. The
+no frozen group, and the Keras 3 that older TF 2.16+ installs bring lacks it. The
 wrapper here uses the same groups as the TF1 path, so one set of rules and one
 report serve both.
 
@@ -184,6 +184,11 @@ class VariableGroups:
         if isinstance(variable, str):
             return self.groups[self._group_index_of_name(variable)].multiplier
         return self.groups[self._member(variable).group].multiplier
+
+    @property
+    def assignments(self) -> dict:
+        """variable name -> the rule that took it (None: the default group), in input order."""
+        return {name: self.rule_for(name) for name in self.names}
 
     def rule_for(self, variable_name: str):
         """The rule that took ``variable_name`` (None for the default group).
@@ -508,8 +513,9 @@ def layerwise_decay(
         )
     if num_layers is None:
         num_layers = layers[-1] + 1
-    elif isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+    elif isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
         raise InvalidArgumentError(f"num_layers must be a positive int, got {num_layers!r}")
+    num_layers = int(num_layers)
     if layers[-1] >= num_layers:
         raise InvalidArgumentError(
             f"layer number {layers[-1]} is not below num_layers={num_layers}; layers count from 0"
@@ -554,6 +560,8 @@ def scale_gradients(grads_and_vars, groups: VariableGroups) -> list:
     """
     import tensorflow as tf
 
+    if not isinstance(groups, VariableGroups):
+        raise GroupError(f"groups must come from group_variables, got {type(groups).__name__}")
     pairs = list(grads_and_vars)
     resolved = [(grad, var, groups.groups[groups._member(var).group]) for grad, var in pairs]
     scaled = []
@@ -712,7 +720,7 @@ def _make_keras_optimizer_class():
         def __init__(self, optimizer_factory, groups: VariableGroups, *, name: str | None = None):
             if not isinstance(groups, VariableGroups):
                 raise GroupError(f"groups must come from group_variables, got {type(groups).__name__}")
-            super().__init__(learning_rate=0.0, name=name or "grouped")
+            super().__init__(learning_rate=0.0, name=name)
             optimizers = _build_optimizers(optimizer_factory, groups, keras.optimizers.Optimizer, "Keras optimizer")
             factors = {opt.loss_scale_factor for opt in optimizers.values()}
             if len(factors) > 1:

@@ -52,6 +52,11 @@ def test_groups_first_rule_wins_and_report_shows_rules():
     # A scope boundary: 'backbone/conv1' does not take conv10.
     assert groups.rule_for("backbone/conv10/weights") == "backbone"
     assert groups.rule_for("neck/weights") is None
+    assert groups.assignments == {
+        "backbone/conv1/weights": "backbone/conv1", "backbone/conv1/biases": "backbone/conv1",
+        "backbone/conv10/weights": "backbone", "neck/weights": None,
+        "logits/weights": "logits", "logits/biases": "logits",
+    }
     assert [v.name for v in groups.frozen] == ["backbone/conv1/weights:0", "backbone/conv1/biases:0"]
     assert [v.name for v in groups.trainable] == [
         "backbone/conv10/weights:0", "neck/weights:0", "logits/weights:0", "logits/biases:0"
@@ -230,11 +235,12 @@ def test_layerwise_decay_keras_block_names():
         ({"decay": 0.0}, InvalidArgumentError),
         ({"decay": "0.9"}, InvalidArgumentError),
         ({"decay": 0.9, "num_layers": 2}, InvalidArgumentError),
+        ({"decay": 0.9, "num_layers": 3.0}, InvalidArgumentError),
         ({"decay": 0.9, "pattern": r"layer_\d+"}, InvalidArgumentError),
         ({"decay": 0.9, "pattern": r"stage_(\d+)"}, NoMatchError),
         ({"decay": 0.9, "embeddings": ["bert/embedding"]}, NoMatchError),
     ],
-    ids=["zero-decay", "string-decay", "layer-above-num-layers", "no-group-in-pattern",
+    ids=["zero-decay", "string-decay", "layer-above-num-layers", "float-num-layers", "no-group-in-pattern",
          "no-layer-numbers", "embeddings-match-nothing"],
 )
 def test_layerwise_decay_bad_input(kwargs, error):
@@ -311,6 +317,8 @@ def test_groups_from_another_graph_are_a_group_error():
             scale_gradients(grads, groups)
         with pytest.raises(GroupError, match="another graph"):
             GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(m), groups).apply_gradients(grads)
+        with pytest.raises(GroupError, match="group_variables"):
+            scale_gradients(grads, {"logits": 10})
         stranger = _var("stranger")
         with pytest.raises(GroupError, match="'stranger' is not in these groups"):
             scale_gradients([(tf.ones([2, 3]), stranger)], group_variables({}, variables))
@@ -514,3 +522,22 @@ def test_keras_unknown_variable_is_a_group_error():
         opt.build(other.trainable_variables)
     with pytest.raises(InvalidArgumentError, match="not a Keras optimizer"):
         grouped_keras_optimizer(lambda m: tf1.train.GradientDescentOptimizer(m), groups)
+
+
+def test_grouped_optimizer_drives_tf_slim_create_train_op():
+    import tf_slim as slim
+
+    with tf.Graph().as_default():
+        loss, (slow, fast) = _two_layer_problem()
+        groups = group_variables({"fast": 0}, [slow, fast])
+        opt = GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(0.1 * m), groups)
+        # create_train_op asks for gradients of every trainable variable; the frozen one is dropped.
+        train_op = slim.learning.create_train_op(loss, opt, global_step=tf1.train.get_or_create_global_step())
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for _ in range(2):
+                sess.run(train_op)
+            slow_value, fast_value, step = sess.run([slow, fast, tf1.train.get_global_step()])
+    assert step == 2
+    assert fast_value.tobytes() == np.zeros([1], np.float32).tobytes()
+    assert slow_value[0, 0] != 0
