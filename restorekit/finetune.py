@@ -67,7 +67,7 @@ __all__ = [
     "scale_gradients",
 ]
 
-DEFAULT_LAYER_PATTERN = r"(?:^|/)(?:layer_|block)(\d+)(?=/|_|$)"
+DEFAULT_LAYER_PATTERN = r"(?:^|/)(?:layer_|block)(\d+)(?=[/_]|$)"
 DEFAULT_EMBEDDINGS = (r".*embeddings",)
 
 
@@ -476,7 +476,8 @@ def layerwise_decay(
         variables: what ``group_variables`` accepts (None: the default graph's).
         decay: the per-layer factor, in (0, 1].
         num_layers: layers in the model; defaults to the highest layer number + 1.
-        pattern: a regex searched in each name with one ``(\\d+)`` group, the layer.
+        pattern: a regex searched in each name; its first ``(\\d+)`` group is the layer
+            number.
         embeddings: patterns (``restorekit.names`` semantics) of the names below the
             first layer; default ones that match nothing are left out.
 
@@ -498,12 +499,12 @@ def layerwise_decay(
     if "(\\d+)" not in pattern:
         raise InvalidArgumentError(f"pattern {pattern!r} must hold one '(\\d+)' group: the layer number")
     try:
-        layer_re = re.compile(pattern)
+        layer_re = re.compile(pattern.replace("(\\d+)", "(?P<restorekit_layer>\\d+)", 1))
     except re.error as e:
         raise InvalidArgumentError(f"pattern {pattern!r} is not a valid regular expression: {e}") from None
 
     names = [f[1] for f in _collect(variables)]
-    layers = sorted({int(m.group(1)) for m in map(layer_re.search, names) if m})
+    layers = sorted({int(m.group("restorekit_layer")) for m in map(layer_re.search, names) if m})
     if not layers:
         near = closest_names("layer_0", names)
         raise NoMatchError(
@@ -523,7 +524,8 @@ def layerwise_decay(
 
     rules = {}
     for i in layers:
-        rules[re.compile(pattern.replace("(\\d+)", f"(?:{i})", 1))] = decay ** (num_layers - i)
+        # Digits are literal in a regex, so the number can stand in for its group.
+        rules[re.compile(pattern.replace("(\\d+)", str(i), 1))] = decay ** (num_layers - i)
     given = embeddings is not DEFAULT_EMBEDDINGS
     embeddings = [embeddings] if isinstance(embeddings, (str, re.Pattern)) else list(embeddings or ())
     for emb in embeddings:

@@ -227,6 +227,12 @@ def test_layerwise_decay_keras_block_names():
         variables = [_var(n, (2,)) for n in names]
         groups = group_variables(layerwise_decay(variables, 0.1, num_layers=4), variables)
     assert [groups.multiplier(n) for n in names] == pytest.approx([1e-3, 1e-2, 1e-1, 1.0])
+    # A custom pattern; groups before the layer number are fine.
+    with tf.Graph().as_default():
+        variables = [_var(n, (2,)) for n in ["enc/x/h_0/w", "enc/x/h_1/w", "head/w"]]
+        rules = layerwise_decay(variables, 0.5, pattern=r"(enc|dec)/.*h_(\d+)/")
+        groups = group_variables(rules, variables)
+    assert [groups.multiplier(n) for n in groups.names] == [0.25, 0.5, 1.0]
 
 
 @pytest.mark.parametrize(
