@@ -56,3 +56,41 @@ def small_checkpoint(tmp_path):
     }
     prefix = save_variables(tmp_path / "ckpt" / "model.ckpt", values)
     return prefix, values
+
+
+# ---------------------------------------------------------------- tf-slim resnet_v1_50
+
+RESNET_INPUT = (2, 64, 64, 3)
+
+
+def resnet_features(images, *, num_classes=None, is_training=True):
+    """tf-slim resnet_v1_50 with fused batch norm (the non-fused path is broken on TF 2.16+)."""
+    import tf_slim as slim
+    from tf_slim.nets import resnet_v1
+
+    bn = {"decay": 0.9, "epsilon": 1e-5, "scale": True, "updates_collections": None, "fused": True}
+    with slim.arg_scope([slim.conv2d], normalizer_fn=slim.batch_norm, normalizer_params=bn, activation_fn=tf.nn.relu):
+        with slim.arg_scope([slim.max_pool2d], padding="SAME"):
+            return resnet_v1.resnet_v1_50(images, num_classes=num_classes, is_training=is_training)
+
+
+def resnet_batch(seed=0):
+    rng = np.random.RandomState(seed)
+    return rng.rand(*RESNET_INPUT).astype(np.float32), rng.randint(0, 10, RESNET_INPUT[0]).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def resnet_checkpoint(tmp_path_factory):
+    """A resnet_v1_50 at 1000 classes trained one Momentum step; returns its prefix."""
+    directory = tmp_path_factory.mktemp("resnet1000")
+    images, labels = resnet_batch()
+    with tf.Graph().as_default():
+        logits, _ = resnet_features(tf.constant(images), num_classes=1000)
+        loss = tf1.losses.sparse_softmax_cross_entropy(labels, tf.reshape(logits, [-1, 1000]))
+        step = tf1.train.get_or_create_global_step()
+        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, global_step=step)
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(train)
+            return saver.save(sess, str(directory / "model.ckpt"), global_step=step, write_meta_graph=False)

@@ -1,0 +1,244 @@
+"""Checkpoint: path resolution, listing from the index only, reading tensors, clear errors."""
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import restorekit
+from restorekit import Checkpoint, CheckpointNotFoundError, CorruptCheckpointError, NoMatchError
+from restorekit.bundle.format import decode_slice_key
+from conftest import save_variables
+
+tf1 = tf.compat.v1
+
+
+def test_lists_entries_sorted_with_shapes_dtypes_and_sizes(small_checkpoint):
+    prefix, values = small_checkpoint
+    ckpt = Checkpoint(prefix)
+    assert ckpt.prefix == prefix
+    assert list(ckpt) == sorted(values)
+    assert len(ckpt) == len(values) and "dense/kernel" in ckpt and "nope" not in ckpt
+    entry = ckpt.entries["dense/kernel"]
+    assert entry == restorekit.Entry("dense/kernel", (4, 3), "float32", 48)
+    assert ckpt.entries["global_step"].dtype == "int64" and ckpt.entries["global_step"].shape == ()
+
+
+def test_reads_values_equal_to_what_tensorflow_saved(small_checkpoint):
+    prefix, values = small_checkpoint
+    ckpt = Checkpoint(prefix)
+    for name, value in values.items():
+        np.testing.assert_array_equal(ckpt.read(name), value)
+
+
+def test_every_resnet_entry_reads_like_tensorflows_own_reader(resnet_checkpoint):
+    ckpt = Checkpoint(resnet_checkpoint)
+    reader = tf.train.load_checkpoint(resnet_checkpoint)
+    shapes = reader.get_variable_to_shape_map()
+    assert set(ckpt) == set(shapes)
+    for name in ckpt:
+        assert ckpt.entries[name].shape == tuple(shapes[name])
+        np.testing.assert_array_equal(ckpt.read(name), reader.get_tensor(name))
+
+
+def test_listing_reads_only_the_index(small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(prefix + ".index", copy / "m.index")  # no data shard at all
+    ckpt = Checkpoint(str(copy / "m"))
+    assert ckpt.entries["dense/kernel"].shape == (4, 3)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        ckpt.read("dense/kernel")
+
+
+def test_listing_does_not_import_tensorflow(small_checkpoint):
+    prefix, _ = small_checkpoint
+    code = (
+        "import sys, restorekit; c = restorekit.Checkpoint(sys.argv[1]); c.read('dense/kernel'); "
+        "print(len(c), 'tensorflow' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, prefix], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["6", "False"]
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["prefix", "index_file", "data_file", "directory"],
+    ids=["a prefix", "the .index file", "a .data shard", "a directory with a state file"],
+)
+def test_accepts_every_path_form(small_checkpoint, form):
+    prefix, _ = small_checkpoint
+    path = {
+        "prefix": prefix,
+        "index_file": prefix + ".index",
+        "data_file": prefix + ".data-00000-of-00001",
+        "directory": os.path.dirname(prefix),
+    }[form]
+    state = os.path.join(os.path.dirname(prefix), "checkpoint")
+    with open(state, "w") as f:
+        f.write(f'model_checkpoint_path: "{os.path.basename(prefix)}"\n')
+    assert Checkpoint(path).prefix == prefix
+
+
+def test_directory_whose_state_file_names_another_machine_falls_back_with_one_warning(small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    directory = os.path.dirname(prefix)
+    with open(os.path.join(directory, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "/home/someone/else/train/model.ckpt-999"\n')
+    with pytest.warns(restorekit.RestoreKitWarning, match="does not exist"):
+        ckpt = Checkpoint(directory)
+    assert ckpt.prefix == prefix
+
+
+def test_directory_without_state_file_uses_newest_index(tmp_path):
+    old = save_variables(tmp_path / "old", {"a": np.zeros(2, np.float32)})
+    new = save_variables(tmp_path / "new", {"a": np.ones(2, np.float32)})
+    os.utime(old + ".index", (1, 1))
+    os.remove(tmp_path / "checkpoint") if (tmp_path / "checkpoint").exists() else None
+    with pytest.warns(restorekit.RestoreKitWarning, match="no 'checkpoint' state file"):
+        ckpt = Checkpoint(tmp_path)
+    assert ckpt.prefix == new
+    np.testing.assert_array_equal(ckpt.read("a"), np.ones(2))
+
+
+def test_saved_model_directory(tmp_path):
+    module = tf.Module()
+    module.w = tf.Variable(np.arange(3, dtype=np.float32))
+    module.f = tf.function(lambda x: x * module.w, input_signature=[tf.TensorSpec([3], tf.float32)])
+    tf.saved_model.save(module, str(tmp_path / "sm"))
+    ckpt = Checkpoint(tmp_path / "sm")
+    assert ckpt.prefix.endswith(os.path.join("sm", "variables", "variables"))
+    key = next(k for k in ckpt if k.startswith("w/"))
+    np.testing.assert_array_equal(ckpt.read(key), np.arange(3))
+
+
+def test_ram_filesystem_through_gfile():
+    values = {"v": np.arange(4, dtype=np.float32)}
+    prefix = save_variables("ram://restorekit_test/model", values)
+    ckpt = Checkpoint(prefix)
+    np.testing.assert_array_equal(ckpt.read("v"), values["v"])
+
+
+def test_partitioned_variable_reads_as_one_full_tensor(tmp_path):
+    with tf.Graph().as_default():
+        var = tf1.get_variable("emb", shape=[10, 4], partitioner=tf1.fixed_size_partitioner(3))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            full = sess.run(tf.concat(list(var), axis=0))
+            prefix = saver.save(sess, str(tmp_path / "p"), write_meta_graph=False)
+    ckpt = Checkpoint(prefix)
+    assert list(ckpt) == ["emb"]
+    assert ckpt.entries["emb"].shape == (10, 4) and ckpt.entries["emb"].nbytes == 160
+    np.testing.assert_array_equal(ckpt.read("emb"), full)
+
+
+def test_all_dtypes_round_trip(tmp_path):
+    import ml_dtypes
+
+    values = {
+        "bf16": np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16),
+        "f16": np.array([0.5, 3.0], dtype=np.float16),
+        "f64": np.array([1e-300]),
+        "i8": np.array([-3, 4], dtype=np.int8),
+        "u8": np.array([250], dtype=np.uint8),
+        "i32": np.array([[1, 2]], dtype=np.int32),
+        "b": np.array([True, False]),
+        "c64": np.array([1 + 2j], dtype=np.complex64),
+        "c128": np.array([3 - 1j], dtype=np.complex128),
+        "s": np.array([b"hello", b"", "w\u00f6rld".encode()], dtype=object),
+    }
+    prefix = save_variables(tmp_path / "all", values)
+    ckpt = Checkpoint(prefix)
+    for name, value in values.items():
+        got = ckpt.read(name)
+        assert got.dtype == value.dtype, name
+        np.testing.assert_array_equal(got, value)
+    assert ckpt.entries["bf16"].dtype == "bfloat16" and ckpt.entries["s"].dtype == "string"
+
+
+def test_slice_key_decoding_matches_tensorflows_encoding(tmp_path):
+    from restorekit.bundle.table import read_table
+
+    with tf.Graph().as_default():
+        tf1.get_variable("deep/emb", shape=[300, 2], partitioner=tf1.fixed_size_partitioner(2))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            prefix = saver.save(sess, str(tmp_path / "p"), write_meta_graph=False)
+    keys = [k for k, _ in read_table(open(prefix + ".index", "rb").read()) if k[:1] == b"\x00"]
+    decoded = sorted(decode_slice_key(k) for k in keys)
+    assert decoded == [("deep/emb", ((0, 150), (0, 2))), ("deep/emb", ((150, 150), (0, 2)))]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_path_is_a_file_not_found_error_naming_it(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at") as info:
+        Checkpoint(tmp_path / "nothing" / "model.ckpt")
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_missing_path_suggests_nearby_checkpoints(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with pytest.raises(CheckpointNotFoundError, match="nearby") as info:
+        Checkpoint(prefix + "-1000")
+    assert prefix in str(info.value)
+
+
+def test_directory_without_checkpoint(tmp_path):
+    (tmp_path / "readme.txt").write_text("hi")
+    with pytest.raises(CheckpointNotFoundError, match="holds no checkpoint"):
+        Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate_half", "truncate_footer", "zero_magic", "flip_block_byte", "empty"],
+    ids=["index cut in half", "footer cut", "magic zeroed", "a block byte flipped", "empty index"],
+)
+def test_corrupt_index_is_a_clear_error(small_checkpoint, tmp_path, damage):
+    prefix, _ = small_checkpoint
+    data = bytearray(open(prefix + ".index", "rb").read())
+    if damage == "truncate_half":
+        data = data[: len(data) // 2]
+    elif damage == "truncate_footer":
+        data = data[:-10]
+    elif damage == "zero_magic":
+        data[-8:] = bytes(8)
+    elif damage == "flip_block_byte":
+        data[10] ^= 0xFF
+    else:
+        data = bytearray()
+    bad = tmp_path / "bad"
+    (tmp_path / "bad.index").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="bad.index"):
+        Checkpoint(bad)
+
+
+def test_crc_mismatch_in_a_shard_is_detected(small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    copy = tmp_path / "c"
+    shutil.copy(prefix + ".index", str(copy) + ".index")
+    shard = bytearray(open(prefix + ".data-00000-of-00001", "rb").read())
+    entry = Checkpoint(prefix).bundle_entry("dense/kernel")
+    shard[entry.offset] ^= 0x01
+    open(str(copy) + ".data-00000-of-00001", "wb").write(bytes(shard))
+    ckpt = Checkpoint(copy)
+    with pytest.raises(restorekit.ChecksumMismatchError, match="dense/kernel"):
+        ckpt.read("dense/kernel")
+    np.testing.assert_array_equal(ckpt.read("logits/bias"), Checkpoint(prefix).read("logits/bias"))
+
+
+def test_unknown_entry_lists_closest_names(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with pytest.raises(NoMatchError, match="dense/kernel") as info:
+        Checkpoint(prefix).read("dense/kernal")
+    assert "dense/kernel" in info.value.closest
