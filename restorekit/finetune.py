@@ -614,6 +614,8 @@ def _make_grouped_optimizer_class():
         Raises:
             InvalidArgumentError: the factory returns no TF1 optimizer, or the same
                 one for two multipliers.
+            GroupError: ``groups`` is not from ``group_variables``, or was built for
+                another graph than the default one.
 
         Example:
             >>> opt = GroupedOptimizer(lambda m: tf1.train.MomentumOptimizer(0.01 * m, 0.9), groups)
@@ -623,6 +625,13 @@ def _make_grouped_optimizer_class():
         def __init__(self, optimizer_factory: Callable, groups: VariableGroups, *, name: str = "GroupedOptimizer"):
             if not isinstance(groups, VariableGroups):
                 raise GroupError(f"groups must come from group_variables, got {type(groups).__name__}")
+            if not tf.executing_eagerly() and groups._members:
+                graph = _graph_of(groups._members[0].variable)
+                if graph is not None and graph is not tf.compat.v1.get_default_graph():
+                    raise GroupError(
+                        "these groups were built from the variables of another graph; "
+                        "build the groups after building this graph"
+                    )
             super().__init__(use_locking=False, name=name)
             self.groups = groups
             self.optimizers = _build_optimizers(

@@ -315,14 +315,21 @@ def test_none_gradients_rejected_only_where_a_multiplier_was_asked():
 
 def test_groups_from_another_graph_are_a_group_error():
     with tf.Graph().as_default():
-        groups = group_variables({"logits": 10}, _model_vars())
-    with tf.Graph().as_default():
+        old_variables = _model_vars()
+        groups = group_variables({"logits": 10}, old_variables)
+    with tf.Graph().as_default() as graph:
         variables = _model_vars()
         grads = [(tf.ones_like(v), v) for v in variables]
         with pytest.raises(GroupError, match="another graph"):
             scale_gradients(grads, groups)
         with pytest.raises(GroupError, match="another graph"):
-            GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(m), groups).apply_gradients(grads)
+            GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(m), groups)
+        # Groups of this graph, given a variable of the old graph: nothing is built.
+        opt = GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(m), group_variables({"logits": 10}, variables))
+        ops_before = len(graph.get_operations())
+        with pytest.raises(GroupError, match="'logits/weights' is not the variable .* another graph"):
+            opt.apply_gradients(grads[:4] + [(grads[4][0], old_variables[4])])
+        assert len(graph.get_operations()) == ops_before
         with pytest.raises(GroupError, match="group_variables"):
             scale_gradients(grads, {"logits": 10})
         stranger = _var("stranger")
