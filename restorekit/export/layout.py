@@ -1,0 +1,257 @@
+"""Name and axis conventions between TensorFlow and PyTorch, in both directions.
+
+``layout='torch'`` renames and permutes each tensor the way PyTorch modules expect:
+
+=========================  ==========================  ==============================
+TensorFlow                 PyTorch                     axes
+=========================  ==========================  ==============================
+``dense/kernel`` [in,out]  ``dense.weight`` [out,in]   transposed
+``conv/weights`` HWIO      ``conv.weight`` OIHW        (3, 2, 0, 1); 1-D/3-D convs too
+``bn/gamma``, ``bn/beta``  ``bn.weight``, ``bn.bias``  unchanged
+``moving_mean/variance``   ``running_mean/var``        unchanged
+``bias``/``biases``        ``bias``                    unchanged
+``embeddings``             ``weight``                  unchanged (same layout)
+=========================  ==========================  ==============================
+
+plus ``/`` -> ``.`` and TF2's ``/.ATTRIBUTES/VARIABLE_VALUE`` suffix dropped.
+
+The mapping loses information (``kernel`` and ``gamma`` both become ``weight``), so
+every export records what it did in a :class:`LayoutRecord` stored inside the file
+(safetensors ``__metadata__``, the ``_metadata`` of a torch ``state_dict``); the import
+replays it backwards and is bit-exact. Files written by other tools carry no record:
+:func:`guess_tf_names` then maps PyTorch names back by name and rank (Keras names).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NameCollisionError
+
+__all__ = [
+    "LAYOUTS",
+    "LayoutRecord",
+    "check_layout",
+    "guess_tf_names",
+    "invert",
+    "restore_dtype",
+    "torch_name",
+    "torch_permutation",
+]
+
+LAYOUTS = (None, "torch")
+METADATA_KEY = "restorekit"
+_TF2_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+_LEAVES = {
+    "kernel": "weight",
+    "weights": "weight",
+    "bias": "bias",
+    "biases": "bias",
+    "gamma": "weight",
+    "beta": "bias",
+    "moving_mean": "running_mean",
+    "moving_variance": "running_var",
+    "embeddings": "weight",
+}
+# Kernel axes TF -> PyTorch by rank: Dense [in, out] -> [out, in]; Conv{1,2,3}D
+# [spatial..., in, out] -> [out, in, spatial...]. Conv2DTranspose stores
+# [H, W, out, in] and PyTorch's ConvTranspose2d [in, out, H, W]: the same permutation.
+_KERNEL_PERMS = {2: (1, 0), 3: (2, 1, 0), 4: (3, 2, 0, 1), 5: (4, 3, 0, 1, 2)}
+_KERNEL_LEAVES = ("kernel", "weights")
+
+
+def check_layout(layout) -> str | None:
+    """Validate a ``layout`` argument (None or 'torch').
+
+    Raises:
+        InvalidArgumentError: any other value.
+    """
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(f"unknown layout {layout!r}; use None (names and axes as stored) or 'torch'")
+    return layout
+
+
+def _leaf(name: str) -> tuple[str, str]:
+    if name.endswith(_TF2_SUFFIX):
+        name = name[: -len(_TF2_SUFFIX)]
+    scope, _, leaf = name.rpartition("/")
+    return scope, leaf
+
+
+def torch_name(name: str) -> str:
+    """'block1/conv/weights' -> 'block1.conv.weight'."""
+    scope, leaf = _leaf(name)
+    leaf = _LEAVES.get(leaf, leaf)
+    return f"{scope}/{leaf}".replace("/", ".") if scope else leaf
+
+
+def torch_permutation(name: str, rank: int) -> tuple[int, ...] | None:
+    """The axes permutation taking a TF tensor to PyTorch layout, or None to keep it."""
+    _, leaf = _leaf(name)
+    if leaf in _KERNEL_LEAVES:
+        return _KERNEL_PERMS.get(rank)
+    return None
+
+
+def invert(perm) -> tuple[int, ...]:
+    """The permutation undoing ``perm``."""
+    return tuple(int(i) for i in np.argsort(perm))
+
+
+@dataclass
+class LayoutRecord:
+    """What an export did to each tensor, so that an import can undo it exactly.
+
+    ``tensors`` maps a stored name to a dict with any of ``name`` (the TF name, when
+    it differs), ``dtype`` (the TF dtype, when the stored dtype does not say it, such
+    as ``qint8`` stored as int8 or ``complex128`` stored as float64 pairs) and
+    ``perm`` (the axes permutation applied). ``strings`` holds string tensors, which
+    neither safetensors nor torch can store, as base64.
+    """
+
+    layout: str | None = None
+    tensors: dict = field(default_factory=dict)
+    strings: dict = field(default_factory=dict)
+    _owners: dict = field(default_factory=dict, repr=False)
+
+    # -- export side
+    def plan(self, name: str, shape: tuple, layout: str | None = None) -> tuple[str, tuple | None]:
+        """Decide the stored name and permutation of one tensor and record them.
+
+        Raises:
+            NameCollisionError: two TF names map to one stored name.
+        """
+        layout = self.layout if layout is None else layout
+        if layout == "torch":
+            out, perm = torch_name(name), torch_permutation(name, len(shape))
+        else:
+            out, perm = name, None
+        if out in self._owners:
+            raise NameCollisionError(
+                f"layout {layout!r} maps both {self._owners[out]!r} and {name!r} to {out!r}; "
+                f"rename one first (CheckpointEditor.rename) or export without layout"
+            )
+        self._owners[out] = name
+        note = {}
+        if out != name:
+            note["name"] = name
+        if perm is not None:
+            note["perm"] = list(perm)
+        if note:
+            self.tensors[out] = note
+        return out, perm
+
+    def note_dtype(self, stored_name: str, tf_dtype: str) -> None:
+        self.tensors.setdefault(stored_name, {})["dtype"] = tf_dtype
+
+    def add_string(self, name: str, array: np.ndarray) -> None:
+        flat = [v.encode() if isinstance(v, str) else bytes(v) for v in np.asarray(array, dtype=object).ravel()]
+        self.strings[name] = {
+            "shape": list(np.shape(array)),
+            "values": [base64.b64encode(v).decode("ascii") for v in flat],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"version": 1, "layout": self.layout, "tensors": self.tensors, "strings": self.strings},
+            separators=(",", ":"),
+            sort_keys=True,
+        )
+
+    # -- import side
+    @classmethod
+    def from_json(cls, text: str, where: str = "file") -> "LayoutRecord":
+        """Parse a record written by :meth:`to_json`.
+
+        Raises:
+            CorruptCheckpointError: the text is not a restorekit layout record.
+        """
+        try:
+            data = json.loads(text)
+            record = cls(data.get("layout"), dict(data.get("tensors", {})), dict(data.get("strings", {})))
+            if data.get("version") != 1 or record.layout not in LAYOUTS:
+                raise ValueError(f"version {data.get('version')!r}, layout {record.layout!r}")
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{where}: unreadable restorekit layout record ({e})") from None
+        return record
+
+    def tf_name(self, stored: str) -> str:
+        return self.tensors.get(stored, {}).get("name", stored)
+
+    def restore(self, stored: str, array: np.ndarray) -> tuple[str, np.ndarray, str | None]:
+        """Undo the export of one tensor: (TF name, array in TF layout, TF dtype or None)."""
+        note = self.tensors.get(stored, {})
+        perm = note.get("perm")
+        if perm is not None:
+            array = np.ascontiguousarray(np.transpose(array, invert(perm)))
+        return note.get("name", stored), array, note.get("dtype")
+
+    def string_tensors(self):
+        """Yield (TF name, object array of bytes) for the string tensors carried along."""
+        for name, item in self.strings.items():
+            values = [base64.b64decode(v) for v in item["values"]]
+            out = np.empty(len(values), dtype=object)
+            out[:] = values
+            yield name, out.reshape(item["shape"])
+
+
+def guess_tf_names(shapes: dict) -> LayoutRecord:
+    """A record mapping PyTorch-style names of a foreign file back to TF (Keras) names.
+
+    Rules, by name and rank: ``.`` -> ``/``; ``weight`` of rank >= 2 -> ``kernel`` with
+    the inverse kernel permutation; ``weight`` of rank 1 -> ``gamma``, and its sibling
+    ``bias`` -> ``beta``; ``running_mean``/``running_var`` -> ``moving_mean``/
+    ``moving_variance``. Embedding tables (``weight`` of an ``nn.Embedding``) cannot be
+    told from Dense weights and come back transposed as ``kernel``: rename them after.
+
+    Args:
+        shapes: stored name -> shape, for every tensor in the file.
+
+    Raises:
+        NameCollisionError: two stored names map to one TF name.
+    """
+    record = LayoutRecord(layout="torch")
+    norm_scopes = {n.rpartition(".")[0] for n, s in shapes.items() if n.endswith("weight") and len(s) == 1}
+    norm_scopes |= {n.rpartition(".")[0] for n in shapes if n.endswith(("running_mean", "running_var"))}
+    owners: dict[str, str] = {}
+    for stored, shape in shapes.items():
+        scope, _, leaf = stored.rpartition(".")
+        perm = None
+        if leaf == "weight":
+            if len(shape) >= 2 and len(shape) in _KERNEL_PERMS:
+                leaf, perm = "kernel", _KERNEL_PERMS[len(shape)]
+            elif len(shape) == 1:
+                leaf = "gamma"
+        elif leaf == "bias" and scope in norm_scopes:
+            leaf = "beta"
+        else:
+            leaf = {"running_mean": "moving_mean", "running_var": "moving_variance"}.get(leaf, leaf)
+        name = f"{scope.replace('.', '/')}/{leaf}" if scope else leaf
+        if name in owners:
+            raise NameCollisionError(f"{owners[name]!r} and {stored!r} both map back to {name!r}")
+        owners[name] = stored
+        note = {}
+        if name != stored:
+            note["name"] = name
+        if perm is not None:
+            note["perm"] = list(perm)
+        if note:
+            record.tensors[stored] = note
+    return record
+
+
+# TF dtypes a file format stores as another dtype; the record names the TF one.
+STORED_AS = {"qint8": "int8", "quint8": "uint8", "qint16": "int16", "quint16": "uint16", "qint32": "int32"}
+
+
+def restore_dtype(array: np.ndarray, dtype: str | None) -> np.ndarray:
+    """Undo a dtype stand-in: complex128 comes back from float64 pairs; the rest as is."""
+    if dtype == "complex128" and array.dtype == np.float64:
+        if not array.shape or array.shape[-1] != 2:
+            raise CorruptCheckpointError(f"a complex128 tensor stored as float64 pairs has shape {list(array.shape)}")
+        return np.ascontiguousarray(array).view(np.complex128).reshape(array.shape[:-1])
+    return array

@@ -1,0 +1,386 @@
+"""Streaming writer and reader of ``.safetensors`` files, with bit-exact TF round trips.
+
+The format is an 8-byte little-endian header length, a JSON header (name -> dtype,
+shape, byte range; ``__metadata__`` -> str), then the raw little-endian tensor bytes.
+We read and write it ourselves because the ``safetensors`` package can neither write
+tensor by tensor (``save_file`` takes a whole dict) nor read bfloat16 into numpy; the
+package itself is not needed here, and the tests check our files load with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from restorekit.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    OutputError,
+)
+from restorekit.export import (
+    STRINGS_LIMIT,
+    ExportResult,
+    atomic_output,
+    little_endian,
+    progress_bar,
+    raw_bytes_view,
+    tf_dtype_of,
+)
+from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
+
+__all__ = ["Header", "TensorInfo", "read", "read_header", "write", "write_checkpoint"]
+
+# TF dtype name -> safetensors dtype. Others are stored as a stand-in (STORED_AS,
+# complex128 as float64 pairs) and named in the layout record.
+_TO_ST = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+_FROM_ST = {v: k for k, v in _TO_ST.items()}
+_MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers
+_CHUNK = 16 << 20
+# The generic writer does not know the header before the tensors, so it leaves this
+# much room for it and writes it last; small files are then rewritten compactly.
+_RESERVE = 256 << 10
+_COMPACT_BELOW = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors code, e.g. 'BF16'
+    shape: tuple
+    begin: int  # byte range within the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header: tensors in file order, metadata, restorekit record."""
+
+    tensors: dict
+    metadata: dict
+    data_start: int
+    record: LayoutRecord | None
+
+
+def _numpy_dtype(st_dtype: str) -> np.dtype:
+    from restorekit.bundle.format import dtype_enum, numpy_dtype
+
+    return numpy_dtype(dtype_enum(_FROM_ST[st_dtype]))
+
+
+def _stored(array: np.ndarray, tf_dtype: str, record: LayoutRecord, out: str) -> tuple[str, np.ndarray]:
+    """(safetensors dtype, array to store) for one tensor, noting stand-ins in the record."""
+    if tf_dtype in _TO_ST:
+        return _TO_ST[tf_dtype], array
+    if tf_dtype in STORED_AS:
+        record.note_dtype(out, tf_dtype)
+        return _TO_ST[STORED_AS[tf_dtype]], array
+    if tf_dtype == "complex128":
+        record.note_dtype(out, tf_dtype)
+        return "F64", np.ascontiguousarray(array).view(np.float64).reshape(array.shape + (2,))
+    raise InvalidArgumentError(f"tensor {out!r} of dtype {tf_dtype!r} cannot be stored in safetensors")
+
+
+def _metadata(user: dict | None, record: LayoutRecord) -> dict:
+    meta = {}
+    for key, value in (user or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidArgumentError(f"safetensors metadata maps str to str; got {key!r}: {value!r}")
+        meta[key] = value
+    if METADATA_KEY in meta:
+        raise InvalidArgumentError(f"metadata key {METADATA_KEY!r} is reserved for restorekit's layout record")
+    meta.setdefault("format", "pt" if record.layout == "torch" else "tf")
+    meta[METADATA_KEY] = record.to_json()
+    return meta
+
+
+def _encode_header(entries: list, meta: dict, size: int | None = None) -> bytes:
+    header = {"__metadata__": meta}
+    for name, st_dtype, shape, begin, end in entries:
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) > _MAX_HEADER:
+        raise InvalidArgumentError(f"safetensors header would be {len(text)} bytes, over the 100 MiB limit")
+    # Pad with spaces (allowed by the format) so the data starts 8-byte aligned.
+    target = size if size is not None else len(text) + (-(8 + len(text)) % 8)
+    return struct.pack("<Q", target) + text + b" " * (target - len(text))
+
+
+def _check_strings(record: LayoutRecord) -> None:
+    size = sum(len(v) for item in record.strings.values() for v in item["values"])
+    if size > STRINGS_LIMIT:
+        raise InvalidArgumentError(
+            f"string tensors {', '.join(repr(n) for n in record.strings)} hold {size} bytes, too many to carry "
+            f"in file metadata; exclude them (CheckpointEditor.delete) before exporting"
+        )
+
+
+def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None) -> ExportResult:
+    """Write ``(name, ndarray)`` pairs to a ``.safetensors`` file, one tensor at a time.
+
+    Only one tensor is held at a time. The file appears at ``path`` only once it is
+    complete (a temporary file beside it, then ``os.replace``).
+
+        write('model.safetensors', ((n, ckpt.read(n)) for n in ckpt), layout='torch')
+
+    Args:
+        path: the output file (replaced if it exists).
+        tensors: an iterable of ``(TF name, ndarray)``, consumed once.
+        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
+        metadata: extra ``__metadata__`` entries, str -> str.
+
+    Returns:
+        An ExportResult. String tensors are carried in the metadata and listed there.
+
+    Raises:
+        NameCollisionError: the layout maps two names onto one (nothing is written).
+        InvalidArgumentError: a dtype safetensors cannot hold, or bad metadata.
+    """
+    check_layout(layout)
+    record = LayoutRecord(layout)
+    _metadata(metadata, record)  # validate before writing anything
+    path = os.fspath(path)
+    entries = []
+    permuted = []
+    offset = 0
+    with atomic_output(path) as tmp:
+        with open(tmp, "w+b") as f:
+            f.seek(8 + _RESERVE)
+            for name, array in tensors:
+                array = np.asarray(array)
+                tf_dtype = tf_dtype_of(array)
+                if tf_dtype == "string":
+                    record.add_string(name, array)
+                    continue
+                out, perm = record.plan(name, array.shape)
+                if perm is not None:
+                    array = np.transpose(array, perm)
+                    permuted.append(name)
+                st_dtype, array = _stored(array, tf_dtype, record, out)
+                array = little_endian(array)
+                f.write(raw_bytes_view(array))
+                entries.append((out, st_dtype, array.shape, offset, offset + array.nbytes))
+                offset += array.nbytes
+            _check_strings(record)
+            header = _encode_header(entries, _metadata(metadata, record))
+            if len(header) - 8 <= _RESERVE and offset >= _COMPACT_BELOW:
+                f.seek(0)
+                f.write(_encode_header(entries, _metadata(metadata, record), size=_RESERVE))
+                compact = None
+            else:
+                compact = header
+        if compact is not None:
+            _rewrite(tmp, compact, 8 + _RESERVE, offset)
+    return ExportResult(path, "safetensors", len(entries), offset, layout, tuple(permuted), tuple(record.strings))
+
+
+def _rewrite(tmp: str, header: bytes, data_start: int, size: int) -> None:
+    """Replace ``tmp`` by ``header`` + its data section (when the reserved room did not fit)."""
+    with atomic_output(tmp) as tmp2, open(tmp, "rb") as src, open(tmp2, "wb") as dst:
+        dst.write(header)
+        src.seek(data_start)
+        remaining = size
+        while remaining:
+            chunk = src.read(min(_CHUNK, remaining))
+            if not chunk:
+                raise OutputError(f"temporary file {tmp!r} shrank while it was written")
+            dst.write(chunk)
+            remaining -= len(chunk)
+
+
+def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: dict | None = None, progress: bool = False) -> ExportResult:
+    """Write every tensor of a TF checkpoint to ``path``, copying raw shard bytes where possible.
+
+    The header is built from the index first; then each numeric tensor that needs no
+    permutation is copied from its data shard in large chunks, crc32c checked on the
+    way (safetensors stores exactly the little-endian bytes a TF shard holds).
+
+    Raises:
+        NameCollisionError, InvalidArgumentError: before anything is written.
+        ChecksumMismatchError, CorruptCheckpointError: a bad shard (no output left).
+    """
+    check_layout(layout)
+    record = LayoutRecord(layout)
+    _metadata(metadata, record)
+    path = os.fspath(path)
+    plan = []  # (name, out, st_dtype, out_shape, perm, raw entry or None, nbytes)
+    offset = 0
+    for name, entry in checkpoint.entries.items():
+        if entry.dtype == "string":
+            record.add_string(name, checkpoint.read(name))
+            continue
+        if entry.dtype not in _TO_ST and entry.dtype not in STORED_AS and entry.dtype != "complex128":
+            raise InvalidArgumentError(f"checkpoint entry {name!r} has dtype {entry.dtype!r}, which safetensors cannot hold")
+        out, perm = record.plan(name, entry.shape)
+        shape = tuple(entry.shape[i] for i in perm) if perm is not None else tuple(entry.shape)
+        if entry.dtype in _TO_ST:
+            st_dtype = _TO_ST[entry.dtype]
+        elif entry.dtype in STORED_AS:
+            st_dtype = _TO_ST[STORED_AS[entry.dtype]]
+            record.note_dtype(out, entry.dtype)
+        else:
+            st_dtype, shape = "F64", shape + (2,)
+            record.note_dtype(out, entry.dtype)
+        raw = None if perm is not None or checkpoint.is_partitioned(name) else checkpoint.bundle_entry(name)
+        plan.append((name, out, st_dtype, shape, perm, raw, entry.nbytes))
+    _check_strings(record)
+    entries = []
+    for name, out, st_dtype, shape, perm, raw, nbytes in plan:
+        entries.append((out, st_dtype, shape, offset, offset + nbytes))
+        offset += nbytes
+    header = _encode_header(entries, _metadata(metadata, record))
+    handles: dict[str, object] = {}
+    try:
+        with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
+            f.write(header)
+            for name, out, st_dtype, shape, perm, raw, nbytes in plan:
+                if raw is not None:
+                    copy_raw(checkpoint, name, raw, f, handles, bar)
+                    continue
+                array = checkpoint.read(name)
+                if perm is not None:
+                    array = np.transpose(array, perm)
+                _, array = _stored(array, checkpoint.entries[name].dtype, LayoutRecord(), out)
+                view = raw_bytes_view(little_endian(array))
+                f.write(view)
+                bar.update(len(view))
+    finally:
+        for handle in handles.values():
+            handle.close()
+    permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
+    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings))
+
+
+def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None:
+    """Copy one tensor's bytes from its data shard to ``out`` in large chunks, checking crc32c."""
+    import google_crc32c
+
+    from restorekit.bundle.table import mask_crc
+
+    path = checkpoint.data_file(entry.shard_id)
+    if path not in handles:
+        try:
+            handles[path] = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
+    src = handles[path]
+    src.seek(entry.offset)
+    remaining = entry.size
+    crc = 0
+    while remaining:
+        chunk = src.read(min(_CHUNK, remaining))
+        if not chunk:
+            raise CorruptCheckpointError(
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+            )
+        crc = google_crc32c.extend(crc, chunk)
+        out.write(chunk)
+        remaining -= len(chunk)
+        if bar is not None:
+            bar.update(len(chunk))
+    if mask_crc(crc) != entry.crc32c:
+        raise ChecksumMismatchError(f"{name!r}: tensor bytes in {path!r} fail their crc32c check; the data shard is corrupt")
+
+
+def read_header(path) -> Header:
+    """Parse and check the header of a ``.safetensors`` file (no tensor bytes are read).
+
+    Raises:
+        CheckpointNotFoundError: no file at ``path``.
+        CorruptCheckpointError: not a well-formed safetensors file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        from restorekit.errors import CheckpointNotFoundError
+
+        raise CheckpointNotFoundError(f"no safetensors file at {path!r}", path)
+    size = os.path.getsize(path)
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path!r} is not a valid safetensors file: {why}")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad("shorter than its 8-byte header length")
+        n = struct.unpack("<Q", head)[0]
+        if n > _MAX_HEADER or 8 + n > size:
+            raise bad(f"header length {n} does not fit a {size}-byte file")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise bad(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise bad("__metadata__ is not an object")
+    tensors = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {name!r} lacks dtype, shape or data_offsets") from None
+        if dtype not in _FROM_ST:
+            raise InvalidArgumentError(f"{path!r}: tensor {name!r} has dtype {dtype!r}, which restorekit cannot read")
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if min(shape, default=0) < 0 or end - begin != count * _numpy_dtype(dtype).itemsize:
+            raise bad(f"tensor {name!r}: byte range {begin}..{end} does not hold {dtype} {list(shape)}")
+        tensors[name] = TensorInfo(dtype, shape, int(begin), int(end))
+    data_size = size - 8 - n
+    cursor = 0
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != cursor:
+            raise bad(f"tensor {name!r} starts at {info.begin}, expected {cursor} (overlap or gap)")
+        cursor = info.end
+    if cursor != data_size:
+        raise bad(f"tensors cover {cursor} bytes of a {data_size}-byte data section")
+    record = None
+    if METADATA_KEY in metadata:
+        record = LayoutRecord.from_json(metadata[METADATA_KEY], where=path)
+    ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
+    return Header(ordered, metadata, 8 + n, record)
+
+
+def read(path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(name, ndarray)`` for each tensor of a ``.safetensors`` file, as stored.
+
+    One tensor is read at a time; bfloat16 and float8 come back as ml_dtypes arrays.
+    Names and axes are those in the file (see ``import_checkpoint`` for TF ones).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: as ``read_header``.
+    """
+    header = read_header(path)
+    return _arrays(os.fspath(path), header)
+
+
+def _arrays(path: str, header: Header):
+    with open(path, "rb") as f:
+        for name, info in header.tensors.items():
+            array = np.empty(info.shape, dtype=_numpy_dtype(info.dtype))
+            f.seek(header.data_start + info.begin)
+            if array.nbytes and f.readinto(raw_bytes_view(array)) != array.nbytes:
+                raise CorruptCheckpointError(f"{path!r}: tensor {name!r} is truncated")
+            yield name, array
