@@ -44,6 +44,7 @@ def test_groups_first_rule_wins_and_report_shows_rules():
     with tf.Graph().as_default():
         variables = _model_vars()
         groups = group_variables({"backbone/conv1": 0, "backbone": 0.5, "logits": 10}, variables)
+    assert isinstance(groups, VariableGroups) and len(groups) == 4
     assert [g.rule for g in groups] == ["backbone/conv1", "backbone", "logits", None]
     assert [g.multiplier for g in groups] == [0.0, 0.5, 10.0, 1.0]
     # 'backbone' also takes conv1, but the earlier rule took it first.
