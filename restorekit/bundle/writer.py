@@ -108,7 +108,7 @@ class BundleWriter:
     def add_stream(self, name, dtype, shape, chunks) -> BundleEntry:
         """Write a fixed-size-dtype tensor given as byte chunks (e.g. a cast done piece by piece)."""
         key = self._key(name)
-        code = dtype_enum(dtype)
+        code = dtype if isinstance(dtype, int) else dtype_enum(dtype)
         if code == STRING:
             raise EditError(f"{key!r}: string tensors cannot be streamed; use add()")
         return self._stream(key, code, tuple(shape), chunks, expected_crc=None)
