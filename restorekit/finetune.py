@@ -697,6 +697,8 @@ def _make_grouped_optimizer_class():
 def _build_optimizers(factory, groups: VariableGroups, base, what: str) -> dict:
     if not callable(factory):
         raise InvalidArgumentError(f"optimizer_factory must be callable (multiplier -> optimizer), got {factory!r}")
+    if not groups.multipliers:
+        raise GroupError(f"every group is frozen, so there is nothing to optimize:\n{groups}")
     optimizers = {}
     for mult in groups.multipliers:
         opt = factory(mult)

@@ -439,6 +439,9 @@ def test_grouped_optimizer_rejects_bad_factories():
             GroupedOptimizer(lambda m: shared, groups)
         with pytest.raises(GroupError):
             GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(m), {"logits": 10})
+        all_frozen = group_variables({}, tf1.trainable_variables(), default=0)
+        with pytest.raises(GroupError, match="every group is frozen"):
+            GroupedOptimizer(lambda m: tf1.train.GradientDescentOptimizer(m), all_frozen)
 
 
 # ---------------------------------------------------------------- Keras 3
