@@ -1,0 +1,463 @@
+"""The ``restorekit`` command: a thin layer over the Python API.
+
+Commands::
+
+    restorekit inspect CKPT [--stats] [--filter PATTERN] [--json]
+    restorekit diff A B [--atol X] [--json]
+    restorekit scan CKPT --meta-graph FILE.meta [--json]
+    restorekit rename CKPT OUT (--rule REGEX=REPL ... | --map FILE.json)
+    restorekit strip CKPT OUT
+    restorekit cast CKPT OUT --dtype DTYPE [--filter PATTERN]
+    restorekit convert SRC OUT [--to torch|safetensors|npz|tf] [--layout torch]
+
+Exit codes:
+    0  success; ``diff``: the checkpoints are equal; ``scan``: every variable restores
+    1  ``diff``: the checkpoints differ; ``scan``: the restore would be incomplete
+    2  usage error (bad arguments)
+    3  restorekit error: missing or corrupt checkpoint, unsafe file, output exists, ...
+
+Errors print as one line, ``restorekit: error: ...``, without a traceback. Progress
+bars go to stderr, only when it is a terminal, and never with ``--quiet``.
+
+More commands plug in through :func:`register` (``graph inspect``, ``freeze``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["COMMANDS", "Command", "main", "register"]
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
+_EPILOG = """exit codes: 0 ok (equal, complete); 1 differences found (diff) or incomplete
+restore (scan); 2 usage error; 3 restorekit error (missing or corrupt checkpoint,
+unsafe file, output exists, ...)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``configure`` adds its arguments, ``run`` returns an exit code.
+
+    ``configure`` may add its own subparsers (``graph inspect``); each leaf then sets
+    ``run`` with ``parser.set_defaults(run=...)``.
+    """
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int] | None
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, *, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Add a subcommand; decorate its ``run(args) -> int``.
+
+        @register('freeze', help='freeze a checkpoint into a .pb', configure=_freeze_args)
+        def _freeze(args): ...
+    """
+
+    def decorate(run):
+        COMMANDS[name] = Command(name, help, configure or (lambda parser: None), run)
+        return run
+
+    return decorate
+
+
+# ------------------------------------------------------------------ output helpers
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _print_json(data) -> None:
+    print(json.dumps(_jsonable(data), indent=2, sort_keys=False))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def _quiet(args) -> bool:
+    return bool(getattr(args, "quiet", False))
+
+
+# ------------------------------------------------------------------ inspect
+
+def tensor_stats(array: np.ndarray) -> dict:
+    """min, max, mean and NaN count of a tensor (None where they do not apply)."""
+    if array.dtype == object or array.size == 0:
+        return {"min": None, "max": None, "mean": None, "nans": 0}
+    values = array
+    if values.dtype.kind == "c":
+        values = np.abs(values)
+    elif values.dtype.kind not in "fiub":  # bfloat16, float8: numpy sees them as void-like
+        values = values.astype(np.float32)
+    if values.dtype.kind == "b":
+        values = values.astype(np.int8)
+    nans = int(np.isnan(values).sum()) if values.dtype.kind == "f" else 0
+    finite = values[~np.isnan(values)] if nans else values
+    if finite.size == 0:
+        return {"min": None, "max": None, "mean": None, "nans": nans}
+    as_py = float if values.dtype.kind == "f" else int
+    return {
+        "min": as_py(finite.min()),
+        "max": as_py(finite.max()),
+        "mean": float(finite.mean(dtype=np.float64)),
+        "nans": nans,
+    }
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file or SavedModel")
+    p.add_argument("--filter", metavar="PATTERN", help="only names matching this pattern (a regex from the start)")
+    p.add_argument("--stats", action="store_true", help="read every tensor: min, max, mean, NaN count")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("inspect", help="list a checkpoint's tensors (names, shapes, dtypes, sizes)", configure=_inspect_args)
+def _inspect(args) -> int:
+    from restorekit.checkpoint import Checkpoint
+    from restorekit.names import PatternSet
+
+    ckpt = Checkpoint(args.checkpoint)
+    names = list(ckpt.entries)
+    if args.filter:
+        patterns = PatternSet([args.filter], what="--filter")
+        names = [n for n in names if patterns.first_match(n) is not None]
+        patterns.check_all_used(ckpt.entries)
+    rows = []
+    for name in names:
+        entry = ckpt.entries[name]
+        row = {"name": name, "shape": list(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes}
+        if args.stats:
+            row["stats"] = tensor_stats(ckpt.read(name))
+        rows.append(row)
+    total = sum(r["nbytes"] for r in rows)
+    if args.json:
+        _print_json({"checkpoint": ckpt.prefix, "count": len(rows), "nbytes": total, "entries": rows})
+        return EXIT_OK
+    header = ["NAME", "SHAPE", "DTYPE", "SIZE"] + (["MIN", "MAX", "MEAN", "NANS"] if args.stats else [])
+    lines = []
+    for r in rows:
+        line = [r["name"], _shape(r["shape"]), r["dtype"], _size(r["nbytes"])]
+        if args.stats:
+            s = r["stats"]
+            line += [_num(s["min"]), _num(s["max"]), _num(s["mean"]), str(s["nans"])]
+        lines.append(line)
+    print(_table(lines, header))
+    print(f"{len(rows)} tensors, {_size(total)} in {ckpt.prefix!r}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ diff
+
+def diff_checkpoints(a, b, *, atol: float = 0.0) -> dict:
+    """Compare two checkpoints: names only in one, shape/dtype changes, value differences.
+
+    Values are equal when their bytes are; otherwise ``max_abs_diff`` is reported
+    (NaN where NaNs sit in different places) and the tensor counts as different when
+    it exceeds ``atol`` (``atol=0``: any difference).
+    """
+    from restorekit.checkpoint import Checkpoint
+
+    a, b = Checkpoint(a), Checkpoint(b)
+    only_a = [n for n in a.entries if n not in b.entries]
+    only_b = [n for n in b.entries if n not in a.entries]
+    changed, values, equal = [], [], 0
+    for name in a.entries:
+        if name not in b.entries:
+            continue
+        ea, eb = a.entries[name], b.entries[name]
+        if ea.shape != eb.shape or ea.dtype != eb.dtype:
+            changed.append({"name": name, "a": {"shape": list(ea.shape), "dtype": ea.dtype},
+                            "b": {"shape": list(eb.shape), "dtype": eb.dtype}})
+            continue
+        x, y = a.read(name), b.read(name)
+        if x.dtype == object:
+            if list(x.ravel()) == list(y.ravel()):
+                equal += 1
+            else:
+                values.append({"name": name, "max_abs_diff": None,
+                               "differing": int(sum(p != q for p, q in zip(x.ravel(), y.ravel())))})
+            continue
+        if x.tobytes() == y.tobytes():
+            equal += 1
+            continue
+        max_diff, differing = _value_diff(x, y)
+        if max_diff is not None and not math.isnan(max_diff) and max_diff <= atol:
+            equal += 1
+            continue
+        values.append({"name": name, "max_abs_diff": max_diff, "differing": differing})
+    return {
+        "a": a.prefix,
+        "b": b.prefix,
+        "equal": not (only_a or only_b or changed or values),
+        "only_in_a": only_a,
+        "only_in_b": only_b,
+        "changed": changed,
+        "values": values,
+        "same": equal,
+    }
+
+
+def _value_diff(x: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+    """(max abs difference, number of differing elements); NaN when NaNs sit in different places."""
+    wide = np.complex128 if x.dtype.kind == "c" else np.float64
+    xw, yw = x.astype(wide), y.astype(wide)
+    nan_x, nan_y = np.isnan(xw), np.isnan(yw)
+    differing = int(np.count_nonzero((xw != yw) & ~(nan_x & nan_y)))
+    if not np.array_equal(nan_x, nan_y):
+        return math.nan, differing
+    delta = np.abs(xw - yw)[~nan_x]
+    return (float(delta.max()) if delta.size else 0.0), differing
+
+
+def _diff_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--atol", type=float, default=0.0, help="values within this max abs difference count as equal")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("diff", help="compare two checkpoints (exit 0 when equal, 1 when different)", configure=_diff_args)
+def _diff(args) -> int:
+    result = diff_checkpoints(args.a, args.b, atol=args.atol)
+    if args.json:
+        _print_json(result)
+    else:
+        for name in result["only_in_a"]:
+            print(f"only in A  {name}")
+        for name in result["only_in_b"]:
+            print(f"only in B  {name}")
+        for c in result["changed"]:
+            print(f"changed    {c['name']}: {c['a']['dtype']} {_shape(c['a']['shape'])} -> "
+                  f"{c['b']['dtype']} {_shape(c['b']['shape'])}")
+        for v in result["values"]:
+            print(f"values     {v['name']}: max abs diff {_num(v['max_abs_diff'])} ({v['differing']} elements differ)")
+        verdict = "equal" if result["equal"] else "different"
+        print(f"{verdict}: {result['same']} tensors identical, {len(result['only_in_a'])} only in A, "
+              f"{len(result['only_in_b'])} only in B, {len(result['changed'])} changed shape/dtype, "
+              f"{len(result['values'])} changed values")
+    return EXIT_OK if result["equal"] else EXIT_DIFFERENT
+
+
+# ------------------------------------------------------------------ scan
+
+def _scan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint to restore from")
+    p.add_argument("--meta-graph", required=True, metavar="FILE.meta", help="the model's MetaGraph (.meta)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+@register("scan", help="report what a restore into a graph's variables would do", configure=_scan_args)
+def _scan(args) -> int:
+    import os
+
+    from restorekit.checkpoint import Checkpoint
+    from restorekit.errors import CheckpointNotFoundError, GraphError
+
+    checkpoint = Checkpoint(args.checkpoint)  # fail fast, before importing TensorFlow
+    if not os.path.isfile(args.meta_graph):
+        raise CheckpointNotFoundError(f"no MetaGraph file at {args.meta_graph!r}", args.meta_graph)
+    import tensorflow as tf
+
+    import restorekit
+
+    with tf.Graph().as_default():
+        try:
+            tf.compat.v1.train.import_meta_graph(args.meta_graph, clear_devices=True)
+        except Exception as e:  # TF raises DecodeError, IOError, ValueError, ... for bad files
+            raise GraphError(f"cannot import MetaGraph {args.meta_graph!r}: {e}") from None
+        report = restorekit.scan(checkpoint, variables=tf.compat.v1.global_variables())
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report)
+    return EXIT_OK if report.is_complete else EXIT_DIFFERENT
+
+
+# ------------------------------------------------------------------ edits
+
+def _edit_io(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="source checkpoint")
+    p.add_argument("out", help="output checkpoint prefix (never the source)")
+
+
+def _editor(path):
+    from restorekit.edit import CheckpointEditor
+
+    return CheckpointEditor(path)
+
+
+def _save(editor, args) -> int:
+    result = editor.save(args.out)
+    if not _quiet(args):
+        print(result if result is not None and not isinstance(result, str) else f"wrote {args.out!r}")
+    return EXIT_OK
+
+
+def _rename_args(p: argparse.ArgumentParser) -> None:
+    _edit_io(p)
+    p.add_argument("--rule", action="append", default=[], metavar="REGEX=REPL",
+                   help="re.sub rule applied to every name, in order; split at the first '='")
+    p.add_argument("--map", metavar="FILE.json", help='JSON object {"old name": "new name", ...}')
+
+
+@register("rename", help="rename tensors by regex rules or a JSON map", configure=_rename_args)
+def _rename(args) -> int:
+    from restorekit.errors import InvalidArgumentError
+
+    if bool(args.rule) == bool(args.map):
+        raise _Usage("rename needs --rule REGEX=REPL (repeatable) or --map FILE.json, not both")
+    if args.map:
+        try:
+            with open(args.map, encoding="utf-8") as f:
+                rule = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError(f"--map {args.map!r} is not a readable JSON file: {e}") from None
+        if not isinstance(rule, dict) or not all(isinstance(v, str) for v in rule.values()):
+            raise InvalidArgumentError(f"--map {args.map!r} must hold a JSON object of name -> new name")
+    else:
+        rule = []
+        for text in args.rule:
+            pattern, sep, repl = text.partition("=")
+            if not sep or not pattern:
+                raise _Usage(f"--rule {text!r} is not REGEX=REPL")
+            rule.append((pattern, repl))
+    editor = _editor(args.checkpoint)
+    editor.rename_all(rule)
+    return _save(editor, args)
+
+
+@register("strip", help="drop optimizer slots (Momentum, Adam, ...)", configure=_edit_io)
+def _strip(args) -> int:
+    editor = _editor(args.checkpoint)
+    editor.strip_optimizer_slots()
+    return _save(editor, args)
+
+
+def _cast_args(p: argparse.ArgumentParser) -> None:
+    _edit_io(p)
+    p.add_argument("--dtype", required=True, help="target dtype: bfloat16, float16, float32, ...")
+    p.add_argument("--filter", metavar="PATTERN", default=".*", help="only names matching this pattern (default: all)")
+
+
+@register("cast", help="cast tensors to another dtype", configure=_cast_args)
+def _cast(args) -> int:
+    editor = _editor(args.checkpoint)
+    editor.cast(args.filter, args.dtype)
+    return _save(editor, args)
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    from restorekit.export import FORMATS
+
+    p.add_argument("src", help="TF checkpoint, .pt/.pth, .safetensors or .npz file")
+    p.add_argument("out", help="output file, or checkpoint prefix for --to tf")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
+    p.add_argument("--layout", choices=["torch"], help="PyTorch names and axes (reversed on the way back)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+@register("convert", help="convert between TF checkpoints, PyTorch, safetensors and npz", configure=_convert_args)
+def _convert(args) -> int:
+    from restorekit.export import convert
+
+    result = convert(args.src, args.out, to=args.to, layout=args.layout, overwrite=args.overwrite,
+                     progress=not _quiet(args))
+    if not _quiet(args):
+        print(result)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ main
+
+class _Usage(Exception):
+    """A usage error found after parsing (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as argparse does, but through main()
+        self.print_usage(sys.stderr)
+        raise _Usage(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered command."""
+    from restorekit import __version__
+
+    parser = _Parser(prog="restorekit", description="Inspect, compare, edit and convert TensorFlow checkpoints.",
+                     epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"restorekit {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summaries")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for command in COMMANDS.values():
+        p = sub.add_parser(command.name, help=command.help, description=command.help, epilog=_EPILOG)
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.configure(p)
+        if command.run is not None:
+            p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``restorekit`` command; return its exit code (see the module docstring)."""
+    from restorekit.errors import RestoreKitError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "run", None) is None:
+            raise _Usage(f"{args.command!r} needs a subcommand")
+        return int(args.run(args))
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else EXIT_OK if e.code is None else EXIT_USAGE
+    except _Usage as e:
+        print(f"restorekit: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RestoreKitError, OSError) as e:
+        message = str(e) or type(e).__name__
+        if isinstance(e, OSError) and not isinstance(e, RestoreKitError) and e.filename:
+            message = f"{e.strerror or e}: {e.filename!r}"
+        print(f"restorekit: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("restorekit: interrupted", file=sys.stderr)
+        return 130
