@@ -38,7 +38,6 @@ from restorekit.names import closest_names, is_global_step, optimizer_slot_kind,
 __all__ = [
     "Alignment",
     "ConvertedConstant",
-    "CoverageReport",
     "GraphSummary",
     "TensorSummary",
     "UnfreezeResult",
@@ -111,6 +110,9 @@ _MACHINERY_SCOPE = re.compile(
     r"ProximalGradientDescent|Nadam|beta1_power|beta2_power)(_\d+)?(/|$)"
 )
 _MACHINERY_NAME = re.compile(r"/(Initializer|IsInitialized)(/|$)|/(Assign|read|Read/ReadVariableOp)$")
+_STALE_SHAPES = re.compile(r"Node '([^']+)' has an _output_shapes attribute inconsistent")
+# Strip stale shape hints node by node this many times, then all at once.
+_MAX_STALE_SHAPE_RETRIES = 10
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_>.]*$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-/>]*$")
 # The TF1 resource-variable read that convert_variables_to_constants turns into Identity.
@@ -252,35 +254,6 @@ class GraphSummary:
             lines.append(f"unknown    {format_names(self.unknown_ops)} (not registered in this TensorFlow)")
         for note in self.repaired:
             lines.append(f"repaired   {note}")
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class CoverageReport:
-    """Which variables a graph needs that a checkpoint cannot provide."""
-
-    checkpoint: str
-    needed: int
-    missing: tuple[str, ...]
-    mismatched: tuple[tuple[str, str], ...]  # (variable name, "checkpoint [..], graph [..]")
-
-    @property
-    def is_complete(self) -> bool:
-        return not self.missing and not self.mismatched
-
-    def __str__(self) -> str:
-        lines = [
-            f"{self.checkpoint!r} cannot restore {len(self.missing) + len(self.mismatched)} "
-            f"of {self.needed} variables the outputs need:"
-        ]
-        for name in self.missing[:20]:
-            lines.append(f"  missing     {name}")
-        if len(self.missing) > 20:
-            lines.append(f"  ... and {len(self.missing) - 20} more missing")
-        for name, why in self.mismatched[:20]:
-            lines.append(f"  mismatched  {name}: {why}")
-        if len(self.mismatched) > 20:
-            lines.append(f"  ... and {len(self.mismatched) - 20} more mismatched")
         return "\n".join(lines)
 
 
@@ -599,28 +572,39 @@ def _repair(loaded: _Loaded) -> _Loaded:
     loaded.unknown_ops = tuple(sorted(unknown))
     if unknown:
         return loaded
-    for _ in range(2):
+    stale: list[str] = []
+    stripped_all = False
+    while True:
         try:
             with tf.Graph().as_default():
                 tf.import_graph_def(gd, name="")
-            return loaded
+            break
         except (ValueError, tf.errors.OpError) as e:
             message = str(e)
-            if "_output_shapes" in message and not any("_output_shapes" in r for r in loaded.repaired):
-                stripped = 0
+            m = _STALE_SHAPES.search(message)
+            if m is None or stripped_all:
+                raise GraphError(
+                    f"{loaded.source!r} does not load in TensorFlow {tf.__version__}: {message}"
+                ) from None
+            # '_output_shapes' are hints written by the TF that saved the graph; shape
+            # functions changed since, and import rejects hints it disagrees with.
+            if len(stale) < _MAX_STALE_SHAPE_RETRIES:
+                stale.append(m.group(1))
+                for node in gd.node:
+                    if node.name == m.group(1):
+                        del node.attr["_output_shapes"]
+            else:
                 for nodes in _all_node_lists(gd):
                     for node in nodes:
                         if "_output_shapes" in node.attr:
                             del node.attr["_output_shapes"]
-                            stripped += 1
-                first = message.splitlines()[0]
-                loaded.repaired.append(
-                    f"stripped stale '_output_shapes' from {stripped} nodes (this TensorFlow infers other "
-                    f"shapes: {first})"
-                )
-                continue
-            raise GraphError(f"{loaded.source!r} does not load in TensorFlow {tf.__version__}: {message}") from None
-    raise GraphError(f"{loaded.source!r} does not load in TensorFlow {tf.__version__}.")  # pragma: no cover
+                stripped_all = True
+    if stale:
+        where = "every node" if stripped_all else format_names(stale)
+        loaded.repaired.append(
+            f"stripped stale '_output_shapes' from {where}: they disagree with the shapes this TensorFlow infers"
+        )
+    return loaded
 
 
 def _require_loadable(loaded: _Loaded) -> None:
@@ -882,6 +866,16 @@ def _op_type(gd, tensor_name: str) -> str:
 # ---------------------------------------------------------------- shared helpers
 
 
+@dataclass(frozen=True)
+class _GraphVariable:
+    """A variable node of an imported GraphDef, shaped like a tf.Variable for ``scan``."""
+
+    name: str
+    shape: object
+    dtype: object
+    _save_slice_info: object = None
+
+
 def _open_checkpoint(checkpoint):
     from restorekit.checkpoint import Checkpoint
 
@@ -989,8 +983,10 @@ def freeze(checkpoint, graph, outputs, out=None):
         GraphTooLargeError: the graph, or the frozen graph, is over 2 GB.
         NoMatchError: an output is not in the graph (``closest`` has near misses).
         IncompleteRestoreError: the checkpoint lacks, or has other shapes for, variables
-            the outputs need (``report`` is a CoverageReport).
+            the outputs need (``report`` is the RestoreReport of ``restorekit.scan``).
     """
+    from restorekit.scan import scan
+
     tf = _tf()
     tf1 = tf.compat.v1
     ckpt = _open_checkpoint(checkpoint)
@@ -1006,35 +1002,26 @@ def freeze(checkpoint, graph, outputs, out=None):
 
     needed = [n for n in gd.node if n.op in _VARIABLE_OPS and n.name in _ancestors(gd, output_names)]
     vdefs = _variable_defs(loaded.meta_graph)
-    plan = []  # (node, checkpoint name, slice index or None)
-    missing, mismatched = [], []
+    plan = []  # (node, checkpoint name, slice of the checkpoint tensor or None)
+    targets: dict = {}
     for node in needed:
-        shape = _shape_of(node.attr["shape"].shape)
-        dtype = _dtype_name(node.attr["dtype"].type)
-        key, index = node.name, None
+        shape = tf.TensorShape(_shape_of(node.attr["shape"].shape))
+        dtype = tf.as_dtype(node.attr["dtype"].type)
         vdef = vdefs.get(node.name)
-        if vdef is not None and vdef.HasField("save_slice_info_def") and vdef.save_slice_info_def.full_name:
-            info = vdef.save_slice_info_def
-            key = info.full_name
+        info = vdef.save_slice_info_def if vdef is not None and vdef.HasField("save_slice_info_def") else None
+        if info is not None and info.full_name:
             index = tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape))
-            expected = tuple(info.full_shape)
+            plan.append((node, info.full_name, index))
+            targets.setdefault(info.full_name, []).append(_GraphVariable(f"{node.name}:0", shape, dtype, info))
         else:
-            expected = shape
-        if key not in ckpt:
-            missing.append(key if key == node.name else f"{key} (for {node.name})")
-            continue
-        entry = ckpt.entries[key]
-        if expected is not None and tuple(entry.shape) != tuple(expected):
-            mismatched.append((node.name, f"checkpoint {_shape_text(entry.shape)}, graph {_shape_text(expected)}"))
-            continue
-        if entry.dtype != dtype:
-            mismatched.append((node.name, f"checkpoint {entry.dtype}, graph {dtype}"))
-            continue
-        plan.append((node, key, index))
-    if missing or mismatched:
-        report = CoverageReport(ckpt.prefix, len(needed), tuple(missing), tuple(mismatched))
+            plan.append((node, node.name, None))
+            targets[node.name] = _GraphVariable(f"{node.name}:0", shape, dtype)
+    report = scan(ckpt, targets, skip_optimizer_slots=False, include_global_step=True)
+    if not report.is_complete:
+        # The report's own advice (strict=False) does not apply to freezing.
+        problems = report.incomplete_message().rsplit("\n", 1)[0]
         raise IncompleteRestoreError(
-            f"{report}\nFreezing needs every variable the outputs depend on; pass the checkpoint written "
+            f"{problems}\nFreezing needs every variable the outputs depend on; pass the checkpoint written "
             f"for this graph.",
             report,
         )

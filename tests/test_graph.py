@@ -1,0 +1,548 @@
+"""Tests for restorekit/graph.py: inspect, freeze and unfreeze on real tf-slim networks."""
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+from google.protobuf import text_format
+
+from restorekit import graph as rkgraph
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import (
+    CheckpointNotFoundError,
+    GraphError,
+    GraphTooLargeError,
+    IncompleteRestoreError,
+    NoMatchError,
+)
+from restorekit.graph import freeze, inspect_graph, unfreeze
+from conftest import save_variables
+
+tf1 = tf.compat.v1
+
+MODEL = ["net/conv1/biases", "net/conv1/weights", "net/fc/biases", "net/fc/weights"]
+SHAPES = {
+    "net/conv1/weights": (3, 3, 3, 4),
+    "net/conv1/biases": (4,),
+    "net/fc/weights": (256, 5),
+    "net/fc/biases": (5,),
+}
+
+
+def _build(use_resource: bool):
+    """A tiny tf-slim conv net with a Momentum train op; returns the named tensors."""
+    x = tf1.placeholder(tf.float32, [None, 8, 8, 3], name="x")
+    with tf1.variable_scope("net", use_resource=use_resource):
+        net = slim.conv2d(x, 4, [3, 3], scope="conv1")
+        net = slim.flatten(net)
+        net = slim.fully_connected(net, 5, activation_fn=None, scope="fc")
+    y = tf.identity(net, name="y")
+    global_step = tf1.train.get_or_create_global_step()
+    loss = tf.reduce_sum(tf.square(y), name="loss")
+    train_op = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, global_step=global_step)
+    return x, y, train_op
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["resource", "ref"])
+def net(request, tmp_path_factory):
+    """A trained-for-one-step checkpoint with its .meta, plus the outputs on fixed inputs."""
+    use_resource = request.param
+    directory = tmp_path_factory.mktemp("resource" if use_resource else "ref")
+    inputs = np.random.RandomState(0).randn(2, 8, 8, 3).astype(np.float32)
+    with tf.Graph().as_default() as g:
+        x, y, train_op = _build(use_resource)
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(train_op, {x: inputs})  # fills the Momentum slots with non-zeros
+            prefix = saver.save(sess, str(directory / "model.ckpt"), global_step=1)
+            outputs = sess.run(y, {x: inputs})
+            values = {v.op.name: v for v in tf1.global_variables()}
+            values = dict(zip(values, sess.run(list(values.values()))))
+        graph_def = g.as_graph_def()
+    return types.SimpleNamespace(
+        use_resource=use_resource,
+        dir=directory,
+        prefix=prefix,
+        meta=prefix + ".meta",
+        graph_def=graph_def,
+        inputs=inputs,
+        outputs=outputs,
+        values=values,
+        variable_op="VarHandleOp" if use_resource else "VariableV2",
+    )
+
+
+@pytest.fixture(scope="module")
+def frozen(net):
+    """The net frozen into a .pb."""
+    path = str(net.dir / "frozen.pb")
+    graph_def = freeze(net.prefix, net.meta, ["y"], out=path)
+    return types.SimpleNamespace(path=path, graph_def=graph_def)
+
+
+def _run(graph_def, inputs, output="y:0"):
+    with tf.Graph().as_default():
+        tf.import_graph_def(graph_def, name="")
+        with tf1.Session() as sess:
+            return sess.run(output, {"x:0": inputs})
+
+
+def _files(directory):
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def test_inspect_meta_lists_inputs_outputs_and_every_variable(net):
+    summary = inspect_graph(net.meta)
+
+    assert summary.kind == "MetaGraph"
+    assert [(t.name, t.dtype, t.shape, t.op) for t in summary.inputs] == [
+        ("x:0", "float32", (None, 8, 8, 3), "Placeholder")
+    ]
+    # y feeds the loss, so the loss is the graph's one sink; the train op, saver,
+    # initializers and gradients are machinery, not outputs.
+    assert [t.name for t in summary.outputs] == ["loss:0"]
+    by_name = {v.name: v for v in summary.variables}
+    for name in MODEL:
+        assert by_name[name].shape == SHAPES[name]
+        assert by_name[name].dtype == "float32"
+        assert by_name[name].op == net.variable_op
+        assert by_name[name].trainable is True
+        assert by_name[name].slot is None
+        slot = by_name[f"{name}/Momentum"]
+        assert (slot.slot, slot.shape, slot.trainable) == ("Momentum", SHAPES[name], False)
+    assert by_name["global_step"].dtype == "int64"
+    assert len(summary.variables) == 9
+    assert summary.op_counts["SaveV2"] == 1
+    assert summary.op_counts["Conv2D"] == 1
+    assert summary.repaired == ()
+    assert summary.unknown_ops == ()
+
+
+def test_inspect_summary_prints_a_table_and_round_trips_json(net):
+    summary = inspect_graph(net.meta)
+
+    text = str(summary)
+    assert "x:0" in text and "[?, 8, 8, 3]" in text
+    assert "net/fc/weights/Momentum" in text and "slot of Momentum" in text
+    assert "4 optimizer slots" in text
+    assert f"{3 * 3 * 3 * 4 + 4 + 256 * 5 + 5} model parameters" in text
+    data = json.loads(json.dumps(summary.to_dict()))
+    assert data["inputs"][0] == {
+        "name": "x:0",
+        "dtype": "float32",
+        "shape": [None, 8, 8, 3],
+        "op": "Placeholder",
+        "signature": None,
+        "key": None,
+    }
+    assert {v["name"] for v in data["variables"]} == set(net.values)
+
+
+def test_inspect_frozen_pb_binary_and_text_agree(net, frozen, tmp_path):
+    text_path = tmp_path / "frozen.pbtxt"
+    text_path.write_text(text_format.MessageToString(frozen.graph_def))
+
+    binary = inspect_graph(frozen.path)
+    text = inspect_graph(str(text_path))
+
+    assert binary.kind == text.kind == "GraphDef"
+    assert [(t.name, t.shape) for t in binary.outputs] == [("y:0", (None, 5))]
+    assert binary.variables == ()
+    assert binary.op_counts["Const"] == 5  # four weights and the flatten shape
+    weight_bytes = sum(int(np.prod(s)) * 4 for s in SHAPES.values())
+    assert weight_bytes <= binary.const_bytes <= weight_bytes + 64
+    assert (binary.inputs, binary.outputs, binary.op_counts, binary.const_bytes) == (
+        text.inputs,
+        text.outputs,
+        text.op_counts,
+        text.const_bytes,
+    )
+
+
+@pytest.mark.parametrize("form", ["graph_def", "tf_graph"], ids=["GraphDef", "tf.Graph"])
+def test_inspect_in_memory_graphs(net, form):
+    if form == "graph_def":
+        summary = inspect_graph(net.graph_def)
+    else:
+        with tf.Graph().as_default() as g:
+            tf.import_graph_def(net.graph_def, name="")
+        summary = inspect_graph(g)
+
+    assert [t.name for t in summary.inputs] == ["x:0"]
+    assert {v.name for v in summary.variables} == set(net.values)
+    # Without a MetaGraph there are no collections to tell trainable variables by.
+    assert {v.trainable for v in summary.variables} == {None}
+
+
+def test_inspect_tf2_saved_model_signatures_and_variables(tmp_path):
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.kernel = tf.Variable(tf.ones([3, 2]), name="kernel")
+            self.bias = tf.Variable(tf.zeros([2]), name="bias")
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="inp")])
+        def __call__(self, x):
+            return {"out": tf.matmul(x, self.kernel) + self.bias}
+
+    model = Model()
+    path = str(tmp_path / "saved")
+    tf.saved_model.save(model, path, signatures={"serving_default": model.__call__})
+
+    summary = inspect_graph(path)
+
+    assert summary.kind == "SavedModel"
+    assert summary.signatures == ("serving_default",)
+    assert [(t.signature, t.key, t.dtype, t.shape, t.op) for t in summary.inputs] == [
+        ("serving_default", "inp", "float32", (None, 3), "Placeholder")
+    ]
+    assert [(t.signature, t.key, t.dtype, t.shape) for t in summary.outputs] == [
+        ("serving_default", "out", "float32", (None, 2))
+    ]
+    assert {(v.name, v.shape, v.checkpoint_name, v.trainable) for v in summary.variables} == {
+        ("kernel", (3, 2), "kernel/.ATTRIBUTES/VARIABLE_VALUE", True),
+        ("bias", (2,), "bias/.ATTRIBUTES/VARIABLE_VALUE", True),
+    }
+    # The object-graph keys are the ones the SavedModel's checkpoint really holds.
+    held = set(Checkpoint(path).entries)
+    assert {v.checkpoint_name for v in summary.variables} <= held
+
+
+# ---------------------------------------------------------------- repairs
+
+
+def _corrupt_like_old_tf(meta_graph):
+    """Stale shapes, an attr this TF does not define, colocation with a removed node."""
+    for node in meta_graph.graph_def.node:
+        if node.name == "net/fc/MatMul":
+            del node.attr["_output_shapes"].list.shape[:]
+            shapes = node.attr["_output_shapes"].list.shape.add()
+            shapes.dim.add().size = -1
+            shapes.dim.add().size = 7  # the real output has 5 columns
+            node.attr["use_cudnn_legacy"].b = True
+        if node.name == "y":
+            node.attr["_class"].list.s.append(b"loc:@net/removed_in_tf1_15")
+    return meta_graph
+
+
+def test_old_meta_is_repaired_and_says_how(net, tmp_path):
+    from tensorflow.core.protobuf import meta_graph_pb2
+
+    meta_graph = meta_graph_pb2.MetaGraphDef.FromString(open(net.meta, "rb").read())
+    path = tmp_path / "old.meta"
+    path.write_bytes(_corrupt_like_old_tf(meta_graph).SerializeToString())
+    with tf.Graph().as_default(), pytest.raises(ValueError, match="_output_shapes|colocated"):
+        tf1.train.import_meta_graph(str(path))
+
+    summary = inspect_graph(str(path))
+
+    repaired = "\n".join(summary.repaired)
+    assert "stripped stale '_output_shapes' from 'net/fc/MatMul'" in repaired
+    assert "'use_cudnn_legacy' of MatMul" in repaired
+    assert "colocation" in repaired
+    assert "repaired" in str(summary)
+    assert {v.name for v in summary.variables} == set(net.values)
+
+    # The repaired graph freezes and computes what the original computed.
+    frozen_gd = freeze(net.prefix, str(path), ["y"])
+    np.testing.assert_array_equal(_run(frozen_gd, net.inputs), net.outputs)
+    # The caller's file is never rewritten.
+    assert meta_graph_pb2.MetaGraphDef.FromString(path.read_bytes()) == meta_graph
+
+
+# ---------------------------------------------------------------- freeze / unfreeze
+
+
+def test_freeze_outputs_equal_the_unfrozen_graph(net, frozen):
+    assert os.path.isfile(frozen.path)
+    ops = {n.op for n in frozen.graph_def.node}
+    assert not ops & {"VariableV2", "VarHandleOp", "ReadVariableOp", "SaveV2"}
+    on_disk = tf1.GraphDef.FromString(open(frozen.path, "rb").read())
+    assert on_disk == frozen.graph_def
+
+    np.testing.assert_array_equal(_run(frozen.graph_def, net.inputs), net.outputs)
+    # No temp file left beside the output.
+    assert [f for f in _files(net.dir) if f.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("form", ["graph_def", "tf_graph", "text_file"], ids=["GraphDef", "tf.Graph", "pbtxt"])
+def test_freeze_accepts_every_graph_form(net, frozen, form, tmp_path):
+    if form == "graph_def":
+        graph = net.graph_def
+    elif form == "tf_graph":
+        with tf.Graph().as_default() as graph:
+            tf.import_graph_def(net.graph_def, name="")
+    else:
+        graph = str(tmp_path / "graph.pbtxt")
+        with open(graph, "w") as f:
+            f.write(text_format.MessageToString(net.graph_def))
+
+    graph_def = freeze(net.prefix, graph, "y:0")
+
+    np.testing.assert_array_equal(_run(graph_def, net.inputs), net.outputs)
+
+
+def test_freeze_then_unfreeze_gives_back_the_variables_bit_for_bit(net, frozen, tmp_path):
+    result = unfreeze(frozen.path, str(tmp_path / "out" / "model.ckpt"))
+
+    pattern = "resource" if net.use_resource else "variable"
+    assert {(c.node, c.name, c.shape, c.dtype, c.pattern) for c in result.converted} == {
+        (name, name, SHAPES[name], "float32", pattern) for name in MODEL
+    }
+    assert result.meta_graph is None
+    assert result.aligned == ()
+    ckpt = Checkpoint(result.checkpoint)
+    assert sorted(ckpt.entries) == MODEL
+    for name in MODEL:
+        restored = ckpt.read(name)
+        assert restored.dtype == net.values[name].dtype
+        assert restored.tobytes() == net.values[name].tobytes()
+    assert _files(tmp_path / "out") == ["model.ckpt.data-00000-of-00001", "model.ckpt.index"]
+    assert "net/fc/weights" in str(result)
+
+
+def test_unfreeze_trainable_graph_restores_and_trains(net, frozen, tmp_path):
+    result = unfreeze(frozen.path, str(tmp_path / "model.ckpt"), trainable_graph=True)
+    assert result.meta_graph == str(tmp_path / "model.ckpt.meta")
+
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(result.meta_graph)
+        variables = {v.op.name: v for v in tf1.trainable_variables()}
+        assert sorted(variables) == MODEL
+        assert {v.op.type for v in variables.values()} == {net.variable_op}
+        y = tf1.get_default_graph().get_tensor_by_name("y:0")
+        loss = tf.reduce_sum(tf.square(y - 1.0))
+        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf1.Session() as sess:
+            saver.restore(sess, result.checkpoint)
+            np.testing.assert_array_equal(sess.run(y, {"x:0": net.inputs}), _run(frozen.graph_def, net.inputs))
+            before = sess.run(variables)
+            sess.run(train_op, {"x:0": net.inputs})
+            after = sess.run(variables)
+    for name in MODEL:
+        np.testing.assert_array_equal(before[name], net.values[name])
+        assert not np.array_equal(after[name], before[name]), name
+
+
+def test_unfreeze_aligns_names_against_a_reference_checkpoint(net, frozen, tmp_path):
+    reference = {
+        "net/conv1/weights": np.zeros(SHAPES["net/conv1/weights"], np.float32),
+        "net/conv1/biases": np.zeros([4], np.float32),
+        "head/kernel": np.zeros([256, 5], np.float32),  # renamed: a unique shape
+        "net/fc/biases": np.zeros([6], np.float32),  # same name, another shape
+        "net/fc/biases/Momentum": np.zeros([5], np.float32),  # slots never take a name
+    }
+    reference_prefix = save_variables(tmp_path / "ref" / "model.ckpt", reference)
+
+    result = unfreeze(frozen.path, str(tmp_path / "out" / "model.ckpt"), reference=reference_prefix)
+
+    aligned = {a.old: (a.new, a.reason) for a in result.aligned}
+    assert aligned["net/conv1/weights"] == ("net/conv1/weights", "same name and shape")
+    assert aligned["net/fc/weights"] == ("head/kernel", "unique shape match [256, 5]")
+    assert aligned["net/fc/biases"][0] == "net/fc/biases"
+    assert "kept its name" in aligned["net/fc/biases"][1]
+    ckpt = Checkpoint(result.checkpoint)
+    assert sorted(ckpt.entries) == ["head/kernel", "net/conv1/biases", "net/conv1/weights", "net/fc/biases"]
+    assert ckpt.read("head/kernel").tobytes() == net.values["net/fc/weights"].tobytes()
+    assert "head/kernel" in str(result)
+
+
+def test_unfreeze_aligned_trainable_graph_uses_the_new_names(net, frozen, tmp_path):
+    reference = {"head/kernel": np.zeros([256, 5], np.float32)}
+    reference_prefix = save_variables(tmp_path / "ref" / "model.ckpt", reference)
+
+    result = unfreeze(
+        frozen.path, str(tmp_path / "model.ckpt"), reference=reference_prefix, trainable_graph=True
+    )
+
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(result.meta_graph)
+        names = sorted(v.op.name for v in tf1.global_variables())
+        with tf1.Session() as sess:
+            saver.restore(sess, result.checkpoint)
+            outputs = sess.run("y:0", {"x:0": net.inputs})
+    assert names == sorted(["head/kernel", "net/conv1/biases", "net/conv1/weights", "net/fc/biases"])
+    np.testing.assert_array_equal(outputs, _run(frozen.graph_def, net.inputs))
+
+
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ("large", ["net/fc/weights"]),
+        (lambda node: node.name.endswith("biases"), ["net/conv1/biases", "net/fc/biases"]),
+        (["net/conv1/weights"], ["net/conv1/weights"]),
+    ],
+    ids=["large-floats-only", "callable-on-node", "list-of-names"],
+)
+def test_unfreeze_weight_choices(net, frozen, tmp_path, weights, expected):
+    result = unfreeze(frozen.path, str(tmp_path / "model.ckpt"), weights=weights, trainable_graph=True)
+
+    assert sorted(c.name for c in result.converted) == expected
+    assert sorted(Checkpoint(result.checkpoint).entries) == expected
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(result.meta_graph)
+        assert sorted(v.op.name for v in tf1.global_variables()) == expected
+        with tf1.Session() as sess:
+            saver.restore(sess, result.checkpoint)
+            np.testing.assert_array_equal(sess.run("y:0", {"x:0": net.inputs}), net.outputs)
+
+
+def test_unfreeze_large_constants_of_a_graph_without_variable_patterns(tmp_path):
+    weights = np.random.RandomState(1).randn(64, 8).astype(np.float32)
+    with tf.Graph().as_default() as g:
+        x = tf1.placeholder(tf.float32, [None, 64], name="x")
+        w = tf.constant(weights, name="dense/w")
+        tf.matmul(x, w, name="out")
+    with pytest.raises(GraphError, match="no weight constants"):
+        unfreeze(g.as_graph_def(), str(tmp_path / "auto" / "model.ckpt"))
+    assert _files(tmp_path / "auto") == []
+
+    result = unfreeze(g.as_graph_def(), str(tmp_path / "model.ckpt"), weights="large", trainable_graph=True)
+
+    assert [(c.name, c.shape, c.pattern) for c in result.converted] == [("dense/w", (64, 8), "large")]
+    inputs = np.random.RandomState(2).randn(2, 64).astype(np.float32)
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(result.meta_graph)
+        with tf1.Session() as sess:
+            saver.restore(sess, result.checkpoint)
+            outputs = sess.run("out:0", {"x:0": inputs})
+    np.testing.assert_array_equal(outputs, _run(g.as_graph_def(), inputs, "out:0"))
+    np.testing.assert_allclose(outputs, inputs @ weights, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def not_a_graph(tmp_path):
+    path = tmp_path / "notes.pb"
+    path.write_text("these are my notes, not a graph\n")
+    return str(path)
+
+
+@pytest.fixture
+def truncated(frozen, tmp_path):
+    data = open(frozen.path, "rb").read()
+    path = tmp_path / "truncated.pb"
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
+@pytest.mark.parametrize("bad", ["not_a_graph", "truncated"], ids=["not-a-graph", "truncated"])
+def test_bad_graph_files_raise_graph_error_and_write_nothing(net, bad, request, tmp_path):
+    path = request.getfixturevalue(bad)
+    out = tmp_path / "out"
+
+    with pytest.raises(GraphError) as info:
+        inspect_graph(path)
+    assert repr(path) in str(info.value)
+    assert ("truncated" in str(info.value)) == (bad == "truncated")
+    with pytest.raises(GraphError):
+        freeze(net.prefix, path, ["y"], out=str(out / "frozen.pb"))
+    with pytest.raises(GraphError):
+        unfreeze(path, str(out / "model.ckpt"), trainable_graph=True)
+    assert _files(out) == []
+
+
+def test_missing_graph_file_is_a_graph_error_naming_nearby_files(net, tmp_path):
+    with pytest.raises(GraphError, match="no graph file at .*frozen.bp.*frozen.pb"):
+        inspect_graph(str(net.dir / "frozen.bp"))
+
+
+def test_graph_over_2gb_is_refused_before_reading(tmp_path):
+    path = tmp_path / "huge.pb"
+    with open(path, "wb") as f:
+        f.truncate(2**31 + 16)  # sparse: no disk used, nothing to parse
+
+    with pytest.raises(GraphTooLargeError, match="2 GB"):
+        inspect_graph(str(path))
+    with pytest.raises(GraphTooLargeError):
+        unfreeze(str(path), str(tmp_path / "out" / "model.ckpt"))
+    assert _files(tmp_path / "out") == []
+
+
+def test_frozen_graph_over_the_limit_is_refused_before_writing(net, tmp_path, monkeypatch):
+    # The net's graph is ~30 KB; its weights ~6 KB. Lower the limit between the two.
+    monkeypatch.setattr(rkgraph, "MAX_PROTO_BYTES", len(net.graph_def.SerializeToString()) + 1000)
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(GraphTooLargeError, match="2 GB limit"):
+        freeze(net.prefix, net.graph_def, ["y"], out=str(out))
+    assert not out.exists()
+    assert _files(tmp_path) == []
+
+
+def test_output_not_in_graph_lists_the_closest(net, tmp_path):
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(NoMatchError) as info:
+        freeze(net.prefix, net.meta, ["y", "net/fc/BiasAd"], out=str(out))
+
+    assert "net/fc/BiasAdd" in info.value.closest
+    assert "'net/fc/BiasAd'" in str(info.value)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "values, problem",
+    [
+        ({"net/conv1/weights": np.zeros([3, 3, 3, 4], np.float32)}, "missing"),
+        (
+            {
+                "net/conv1/weights": np.zeros([3, 3, 3, 4], np.float32),
+                "net/conv1/biases": np.zeros([4], np.float32),
+                "net/fc/weights": np.zeros([256, 6], np.float32),
+                "net/fc/biases": np.zeros([5], np.float32),
+            },
+            "mismatched",
+        ),
+    ],
+    ids=["checkpoint-lacks-variables", "checkpoint-has-other-shapes"],
+)
+def test_checkpoint_not_covering_the_graph_is_incomplete(net, tmp_path, values, problem):
+    prefix = save_variables(tmp_path / "other" / "model.ckpt", values)
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(IncompleteRestoreError) as info:
+        freeze(prefix, net.meta, ["y"], out=str(out))
+
+    report = info.value.report
+    assert not report.is_complete
+    message = str(info.value)
+    if problem == "missing":
+        assert sorted(r.variable_name for r in report.missing) == MODEL[:1] + MODEL[2:]
+        assert "missing     net/fc/weights" in message
+    else:
+        assert [r.variable_name for r in report.shape_mismatched] == ["net/fc/weights"]
+        assert "checkpoint [256, 6], model [256, 5]" in message
+    assert "strict=False" not in message
+    assert not out.exists()
+
+
+def test_missing_checkpoint_raises_checkpoint_not_found(net, tmp_path):
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(CheckpointNotFoundError):
+        freeze(str(tmp_path / "nothing" / "model.ckpt"), net.meta, ["y"], out=str(out))
+    assert not out.exists()
+
+
+def test_unfreeze_of_a_graph_that_is_not_frozen_says_so(net, tmp_path):
+    with pytest.raises(GraphError, match="not frozen"):
+        unfreeze(net.meta, str(tmp_path / "out" / "model.ckpt"))
+    assert _files(tmp_path / "out") == []
+
+
+def test_unfreeze_weight_name_not_in_graph(frozen, tmp_path):
+    with pytest.raises(NoMatchError) as info:
+        unfreeze(frozen.path, str(tmp_path / "out" / "model.ckpt"), weights=["net/fc/weight"])
+    assert "net/fc/weights" in info.value.closest
+    assert _files(tmp_path / "out") == []
