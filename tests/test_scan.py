@@ -1,0 +1,321 @@
+"""scan(): the plan of a restore, checked exactly on real checkpoints."""
+
+import pickle
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import restorekit
+from restorekit import AssignmentMapError, Checkpoint, NoMatchError, scan
+from conftest import resnet_batch, resnet_features, save_variables
+
+tf1 = tf.compat.v1
+
+
+# ---------------------------------------------------------------- resnet fine-tune
+
+
+def build_finetune_graph():
+    """resnet_v1_50 body, an extra 1x1 layer, a 10-class head under the old logits scope, Adam."""
+    import tf_slim as slim
+
+    images, labels = resnet_batch()
+    net, _ = resnet_features(tf.constant(images), num_classes=None)
+    net = slim.conv2d(net, 256, [1, 1], scope="extra", normalizer_fn=None)
+    logits = slim.conv2d(net, 10, [1, 1], scope="resnet_v1_50/logits", normalizer_fn=None, activation_fn=None)
+    model_vars = list(tf1.global_variables())
+    loss = tf1.losses.sparse_softmax_cross_entropy(labels, tf.reshape(logits, [-1, 10]))
+    step = tf1.train.get_or_create_global_step()
+    train = tf1.train.AdamOptimizer(1e-3).minimize(loss, global_step=step)
+    return model_vars, train
+
+
+@pytest.fixture(scope="module")
+def finetune(resnet_checkpoint):
+    graph = tf.Graph()
+    with graph.as_default():
+        model_vars, train = build_finetune_graph()
+        report = scan(resnet_checkpoint)
+    return graph, model_vars, train, report
+
+
+def _names(records, side="variable_name"):
+    return {getattr(r, side) for r in records}
+
+
+def test_resnet_finetune_report_is_exactly_right(finetune, resnet_checkpoint):
+    graph, model_vars, _, report = finetune
+    ckpt = Checkpoint(resnet_checkpoint)
+    head = {"resnet_v1_50/logits/weights", "resnet_v1_50/logits/biases"}
+    extra = {"extra/weights", "extra/biases"}
+    model_names = {v.op.name for v in model_vars}
+    with graph.as_default():
+        optimizer_names = {v.op.name for v in tf1.global_variables()} - model_names - {"global_step"}
+    # The checkpoint's Momentum slots are every entry ending in '/Momentum'.
+    momentum = {n for n in ckpt if n.endswith("/Momentum")}
+    assert len(momentum) > 100
+
+    assert _names(report.matched) == model_names - head - extra
+    assert all(r.checkpoint_name == r.variable_name for r in report.matched)
+    assert _names(report.shape_mismatched) == head
+    assert {r.variable_name: (r.checkpoint_shape, r.shape) for r in report.shape_mismatched} == {
+        "resnet_v1_50/logits/weights": ((1, 1, 2048, 1000), (1, 1, 256, 10)),
+        "resnet_v1_50/logits/biases": ((1000,), (10,)),
+    }
+    assert _names(report.missing) == extra
+    assert report.dtype_mismatched == () and report.unused == ()
+    skipped_vars = {r.variable_name: r.reason for r in report.skipped if r.variable_name}
+    skipped_entries = {r.checkpoint_name: r.reason for r in report.skipped if r.variable_name is None}
+    assert set(skipped_vars) == optimizer_names | {"global_step"}
+    assert skipped_vars["global_step"] == "global_step"
+    assert all(reason.startswith("optimizer slot (Adam") for n, reason in skipped_vars.items() if n != "global_step")
+    assert skipped_entries == {**{n: "optimizer slot (Momentum)" for n in momentum}, "global_step": "global_step"}
+    assert report.num_variables == len(model_names) + len(optimizer_names) + 1
+    assert not report.is_complete
+    text = str(report)
+    assert "missing" in text and "extra/weights [1, 1, 2048, 256]" in text
+    assert "'resnet_v1_50/logits/weights' differs only in shape" in text
+    # BatchNorm statistics are model state and must be matched.
+    assert "resnet_v1_50/conv1/BatchNorm/moving_mean" in _names(report.matched)
+
+
+def test_report_is_a_value(finetune):
+    *_, report = finetune
+    copy = pickle.loads(pickle.dumps(report))
+    assert copy == report and copy._handles is None
+    as_dict = report.to_dict()
+    assert as_dict["is_complete"] is False
+    assert {r["variable_name"] for r in as_dict["missing"]} == {"extra/weights", "extra/biases"}
+    assert restorekit.report.json.loads(report.to_json())["num_variables"] == report.num_variables
+
+
+def test_strict_assert_complete_names_what_is_missing(finetune):
+    *_, report = finetune
+    with pytest.raises(restorekit.IncompleteRestoreError) as info:
+        report.assert_complete()
+    message = str(info.value)
+    assert "missing     extra/weights" in message
+    assert "mismatched  resnet_v1_50/logits/weights: checkpoint [1, 1, 2048, 1000], model [1, 1, 256, 10]" in message
+    assert "strict=False" in message and info.value.report is report
+
+
+def test_exclude_by_scope_turns_the_head_into_skips(finetune, resnet_checkpoint):
+    graph, *_ = finetune
+    with graph.as_default():
+        report = scan(resnet_checkpoint, exclude=["resnet_v1_50/logits", "extra"])
+    assert report.is_complete
+    excluded = {r.variable_name for r in report.skipped if r.reason.startswith("excluded")}
+    # Exclude rules come first, so the head's new Adam slots say 'excluded' too.
+    assert {n for n in excluded if not n.endswith(("/Adam", "/Adam_1"))} == {
+        "resnet_v1_50/logits/weights",
+        "resnet_v1_50/logits/biases",
+        "extra/weights",
+        "extra/biases",
+    }
+    assert _names(report.unused, "checkpoint_name") == {"resnet_v1_50/logits/weights", "resnet_v1_50/logits/biases"}
+
+
+def test_include_with_regex_and_boundary(finetune, resnet_checkpoint):
+    graph, *_ = finetune
+    with graph.as_default():
+        report = scan(resnet_checkpoint, include=[r"resnet_v1_50/block1", r".*conv1/BatchNorm"])
+    names = _names(report.matched)
+    assert names and all("block1/" in n or "conv1/BatchNorm" in n for n in names)
+    assert not any("block10" in n for n in names)
+
+
+# ---------------------------------------------------------------- small graphs
+
+
+def test_name_variants_give_hints(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense_1/weights", [4, 3])
+        tf1.get_variable("dense_1/biases", [3])
+        report = scan(prefix)
+    hints = "\n".join(report.hints)
+    assert "'dense_1/weights' is missing but checkpoint entry 'dense/kernel' differs only in naming" in hints
+    assert "assignment_map={'dense/bias': 'dense_1/biases'}" in hints
+
+
+def test_scope_remap_and_root_remap(small_checkpoint):
+    prefix, values = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("new/dense/kernel", [4, 3])
+        tf1.get_variable("new/dense/bias", [3])
+        tf1.get_variable("other/x", [1])
+        report = scan(prefix, assignment_map={"dense/": "new/dense/"})
+        assert {(r.checkpoint_name, r.variable_name) for r in report.matched} == {
+            ("dense/kernel", "new/dense/kernel"),
+            ("dense/bias", "new/dense/bias"),
+        }
+        assert {r.variable_name for r in report.skipped if r.reason == "not in assignment_map"} == {"other/x"}
+        root = scan(prefix, assignment_map={"/": "new/"})
+        assert {(r.checkpoint_name, r.variable_name) for r in root.matched} == {
+            ("dense/kernel", "new/dense/kernel"),
+            ("dense/bias", "new/dense/bias"),
+        }
+
+
+def test_one_tensor_feeds_several_variables(small_checkpoint):
+    prefix, values = small_checkpoint
+    with tf.Graph().as_default():
+        a = tf1.get_variable("enc/bias", [3])
+        b = tf1.get_variable("dec/bias", [3])
+        report = scan(prefix, assignment_map={"dense/bias": ["enc/bias", "dec/bias"]})
+        assert {(r.checkpoint_name, r.variable_name) for r in report.matched} == {
+            ("dense/bias", "enc/bias"),
+            ("dense/bias", "dec/bias"),
+        }
+        with pytest.raises(AssignmentMapError, match="warm_start"):
+            restorekit.partial_saver(report)
+        restorekit.warm_start(report)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            np.testing.assert_array_equal(sess.run(a), values["dense/bias"])
+            np.testing.assert_array_equal(sess.run(b), values["dense/bias"])
+
+
+def test_callable_assignment_map(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("model/dense/kernel", [4, 3])
+        tf1.get_variable("model/head/w", [2])
+        report = scan(prefix, assignment_map=lambda name: name[len("model/"):] if "dense" in name else None)
+    assert [(r.checkpoint_name, r.variable_name) for r in report.matched] == [("dense/kernel", "model/dense/kernel")]
+    assert [r.reason for r in report.skipped if r.variable_name == "model/head/w"] == ["not in assignment_map"]
+
+
+def test_saver_style_dict_of_variables(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        v = tf1.get_variable("anything", [3])
+        report = scan(prefix, {"dense/bias": v})
+    assert [(r.checkpoint_name, r.variable_name) for r in report.matched] == [("dense/bias", "anything")]
+
+
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource variables", "ref variables"])
+def test_resource_and_ref_variables_with_output_index(small_checkpoint, use_resource):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        v = tf1.get_variable("dense/kernel", [4, 3], use_resource=use_resource)
+        assert v.name == "dense/kernel:0"
+        report = scan(prefix, [v])
+    assert _names(report.matched) == {"dense/kernel"}
+
+
+def test_partitioned_variables_match_on_full_name_across_partitionings(tmp_path):
+    values = {"emb": np.arange(40, dtype=np.float32).reshape(10, 4)}
+    prefix = save_variables(tmp_path / "plain", values)
+    with tf.Graph().as_default():
+        part = tf1.get_variable("emb", shape=[10, 4], partitioner=tf1.fixed_size_partitioner(3))
+        report = scan(prefix)
+        assert [(r.variable_name, r.shape) for r in report.matched] == [("emb", (10, 4))]
+        saver = restorekit.partial_saver(report)
+        with tf1.Session() as sess:
+            saver.restore(sess, prefix)
+            np.testing.assert_array_equal(sess.run(tf.concat(list(part), 0)), values["emb"])
+    # And a checkpoint saved in 3 partitions into a model with 2.
+    with tf.Graph().as_default():
+        src = tf1.get_variable("emb", shape=[10, 4], partitioner=tf1.fixed_size_partitioner(3))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            expected = sess.run(tf.concat(list(src), 0))
+            p3 = tf1.train.Saver().save(sess, str(tmp_path / "p3"), write_meta_graph=False)
+    with tf.Graph().as_default():
+        dst = tf1.get_variable("emb", shape=[10, 4], partitioner=tf1.fixed_size_partitioner(2))
+        report = scan(p3, [dst])
+        saver = restorekit.partial_saver(report)
+        with tf1.Session() as sess:
+            saver.restore(sess, p3)
+            np.testing.assert_array_equal(sess.run(tf.concat(list(dst), 0)), expected)
+
+
+def test_ema_restores_shadows_and_falls_back_per_variable(tmp_path):
+    values = {
+        "w": np.full([2], 1.0, np.float32),
+        "w/ExponentialMovingAverage": np.full([2], 0.5, np.float32),
+        "b": np.full([2], 3.0, np.float32),
+    }
+    prefix = save_variables(tmp_path / "ema", values)
+    with tf.Graph().as_default():
+        w = tf1.get_variable("w", [2])
+        b = tf1.get_variable("b", [2])
+        ema = tf1.train.ExponentialMovingAverage(0.9)
+        for form in (ema, "ExponentialMovingAverage"):
+            report = scan(prefix, [w, b], ema=form)
+            reasons = {r.variable_name: (r.checkpoint_name, r.reason) for r in report.matched}
+            assert reasons["w"] == ("w/ExponentialMovingAverage", "ema")
+            assert reasons["b"][0] == "b" and reasons["b"][1].startswith("ema fallback")
+            assert [(r.checkpoint_name, r.reason) for r in report.skipped] == [
+                ("w", "raw weights (EMA shadow restored instead)")
+            ]
+        saver = restorekit.partial_saver(report)
+        with tf1.Session() as sess:
+            saver.restore(sess, prefix)
+            np.testing.assert_array_equal(sess.run(w), [0.5, 0.5])
+            np.testing.assert_array_equal(sess.run(b), [3.0, 3.0])
+        plain = scan(prefix, [w, b])
+        assert [(r.checkpoint_name, r.reason) for r in plain.skipped] == [
+            ("w/ExponentialMovingAverage", "EMA shadow (pass ema= to restore it)")
+        ]
+
+
+def test_dtype_mismatch_is_reported(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/bias", [3], dtype=tf.float64)
+        report = scan(prefix)
+    assert [(r.variable_name, r.checkpoint_dtype, r.dtype) for r in report.dtype_mismatched] == [
+        ("dense/bias", "float32", "float64")
+    ]
+    assert "checkpoint float32, model float64" in str(report)
+
+
+def test_slots_and_global_step_restore_when_asked(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel/Momentum", [4, 3])
+        tf1.train.get_or_create_global_step()
+        report = scan(prefix, skip_optimizer_slots=False, include_global_step=True)
+    assert _names(report.matched) == {"dense/kernel/Momentum", "global_step"}
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_assignment_map_key_matching_nothing_lists_closest(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", [4, 3])
+        with pytest.raises(NoMatchError, match="'dense/kernal' is not in checkpoint") as info:
+            scan(prefix, assignment_map={"dense/kernal": "dense/kernel"})
+        assert "dense/kernel" in info.value.closest
+        with pytest.raises(NoMatchError, match="matches no entry"):
+            scan(prefix, assignment_map={"dnse/": "dense/"})
+        with pytest.raises(NoMatchError, match="not a variable"):
+            scan(prefix, assignment_map={"dense/kernel": "dense/kernal"})
+
+
+def test_key_without_slash_mapped_to_scope(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("new/kernel", [4, 3])
+        with pytest.raises(AssignmentMapError, match="without a trailing '/'"):
+            scan(prefix, assignment_map={"dense": "new/"})
+
+
+def test_exclude_pattern_matching_nothing_is_an_error(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", [4, 3])
+        with pytest.raises(NoMatchError, match="exclude pattern 'logitz'"):
+            scan(prefix, exclude=["logitz"])
+
+
+def test_bad_checkpoint_paths_raise_before_anything(tmp_path):
+    with tf.Graph().as_default():
+        tf1.get_variable("x", [1])
+        with pytest.raises(restorekit.CheckpointNotFoundError):
+            scan(tmp_path / "missing")
