@@ -265,7 +265,9 @@ class ConvertedConstant:
     name: str
     shape: tuple
     dtype: str
-    pattern: str  # 'variable' (VariableV2), 'resource' (VarHandleOp), 'large' or 'chosen'
+    # 'variable' (VariableV2), 'resource' (TF1 VarHandleOp), 'resource (TF2)' (a captured
+    # handle; the node name is not the variable's: pass a reference), 'large' or 'chosen'.
+    pattern: str
 
 
 @dataclass(frozen=True)
@@ -992,6 +994,12 @@ def freeze(checkpoint, graph, outputs, out=None):
     ckpt = _open_checkpoint(checkpoint)
     loaded = _repair(_load(graph))
     _require_loadable(loaded)
+    if loaded.kind == "SavedModel" and loaded.meta_graph.object_graph_def.nodes:
+        raise GraphError(
+            f"{loaded.source!r} is a TF2 SavedModel: its computation lives in tf.functions whose variables "
+            f"are captured, which freezing a TF1 graph cannot reach. Load it and use "
+            f"convert_variables_to_constants_v2 on a concrete function instead."
+        )
     gd = loaded.graph_def
     if out is not None and os.path.exists(os.fspath(out)) and isinstance(graph, (str, os.PathLike)):
         if os.path.samefile(os.fspath(out), os.fspath(graph)):
@@ -1073,6 +1081,10 @@ def _weight_pattern(node, consumers) -> str | None:
     readers = [c for c in consumers.get(node.name, ()) if c.op == "Identity"]
     if any(c.name == f"{node.name}/read" for c in readers):
         return "variable"
+    if node.name.endswith("/resource") and any(c.name == node.name[: -len("/resource")] for c in readers):
+        # TF2 (convert_variables_to_constants_v2): the captured handle became
+        # '<op>/ReadVariableOp/resource'; the variable's own name is gone.
+        return "resource (TF2)"
     if any(_READ_VARIABLE_LEAF.search(c.name) for c in readers):
         return "resource"
     return None
@@ -1295,7 +1307,9 @@ def unfreeze(
     ``weights='auto'`` finds the constants ``convert_variables_to_constants`` made: a
     ``Const`` read through ``<name>/read`` (VariableV2) or through an ``Identity`` named
     ``.../ReadVariableOp`` (resource variables). Each is written under its node name,
-    which is the original variable name.
+    which is the original variable name. Graphs frozen by TF2's
+    ``convert_variables_to_constants_v2`` lose the variable names (the constants are
+    ``<op>/ReadVariableOp/resource``): pass ``reference`` to get them back.
 
     Args:
         frozen: a frozen GraphDef (``.pb`` path, GraphDef or ``tf.Graph``).

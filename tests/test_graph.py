@@ -182,21 +182,29 @@ def test_inspect_in_memory_graphs(net, form):
     assert {v.trainable for v in summary.variables} == {None}
 
 
-def test_inspect_tf2_saved_model_signatures_and_variables(tmp_path):
-    class Model(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.kernel = tf.Variable(tf.ones([3, 2]), name="kernel")
-            self.bias = tf.Variable(tf.zeros([2]), name="bias")
+class _Dense(tf.Module):
+    """A TF2 module: y = x @ kernel + bias, with a serving signature."""
 
-        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="inp")])
-        def __call__(self, x):
-            return {"out": tf.matmul(x, self.kernel) + self.bias}
+    def __init__(self):
+        super().__init__()
+        self.kernel = tf.Variable(np.arange(6, dtype=np.float32).reshape(3, 2), name="kernel")
+        self.bias = tf.Variable(np.array([0.5, -1.0], np.float32), name="bias")
 
-    model = Model()
-    path = str(tmp_path / "saved")
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="inp")])
+    def __call__(self, x):
+        return {"out": tf.matmul(x, self.kernel) + self.bias}
+
+
+@pytest.fixture(scope="module")
+def tf2_saved_model(tmp_path_factory):
+    model = _Dense()
+    path = str(tmp_path_factory.mktemp("tf2") / "saved")
     tf.saved_model.save(model, path, signatures={"serving_default": model.__call__})
+    return path
 
+
+def test_inspect_tf2_saved_model_signatures_and_variables(tf2_saved_model):
+    path = tf2_saved_model
     summary = inspect_graph(path)
 
     assert summary.kind == "SavedModel"
@@ -418,6 +426,35 @@ def test_unfreeze_large_constants_of_a_graph_without_variable_patterns(tmp_path)
     np.testing.assert_allclose(outputs, inputs @ weights, rtol=1e-5, atol=1e-5)
 
 
+def test_unfreeze_tf2_frozen_function_recovers_names_from_a_reference(tmp_path):
+    # TF2 has no public freezing API; this is what TF's own converters and users call.
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+
+    model = _Dense()
+    reference = tf.train.Checkpoint(model=model).write(str(tmp_path / "tf2" / "ckpt"))
+    function = convert_variables_to_constants_v2(model.__call__.get_concrete_function())
+    frozen_gd = function.graph.as_graph_def()
+    inputs = np.random.RandomState(3).randn(4, 3).astype(np.float32)
+
+    result = unfreeze(frozen_gd, str(tmp_path / "model.ckpt"), reference=reference, trainable_graph=True)
+
+    assert {c.pattern for c in result.converted} == {"resource (TF2)"}
+    assert {a.new: a.reason for a in result.aligned} == {
+        "model/kernel/.ATTRIBUTES/VARIABLE_VALUE": "unique shape match [3, 2]",
+        "model/bias/.ATTRIBUTES/VARIABLE_VALUE": "unique shape match [2]",
+    }
+    ckpt = Checkpoint(result.checkpoint)
+    np.testing.assert_array_equal(ckpt.read("model/kernel/.ATTRIBUTES/VARIABLE_VALUE"), model.kernel.numpy())
+    np.testing.assert_array_equal(ckpt.read("model/bias/.ATTRIBUTES/VARIABLE_VALUE"), model.bias.numpy())
+    output = [n.name for n in frozen_gd.node][-1]
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(result.meta_graph)
+        with tf1.Session() as sess:
+            saver.restore(sess, result.checkpoint)
+            outputs = sess.run(f"{output}:0", {"inp:0": inputs})
+    np.testing.assert_array_equal(outputs, model(inputs)["out"].numpy())
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -524,6 +561,14 @@ def test_checkpoint_not_covering_the_graph_is_incomplete(net, tmp_path, values, 
         assert [r.variable_name for r in report.shape_mismatched] == ["net/fc/weights"]
         assert "checkpoint [256, 6], model [256, 5]" in message
     assert "strict=False" not in message
+    assert not out.exists()
+
+
+def test_freeze_refuses_a_tf2_saved_model_and_says_what_to_use(tf2_saved_model, tmp_path):
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(GraphError, match="TF2 SavedModel.*convert_variables_to_constants_v2"):
+        freeze(tf2_saved_model, tf2_saved_model, ["StatefulPartitionedCall"], out=str(out))
     assert not out.exists()
 
 
