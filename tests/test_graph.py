@@ -293,9 +293,11 @@ def test_freeze_accepts_every_graph_form(net, frozen, form, tmp_path):
         with open(graph, "w") as f:
             f.write(text_format.MessageToString(net.graph_def))
 
-    graph_def = freeze(net.prefix, graph, "y:0")
+    out = tmp_path / "frozen.pbtxt"
+    graph_def = freeze(net.prefix, graph, "y:0", out=str(out))
 
     np.testing.assert_array_equal(_run(graph_def, net.inputs), net.outputs)
+    assert text_format.Parse(out.read_text(), tf1.GraphDef()) == graph_def  # .pbtxt: written as text
 
 
 def test_freeze_then_unfreeze_gives_back_the_variables_bit_for_bit(net, frozen, tmp_path):
