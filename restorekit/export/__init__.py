@@ -157,6 +157,8 @@ def source_format(path) -> str:
             return "torch"
         if ext in _EXTENSIONS:
             return _EXTENSIONS[ext]
+    elif not os.path.exists(path):
+        return _EXTENSIONS.get(os.path.splitext(path)[1].lower(), "tf")
     return "tf"
 
 
@@ -335,7 +337,10 @@ def import_checkpoint(
     src, out_prefix = os.fspath(src), os.fspath(out_prefix)
     fmt = source_format(src)
     if fmt == "tf":
-        raise InvalidArgumentError(f"{src!r} is already a TF checkpoint (or no file); import reads torch, safetensors or npz")
+        from restorekit.checkpoint import resolve_prefix
+
+        resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
+        raise InvalidArgumentError(f"{src!r} is a TF checkpoint; import_checkpoint reads torch, safetensors or npz files")
     src, files = _source_files(src, fmt)
     _check_output(out_prefix, "tf", files, overwrite)
     shapes, arrays, record = _open_source(src, fmt, layout)
@@ -393,7 +398,7 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
     src, files = _source_files(src, fmt)
     _check_output(out, to, files, overwrite)
     shapes, arrays, record = _open_source(src, fmt, layout if fmt != "npz" else None)
-    tensors = ((name, array) for name, array, _ in _tf_tensors(arrays, record))
+    tensors = _tf_tensors(arrays, record)
     if to == "safetensors":
         from restorekit.export import safetensors
 

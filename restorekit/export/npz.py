@@ -45,7 +45,7 @@ def write(path, tensors: Iterable, *, progress: bool = False) -> ExportResult:
     count = nbytes = 0
     with atomic_output(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         with progress_bar(None, progress, "npz") as bar:
-            for name, array in tensors:
+            for name, array, *_ in tensors:
                 array = _plain(np.asarray(array))
                 with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, array, allow_pickle=False)

@@ -146,7 +146,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
 
     Args:
         path: the output file (replaced if it exists).
-        tensors: an iterable of ``(TF name, ndarray)``, consumed once.
+        tensors: an iterable of ``(TF name, ndarray)``, consumed once; a third item,
+            a TF dtype name, keeps dtypes numpy cannot name (``'qint8'``).
         layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
         metadata: extra ``__metadata__`` entries, str -> str.
 
@@ -167,9 +168,9 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
     with atomic_output(path) as tmp:
         with open(tmp, "w+b") as f:
             f.seek(8 + _RESERVE)
-            for name, array in tensors:
+            for name, array, *dtype in tensors:
                 array = np.asarray(array)
-                tf_dtype = tf_dtype_of(array)
+                tf_dtype = dtype[0] if dtype and dtype[0] else tf_dtype_of(array)
                 if tf_dtype == "string":
                     record.add_string(name, array)
                     continue

@@ -109,7 +109,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
 
     Args:
         path: the output file (replaced if it exists).
-        tensors: an iterable of ``(TF name, ndarray)``.
+        tensors: an iterable of ``(TF name, ndarray)``; a third item, a TF dtype
+            name, keeps dtypes numpy cannot name (``'qint8'``).
         layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
 
     Raises:
@@ -122,9 +123,9 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
     state = collections.OrderedDict()
     permuted = []
     nbytes = 0
-    for name, array in tensors:
+    for name, array, *dtype in tensors:
         array = np.asarray(array)
-        tf_dtype = tf_dtype_of(array)
+        tf_dtype = dtype[0] if dtype and dtype[0] else tf_dtype_of(array)
         if tf_dtype == "string":
             record.add_string(name, array)
             continue
@@ -132,6 +133,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
         if perm is not None:
             array = np.ascontiguousarray(np.transpose(array, perm))
             permuted.append(name)
+        if tf_dtype in STORED_AS:
+            record.note_dtype(out, tf_dtype)
         state[out] = from_numpy(array, tf_dtype)
         nbytes += array.nbytes
     path = os.fspath(path)

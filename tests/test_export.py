@@ -1,0 +1,451 @@
+"""Tests for restorekit/export: safetensors, torch and npz, both directions, bit-exact."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from restorekit.bundle.writer import BundleWriter, array_chunks
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import (
+    ChecksumMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    MissingDependencyError,
+    NameCollisionError,
+    OutputExistsError,
+)
+from restorekit.export import convert, export_checkpoint, import_checkpoint, safetensors as st_format
+from restorekit.export import npz as npz_format
+from restorekit.export.layout import guess_tf_names
+
+FORMATS = ["safetensors", "torch"]
+LAYOUTS = [None, "torch"]
+
+
+def _values():
+    rng = np.random.RandomState(0)
+    return {
+        "dense/kernel": rng.randn(4, 3).astype(np.float32),
+        "dense/bias": rng.randn(3).astype(np.float32),
+        "conv/weights": rng.randn(3, 3, 2, 5).astype(ml_dtypes.bfloat16),
+        "conv1d/kernel": rng.randn(5, 2, 4).astype(np.float16),
+        "conv/biases": rng.randn(5).astype(ml_dtypes.bfloat16),
+        "bn/gamma": rng.randn(5).astype(np.float32),
+        "bn/beta": rng.randn(5).astype(np.float32),
+        "bn/moving_mean": rng.randn(5).astype(np.float64),
+        "bn/moving_variance": rng.rand(5).astype(np.float64),
+        "emb/embeddings": rng.randn(6, 2).astype(np.float32),
+        "model/layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE": rng.randn(2, 3).astype(np.float32),
+        "mask": np.array([[True, False], [False, True]]),
+        "counts": rng.randint(-100, 100, size=(7,)).astype(np.int8),
+        "ids": rng.randint(0, 60000, size=(3,)).astype(np.uint16),
+        "z64": (rng.randn(3) + 1j * rng.randn(3)).astype(np.complex64),
+        "z128": (rng.randn(2, 2) + 1j * rng.randn(2, 2)).astype(np.complex128),
+        "nan": np.array([np.nan, -0.0, np.inf], dtype=np.float32),
+        "empty": np.zeros((0, 3), np.float32),
+        "global_step": np.int64(1234),
+        "vocab": np.array([b"a\x00b", b"", "\u00e9".encode()], dtype=object),
+    }
+
+
+def _write(prefix, values, *, qint8=None):
+    with BundleWriter(prefix) as writer:
+        for name, value in values.items():
+            writer.add(name, value)
+        if qint8 is not None:
+            writer.add_stream("quantized", "qint8", qint8.shape, array_chunks(qint8))
+    return str(prefix)
+
+
+@pytest.fixture
+def rich_checkpoint(tmp_path):
+    """Every dtype and layer kind the exporters treat specially, written without TF."""
+    qint8 = np.arange(-4, 4, dtype=np.int8).reshape(2, 4)
+    return _write(tmp_path / "src" / "model.ckpt", _values(), qint8=qint8)
+
+
+def assert_same_checkpoint(a, b):
+    a, b = Checkpoint(a), Checkpoint(b)
+    assert list(a.entries) == list(b.entries)
+    for name, entry in a.entries.items():
+        other = b.entries[name]
+        assert (other.dtype, other.shape) == (entry.dtype, entry.shape), name
+        x, y = a.read(name), b.read(name)
+        if x.dtype == object:
+            assert x.tolist() == y.tolist(), name
+        else:
+            assert x.tobytes() == y.tobytes(), name
+
+
+def _need(fmt):
+    if fmt == "torch":
+        pytest.importorskip("torch")
+
+
+def _listing(directory):
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+# ------------------------------------------------------------------ round trips
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tf-layout", "torch-layout"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_through_file_is_bit_exact(rich_checkpoint, tmp_path, fmt, layout):
+    _need(fmt)
+    out = tmp_path / f"model.{'pt' if fmt == 'torch' else fmt}"
+    result = export_checkpoint(rich_checkpoint, out, layout=layout)
+    assert result.format == fmt and result.strings == ("vocab",)
+    back = import_checkpoint(out, tmp_path / "back" / "model.ckpt")
+    assert back.count == len(Checkpoint(rich_checkpoint))
+    assert_same_checkpoint(rich_checkpoint, tmp_path / "back" / "model.ckpt")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tf-layout", "torch-layout"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_streaming_write_api_round_trip(rich_checkpoint, tmp_path, fmt, layout):
+    """write(path, iterator) (what CheckpointEditor.save uses) round-trips like the fast path."""
+    _need(fmt)
+    from restorekit.export import torch as torch_format
+
+    ckpt = Checkpoint(rich_checkpoint)
+    module = st_format if fmt == "safetensors" else torch_format
+    out = tmp_path / "model.out"
+    module.write(out, ((n, ckpt.read(n)) for n in ckpt.entries if n != "quantized"), layout=layout)
+    import_checkpoint(out, tmp_path / "back")
+    expected = _write(tmp_path / "expected", _values())
+    assert_same_checkpoint(expected, tmp_path / "back")
+
+
+@pytest.mark.parametrize(
+    "reserve, compact_below",
+    [(256 << 10, 64 << 20), (256 << 10, 0), (16, 0)],
+    ids=["small-file-rewritten-compact", "header-in-reserved-room", "header-overflows-reserved-room"],
+)
+def test_safetensors_streaming_header_placement(rich_checkpoint, tmp_path, monkeypatch, reserve, compact_below):
+    monkeypatch.setattr(st_format, "_RESERVE", reserve)
+    monkeypatch.setattr(st_format, "_COMPACT_BELOW", compact_below)
+    ckpt = Checkpoint(rich_checkpoint)
+    out = tmp_path / "m.safetensors"
+    # Plain arrays cannot say 'qint8' (numpy reads it as int8): leave it out here.
+    st_format.write(out, ((n, ckpt.read(n)) for n in ckpt.entries if n != "quantized"))
+    header = st_format.read_header(out)
+    assert header.data_start % 8 == 0
+    if reserve > 16 and compact_below == 0:
+        assert header.data_start == 8 + reserve
+    import_checkpoint(out, tmp_path / "back")
+    assert_same_checkpoint(_write(tmp_path / "expected", _values()), tmp_path / "back")
+
+
+def test_tf_written_checkpoint_round_trips_and_tf_reads_the_result(small_checkpoint, tmp_path):
+    import tensorflow as tf
+
+    prefix, values = small_checkpoint
+    convert(prefix, tmp_path / "m.safetensors", layout="torch")
+    convert(tmp_path / "m.safetensors", tmp_path / "back" / "model.ckpt")
+    assert_same_checkpoint(prefix, tmp_path / "back" / "model.ckpt")
+    reader = tf.train.load_checkpoint(str(tmp_path / "back" / "model.ckpt"))
+    for name, value in values.items():
+        assert reader.get_tensor(name).tobytes() == np.asarray(value).tobytes(), name
+
+
+def test_tf_checkpoint_to_tf_copies_exactly(rich_checkpoint, tmp_path):
+    convert(rich_checkpoint, tmp_path / "copy" / "model.ckpt", to="tf")
+    assert_same_checkpoint(rich_checkpoint, tmp_path / "copy" / "model.ckpt")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_file_to_file_conversion_keeps_tf_names(rich_checkpoint, tmp_path, fmt):
+    _need(fmt)
+    pytest.importorskip("torch")
+    first = tmp_path / "a.safetensors"
+    export_checkpoint(rich_checkpoint, first, layout="torch")
+    second = tmp_path / ("b.pt" if fmt == "torch" else "b.safetensors")
+    convert(first, second, layout="torch")
+    import_checkpoint(second, tmp_path / "back")
+    assert_same_checkpoint(rich_checkpoint, tmp_path / "back")
+
+
+# ------------------------------------------------------------------ what the files hold
+
+def test_torch_layout_permutes_kernels_and_renames(rich_checkpoint, tmp_path):
+    ckpt = Checkpoint(rich_checkpoint)
+    out = tmp_path / "m.safetensors"
+    result = export_checkpoint(ckpt, out, layout="torch")
+    stored = dict(st_format.read(out))
+    assert "dense.weight" in stored and "bn.running_var" in stored and "conv.bias" in stored
+    assert "model.layer_with_weights-0.weight" in stored
+    np.testing.assert_array_equal(stored["dense.weight"], ckpt.read("dense/kernel").T)
+    assert stored["conv.weight"].dtype == ml_dtypes.bfloat16
+    assert stored["conv.weight"].tobytes() == np.transpose(ckpt.read("conv/weights"), (3, 2, 0, 1)).copy().tobytes()
+    assert stored["conv1d.weight"].shape == (4, 2, 5)
+    # Embedding tables keep their layout; norm parameters only change names.
+    np.testing.assert_array_equal(stored["emb.weight"], ckpt.read("emb/embeddings"))
+    np.testing.assert_array_equal(stored["bn.weight"], ckpt.read("bn/gamma"))
+    assert set(result.permuted) == {
+        "dense/kernel", "conv/weights", "conv1d/kernel", "model/layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+    }
+    # A Dense layer computes the same in both conventions: x @ kernel == x @ weight.T.
+    x = np.random.RandomState(1).randn(2, 4).astype(np.float32)
+    np.testing.assert_array_equal(x @ ckpt.read("dense/kernel"), x @ stored["dense.weight"].T)
+
+
+def test_safetensors_file_loads_with_the_safetensors_library(tmp_path):
+    from safetensors.numpy import load_file
+
+    values = {k: v for k, v in _values().items() if v.dtype not in (object, ml_dtypes.bfloat16, np.complex128)}
+    prefix = _write(tmp_path / "plain", values)
+    export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
+    loaded = load_file(str(tmp_path / "m.safetensors"))
+    assert loaded["dense.weight"].tobytes() == values["dense/kernel"].T.copy().tobytes()
+    assert loaded["global_step"].shape == () and loaded["global_step"] == 1234
+    assert loaded["nan"].tobytes() == values["nan"].tobytes()
+
+
+def test_safetensors_file_loads_with_safetensors_torch(rich_checkpoint, tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    export_checkpoint(rich_checkpoint, tmp_path / "m.safetensors", layout="torch")
+    loaded = load_file(str(tmp_path / "m.safetensors"))
+    ckpt = Checkpoint(rich_checkpoint)
+    assert loaded["conv.weight"].dtype == torch.bfloat16
+    bits = loaded["conv.weight"].view(torch.int16).numpy().tobytes()
+    assert bits == np.transpose(ckpt.read("conv/weights"), (3, 2, 0, 1)).copy().tobytes()
+    assert loaded["quantized"].dtype == torch.int8
+    lin = torch.nn.Linear(4, 3)
+    lin.load_state_dict({"weight": loaded["dense.weight"], "bias": loaded["dense.bias"]})
+    x = np.random.RandomState(2).randn(2, 4).astype(np.float32)
+    expected = x @ ckpt.read("dense/kernel") + ckpt.read("dense/bias")
+    np.testing.assert_allclose(lin(torch.from_numpy(x)).detach().numpy(), expected, rtol=1e-6)
+
+
+def test_torch_state_dict_loads_into_modules(tmp_path):
+    torch = pytest.importorskip("torch")
+    rng = np.random.RandomState(3)
+    values = {
+        "bn/gamma": rng.rand(4).astype(np.float32),
+        "bn/beta": rng.rand(4).astype(np.float32),
+        "bn/moving_mean": rng.rand(4).astype(np.float32),
+        "bn/moving_variance": rng.rand(4).astype(np.float32),
+        "conv/kernel": rng.randn(3, 3, 2, 4).astype(np.float32),
+        "conv/bias": rng.randn(4).astype(np.float32),
+    }
+    prefix = _write(tmp_path / "m", values)
+    export_checkpoint(prefix, tmp_path / "m.pt", layout="torch")
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    model = torch.nn.ModuleDict({"conv": torch.nn.Conv2d(2, 4, 3), "bn": torch.nn.BatchNorm2d(4)})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"bn.num_batches_tracked"}
+    assert model["bn"].running_var.numpy().tobytes() == values["bn/moving_variance"].tobytes()
+
+
+def test_string_tensors_travel_in_metadata(rich_checkpoint, tmp_path):
+    out = tmp_path / "m.safetensors"
+    export_checkpoint(rich_checkpoint, out)
+    header = st_format.read_header(out)
+    assert "vocab" not in header.tensors
+    assert json.loads(header.metadata["restorekit"])["strings"]["vocab"]["shape"] == [3]
+    assert header.metadata["format"] == "tf"
+
+
+def test_npz_holds_tf_names_with_exact_values(rich_checkpoint, tmp_path):
+    export_checkpoint(rich_checkpoint, tmp_path / "m.npz")
+    ckpt = Checkpoint(rich_checkpoint)
+    with np.load(tmp_path / "m.npz", allow_pickle=False) as data:
+        assert sorted(data.files) == sorted(ckpt.entries)
+        assert data["dense/kernel"].tobytes() == ckpt.read("dense/kernel").tobytes()
+        assert data["conv/weights"].dtype == np.float32  # bfloat16 widened, values exact
+        np.testing.assert_array_equal(data["conv/weights"], ckpt.read("conv/weights").astype(np.float32))
+        assert data["vocab"].tolist() == [b"a\x00b", b"", "\u00e9".encode()]
+
+
+def test_npz_write_streams_an_iterator(tmp_path):
+    arrays = ((f"t{i}", np.full((3,), i, np.int32)) for i in range(4))
+    result = npz_format.write(tmp_path / "x.npz", arrays)
+    assert result.count == 4
+    assert dict(npz_format.read(tmp_path / "x.npz"))["t3"].tolist() == [3, 3, 3]
+
+
+# ------------------------------------------------------------------ files from elsewhere
+
+def test_foreign_safetensors_maps_back_to_keras_names_with_layout_torch(tmp_path):
+    from safetensors.numpy import save_file
+
+    rng = np.random.RandomState(4)
+    weight = rng.randn(3, 4).astype(np.float32)
+    conv = rng.randn(8, 2, 3, 3).astype(np.float32)
+    tensors = {
+        "fc.weight": weight,
+        "fc.bias": rng.randn(3).astype(np.float32),
+        "conv.weight": conv,
+        "bn.weight": rng.randn(8).astype(np.float32),
+        "bn.bias": rng.randn(8).astype(np.float32),
+        "bn.running_mean": rng.randn(8).astype(np.float32),
+        "bn.running_var": rng.rand(8).astype(np.float32),
+    }
+    save_file(tensors, str(tmp_path / "foreign.safetensors"))
+    import_checkpoint(tmp_path / "foreign.safetensors", tmp_path / "keras", layout="torch")
+    ckpt = Checkpoint(tmp_path / "keras")
+    assert sorted(ckpt.entries) == [
+        "bn/beta", "bn/gamma", "bn/moving_mean", "bn/moving_variance", "conv/kernel", "fc/bias", "fc/kernel"
+    ]
+    np.testing.assert_array_equal(ckpt.read("fc/kernel"), weight.T)
+    np.testing.assert_array_equal(ckpt.read("conv/kernel"), np.transpose(conv, (2, 3, 1, 0)))
+    import_checkpoint(tmp_path / "foreign.safetensors", tmp_path / "as_is")
+    assert sorted(Checkpoint(tmp_path / "as_is").entries) == sorted(tensors)
+
+
+def test_guess_refuses_two_names_onto_one():
+    with pytest.raises(NameCollisionError):
+        guess_tf_names({"a.weight": (2, 2), "a/weight": (2, 2), "a/kernel": (2, 2)})
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_layout_collision_raises_before_writing(tmp_path):
+    prefix = _write(tmp_path / "m", {"bn/gamma": np.ones(2, np.float32), "bn/weights": np.ones(2, np.float32)})
+    with pytest.raises(NameCollisionError, match="'bn/gamma' and 'bn/weights'"):
+        export_checkpoint(prefix, tmp_path / "out" / "m.safetensors", layout="torch")
+    assert _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz", "pt"])
+def test_missing_source_writes_nothing(tmp_path, fmt):
+    with pytest.raises(CheckpointNotFoundError):
+        convert(tmp_path / "nothing", tmp_path / "out" / f"m.{fmt}")
+    with pytest.raises(CheckpointNotFoundError):
+        import_checkpoint(tmp_path / f"nothing.{fmt}", tmp_path / "out" / "m.ckpt")
+    assert _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json", b"\x02\x00\x00\x00\x00\x00\x00\x00{}extra",
+     b"\x40\x00\x00\x00\x00\x00\x00\x00" + b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'.ljust(64)],
+    ids=["empty", "header-not-json", "bytes-no-tensor-claims", "tensor-bytes-missing"],
+)
+def test_corrupt_safetensors_file_is_refused(tmp_path, content):
+    src = tmp_path / "bad.safetensors"
+    src.write_bytes(content)
+    with pytest.raises(CorruptCheckpointError):
+        import_checkpoint(src, tmp_path / "out" / "m.ckpt")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_corrupt_shard_leaves_no_output(rich_checkpoint, tmp_path):
+    ckpt = Checkpoint(rich_checkpoint)
+    entry = ckpt.bundle_entry("dense/kernel")
+    shard = ckpt.data_file(entry.shard_id)
+    with open(shard, "r+b") as f:
+        f.seek(entry.offset)
+        byte = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for fmt in ["safetensors", "npz"]:
+        with pytest.raises(ChecksumMismatchError):
+            export_checkpoint(rich_checkpoint, tmp_path / "out" / f"m.{fmt}")
+    assert _listing(tmp_path / "out") == []
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _evil_files(tmp_path):
+    marker = tmp_path / "pwned"
+    raw = tmp_path / "evil_raw.pt"
+    with open(raw, "wb") as f:
+        pickle.dump({"w": _Evil(marker)}, f, protocol=2)
+    files = [raw]
+    try:
+        import torch
+    except ImportError:
+        return marker, files
+    zipped = tmp_path / "evil_zip.pt"
+    torch.save({"w": torch.zeros(2), "x": _Evil(marker)}, zipped)
+    return marker, files + [zipped]
+
+
+def test_unsafe_pickle_is_refused_and_nothing_runs(tmp_path):
+    pytest.importorskip("torch")
+    marker, files = _evil_files(tmp_path)
+    assert len(files) == 2
+    for path in files:
+        with pytest.raises(CorruptCheckpointError, match="refusing to load"):
+            import_checkpoint(path, tmp_path / "out" / "m.ckpt")
+        with pytest.raises(CorruptCheckpointError):
+            convert(path, tmp_path / "out" / "m.safetensors")
+    assert not marker.exists()
+    assert _listing(tmp_path / "out") == []
+
+
+def test_pt_without_torch_names_the_extra_and_writes_nothing(tmp_path, monkeypatch):
+    marker, files = _evil_files(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(MissingDependencyError, match=r"restorekit\[torch\]"):
+        import_checkpoint(files[0], tmp_path / "out" / "m.ckpt")
+    with pytest.raises(MissingDependencyError, match=r"restorekit\[torch\]"):
+        export_checkpoint(_write(tmp_path / "m", {"a": np.ones(1)}), tmp_path / "out" / "m.pt")
+    assert not marker.exists()
+    assert _listing(tmp_path / "out") == []
+
+
+def test_unknown_target_format_and_layout_are_refused(rich_checkpoint, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="unknown format 'onnx'"):
+        convert(rich_checkpoint, tmp_path / "out" / "m", to="onnx")
+    with pytest.raises(InvalidArgumentError, match="unknown layout 'jax'"):
+        convert(rich_checkpoint, tmp_path / "out" / "m.safetensors", layout="jax")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_output_equal_to_source_is_refused(rich_checkpoint, tmp_path):
+    before = {p: open(p, "rb").read() for p in [rich_checkpoint + ".index"]}
+    with pytest.raises(OutputExistsError, match="its own source"):
+        convert(rich_checkpoint, rich_checkpoint, to="tf", overwrite=True)
+    with pytest.raises(OutputExistsError, match="its own source"):
+        export_checkpoint(rich_checkpoint, rich_checkpoint + ".index", format="safetensors", overwrite=True)
+    export_checkpoint(rich_checkpoint, tmp_path / "m.safetensors")
+    with pytest.raises(OutputExistsError, match="its own source"):
+        convert(tmp_path / "m.safetensors", tmp_path / "m.safetensors", overwrite=True)
+    assert {p: open(p, "rb").read() for p in before} == before
+    Checkpoint(rich_checkpoint).read("dense/kernel")  # still readable
+
+
+def test_existing_output_needs_overwrite(rich_checkpoint, tmp_path):
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(OutputExistsError, match="overwrite"):
+        export_checkpoint(rich_checkpoint, out)
+    assert out.read_bytes() == b"keep me"
+    export_checkpoint(rich_checkpoint, out, overwrite=True)
+    assert st_format.read_header(out).tensors
+
+
+def test_bad_metadata_is_refused_before_writing(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        st_format.write(tmp_path / "m.safetensors", [("a", np.ones(1))], metadata={"restorekit": "x"})
+    with pytest.raises(InvalidArgumentError, match="str to str"):
+        st_format.write(tmp_path / "m.safetensors", [("a", np.ones(1))], metadata={"n": 1})
+    assert _listing(tmp_path) == []
+
+
+def test_import_restorekit_loads_neither_torch_nor_safetensors():
+    code = (
+        "import sys, restorekit, restorekit.export, restorekit.cli;"
+        "import restorekit.export.safetensors, restorekit.export.torch, restorekit.export.npz;"
+        "bad = [m for m in ('torch', 'safetensors', 'tensorflow') if m in sys.modules];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
