@@ -6,6 +6,7 @@ checksums use google-crc32c.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import google_crc32c
@@ -177,9 +178,13 @@ def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32
         ChecksumMismatchError: the bytes do not match ``crc32c``.
         CorruptCheckpointError: the byte count does not fit the dtype and shape.
     """
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(int(d) for d in shape)  # Python ints: a corrupt shape must not wrap around
     if dtype == 7:
-        return _decode_strings(raw, count, name, crc32c).reshape(shape)
+        strings = _decode_strings(raw, count, name, crc32c)
+        try:
+            return strings.reshape(shape)
+        except ValueError:
+            raise CorruptCheckpointError(f"{name!r}: stored shape {list(shape)} is not a possible array shape") from None
     np_dtype = numpy_dtype(dtype)
     if len(raw) != count * np_dtype.itemsize:
         raise CorruptCheckpointError(
@@ -190,7 +195,10 @@ def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32
             f"{name!r}: tensor bytes fail their crc32c check (stored {crc32c:#010x}, "
             f"computed {tensor_crc(raw):#010x}); the data shard is corrupt"
         )
-    return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
+    try:
+        return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
+    except ValueError:  # dimensions numpy cannot index, e.g. (0, 2**40, 2**40)
+        raise CorruptCheckpointError(f"{name!r}: stored shape {list(shape)} is not a possible array shape") from None
 
 
 # ------------------------------------------------------------------ slice keys

@@ -1,0 +1,280 @@
+"""Tests for restorekit/bundle: the table writer, slice keys, BundleWriter, and a reader fuzz test."""
+
+import os
+import random
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from restorekit.bundle import atomic
+from restorekit.bundle.format import decode_slice_key, encode_slice_key, tensor_crc
+from restorekit.bundle.protos import BundleEntry, decode_entry, encode_entry
+from restorekit.bundle.table import read_table, write_table
+from restorekit.bundle.writer import BundleWriter
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import ChecksumMismatchError, NameCollisionError, RestoreKitError
+
+tf1 = tf.compat.v1
+
+VALUES = {
+    "float32": np.arange(12, dtype=np.float32).reshape(3, 4) / 7,
+    "bfloat16": (np.arange(6, dtype=np.float32) / 3).astype(ml_dtypes.bfloat16).reshape(2, 3),
+    "float16": np.linspace(-1, 1, 5).astype(np.float16),
+    "float64": np.array([np.pi, -np.e]),
+    "int8": np.array([-128, 0, 127], np.int8),
+    "int32": np.array([[1, -2], [3, 2**31 - 1]], np.int32),
+    "int64": np.int64(-(2**40)),
+    "uint8": np.array([0, 255], np.uint8),
+    "bool": np.array([True, False, True]),
+    "complex64": np.array([1 + 2j, -3j], np.complex64),
+    "complex128": np.array([[1e-300 + 1j]]),
+    "string": np.array([[b"hello", b""], [b"\x00\xff", "é".encode()]], dtype=object),
+    "string_scalar": np.array(b"x" * 200, dtype=object),
+    "empty": np.zeros((0, 3), np.float32),
+}
+
+
+def files_in(directory):
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+# ------------------------------------------------------------------ table
+
+
+@pytest.mark.parametrize("count", [0, 1, 40, 5000], ids=["empty", "one-record", "one-block", "many-blocks"])
+def test_write_table_round_trips_through_our_reader(count):
+    records = [(b"", b"header")] + [(f"layer_{i:05d}/kernel".encode(), bytes([i % 251]) * (i % 97)) for i in range(count)]
+    assert read_table(write_table(records)) == records
+
+
+def test_write_table_rejects_unsorted_keys():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        write_table([(b"b", b""), (b"a", b"")])
+
+
+# ------------------------------------------------------------------ slice keys
+
+
+def test_slice_key_encoder_inverts_tf_keys(tmp_path):
+    with tf.Graph().as_default():
+        tf1.get_variable("emb", shape=[1000, 7], partitioner=tf1.fixed_size_partitioner(3))
+        tf1.get_variable("deep/big", shape=[300000, 2], partitioner=tf1.fixed_size_partitioner(5))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            prefix = saver.save(sess, str(tmp_path / "m"), write_meta_graph=False)
+    keys = [k for k, _ in read_table(open(prefix + ".index", "rb").read()) if k[:1] == b"\x00"]
+    assert len(keys) == 8
+    for key in keys:
+        name, extents = decode_slice_key(key)
+        assert encode_slice_key(name, extents) == key
+    assert decode_slice_key(encode_slice_key("a\x00b\xff", ((-70, -1), (2**40, 9))))[1] == ((-70, -1), (2**40, 9))
+
+
+# ------------------------------------------------------------------ BundleWriter
+
+
+@pytest.fixture
+def written(tmp_path):
+    prefix = str(tmp_path / "out" / "model.ckpt")
+    with BundleWriter(prefix) as w:
+        for name, value in VALUES.items():
+            w.add(name, value)
+    return prefix
+
+
+def test_writer_output_reads_back_with_our_reader(written):
+    ckpt = Checkpoint(written)
+    assert list(ckpt) == sorted(VALUES)
+    for name, value in VALUES.items():
+        got = ckpt.read(name)
+        assert got.shape == np.shape(value)
+        if "string" not in name:
+            assert got.dtype == np.asarray(value).dtype
+        assert np.array_equal(got, value)
+
+
+@pytest.mark.parametrize("name", list(VALUES), ids=list(VALUES))
+def test_writer_output_reads_back_with_tensorflow(written, name):
+    reader = tf.train.load_checkpoint(written)  # checks every crc32c
+    expected_dtype = {"string_scalar": "string", "empty": "float32"}.get(name, name)
+    assert reader.get_variable_to_dtype_map()[name].name == expected_dtype
+    got = reader.get_tensor(name)
+    if "string" in name:
+        assert np.array_equal(np.asarray(got, dtype=object), VALUES[name])
+    else:
+        assert np.array_equal(np.asarray(got).astype(np.asarray(VALUES[name]).dtype), VALUES[name])
+
+
+def test_writer_output_restores_with_saver(tmp_path):
+    prefix = str(tmp_path / "m")
+    kernel = np.random.RandomState(1).randn(5, 2).astype(np.float32)
+    with BundleWriter(prefix) as w:
+        w.add("dense/kernel", kernel)
+        w.add("global_step", np.int64(42))
+    with tf.Graph().as_default():
+        v = tf1.get_variable("dense/kernel", shape=[5, 2])
+        step = tf1.train.get_or_create_global_step()
+        with tf1.Session() as sess:
+            tf1.train.Saver().restore(sess, prefix)
+            assert np.array_equal(sess.run(v), kernel)
+            assert sess.run(step) == 42
+
+
+def test_add_raw_copies_bytes_verbatim_and_checks_the_crc(written, tmp_path):
+    src = Checkpoint(written)
+    prefix = str(tmp_path / "copy" / "m")
+    entry = src.bundle_entry("float32")
+    raw = src.read_raw(entry)
+    with BundleWriter(prefix) as w:
+        w.add_raw("float32", entry, [raw[:10], raw[10:]])
+        w.add_raw("string", src.bundle_entry("string"), src.read_raw(src.bundle_entry("string")))
+    out = Checkpoint(prefix)
+    assert np.array_equal(out.read("float32"), VALUES["float32"])
+    assert np.array_equal(out.read("string"), VALUES["string"])
+    bad = str(tmp_path / "bad" / "m")
+    with pytest.raises(ChecksumMismatchError):
+        with BundleWriter(bad) as w:
+            w.add_raw("float32", entry, b"\x01" + raw[1:])
+    assert files_in(tmp_path / "bad") == []
+
+
+def test_writer_leaves_nothing_on_error_and_rejects_duplicates(tmp_path):
+    prefix = str(tmp_path / "m")
+    with pytest.raises(NameCollisionError):
+        with BundleWriter(prefix) as w:
+            w.add("a", np.zeros(3))
+            w.add("a", np.ones(3))
+    assert files_in(tmp_path) == []
+
+
+def test_writer_is_invisible_until_finish(tmp_path):
+    w = BundleWriter(str(tmp_path / "m"))
+    w.add("a", np.arange(4))
+    assert [f for f in files_in(tmp_path) if not f.startswith(".")] == []
+    w.finish()
+    assert files_in(tmp_path) == ["m.data-00000-of-00001", "m.index"]
+    assert list(Checkpoint(str(tmp_path / "m")).read("a")) == [0, 1, 2, 3]
+
+
+def test_stale_temporary_directories_are_swept(tmp_path):
+    stale = tmp_path / ".restorekit-tmp-999999999-deadbeef"
+    stale.mkdir()
+    (stale / "m.index").write_bytes(b"partial")
+    with BundleWriter(str(tmp_path / "m")) as w:
+        w.add("a", np.zeros(1))
+    assert files_in(tmp_path) == ["m.data-00000-of-00001", "m.index"]
+    assert atomic.CRASH_HOOK_ENV == "RESTOREKIT_CRASH_HOOK"
+
+
+# ------------------------------------------------------------------ fuzz
+
+
+def _read_everything(prefix):
+    ckpt = Checkpoint(prefix)
+    for name in ckpt:
+        ckpt.read(name)
+
+
+def _mutate_bytes(rng, data: bytes) -> bytes:
+    data = bytearray(data)
+    kind = rng.randrange(4)
+    if kind == 0 or not data:
+        return bytes(data[: rng.randrange(len(data) + 1)])  # truncate
+    if kind == 1:
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data)
+    if kind == 2:
+        pos = rng.randrange(len(data))
+        return bytes(data[:pos] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 9))) + data[pos:])
+    pos = rng.randrange(len(data))
+    return bytes(data[:pos] + data[pos + rng.randint(1, 8) :])
+
+
+def _mutate_records(rng, records):
+    """Mutate entry protos (or keys) and re-encode the table, so block crcs pass and the parsers see it."""
+    records = list(records)
+    i = rng.randrange(len(records))
+    key, value = records[i]
+    choice = rng.randrange(6)
+    if choice == 0:
+        value = _mutate_bytes(rng, value)
+    elif choice == 1 and i > 0:
+        entry = decode_entry(value)
+        field = rng.choice(["offset", "size", "shard_id", "dtype"])
+        big = rng.choice([1, 3, 2**31, 2**40, 2**63 - 1, 2**64 - 1])
+        value = encode_entry(entry.replace(**{field: big}))
+    elif choice == 2 and i > 0:
+        entry = decode_entry(value)
+        shape = tuple(rng.choice([0, 1, 7, 2**20, 2**40]) for _ in range(rng.randint(0, 4)))
+        value = encode_entry(entry.replace(shape=shape))
+    elif choice == 3 and i > 0:
+        records[i] = (b"\x00" + _mutate_bytes(rng, key), value)
+        records.sort()
+        return records
+    elif choice == 4:
+        value = bytes(rng.randrange(256) for _ in range(rng.randint(0, 30)))
+    else:
+        del records[i]
+        return records
+    records[i] = (key, value)
+    return records
+
+
+def test_fuzzed_indexes_and_shards_raise_restorekit_errors(tmp_path):
+    """Every mutation gives a RestoreKitError or a readable checkpoint; never a crash or a hang."""
+    good = str(tmp_path / "good" / "m")
+    with BundleWriter(good) as w:
+        for name, value in VALUES.items():
+            w.add(name, value)
+        raw = np.arange(4, dtype=np.float32).tobytes()
+        w.add_raw(encode_slice_key("part", ((0, 2), (0, -1))),
+                  BundleEntry(dtype=1, shape=(2, 2), size=16, crc32c=tensor_crc(raw)), raw)
+        w.add_entry_only("part", BundleEntry(dtype=1, shape=(2, 2), slices=(b"",)))
+    assert np.array_equal(Checkpoint(good).read("part"), np.arange(4).reshape(2, 2))
+    index = open(good + ".index", "rb").read()
+    shard_path = good + ".data-00000-of-00001"
+    shard = open(shard_path, "rb").read()
+    records = read_table(index)
+    rng = random.Random(20240501)
+    prefix = str(tmp_path / "fuzz" / "m")
+    os.makedirs(os.path.dirname(prefix))
+    outcomes = {"error": 0, "ok": 0}
+    for case in range(360):
+        target = case % 3
+        new_index, new_shard = index, shard
+        if target == 0:
+            new_index = _mutate_bytes(rng, index)
+        elif target == 1:
+            new_index = write_table(_mutate_records(rng, records))
+        else:
+            new_shard = _mutate_bytes(rng, shard)
+        with open(prefix + ".index", "wb") as f:
+            f.write(new_index)
+        with open(prefix + ".data-00000-of-00001", "wb") as f:
+            f.write(new_shard)
+        try:
+            _read_everything(prefix)
+        except RestoreKitError:
+            outcomes["error"] += 1
+        except Exception as e:  # pragma: no cover - the failure this test exists to find
+            pytest.fail(f"case {case} (target {target}) raised {type(e).__name__}: {e}")
+        else:
+            outcomes["ok"] += 1
+    assert outcomes["error"] >= 200
+
+
+@pytest.mark.xfail(strict=True, reason="Checkpoint.read must check slice extents against the full shape "
+                   "(fix described for the owner of restorekit/checkpoint.py)")
+def test_slice_outside_its_full_shape_is_a_corrupt_checkpoint(tmp_path):
+    raw = np.arange(4, dtype=np.float32).tobytes()
+    prefix = str(tmp_path / "m")
+    with BundleWriter(prefix) as w:
+        w.add_raw(encode_slice_key("part", ((5, 2), (0, -1))),
+                  BundleEntry(dtype=1, shape=(2, 2), size=16, crc32c=tensor_crc(raw)), raw)
+        w.add_entry_only("part", BundleEntry(dtype=1, shape=(2, 2), slices=(b"",)))
+    with pytest.raises(RestoreKitError):
+        Checkpoint(prefix).read("part")
