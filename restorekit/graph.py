@@ -268,6 +268,15 @@ class ConvertedConstant:
     # 'variable' (VariableV2), 'resource' (TF1 VarHandleOp), 'resource (TF2)' (a captured
     # handle; the node name is not the variable's: pass a reference), 'large' or 'chosen'.
     pattern: str
+    # One part of a partitioned variable ('emb/part_1'): saved, as a Saver does, as a
+    # slice of ``full_name`` (shape ``full_shape``) starting at ``offset``.
+    full_name: str | None = None
+    full_shape: tuple | None = None
+    offset: tuple | None = None
+
+    @property
+    def checkpoint_name(self) -> str:
+        return self.full_name or self.name
 
 
 @dataclass(frozen=True)
@@ -291,7 +300,17 @@ class UnfreezeResult:
     def __str__(self) -> str:
         total = sum(int(np.prod(c.shape)) for c in self.converted)
         lines = [f"restorekit: {len(self.converted)} constants ({total} values) -> {self.checkpoint}"]
-        lines += _table([(c.name, c.dtype, _shape_text(c.shape), c.pattern) for c in self.converted])
+        lines += _table(
+            [
+                (
+                    c.name,
+                    c.dtype,
+                    _shape_text(c.shape),
+                    c.pattern + (f", slice of {c.full_name!r} {_shape_text(c.full_shape)}" if c.full_name else ""),
+                )
+                for c in self.converted
+            ]
+        )
         renamed = [a for a in self.aligned if a.old != a.new]
         if self.aligned:
             lines.append(f"aligned    {len(self.aligned) - len(renamed)} kept, {len(renamed)} renamed")
@@ -462,7 +481,7 @@ def _load_path(path: str) -> _Loaded:
                 return _Loaded(path, kind, msg)
     if _looks_truncated(data):
         raise GraphError(
-            f"{path!r} is truncated: its protobuf records run past the end of the file "
+            f"{path!r} is truncated (or corrupt): its protobuf records run past the end of the file "
             f"({len(data)} bytes). Copy or download it again."
         )
     raise GraphError(
@@ -1008,7 +1027,8 @@ def freeze(checkpoint, graph, outputs, out=None):
     for node in gd.node:
         node.device = ""
 
-    needed = [n for n in gd.node if n.op in _VARIABLE_OPS and n.name in _ancestors(gd, output_names)]
+    upstream = _ancestors(gd, output_names)
+    needed = [n for n in gd.node if n.op in _VARIABLE_OPS and n.name in upstream]
     vdefs = _variable_defs(loaded.meta_graph)
     plan = []  # (node, checkpoint name, slice of the checkpoint tensor or None)
     targets: dict = {}
@@ -1087,6 +1107,10 @@ def _weight_pattern(node, consumers) -> str | None:
         return "resource (TF2)"
     if any(_READ_VARIABLE_LEAF.search(c.name) for c in readers):
         return "resource"
+    for c in consumers.get(node.name, ()):
+        # A ResourceGather becomes GatherV2 on the constant with a new '<gather>/axis' input.
+        if c.op == "GatherV2" and len(c.input) == 3 and c.input[0] == node.name and c.input[2] == f"{c.name}/axis":
+            return "resource"
     return None
 
 
@@ -1146,57 +1170,95 @@ def _reference_entries(reference) -> dict[str, tuple[tuple, str]]:
     return {name: (tuple(e.shape), e.dtype) for name, e in ckpt.entries.items()}
 
 
-def _align(found: list[ConvertedConstant], reference: dict) -> tuple[list[str], list[Alignment]]:
-    """New names for ``found``: the same name and shape, else a unique shape (and dtype) match."""
-    new = [None] * len(found)
-    reasons = [""] * len(found)
+def _align(units: list[tuple], reference: dict) -> list[Alignment]:
+    """New names for ``(name, shape, dtype)`` units: the same name and shape, else a unique shape and dtype match."""
+    new = [None] * len(units)
+    reasons = [""] * len(units)
     taken = set()
-    for i, c in enumerate(found):
-        if c.name in reference and tuple(reference[c.name][0] or ()) == c.shape:
-            new[i], reasons[i] = c.name, "same name and shape"
-            taken.add(c.name)
-    own_names = {c.name for c in found}
+    for i, (name, shape, _) in enumerate(units):
+        if name in reference and tuple(reference[name][0] or ()) == shape:
+            new[i], reasons[i] = name, "same name and shape"
+            taken.add(name)
+    own_names = {u[0] for u in units}
     open_refs: dict = {}
     for name, (shape, dtype) in reference.items():
         if name in taken or name in own_names or optimizer_slot_kind(name) or is_global_step(name):
             continue
         open_refs.setdefault((tuple(shape or ()), dtype), []).append(name)
-    open_found: dict = {}
-    for i, c in enumerate(found):
+    open_units: dict = {}
+    for i, (_, shape, dtype) in enumerate(units):
         if new[i] is None:
-            open_found.setdefault((c.shape, c.dtype), []).append(i)
-    for key, indexes in open_found.items():
+            open_units.setdefault((shape, dtype), []).append(i)
+    for key, indexes in open_units.items():
         refs = open_refs.get(key, [])
         if len(indexes) == 1 and len(refs) == 1:
             new[indexes[0]] = refs[0]
             reasons[indexes[0]] = f"unique shape match {_shape_text(key[0])}"
-    for i, c in enumerate(found):
+    for i, (name, _, _) in enumerate(units):
         if new[i] is None:
-            new[i] = c.name
+            new[i] = name
             reasons[i] = "no same-name or unique-shape match in the reference; kept its name"
-    return new, [Alignment(c.name, n, r) for c, n, r in zip(found, new, reasons)]
+    return [Alignment(u[0], n, r) for u, n, r in zip(units, new, reasons)]
 
 
-def _write_checkpoint(prefix: str, values: dict) -> None:
-    """Write ``values`` (name -> ndarray) as a V2 checkpoint at ``prefix``, atomically."""
+_PART = re.compile(r"^(?P<base>.+)/part_(?P<index>\d+)$")
+
+
+def _join_partitions(converted: list[ConvertedConstant]) -> list[ConvertedConstant]:
+    """Mark complete sets of ``X/part_0..N`` constants as slices of one variable ``X``."""
+    groups: dict[str, dict[int, int]] = {}
+    for i, c in enumerate(converted):
+        m = _PART.match(c.name)
+        if m:
+            groups.setdefault(m.group("base"), {})[int(m.group("index"))] = i
+    names = {c.name for c in converted}
+    result = list(converted)
+    for base, parts in groups.items():
+        if base in names or sorted(parts) != list(range(len(parts))):
+            continue
+        members = [converted[parts[k]] for k in range(len(parts))]
+        shapes = [m.shape for m in members]
+        if len({m.dtype for m in members}) != 1 or len({len(sh) for sh in shapes}) != 1 or not shapes[0]:
+            continue
+        differing = [d for d in range(len(shapes[0])) if len({sh[d] for sh in shapes}) > 1]
+        if len(differing) > 1:
+            continue
+        # TF's partitioners split one axis, axis 0 unless told otherwise.
+        axis = differing[0] if differing else 0
+        full_shape = list(shapes[0])
+        full_shape[axis] = sum(sh[axis] for sh in shapes)
+        start = 0
+        for k, member in enumerate(members):
+            offset = [0] * len(full_shape)
+            offset[axis] = start
+            start += member.shape[axis]
+            result[parts[k]] = dataclasses.replace(
+                member, full_name=base, full_shape=tuple(full_shape), offset=tuple(offset)
+            )
+    return result
+
+
+def _write_checkpoint(prefix: str, tensors: list[tuple[str, str, np.ndarray]]) -> None:
+    """Write ``(checkpoint name, slice spec or '', value)`` as a V2 checkpoint at ``prefix``, atomically."""
     tf = _tf()
     tf1 = tf.compat.v1
     directory = os.path.dirname(os.path.abspath(prefix))
     os.makedirs(directory, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(dir=directory, prefix=f".{os.path.basename(prefix)}.tmp")
     tmp_prefix = os.path.join(tmp_dir, "ckpt")
-    names = sorted(values)
     try:
         with tf.Graph().as_default():
             # Placeholders keep the tensors out of the graph (no 2 GB GraphDef limit).
-            holders = [tf1.placeholder(tf.as_dtype(values[n].dtype), values[n].shape) for n in names]
+            holders = [tf1.placeholder(tf.as_dtype(value.dtype), value.shape) for _, _, value in tensors]
             save = tf.raw_ops.SaveV2(
-                prefix=tmp_prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=holders
+                prefix=tmp_prefix,
+                tensor_names=[name for name, _, _ in tensors],
+                shape_and_slices=[spec for _, spec, _ in tensors],
+                tensors=holders,
             )
             with tf1.Session() as sess:
-                sess.run(save, dict(zip(holders, (values[n] for n in names))))
-        written = sorted(os.listdir(tmp_dir))
-        data = [f for f in written if f.startswith("ckpt.data-")]
+                sess.run(save, dict(zip(holders, (value for _, _, value in tensors))))
+        data = [f for f in sorted(os.listdir(tmp_dir)) if f.startswith("ckpt.data-")]
         # Data shards first, the index last: a reader never sees an index without its data.
         for f in data:
             os.replace(os.path.join(tmp_dir, f), prefix + f[len("ckpt") :])
@@ -1207,6 +1269,38 @@ def _write_checkpoint(prefix: str, values: dict) -> None:
                 os.unlink(os.path.join(tmp_dir, f))
         with contextlib.suppress(OSError):
             os.rmdir(tmp_dir)
+
+
+def _slice_spec(c: ConvertedConstant) -> str:
+    """The Saver's slice spec of a partition: 'full dims offset,length:offset,length'."""
+    if c.full_name is None:
+        return ""
+    full = " ".join(str(d) for d in c.full_shape)
+    return f"{full} " + ":".join(f"{o},{n}" for o, n in zip(c.offset, c.shape))
+
+
+def _add_slice_infos(meta, converted: list[ConvertedConstant]) -> None:
+    """Give partition variables their save-slice info, so the Saver restores them as slices."""
+    from tensorflow.core.framework import variable_pb2
+
+    parts = {f"{c.name}:0": c for c in converted if c.full_name is not None}
+    if not parts:
+        return
+    for key in ("variables", "trainable_variables"):
+        if key not in meta.collection_def:
+            continue
+        values = meta.collection_def[key].bytes_list.value
+        for i, raw in enumerate(values):
+            vdef = variable_pb2.VariableDef.FromString(raw)
+            c = parts.get(vdef.variable_name)
+            if c is None:
+                continue
+            info = vdef.save_slice_info_def
+            info.full_name = c.full_name
+            info.full_shape[:] = c.full_shape
+            info.var_offset[:] = c.offset
+            info.var_shape[:] = c.shape
+            values[i] = vdef.SerializeToString()
 
 
 def _trainable_meta_graph(gd, converted: list[ConvertedConstant]):
@@ -1277,6 +1371,7 @@ def _trainable_meta_graph(gd, converted: list[ConvertedConstant]):
     meta = type(scratch_meta)()
     meta.CopyFrom(scratch_meta)
     meta.graph_def.CopyFrom(merged)
+    _add_slice_infos(meta, converted)
     # 3. Load it, as a user would, and add the Saver.
     try:
         with tf.Graph().as_default() as g:
@@ -1307,7 +1402,8 @@ def unfreeze(
     ``weights='auto'`` finds the constants ``convert_variables_to_constants`` made: a
     ``Const`` read through ``<name>/read`` (VariableV2) or through an ``Identity`` named
     ``.../ReadVariableOp`` (resource variables). Each is written under its node name,
-    which is the original variable name. Graphs frozen by TF2's
+    which is the original variable name; the parts ``X/part_0..N`` of a partitioned
+    variable are saved, as a Saver saves them, as slices of ``X``. Graphs frozen by TF2's
     ``convert_variables_to_constants_v2`` lose the variable names (the constants are
     ``<op>/ReadVariableOp/resource``): pass ``reference`` to get them back.
 
@@ -1351,10 +1447,20 @@ def unfreeze(
         tensor = node.attr["value"].tensor
         shape = tuple(d.size for d in tensor.tensor_shape.dim)
         converted.append(ConvertedConstant(node.name, node.name, shape, _dtype_name(tensor.dtype), pattern))
+    converted = _join_partitions(converted)
     aligned: list[Alignment] = []
     if reference is not None:
-        names, aligned = _align(converted, _reference_entries(reference))
-        converted = [dataclasses.replace(c, name=n) for c, n in zip(converted, names)]
+        # A partitioned variable aligns as one: its full name and full shape.
+        units = list({(c.checkpoint_name, c.full_shape or c.shape, c.dtype): None for c in converted})
+        aligned = _align(units, _reference_entries(reference))
+        rename = {a.old: a.new for a in aligned}
+        for i, c in enumerate(converted):
+            if c.full_name:
+                part = c.name[len(c.full_name) + 1 :]
+                new = rename[c.full_name]
+                converted[i] = dataclasses.replace(c, name=f"{new}/{part}", full_name=new)
+            else:
+                converted[i] = dataclasses.replace(c, name=rename[c.name])
     seen: dict = {}
     for c in converted:
         if c.name in seen:
@@ -1366,8 +1472,11 @@ def unfreeze(
     if trainable_graph:
         meta_bytes = _trainable_meta_graph(gd, converted).SerializeToString()
     by_node = {n.name: n for n in gd.node}
-    values = {c.name: tf.make_ndarray(by_node[c.node].attr["value"].tensor) for c in converted}
-    _write_checkpoint(out_prefix, values)
+    tensors = [
+        (c.checkpoint_name, _slice_spec(c), tf.make_ndarray(by_node[c.node].attr["value"].tensor))
+        for c in sorted(converted, key=lambda c: (c.checkpoint_name, c.offset or ()))
+    ]
+    _write_checkpoint(out_prefix, tensors)
     meta_path = None
     if meta_bytes is not None:
         meta_path = out_prefix + ".meta"

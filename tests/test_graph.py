@@ -457,6 +457,53 @@ def test_unfreeze_tf2_frozen_function_recovers_names_from_a_reference(tmp_path):
     np.testing.assert_array_equal(outputs, model(inputs)["out"].numpy())
 
 
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+def test_partitioned_variable_round_trips_as_slices_of_one_entry(tmp_path, use_resource):
+    ids = np.array([0, 3, 9, 4], np.int32)
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.int32, [None], name="ids")
+        emb = tf1.get_variable(
+            "emb", [10, 4], partitioner=tf1.fixed_size_partitioner(3), use_resource=use_resource
+        )
+        tf.identity(tf.nn.embedding_lookup(emb, x), name="y")
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            prefix = saver.save(sess, str(tmp_path / "train" / "model.ckpt"))
+            outputs = sess.run("y:0", {x: ids})
+    summary = inspect_graph(prefix + ".meta")
+    assert [(v.name, v.shape, v.checkpoint_name) for v in summary.variables] == [
+        ("emb/part_0", (4, 4), "emb"),
+        ("emb/part_1", (3, 4), "emb"),
+        ("emb/part_2", (3, 4), "emb"),
+    ]
+
+    frozen_gd = freeze(prefix, prefix + ".meta", ["y"])
+    result = unfreeze(frozen_gd, str(tmp_path / "out" / "model.ckpt"), trainable_graph=True)
+
+    with tf.Graph().as_default():
+        tf.import_graph_def(frozen_gd, name="")
+        with tf1.Session() as sess:
+            np.testing.assert_array_equal(sess.run("y:0", {"ids:0": ids}), outputs)
+    assert [(c.name, c.full_name, c.full_shape, c.offset) for c in result.converted] == [
+        ("emb/part_0", "emb", (10, 4), (0, 0)),
+        ("emb/part_1", "emb", (10, 4), (4, 0)),
+        ("emb/part_2", "emb", (10, 4), (7, 0)),
+    ]
+    original, unfrozen = Checkpoint(prefix), Checkpoint(result.checkpoint)
+    assert list(unfrozen.entries) == ["emb"]
+    assert unfrozen.read("emb").tobytes() == original.read("emb").tobytes()
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(result.meta_graph)
+        y = tf1.get_default_graph().get_tensor_by_name("y:0")
+        train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_sum(y))
+        with tf1.Session() as sess:
+            saver.restore(sess, result.checkpoint)
+            np.testing.assert_array_equal(sess.run(y, {"ids:0": ids}), outputs)
+            sess.run(train_op, {"ids:0": ids})
+            assert not np.array_equal(sess.run(y, {"ids:0": ids}), outputs)
+
+
 # ---------------------------------------------------------------- bad input
 
 
