@@ -163,7 +163,6 @@ def test_tf_checkpoint_to_tf_copies_exactly(rich_checkpoint, tmp_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_file_to_file_conversion_keeps_tf_names(rich_checkpoint, tmp_path, fmt):
     _need(fmt)
-    pytest.importorskip("torch")
     first = tmp_path / "a.safetensors"
     export_checkpoint(rich_checkpoint, first, layout="torch")
     second = tmp_path / ("b.pt" if fmt == "torch" else "b.safetensors")

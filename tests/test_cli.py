@@ -1,0 +1,307 @@
+"""Tests for restorekit/cli.py: every command in-process, bad input, and once as a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from restorekit.checkpoint import Checkpoint
+from restorekit.cli import COMMANDS, main, register
+from conftest import save_variables
+
+tf1 = tf.compat.v1
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def _listing(directory):
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _assert_error_line(err):
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("restorekit: error: ")
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ inspect
+
+def test_inspect_prints_a_table(capsys, small_checkpoint):
+    prefix, values = small_checkpoint
+    code, out, err = run(capsys, "inspect", prefix)
+    assert code == 0
+    assert out.splitlines()[0].split() == ["NAME", "SHAPE", "DTYPE", "SIZE"]
+    assert any(line.split()[:5] == ["dense/kernel", "[4,", "3]", "float32", "48"] for line in out.splitlines())
+    assert "6 tensors" in out
+
+
+def test_inspect_json_with_stats_and_filter(capsys, small_checkpoint):
+    prefix, values = small_checkpoint
+    code, data = run_json(capsys, "inspect", prefix, "--stats", "--filter", "dense")
+    assert code == 0
+    assert [e["name"] for e in data["entries"]] == ["dense/bias", "dense/kernel", "dense/kernel/Momentum"]
+    kernel = data["entries"][1]
+    assert kernel["shape"] == [4, 3] and kernel["dtype"] == "float32" and kernel["nbytes"] == 48
+    assert kernel["stats"]["min"] == float(values["dense/kernel"].min())
+    assert kernel["stats"]["max"] == float(values["dense/kernel"].max())
+    assert kernel["stats"]["nans"] == 0
+
+
+def test_inspect_stats_count_nans(capsys, tmp_path):
+    prefix = save_variables(tmp_path / "m", {"w": np.array([1.0, np.nan, 3.0, np.nan], np.float32)})
+    code, data = run_json(capsys, "inspect", prefix, "--stats")
+    stats = data["entries"][0]["stats"]
+    assert (stats["nans"], stats["min"], stats["max"], stats["mean"]) == (2, 1.0, 3.0, 2.0)
+
+
+def test_inspect_filter_matching_nothing_is_an_error(capsys, small_checkpoint):
+    code, out, err = run(capsys, "inspect", small_checkpoint[0], "--filter", "nothing_here")
+    assert code == 3 and out == ""
+    _assert_error_line(err)
+
+
+# ------------------------------------------------------------------ diff
+
+def test_diff_equal_exits_0(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    assert run(capsys, "convert", prefix, tmp_path / "copy", "--to", "tf")[0] == 0
+    code, out, err = run(capsys, "diff", prefix, tmp_path / "copy")
+    assert code == 0 and out.startswith("equal: 6 tensors identical")
+
+
+def test_diff_reports_names_shapes_and_values_and_exits_1(capsys, small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    changed = dict(values)
+    del changed["global_step"]
+    changed["dense/bias"] = values["dense/bias"] + np.float32(0.5)
+    changed["logits/bias"] = np.zeros(6, np.float32)
+    changed["extra"] = np.ones(2, np.float32)
+    other = save_variables(tmp_path / "other", changed)
+    code, data = run_json(capsys, "diff", prefix, other)
+    assert code == 1 and data["equal"] is False
+    assert data["only_in_a"] == ["global_step"] and data["only_in_b"] == ["extra"]
+    assert data["changed"] == [
+        {"name": "logits/bias", "a": {"shape": [5], "dtype": "float32"}, "b": {"shape": [6], "dtype": "float32"}}
+    ]
+    [value] = data["values"]
+    assert value["name"] == "dense/bias" and value["differing"] == 3
+    assert value["max_abs_diff"] == pytest.approx(0.5, abs=1e-6)
+    code, out, err = run(capsys, "diff", prefix, other)
+    assert code == 1 and "values     dense/bias: max abs diff 0.5" in out
+    assert run(capsys, "diff", prefix, other, "--atol", "1")[0] == 1  # names still differ
+
+
+# ------------------------------------------------------------------ scan
+
+def _meta_graph(path, shapes):
+    with tf.Graph().as_default():
+        for name, shape in shapes.items():
+            tf1.get_variable(name, shape=shape, dtype=tf.float32)
+        tf1.train.export_meta_graph(filename=str(path))
+    return path
+
+
+def test_scan_prints_the_report_and_json(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    meta = _meta_graph(tmp_path / "full.meta", {"dense/kernel": [4, 3], "dense/bias": [3]})
+    code, out, err = run(capsys, "scan", prefix, "--meta-graph", meta)
+    assert code == 0 and "matched" in out
+    code, data = run_json(capsys, "scan", prefix, "--meta-graph", meta)
+    assert code == 0 and data["is_complete"] is True
+    assert sorted(r["variable_name"] for r in data["matched"]) == ["dense/bias", "dense/kernel"]
+
+
+def test_scan_incomplete_exits_1(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    meta = _meta_graph(tmp_path / "head.meta", {"dense/kernel": [4, 3], "logits/kernel": [3, 10]})
+    code, data = run_json(capsys, "scan", prefix, "--meta-graph", meta)
+    assert code == 1 and data["is_complete"] is False
+    assert [r["variable_name"] for r in data["shape_mismatched"]] == ["logits/kernel"]
+
+
+def test_scan_bad_meta_graph_is_an_error(capsys, small_checkpoint, tmp_path):
+    bad = tmp_path / "bad.meta"
+    bad.write_bytes(b"\x00not a meta graph")
+    for meta in [bad, tmp_path / "missing.meta"]:
+        code, out, err = run(capsys, "scan", small_checkpoint[0], "--meta-graph", meta)
+        assert code == 3 and out == ""
+        _assert_error_line(err)
+
+
+# ------------------------------------------------------------------ edits
+
+def test_rename_with_rules(capsys, small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    code, out, err = run(capsys, "rename", prefix, tmp_path / "out" / "m", "--rule", "^dense/=fc/", "--rule", "kernel=w")
+    assert code == 0
+    ckpt = Checkpoint(tmp_path / "out" / "m")
+    assert "fc/w" in ckpt and "fc/w/Momentum" in ckpt and "logits/w" in ckpt
+    np.testing.assert_array_equal(ckpt.read("fc/w"), values["dense/kernel"])
+
+
+def test_rename_with_a_json_map(capsys, small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    mapping = tmp_path / "map.json"
+    mapping.write_text(json.dumps({"logits/kernel": "head/kernel", "logits/bias": "head/bias"}))
+    assert run(capsys, "rename", prefix, tmp_path / "m", "--map", mapping)[0] == 0
+    ckpt = Checkpoint(tmp_path / "m")
+    assert "logits/kernel" not in ckpt and "dense/kernel" in ckpt
+    assert ckpt.read("head/kernel").tobytes() == values["logits/kernel"].tobytes()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--rule", "no-equals-sign"], ["--rule", "a=b", "--map", "x.json"]],
+    ids=["no-rule", "rule-without-equals", "rule-and-map"],
+)
+def test_rename_usage_errors_exit_2(capsys, small_checkpoint, tmp_path, extra):
+    code, out, err = run(capsys, "rename", small_checkpoint[0], tmp_path / "out" / "m", *extra)
+    assert code == 2
+    _assert_error_line(err)
+    assert _listing(tmp_path / "out") == []
+
+
+def test_strip_drops_optimizer_slots(capsys, small_checkpoint, tmp_path):
+    assert run(capsys, "strip", small_checkpoint[0], tmp_path / "m")[0] == 0
+    names = list(Checkpoint(tmp_path / "m").entries)
+    assert "dense/kernel/Momentum" not in names and "dense/kernel" in names
+
+
+def test_cast_to_bfloat16_with_filter(capsys, small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    assert run(capsys, "cast", prefix, tmp_path / "m", "--dtype", "bfloat16", "--filter", "dense")[0] == 0
+    ckpt = Checkpoint(tmp_path / "m")
+    assert ckpt.entries["dense/kernel"].dtype == "bfloat16"
+    assert ckpt.entries["logits/kernel"].dtype == "float32"
+    assert ckpt.read("dense/kernel").tobytes() == values["dense/kernel"].astype(ckpt.read("dense/kernel").dtype).tobytes()
+
+
+# ------------------------------------------------------------------ convert
+
+@pytest.mark.parametrize("layout", [[], ["--layout", "torch"]], ids=["tf-layout", "torch-layout"])
+@pytest.mark.parametrize("suffix", ["safetensors", "pt"])
+def test_convert_round_trip_then_diff_is_equal(capsys, small_checkpoint, tmp_path, suffix, layout):
+    if suffix == "pt":
+        pytest.importorskip("torch")
+    prefix, _ = small_checkpoint
+    out = tmp_path / f"m.{suffix}"
+    code, text, err = run(capsys, "-q", "convert", prefix, out, *layout)
+    assert code == 0 and text == "" and out.exists()
+    code, text, err = run(capsys, "convert", out, tmp_path / "back" / "m", "--to", "tf")
+    assert code == 0 and "wrote 6 tensors" in text
+    assert run(capsys, "diff", prefix, tmp_path / "back" / "m")[0] == 0
+
+
+def test_convert_to_npz(capsys, small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    assert run(capsys, "convert", prefix, tmp_path / "m.npz")[0] == 0
+    with np.load(tmp_path / "m.npz") as data:
+        assert data["logits/kernel"].tobytes() == values["logits/kernel"].tobytes()
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{missing}"],
+        ["diff", "{missing}", "{src}"],
+        ["convert", "{missing}", "{out}/m.safetensors"],
+        ["strip", "{missing}", "{out}/m"],
+        ["cast", "{missing}", "{out}/m", "--dtype", "float16"],
+        ["rename", "{missing}", "{out}/m", "--rule", "a=b"],
+    ],
+    ids=["inspect", "diff", "convert", "strip", "cast", "rename"],
+)
+def test_missing_checkpoint_exits_3_and_writes_nothing(capsys, small_checkpoint, tmp_path, argv):
+    fill = {"missing": tmp_path / "no" / "model.ckpt", "src": small_checkpoint[0], "out": tmp_path / "out"}
+    code, out, err = run(capsys, *[a.format(**fill) for a in argv])
+    assert code == 3 and out == ""
+    _assert_error_line(err)
+    assert "no checkpoint at" in err or "no file at" in err
+    assert _listing(tmp_path / "out") == []
+
+
+def test_corrupt_checkpoint_exits_3(capsys, small_checkpoint, tmp_path):
+    bad = tmp_path / "bad" / "model.ckpt"
+    bad.parent.mkdir()
+    (tmp_path / "bad" / "model.ckpt.index").write_bytes(b"garbage" * 10)
+    code, out, err = run(capsys, "convert", bad, tmp_path / "out" / "m.safetensors")
+    assert code == 3 and out == ""
+    _assert_error_line(err)
+    assert _listing(tmp_path / "out") == []
+
+
+def test_unsafe_pt_exits_3_and_nothing_runs(capsys, tmp_path):
+    pytest.importorskip("torch")
+    from test_export import _evil_files
+
+    marker, files = _evil_files(tmp_path)
+    for path in files:
+        code, out, err = run(capsys, "convert", path, tmp_path / "out" / "m")
+        assert code == 3 and "refusing to load" in err
+        _assert_error_line(err)
+    assert not marker.exists() and _listing(tmp_path / "out") == []
+
+
+def test_unknown_target_format_exits_2(capsys, small_checkpoint, tmp_path):
+    code, out, err = run(capsys, "convert", small_checkpoint[0], tmp_path / "out" / "m", "--to", "onnx")
+    assert code == 2 and "invalid choice: 'onnx'" in err
+    assert _listing(tmp_path / "out") == []
+
+
+def test_output_equal_to_source_exits_3(capsys, small_checkpoint):
+    prefix, _ = small_checkpoint
+    before = sorted(os.listdir(os.path.dirname(prefix)))
+    for argv in (["convert", prefix, prefix, "--to", "tf", "--overwrite"], ["strip", prefix, prefix]):
+        code, out, err = run(capsys, *argv)
+        assert code == 3
+        _assert_error_line(err)
+    assert sorted(os.listdir(os.path.dirname(prefix))) == before
+    assert len(Checkpoint(prefix)) == 6
+
+
+def test_help_documents_exit_codes_and_usage_errors_exit_2(capsys):
+    code, out, err = run(capsys, "--help")
+    assert code == 0 and "exit codes" in out and "convert" in out
+    assert run(capsys)[0] == 2
+    assert run(capsys, "inspect")[0] == 2
+    assert run(capsys, "frobnicate")[0] == 2
+
+
+def test_register_adds_a_subcommand(capsys):
+    def configure(parser):
+        parser.add_argument("word")
+
+    try:
+        register("echo-test", help="echo a word", configure=configure)(lambda args: print(args.word) or 0)
+        assert run(capsys, "echo-test", "hello")[:2] == (0, "hello\n")
+    finally:
+        COMMANDS.pop("echo-test", None)
+
+
+def test_python_m_restorekit_runs_as_a_subprocess(small_checkpoint):
+    prefix, _ = small_checkpoint
+    done = subprocess.run(
+        [sys.executable, "-m", "restorekit", "inspect", prefix, "--json"],
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["count"] == 6
+    missing = subprocess.run(
+        [sys.executable, "-m", "restorekit", "inspect", prefix + "-nope"], capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode == 3 and missing.stderr.startswith("restorekit: error: no checkpoint at")
