@@ -180,8 +180,6 @@ def _tf_files(prefix: str) -> list[str]:
 def _check_output(out: str, fmt: str, sources: list[str], overwrite: bool) -> None:
     """Refuse an output that is one of the source files, or that exists (unless overwrite)."""
     targets = _tf_files(out) if fmt == "tf" else [out]
-    if fmt == "tf":
-        targets = [out + ".index"] + targets[1:]
     real = {os.path.realpath(s) for s in sources}
     for t in targets:
         if os.path.realpath(t) in real:
