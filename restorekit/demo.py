@@ -13,15 +13,16 @@
 #    ``easy_going_scaffold(pretrained, ema=True)`` restores the backbone from its
 #    EMA shadows and initializes the rest; ``GroupedOptimizer`` trains the backbone
 #    at 0.1x the head's learning rate.
-# 3. The comparison: the same network from scratch, every layer at 1x (the stronger
-#    from-scratch setting), on the same images for the same steps.
+# 3. The comparison: the same network from scratch, every layer at 1x, on the same
+#    images for the same steps. (1x is the stronger from-scratch setting here: with
+#    the backbone at 0.1x, cold reaches 79.8% instead of 83.1% over the 10 seeds.)
 #
-# Task B never saw its labels in task A, but odd/even is a function of the digit, so
-# the pretrained features fit it: this is the favourable, common case of transfer.
-# (Digits 0-4 -> 5-9 was tried first: the 0-4 features do not help 5-9 on this data,
-# and the demo would have shown warm losing.) The warm and cold runs of one seed see
-# the same training images; each seed draws new images and new initial weights, and
-# every seed is reported.
+# Task A never sees the odd/even labels, but odd/even is a function of the digit, so
+# the pretrained features fit it: the favourable, common case of transfer. Digits
+# 0-4 -> 5-9 was tried first and is not shown: on this data the 0-4 features do not
+# help 5-9 (warm at 0.1x lost by 6-8 points, at 1x it tied). The warm and cold runs
+# of one seed see the same training images; each seed draws new images and new
+# initial weights, and # every seed is reported.
 
 from __future__ import annotations
 
