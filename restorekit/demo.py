@@ -22,7 +22,7 @@
 # 0-4 -> 5-9 was tried first and is not shown: on this data the 0-4 features do not
 # help 5-9 (warm at 0.1x lost by 6-8 points, at 1x it tied). The warm and cold runs
 # of one seed see the same training images; each seed draws new images and new
-# initial weights, and # every seed is reported.
+# initial weights, and every seed is reported.
 
 from __future__ import annotations
 
