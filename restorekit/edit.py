@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
@@ -27,7 +28,7 @@ from restorekit.bundle.format import (
 from restorekit.bundle.protos import decode_entry, decode_header
 from restorekit.bundle.table import mask_crc, read_table
 from restorekit.bundle.writer import CHUNK_SIZE, BundleWriter
-from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry, resolve_prefix
+from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry, RestoreKitWarning, resolve_prefix
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -52,6 +53,7 @@ _EXPORTERS = {
     "safetensors": "restorekit.export.safetensors",
     "npz": "restorekit.export.npz",
 }
+_ATTRIBUTES = "/.ATTRIBUTES/"
 _INDEX_SLACK = 1 << 20  # room for the index and filesystem rounding in the free-space check
 
 
@@ -101,12 +103,15 @@ class CheckpointEditor:
     readers slice on restore.
 
     TF2 object-based checkpoints: ``set``, ``add`` and ``cast`` leave the object graph
-    (``_CHECKPOINTABLE_OBJECT_GRAPH``) as it is. ``rename`` and ``delete`` keep it
-    consistent: the graph's ``checkpoint_key`` of a renamed tensor is updated and a
-    deleted tensor's attribute is removed, so ``tf.train.Checkpoint.restore`` still
-    restores every value *to the object it came from*. Renaming therefore does not move
-    a value to another object; for that, ``get`` it and ``set`` it on the other key.
-    Rewriting the graph imports TensorFlow's ``trackable_object_graph_pb2``.
+    (``_CHECKPOINTABLE_OBJECT_GRAPH``) as it is. ``delete`` keeps it consistent (the
+    deleted tensor's attribute is removed from the graph). ``rename`` keeps it
+    consistent while new names keep their ``/.ATTRIBUTES/...`` part: the graph's
+    ``checkpoint_key`` is updated, so ``tf.train.Checkpoint.restore`` still restores each
+    value *to the object it came from* (a rename does not move a value to another
+    object; ``get`` it and ``set`` it on the other key for that). A rename that drops
+    ``/.ATTRIBUTES/`` converts the output to a name-based checkpoint: the graph entry is
+    left out and a ``RestoreKitWarning`` says so. Rewriting the graph imports
+    TensorFlow's ``trackable_object_graph_pb2``.
 
     Raises:
         CheckpointNotFoundError: no checkpoint at ``path``.
@@ -636,6 +641,21 @@ class CheckpointEditor:
             return plan
         key_map = {it.origin: name for name, it in plan.items() if it.origin is not None}
         if all(key_map.get(k) == k for k in ckpt):
+            return plan
+        lost = [f"{old!r} -> {new!r}" for old, new in key_map.items()
+                if old != new and _ATTRIBUTES in old and _ATTRIBUTES not in new]
+        if lost:
+            # TF finds a value's object from the "<path>/.ATTRIBUTES/" part of its key;
+            # a key without it cannot stay in the graph.
+            del plan[OBJECT_GRAPH_KEY]
+            warnings.warn(
+                f"restorekit: {self.prefix!r} is an object-based (TF2) checkpoint and the renames "
+                f"{', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''} drop the '/.ATTRIBUTES/' part TF needs; "
+                f"saving it as a name-based checkpoint (without {OBJECT_GRAPH_KEY!r}). Keep '/.ATTRIBUTES/...' "
+                "in new names to keep tf.train.Checkpoint restores working.",
+                RestoreKitWarning,
+                stacklevel=4,
+            )
             return plan
         source_keys = set(ckpt)
 

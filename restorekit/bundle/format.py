@@ -76,7 +76,10 @@ def dtype_enum(dtype) -> int:
         return int(dtype.as_datatype_enum)
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
-    np_dtype = np.dtype(dtype)
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
     if np_dtype.kind in "SUO":
         return 7
     name = np_dtype.name

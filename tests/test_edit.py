@@ -1,0 +1,540 @@
+"""Tests for restorekit/edit.py: CheckpointEditor edits, streaming atomic saves, TF1/TF2 restores, bad input."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import save_variables
+from restorekit.bundle.writer import BundleWriter
+from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
+from restorekit.edit import CheckpointEditor
+from restorekit.errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    EditError,
+    InsufficientSpaceError,
+    NameCollisionError,
+    NoMatchError,
+    OutputExistsError,
+)
+
+tf1 = tf.compat.v1
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MIXED = {
+    "bf16": (np.arange(6, dtype=np.float32) / 3).astype(ml_dtypes.bfloat16).reshape(2, 3),
+    "f32": np.arange(8, dtype=np.float32).reshape(4, 2),
+    "i32": np.array([1, -2, 3], np.int32),
+    "i64": np.int64(9),
+    "flag": np.array([True, False]),
+    "c64": np.array([1 + 2j], np.complex64),
+    "vocab": np.array([b"a", b"bc", b""], dtype=object),
+}
+
+
+def visible(directory):
+    """Files in ``directory`` other than hidden temporary ones."""
+    return sorted(f for f in os.listdir(directory) if not f.startswith(".")) if os.path.isdir(directory) else []
+
+
+def digest(prefix):
+    directory, base = os.path.split(prefix)
+    return {f: hashlib.sha256(open(os.path.join(directory, f), "rb").read()).hexdigest()
+            for f in sorted(os.listdir(directory)) if f.startswith(base)}
+
+
+def read_all(prefix):
+    ckpt = Checkpoint(prefix)
+    return {name: ckpt.read(name) for name in ckpt}
+
+
+@pytest.fixture
+def mixed(tmp_path):
+    prefix = str(tmp_path / "mixed" / "m")
+    with BundleWriter(prefix) as w:
+        for name, value in MIXED.items():
+            w.add(name, value)
+    return prefix
+
+
+# ------------------------------------------------------------------ reading
+
+
+def test_editor_reads_nothing_until_needed(small_checkpoint):
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    assert ed._checkpoint is None
+    assert [e.name for e in ed.list()] == sorted(values)
+    assert np.array_equal(ed.get("dense/kernel"), values["dense/kernel"])
+
+
+@pytest.mark.parametrize(
+    "pattern, expected",
+    [("kernel", ["dense/kernel", "dense/kernel/Momentum", "logits/kernel"]),
+     ("logits", ["logits/bias", "logits/kernel"]),
+     (".*/bias", ["dense/bias", "logits/bias"]),
+     ("global_step", ["global_step"])],
+    ids=["substring", "scope", "regex", "exact"],
+)
+def test_list_filters_by_substring_or_regex(small_checkpoint, pattern, expected):
+    entries = CheckpointEditor(small_checkpoint[0]).list(pattern)
+    assert [e.name for e in entries] == expected
+    assert all(e.dtype in ("float32", "int64") for e in entries)
+
+
+# ------------------------------------------------------------------ renames
+
+
+def test_rename_rewrites_only_the_index_and_saver_restores_it(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/kernel", "encoder/kernel")
+    out = ed.save(tmp_path / "new" / "dir" / "model.ckpt")  # creates the directories
+    assert visible(tmp_path / "new" / "dir") == ["model.ckpt.data-00000-of-00001", "model.ckpt.index"]
+    src_data = os.stat(Checkpoint(prefix).data_file(0))
+    assert os.stat(out + ".data-00000-of-00001").st_ino == src_data.st_ino  # hard-linked, not copied
+    reader = tf.train.load_checkpoint(out)
+    assert "encoder/kernel" in reader.get_variable_to_shape_map()
+    assert "dense/kernel" not in reader.get_variable_to_shape_map()
+    with tf.Graph().as_default():
+        kernel = tf1.get_variable("encoder/kernel", shape=[4, 3])
+        step = tf1.train.get_or_create_global_step()
+        with tf1.Session() as sess:
+            tf1.train.Saver([kernel, step]).restore(sess, out)
+            assert np.array_equal(sess.run(kernel), values["dense/kernel"])
+            assert sess.run(step) == 7
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [lambda n: n.replace("dense/", "encoder/"),
+     {"dense/kernel": "encoder/kernel", "dense/bias": "encoder/bias", "dense/kernel/Momentum": "encoder/kernel/Momentum"},
+     [(r"^dense/", "encoder/")]],
+    ids=["callable", "mapping", "regex-list"],
+)
+def test_rename_all_accepts_every_rule_kind(small_checkpoint, tmp_path, rule):
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    changed = ed.rename_all(rule)
+    assert changed == {"dense/kernel": "encoder/kernel", "dense/bias": "encoder/bias",
+                       "dense/kernel/Momentum": "encoder/kernel/Momentum"}
+    got = read_all(ed.save(tmp_path / "out" / "m"))
+    assert sorted(got) == sorted(["encoder/kernel", "encoder/bias", "encoder/kernel/Momentum",
+                                  "logits/kernel", "logits/bias", "global_step"])
+    assert np.array_equal(got["encoder/kernel/Momentum"], values["dense/kernel/Momentum"])
+
+
+# ------------------------------------------------------------------ values
+
+
+def test_value_edits_are_saved_and_read_by_tensorflow(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    ed.set("logits/bias", np.arange(5, dtype=np.float32))
+    ed.set("logits/kernel", [[9.0] * 5, [8.0] * 5], index=[0, 2])
+    ed.set("dense/kernel", 0.0, index=(slice(None), 1))
+    ed.copy_rows("dense/kernel", [3], [0])
+    ed.add("extra/table", np.array([[1, 2]], np.int32))
+    ed.concat(["dense/bias", "logits/bias"], 0, "all/bias")
+    ed.cast("dense/kernel/Momentum", "bfloat16")
+    assert ed.get("logits/kernel")[2].tolist() == [8.0] * 5
+    out = ed.save(tmp_path / "out" / "m")
+    reader = tf.train.load_checkpoint(out)
+    kernel = values["dense/kernel"].copy()
+    kernel[:, 1] = 0
+    kernel[0] = kernel[3]
+    logits = values["logits/kernel"].copy()
+    logits[[0, 2]] = [[9.0] * 5, [8.0] * 5]
+    assert np.array_equal(reader.get_tensor("dense/kernel"), kernel)
+    assert np.array_equal(reader.get_tensor("logits/kernel"), logits)
+    assert np.array_equal(reader.get_tensor("logits/bias"), np.arange(5))
+    assert np.array_equal(reader.get_tensor("extra/table"), [[1, 2]])
+    assert np.array_equal(reader.get_tensor("all/bias"), np.concatenate([values["dense/bias"], np.arange(5)]))
+    assert reader.get_variable_to_dtype_map()["dense/kernel/Momentum"] == tf.bfloat16
+    momentum = values["dense/kernel/Momentum"].astype(ml_dtypes.bfloat16)
+    assert np.array_equal(np.asarray(reader.get_tensor("dense/kernel/Momentum")), momentum)
+    # The source is untouched.
+    assert np.array_equal(Checkpoint(prefix).read("dense/kernel"), values["dense/kernel"])
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
+def test_every_dtype_survives_an_edit(mixed, tmp_path, compact):
+    ed = CheckpointEditor(mixed)
+    ed.rename("vocab", "tokens/vocab")
+    ed.set("i32", np.array([7, 8, 9], np.int32))
+    ed.cast("f32", "float16")
+    out = ed.save(tmp_path / "out" / "m", compact=compact)
+    reader = tf.train.load_checkpoint(out)
+    dtypes = {k: v.name for k, v in reader.get_variable_to_dtype_map().items()}
+    assert dtypes == {"bf16": "bfloat16", "f32": "float16", "i32": "int32", "i64": "int64", "flag": "bool",
+                      "c64": "complex64", "tokens/vocab": "string"}
+    assert np.array_equal(np.asarray(reader.get_tensor("bf16")), MIXED["bf16"])
+    assert list(reader.get_tensor("tokens/vocab")) == [b"a", b"bc", b""]
+    assert reader.get_tensor("i32").tolist() == [7, 8, 9]
+    assert reader.get_tensor("f32").tolist() == MIXED["f32"].tolist()
+    assert reader.get_tensor("flag").tolist() == [True, False]
+    assert reader.get_tensor("c64").tolist() == [1 + 2j]
+    assert len(visible(tmp_path / "out")) == (2 if compact else 3)
+
+
+def test_strip_and_delete_with_compaction_drop_bytes(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    assert ed.strip_optimizer_slots() == ["dense/kernel/Momentum"]
+    assert ed.delete("logits") == ["logits/bias", "logits/kernel"]
+    assert ed.delete("global_step") == ["global_step"]
+    linked = ed.save(tmp_path / "linked" / "m")
+    compact = ed.save(tmp_path / "compact" / "m", compact=True)
+    assert sorted(read_all(linked)) == sorted(read_all(compact)) == ["dense/bias", "dense/kernel"]
+    assert os.path.getsize(compact + ".data-00000-of-00001") == (12 + 3) * 4
+    assert os.path.getsize(linked + ".data-00000-of-00001") == os.path.getsize(Checkpoint(prefix).data_file(0))
+    assert np.array_equal(read_all(compact)["dense/kernel"], values["dense/kernel"])
+
+
+def test_delete_of_an_exact_name_keeps_its_slots(small_checkpoint):
+    ed = CheckpointEditor(small_checkpoint[0])
+    assert ed.delete("dense/kernel") == ["dense/kernel"]
+    assert "dense/kernel/Momentum" in [e.name for e in ed.list()]
+
+
+def test_cast_pattern_casts_only_floats(small_checkpoint):
+    ed = CheckpointEditor(small_checkpoint[0])
+    assert sorted(ed.cast(".*", "float16")) == ["dense/bias", "dense/kernel", "dense/kernel/Momentum",
+                                               "logits/bias", "logits/kernel"]
+    assert {e.name: e.dtype for e in ed.list()}["global_step"] == "int64"
+    assert ed.get("dense/bias").dtype == np.float16
+
+
+# ------------------------------------------------------------------ in place, state file
+
+
+def test_save_in_place_keeps_a_readable_checkpoint_and_updates_state_only_when_asked(small_checkpoint):
+    prefix, values = small_checkpoint
+    directory = os.path.dirname(prefix)
+    state_before = open(os.path.join(directory, "checkpoint")).read()
+    ed = CheckpointEditor(prefix)
+    ed.set("dense/bias", np.ones(3, np.float32))
+    ed.save_in_place()
+    assert open(os.path.join(directory, "checkpoint")).read() == state_before
+    assert visible(directory) == ["checkpoint", "model.ckpt.data-00000-of-00002", "model.ckpt.data-00001-of-00002",
+                                  "model.ckpt.index"]
+    assert read_all(prefix)["dense/bias"].tolist() == [1, 1, 1]
+    ed.rename("dense/bias", "dense/b")
+    ed.save_in_place(compact=True, update_state_file=True)
+    assert visible(directory) == ["checkpoint", "model.ckpt.data-00000-of-00001", "model.ckpt.index"]
+    got = read_all(prefix)
+    assert got["dense/b"].tolist() == [1, 1, 1]
+    assert np.array_equal(got["dense/kernel"], values["dense/kernel"])
+    assert tf.train.latest_checkpoint(directory) == prefix
+    assert 'model_checkpoint_path: "model.ckpt"' in open(os.path.join(directory, "checkpoint")).read()
+
+
+# ------------------------------------------------------------------ partitioned variables
+
+
+@pytest.fixture
+def partitioned(tmp_path):
+    value = np.arange(40, dtype=np.float32).reshape(10, 4)
+    with tf.Graph().as_default():
+        tf1.get_variable("emb", initializer=tf.constant(value), partitioner=tf1.fixed_size_partitioner(3))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            prefix = saver.save(sess, str(tmp_path / "part" / "m"), write_meta_graph=False)
+    return prefix, value
+
+
+def _restore_partitioned(prefix, name, shape):
+    with tf.Graph().as_default():
+        var = tf1.get_variable(name, shape=shape, partitioner=tf1.fixed_size_partitioner(3))
+        with tf1.Session() as sess:
+            tf1.train.Saver().restore(sess, prefix)
+            return sess.run(tf.convert_to_tensor(var))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
+def test_renamed_partitioned_variable_keeps_its_slices(partitioned, tmp_path, compact):
+    prefix, value = partitioned
+    ed = CheckpointEditor(prefix)
+    ed.rename("emb", "embeddings/table")
+    out = ed.save(tmp_path / "out" / "m", compact=compact)
+    assert Checkpoint(out).is_partitioned("embeddings/table")
+    assert np.array_equal(_restore_partitioned(out, "embeddings/table", [10, 4]), value)
+
+
+def test_edited_partitioned_variable_is_stored_whole_and_still_restores(partitioned, tmp_path):
+    prefix, value = partitioned
+    ed = CheckpointEditor(prefix)
+    ed.set("emb", -1.0, index=0)
+    out = ed.save(tmp_path / "out" / "m")
+    value = value.copy()
+    value[0] = -1
+    assert not Checkpoint(out).is_partitioned("emb")
+    assert np.array_equal(_restore_partitioned(out, "emb", [10, 4]), value)
+
+
+# ------------------------------------------------------------------ TF2 object-based checkpoints
+
+
+class _Model(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.kernel = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+        self.bias = tf.Variable(np.zeros(3, np.float32))
+
+
+@pytest.fixture
+def tf2_checkpoint(tmp_path):
+    model = _Model()
+    optimizer = tf.Module()
+    optimizer.m = tf.Variable(np.ones(3, np.float32))
+    return tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "tf2" / "ckpt"))
+
+
+KERNEL_KEY = "model/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def test_tf2_set_keeps_the_object_graph_valid(tf2_checkpoint, tmp_path):
+    ed = CheckpointEditor(tf2_checkpoint)
+    ed.set(KERNEL_KEY, np.full((2, 3), 5, np.float32))
+    out = ed.save(tmp_path / "out" / "ckpt")
+    model = _Model()
+    tf.train.Checkpoint(model=model).restore(out).expect_partial().assert_existing_objects_matched()
+    assert model.kernel.numpy().tolist() == [[5] * 3] * 2
+
+
+def test_tf2_rename_and_strip_keep_the_object_graph_consistent(tf2_checkpoint, tmp_path):
+    ed = CheckpointEditor(tf2_checkpoint)
+    ed.rename(KERNEL_KEY, "encoder/kernel/.ATTRIBUTES/VARIABLE_VALUE")
+    assert ed.strip_optimizer_slots() == ["optimizer/m/.ATTRIBUTES/VARIABLE_VALUE"]
+    out = ed.save(tmp_path / "out" / "ckpt")
+    keys = tf.train.load_checkpoint(out).get_variable_to_shape_map()
+    assert "encoder/kernel/.ATTRIBUTES/VARIABLE_VALUE" in keys and KERNEL_KEY not in keys
+    assert not any(k.startswith("optimizer/") for k in keys)
+    model = _Model()
+    optimizer = tf.Module()
+    optimizer.m = tf.Variable(np.zeros(3, np.float32))
+    status = tf.train.Checkpoint(model=model, optimizer=optimizer).restore(out).expect_partial()
+    status.assert_existing_objects_matched()  # every graph attribute names an existing key
+    assert model.kernel.numpy().tolist() == [[0, 1, 2], [3, 4, 5]]  # the value stays with its object
+    assert optimizer.m.numpy().tolist() == [0, 0, 0]
+
+
+def test_tf2_rename_out_of_the_object_layout_converts_with_a_warning(tf2_checkpoint, tmp_path):
+    ed = CheckpointEditor(tf2_checkpoint)
+    ed.rename(KERNEL_KEY, "dense/kernel")
+    with pytest.warns(RestoreKitWarning, match="name-based"):
+        out = ed.save(tmp_path / "out" / "ckpt")
+    ckpt = Checkpoint(out)
+    assert OBJECT_GRAPH_KEY not in ckpt
+    assert ckpt.read("dense/kernel").tolist() == [[0, 1, 2], [3, 4, 5]]
+    with tf.Graph().as_default():
+        kernel = tf1.get_variable("dense/kernel", shape=[2, 3])
+        with tf1.Session() as sess:
+            tf1.train.Saver([kernel]).restore(sess, out)
+            assert sess.run(kernel).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+# ------------------------------------------------------------------ other formats
+
+
+@pytest.mark.parametrize("fmt, suffix", [("safetensors", ".safetensors"), ("npz", ".npz"), ("torch", ".pt")],
+                         ids=["safetensors", "npz", "torch"])
+def test_save_to_other_formats(small_checkpoint, tmp_path, fmt, suffix):
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/kernel", "encoder/kernel")
+    out = ed.save(tmp_path / "out" / f"model{suffix}", format=fmt)
+    if fmt == "safetensors":
+        from safetensors.numpy import load_file
+
+        got = load_file(out)
+    elif fmt == "npz":
+        got = dict(np.load(out))
+    else:
+        torch = pytest.importorskip("torch")
+        got = {k: v.numpy() for k, v in torch.load(out, weights_only=True).items()}
+    assert np.array_equal(got["encoder/kernel"], values["dense/kernel"])
+    assert len(got) == len(values)
+    assert visible(tmp_path / "out") == [f"model{suffix}"]
+
+
+# ------------------------------------------------------------------ bad input: error type, nothing written
+
+
+Bad = namedtuple("Bad", "edit error")
+
+BAD_EDITS = {
+    "rename-collision": Bad(lambda ed: ed.rename_all({"dense/bias": "b", "logits/bias": "b"}), NameCollisionError),
+    "rename-onto-existing": Bad(lambda ed: ed.rename("dense/bias", "logits/bias"), NameCollisionError),
+    "rule-matches-nothing": Bad(lambda ed: ed.rename_all([(r"^encoder/", "x/")]), NoMatchError),
+    "rule-changes-nothing": Bad(lambda ed: ed.rename_all(lambda n: n), NoMatchError),
+    "rename-unknown": Bad(lambda ed: ed.rename("dense/kernal", "x"), NoMatchError),
+    "set-wrong-shape": Bad(lambda ed: ed.set("dense/bias", np.zeros(4, np.float32)), EditError),
+    "set-wrong-dtype": Bad(lambda ed: ed.set("dense/bias", np.zeros(3, np.float64)), EditError),
+    "set-rows-wrong-shape": Bad(lambda ed: ed.set("dense/kernel", np.zeros((2, 4), np.float32), index=[0, 1]), EditError),
+    "set-index-out-of-range": Bad(lambda ed: ed.set("dense/kernel", 0.0, index=[9]), EditError),
+    "set-float-into-int": Bad(lambda ed: ed.set("global_step", 1.5), EditError),
+    "set-unknown": Bad(lambda ed: ed.set("nope", 1.0), NoMatchError),
+    "copy-rows-mismatch": Bad(lambda ed: ed.copy_rows("dense/kernel", [0, 1], [2]), EditError),
+    "add-existing": Bad(lambda ed: ed.add("dense/bias", np.zeros(3)), NameCollisionError),
+    "delete-nothing": Bad(lambda ed: ed.delete("decoder"), NoMatchError),
+    "concat-shapes": Bad(lambda ed: ed.concat(["dense/kernel", "logits/kernel"], 0, "x"), EditError),
+    "cast-unknown-dtype": Bad(lambda ed: ed.cast("dense/bias", "float7"), EditError),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EDITS), ids=list(BAD_EDITS))
+def test_bad_edit_fails_at_the_call_and_queues_nothing(small_checkpoint, tmp_path, case):
+    ed = CheckpointEditor(small_checkpoint[0])
+    before = ed.list()
+    with pytest.raises(BAD_EDITS[case].error):
+        BAD_EDITS[case].edit(ed)
+    assert ed.list() == before
+    with pytest.raises(OutputExistsError):  # and nothing to save over the source either
+        ed.save(small_checkpoint[0])
+
+
+def test_set_accepts_a_dtype_change_when_asked(small_checkpoint, tmp_path):
+    ed = CheckpointEditor(small_checkpoint[0])
+    ed.set("dense/bias", np.zeros(3, np.float64), allow_dtype_change=True)
+    assert Checkpoint(ed.save(tmp_path / "o" / "m"))["dense/bias"].dtype == "float64"
+
+
+def test_missing_source():
+    with pytest.raises(CheckpointNotFoundError):
+        CheckpointEditor("/nonexistent/model.ckpt")
+
+
+def _corrupt(prefix, what):
+    ckpt = Checkpoint(prefix)
+    if what == "index":
+        data = open(prefix + ".index", "rb").read()
+        open(prefix + ".index", "wb").write(data[: len(data) // 2])
+    elif what == "shard-crc":
+        entry = ckpt.bundle_entry("dense/kernel")
+        with open(ckpt.data_file(0), "r+b") as f:
+            f.seek(entry.offset + 5)
+            f.write(b"\x7f")
+    else:
+        path = ckpt.data_file(0)
+        os.truncate(path, os.path.getsize(path) - 4)
+
+
+@pytest.mark.parametrize(
+    "what, error, compact",
+    [("index", CorruptCheckpointError, False), ("shard-crc", ChecksumMismatchError, True),
+     ("shard-truncated", CorruptCheckpointError, True)],
+    ids=["truncated-index", "crc-mismatch", "truncated-shard"],
+)
+def test_corrupt_source_raises_and_writes_nothing(small_checkpoint, tmp_path, what, error, compact):
+    prefix = small_checkpoint[0]
+    _corrupt(prefix, what)
+    out = tmp_path / "out"
+    with pytest.raises(error):
+        ed = CheckpointEditor(prefix)
+        ed.rename("dense/bias", "b")
+        ed.save(out / "m", compact=compact)
+    assert visible(out) == []
+
+
+def test_output_equal_to_source_or_existing(small_checkpoint, tmp_path):
+    prefix = small_checkpoint[0]
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/bias", "b")
+    before = digest(prefix)
+    with pytest.raises(OutputExistsError, match="save_in_place"):
+        ed.save(prefix)
+    with pytest.raises(OutputExistsError):
+        ed.save(prefix + ".index")
+    assert digest(prefix) == before
+    out = ed.save(tmp_path / "o" / "m")
+    with pytest.raises(OutputExistsError):
+        ed.save(out)
+    ed.rename("b", "bias2")
+    ed.save(out, overwrite=True)
+    assert "bias2" in Checkpoint(out)
+
+
+def test_too_little_disk_raises_before_writing(small_checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6, 100))
+    ed = CheckpointEditor(small_checkpoint[0])
+    ed.set("dense/bias", np.ones(3, np.float32))
+    with pytest.raises(InsufficientSpaceError):
+        ed.save(tmp_path / "out" / "m")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ kill -9 at any point
+
+_SCRIPT = """
+import sys, numpy as np
+from restorekit.edit import CheckpointEditor
+src, out, mode = sys.argv[1:4]
+ed = CheckpointEditor(src)
+ed.set("dense/bias", np.full(3, 5, np.float32))
+ed.rename("logits/kernel", "head/kernel")
+ed.save_in_place(compact=True) if mode == "in-place" else ed.save(out, compact=True)
+print("done")
+"""
+
+
+def _run_until(point, src, out, mode, tmp_path):
+    marker = tmp_path / f"reached-{point}-{mode}"
+    env = dict(os.environ, RESTOREKIT_CRASH_HOOK=f"{point}:{marker}", PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, src, out, mode], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the save never reached {point!r}: {proc.communicate()[1].decode()[-2000:]}")
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+POINTS = ["tensor-0", "tensor-3", "before-verify", "before-commit", "before-index-rename"]
+
+
+@pytest.mark.parametrize("point", POINTS, ids=POINTS)
+def test_kill_9_leaves_the_source_intact_and_no_partial_output(small_checkpoint, tmp_path, point):
+    prefix, values = small_checkpoint
+    before = digest(prefix)
+    out = str(tmp_path / "out" / "m")
+    _run_until(point, prefix, out, "new", tmp_path)
+    assert digest(prefix) == before
+    assert not os.path.exists(out + ".index")
+    with pytest.raises(CheckpointNotFoundError):
+        Checkpoint(out)
+    if point != "before-index-rename":
+        assert visible(tmp_path / "out") == []
+    # A later save succeeds and sweeps the dead writer's temporary files.
+    ed = CheckpointEditor(prefix)
+    ed.set("dense/bias", np.full(3, 5, np.float32))
+    ed.save(out, compact=True)
+    assert read_all(out)["dense/bias"].tolist() == [5, 5, 5]
+    assert sorted(os.listdir(tmp_path / "out")) == ["m.data-00000-of-00001", "m.index"]
+
+
+@pytest.mark.parametrize("point", ["tensor-2", "before-index-rename"], ids=["mid-write", "before-index-rename"])
+def test_kill_9_during_save_in_place_keeps_the_old_checkpoint(small_checkpoint, tmp_path, point):
+    prefix, values = small_checkpoint
+    _run_until(point, prefix, "", "in-place", tmp_path)
+    got = read_all(prefix)
+    assert sorted(got) == sorted(values)
+    for name, value in values.items():
+        assert np.array_equal(got[name], value)
