@@ -5,6 +5,7 @@ functions that need them.
 """
 
 from restorekit.checkpoint import Checkpoint, Entry, RestoreKitWarning
+from restorekit.edit import CheckpointEditor
 from restorekit.errors import (
     AssignmentMapError,
     CheckpointNotFoundError,
@@ -25,6 +26,15 @@ from restorekit.errors import (
     RestoreKitError,
     VocabularyError,
 )
+from restorekit.export import ExportResult, convert, export_checkpoint, import_checkpoint
+from restorekit.finetune import (
+    VariableGroup,
+    VariableGroups,
+    group_variables,
+    grouped_keras_optimizer,
+    layerwise_decay,
+    scale_gradients,
+)
 from restorekit.initializers import initialize_uninitialized, uninitialized_initializer
 from restorekit.report import Record, RestoreReport
 from restorekit.restore import assign_from_checkpoint_fn, partial_saver, warm_start
@@ -33,17 +43,31 @@ from restorekit.scan import scan
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # GroupedOptimizer subclasses TF's Optimizer, so it is made on first use;
+    # importing it eagerly would import TensorFlow with restorekit.
+    if name == "GroupedOptimizer":
+        from restorekit import finetune
+
+        return finetune.GroupedOptimizer
+    raise AttributeError(f"module 'restorekit' has no attribute {name!r}")
+
+
 __all__ = [
     "AssignmentMapError",
     "Checkpoint",
+    "CheckpointEditor",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "EditError",
     "Entry",
+    "ExportResult",
     "GraphError",
     "GraphTooLargeError",
     "GroupError",
+    "GroupedOptimizer",
     "IncompleteRestoreError",
     "InsufficientSpaceError",
     "InvalidArgumentError",
@@ -56,11 +80,20 @@ __all__ = [
     "RestoreKitError",
     "RestoreKitWarning",
     "RestoreReport",
+    "VariableGroup",
+    "VariableGroups",
     "VocabularyError",
     "assign_from_checkpoint_fn",
+    "convert",
     "easy_going_scaffold",
+    "export_checkpoint",
+    "group_variables",
+    "grouped_keras_optimizer",
+    "import_checkpoint",
     "initialize_uninitialized",
+    "layerwise_decay",
     "partial_saver",
+    "scale_gradients",
     "scan",
     "uninitialized_initializer",
     "warm_start",

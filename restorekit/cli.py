@@ -9,6 +9,7 @@ Commands::
     restorekit strip CKPT OUT
     restorekit cast CKPT OUT --dtype DTYPE [--filter PATTERN]
     restorekit convert SRC OUT [--to torch|safetensors|npz|tf] [--layout torch]
+    restorekit demo [--seeds N] [--steps N] [--out DIR]
 
 Exit codes:
     0  success; ``diff``: the checkpoints are equal; ``scan``: every variable restores
@@ -412,6 +413,16 @@ class _Usage(Exception):
     """A usage error found after parsing (exit 2)."""
 
 
+# ------------------------------------------------------------------ demo
+
+@register("demo", help="run the transfer-learning demo (warm start vs from scratch on digits); "
+          "options: --seeds N --steps N --shots N --out DIR")
+def _demo(args) -> int:
+    from restorekit.demo import main as demo_main
+
+    return demo_main(list(args.extra))
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as argparse does, but through main()
         self.print_usage(sys.stderr)
@@ -443,7 +454,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "demo":  # the demo parses its own options
+            raise _Usage(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra
         if getattr(args, "run", None) is None:
             raise _Usage(f"{args.command!r} needs a subcommand")
         return int(args.run(args))
