@@ -19,12 +19,11 @@ import re
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from restorekit.errors import (
-    CheckpointNotFoundError,
     GraphError,
     GraphTooLargeError,
     IncompleteRestoreError,
