@@ -8,6 +8,7 @@ checkpoints fast and memory-bounded.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import shutil
 import warnings
@@ -198,7 +199,7 @@ class CheckpointEditor:
             return self.checkpoint[item.origin].nbytes
         if item.dtype == STRING:
             return self.checkpoint[item.origin].nbytes if item.origin and item.base is None else 0
-        return int(np.prod(item.shape, dtype=np.int64)) * numpy_dtype(item.dtype).itemsize
+        return math.prod(item.shape) * numpy_dtype(item.dtype).itemsize
 
     def get(self, name: str) -> np.ndarray:
         """The value of ``name`` as it would be saved (a new array; crc checked).
@@ -207,8 +208,10 @@ class CheckpointEditor:
             NoMatchError: no such entry.
             CorruptCheckpointError: the source bytes are truncated or fail their crc32c.
         """
-        value = self._value(self._item(name))
-        return value.copy() if isinstance(self._item(name).base, np.ndarray) and not self._item(name).ops else value
+        item = self._item(name)
+        value = self._value(item)
+        # A value given to set/add is returned as a copy, so editing it changes nothing queued.
+        return value.copy() if isinstance(item.base, np.ndarray) else value
 
     def _load(self, name: str) -> np.ndarray:
         """A source tensor, read straight into its array (one copy in memory), crc checked."""
@@ -778,7 +781,7 @@ class CheckpointEditor:
                     if reuse:
                         writer.add_entry_only(key, part)
                     else:
-                        writer.add_raw(key, part, self._raw_chunks(part, item.origin))
+                        self._copy(writer, key, part, item.origin)
                     keys.add(key)
                 writer.add_entry_only(name, ckpt.bundle_entry(item.origin))
             elif item.stored:
@@ -786,13 +789,21 @@ class CheckpointEditor:
                 if reuse:
                     writer.add_entry_only(name, entry)
                 else:
-                    writer.add_raw(name, entry, self._raw_chunks(entry, item.origin))
+                    self._copy(writer, name, entry, item.origin)
             elif item.base is None and not item.ops and item.cast is not None:
                 writer.add_stream(name, item.cast, item.shape, self._cast_chunks(item))
             else:
                 writer.add(name, self._value(item))
             keys.add(name.encode("utf-8"))
         return keys
+
+    def _copy(self, writer: BundleWriter, key, entry, origin: str) -> None:
+        """Copy an unchanged tensor's bytes (crc checked, never decoded)."""
+        path = self.checkpoint.data_file(entry.shard_id)
+        if files.is_remote(path):
+            writer.add_raw(key, entry, self._raw_chunks(entry, origin))
+        else:
+            writer.add_copy(key, entry, path)
 
     @staticmethod
     def _verify(index_path: str, shard_paths: dict[int, str], expected: set[bytes]) -> None:

@@ -278,3 +278,21 @@ def test_slice_outside_its_full_shape_is_a_corrupt_checkpoint(tmp_path):
         w.add_entry_only("part", BundleEntry(dtype=1, shape=(2, 2), slices=(b"",)))
     with pytest.raises(RestoreKitError):
         Checkpoint(prefix).read("part")
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "read-write-fallback"])
+def test_add_copy_copies_a_stored_tensor(written, tmp_path, monkeypatch, kernel_copy):
+    if not kernel_copy:
+        def unsupported(*args):
+            raise OSError(18, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", unsupported, raising=False)
+    src = Checkpoint(written)
+    prefix = str(tmp_path / "copy" / "m")
+    with BundleWriter(prefix) as w:
+        for name in ("float32", "string", "bool"):
+            w.add_copy(name, src.bundle_entry(name), src.data_file(0))
+        w.add("after", np.arange(3))
+    out = Checkpoint(prefix)
+    for name in ("float32", "string", "bool"):
+        assert np.array_equal(out.read(name), VALUES[name])
+    assert out.read("after").tolist() == [0, 1, 2]

@@ -14,14 +14,15 @@ import google_crc32c
 import numpy as np
 
 from restorekit.bundle import atomic
-from restorekit.bundle.format import dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
+from restorekit.bundle.format import decode_tensor, dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
 from restorekit.bundle.protos import BundleEntry, BundleHeader, encode_entry, encode_header
 from restorekit.bundle.table import mask_crc, write_table
-from restorekit.errors import ChecksumMismatchError, EditError, NameCollisionError
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, EditError, NameCollisionError
 
 __all__ = ["BundleWriter", "CHUNK_SIZE", "array_chunks"]
 
 CHUNK_SIZE = 8 << 20
+_VERIFY_CHUNK = 1 << 20  # small reads stay in the CPU cache for the crc
 STRING = 7
 
 
@@ -65,7 +66,7 @@ class BundleWriter:
         self._file = None
         self.finished = False
         if shard_id is not None:
-            self._file = open(self.staging.path(self.data_path(shard_id)), "wb")
+            self._file = open(self.staging.path(self.data_path(shard_id)), "wb", buffering=0)
 
     # -- names
     def data_path(self, shard_id: int) -> str:
@@ -99,7 +100,7 @@ class BundleWriter:
             raw, crc = encode_string_tensor(array)
             entry = BundleEntry(dtype=STRING, shape=array.shape, shard_id=self.shard_id, offset=self._offset,
                                 size=len(raw), crc32c=crc)
-            self._file.write(raw)
+            self._write(raw)
             self._offset += len(raw)
             self._entries[key] = entry
             return entry
@@ -128,7 +129,7 @@ class BundleWriter:
             self._need_data()
             start = self._offset
             for chunk in chunks:
-                self._file.write(chunk)
+                self._write(chunk)
                 self._offset += len(chunk)
             if self._offset - start != entry.size:
                 raise ChecksumMismatchError(f"{key!r}: copied {self._offset - start} bytes, the entry says {entry.size}")
@@ -137,6 +138,77 @@ class BundleWriter:
             return new
         return self._stream(key, entry.dtype, entry.shape, chunks, expected_crc=entry.crc32c, like=entry,
                             expected_size=entry.size)
+
+    def add_copy(self, name, entry: BundleEntry, path: str) -> BundleEntry:
+        """Copy a stored tensor from the data shard at ``path`` (``entry.offset``), in the kernel.
+
+        The source range is read once to check its crc32c (string tensors: decoded),
+        then copied with ``os.copy_file_range`` (chunked read/write where unsupported),
+        so a compaction runs at about the speed of ``cp``.
+
+        Raises:
+            ChecksumMismatchError: the source bytes fail their crc32c.
+            CorruptCheckpointError: the shard is missing or shorter than the entry says.
+        """
+        key = self._key(name)
+        self._need_data()
+        atomic.crash_point(f"tensor-{len(self._entries)}")
+        shown = key.decode("utf-8", "replace")
+        try:
+            src = open(path, "rb")
+        except OSError:
+            raise CorruptCheckpointError(f"data shard {path!r} for {shown!r} is missing or unreadable") from None
+        with src:
+            if os.fstat(src.fileno()).st_size < entry.offset + entry.size:
+                raise CorruptCheckpointError(
+                    f"data shard {path!r} is truncated: {shown!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+                )
+            src.seek(entry.offset)
+            if entry.dtype == STRING:
+                raw = src.read(entry.size)
+                decode_tensor(raw, STRING, entry.shape, name=shown, crc32c=entry.crc32c)
+            else:
+                crc = 0
+                remaining = entry.size
+                while remaining:
+                    chunk = src.read(min(_VERIFY_CHUNK, remaining))
+                    crc = google_crc32c.extend(crc, chunk)
+                    remaining -= len(chunk)
+                if mask_crc(crc) != entry.crc32c:
+                    raise ChecksumMismatchError(
+                        f"{shown!r}: source bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed "
+                        f"{mask_crc(crc):#010x}); the source data shard is corrupt"
+                    )
+            start = self._offset
+            self._copy_range(src.fileno(), entry.offset, entry.size)
+        new = entry.replace(shard_id=self.shard_id, offset=start)
+        self._entries[key] = new
+        return new
+
+    def _copy_range(self, fd: int, offset: int, size: int) -> None:
+        out = self._file.fileno()
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(fd, out, size - done, offset + done)
+                if n == 0:
+                    raise CorruptCheckpointError("data shard ended while copying")
+                done += n
+        except (AttributeError, OSError):  # no copy_file_range here, or across filesystems
+            os.lseek(out, self._offset + done, os.SEEK_SET)
+            while done < size:
+                chunk = os.pread(fd, min(CHUNK_SIZE, size - done), offset + done)
+                if not chunk:
+                    raise CorruptCheckpointError("data shard ended while copying") from None
+                self._write(chunk)
+                done += len(chunk)
+        self._offset += size
+
+    def _write(self, data) -> None:
+        view = memoryview(data)
+        while view:
+            n = self._file.write(view)
+            view = view[n:]
 
     def add_entry_only(self, name, entry: BundleEntry) -> None:
         """Record an index entry whose bytes already exist in this bundle's shards."""
@@ -151,7 +223,7 @@ class BundleWriter:
             if not isinstance(chunk, bytes):
                 chunk = bytes(chunk)
             crc = google_crc32c.extend(crc, chunk)
-            self._file.write(chunk)
+            self._write(chunk)
             self._offset += len(chunk)
         size = self._offset - start
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -186,7 +258,6 @@ class BundleWriter:
         if self.finished:
             return self.prefix
         if self._file is not None:
-            self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
