@@ -6,9 +6,11 @@ tensor is read. TensorFlow is never imported for local paths.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 from typing import Iterator, Mapping
 
@@ -214,6 +216,57 @@ class Checkpoint(Mapping):
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
+    # -- object-based (TF2) checkpoints
+    @property
+    def is_object_based(self) -> bool:
+        """True for a ``tf.train.Checkpoint`` / Keras checkpoint (it has an object graph)."""
+        return OBJECT_GRAPH_KEY in self._entries
+
+    @cached_property
+    def object_graph(self):
+        """The decoded object graph (``restorekit.tf2.ObjectGraph``), or None for name-based checkpoints.
+
+        Decoded on first use, without TensorFlow.
+
+        Raises:
+            CorruptCheckpointError: the ``_CHECKPOINTABLE_OBJECT_GRAPH`` entry is not an object graph.
+        """
+        if not self.is_object_based:
+            return None
+        from restorekit.tf2 import decode_object_graph
+
+        raw = self.read(OBJECT_GRAPH_KEY)
+        if getattr(raw, "shape", None) != () or not isinstance(raw.item(), bytes):
+            raise CorruptCheckpointError(
+                f"{self.prefix!r}: {OBJECT_GRAPH_KEY!r} is not a scalar string tensor (shape {getattr(raw, 'shape', '?')})"
+            )
+        try:
+            return decode_object_graph(raw.item())
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{self.prefix!r}: {e}") from None
+
+    @cached_property
+    def object_paths(self) -> Mapping[str, str]:
+        """Readable path -> checkpoint key, for object-based checkpoints (empty for name-based).
+
+        Keras checkpoints give each variable its Keras ``variable.path``
+        (``dense_1/kernel``); optimizer state reads ``optimizer/...`` (or
+        ``<path>/.OPTIMIZER_SLOT/...``) and the save counter ``save_counter``, so
+        ``restorekit.names.optimizer_slot_kind`` and ``is_global_step`` recognize them.
+        """
+        graph = self.object_graph
+        if graph is None:
+            return MappingProxyType({})
+        return MappingProxyType({v.path: v.key for v in graph.variables if v.key in self._entries})
+
+    def readable_name(self, name: str) -> str:
+        """The readable path of checkpoint key ``name`` (the key itself when there is none)."""
+        graph = self.object_graph if self.is_object_based else None
+        if graph is None:
+            return name
+        tracked = graph.by_key.get(name)
+        return tracked.path if tracked is not None else name
+
     def _unknown(self, name: str) -> NoMatchError:
         near = closest_names(name, self._entries)
         hint = f" Closest: {format_names(near)}." if near else ""
@@ -237,6 +290,13 @@ class Checkpoint(Mapping):
         path = self.data_file(entry.shard_id)
         if not files.exists(path):
             raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing")
+        # Check against the file's length first: a corrupt offset or size must not seek
+        # or allocate past it (OverflowError, MemoryError).
+        length = os.path.getsize(path) if not files.is_remote(path) else None
+        if length is not None and entry.offset + entry.size > length:
+            raise CorruptCheckpointError(
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+            )
         raw = files.read_range(path, entry.offset, entry.size)
         if len(raw) != entry.size:
             raise CorruptCheckpointError(
@@ -254,6 +314,14 @@ class Checkpoint(Mapping):
         entry = self.bundle_entry(name)
         if name not in self._slices:
             return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
+        # Slices must tile the full shape; a corrupt full shape would otherwise
+        # allocate an arbitrary amount of memory before any slice is read.
+        stored = sum(int(np.prod(part.shape, dtype=np.int64)) for _, part in self._slices[name])
+        if stored != int(np.prod(entry.shape, dtype=np.int64)):
+            raise CorruptCheckpointError(
+                f"partitioned entry {name!r}: its slices hold {stored} elements but its shape {list(entry.shape)} "
+                f"needs {int(np.prod(entry.shape, dtype=np.int64))}"
+            )
         full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
         for extents, part in self._slices[name]:
             index = tuple(

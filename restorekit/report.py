@@ -28,7 +28,9 @@ class Record:
     ``checkpoint_name`` the checkpoint key; either is None where it does not apply
     (an unused entry has no variable). ``shape``/``dtype`` describe the variable,
     ``checkpoint_shape``/``checkpoint_dtype`` the entry. ``reason`` says why a record
-    was skipped, or how a match was made (``'ema'``, ``'ema fallback: ...'``).
+    was skipped, or how a match was made (``'ema'``, ``'ema fallback: ...'``,
+    ``'slice_or_pad'``, ``'vocab'``, ``'shape_policy: fn'``). ``checkpoint_path`` is the
+    readable path of an object-based (TF2) checkpoint key, such as ``dense_1/kernel``.
     """
 
     variable_name: str | None
@@ -38,9 +40,10 @@ class Record:
     checkpoint_shape: tuple | None = None
     checkpoint_dtype: str | None = None
     reason: str = ""
+    checkpoint_path: str | None = None
 
     def describe(self) -> str:
-        name = self.variable_name if self.variable_name is not None else self.checkpoint_name
+        name = self.variable_name if self.variable_name is not None else (self.checkpoint_path or self.checkpoint_name)
         shape = self.shape if self.variable_name is not None else self.checkpoint_shape
         return f"{name} {_shape(shape)}"
 
@@ -78,6 +81,9 @@ class RestoreReport:
     # partial_saver/warm_start to find the very variables scanned; never compared,
     # pickled or serialized.
     _handles: dict = field(default=None, compare=False, repr=False)
+    # variable_name -> shape policy ('slice_or_pad' or a callable) or VocabRemap, for
+    # matched records whose value is computed rather than copied. Private like _handles.
+    _policies: dict = field(default=None, compare=False, repr=False)
 
     # -- values
     @property
@@ -133,12 +139,13 @@ class RestoreReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __getstate__(self):
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_handles"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("_handles", "_policies")}
 
     def __setstate__(self, state):
         for name, value in state.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_handles", None)
+        object.__setattr__(self, "_policies", None)
 
     # -- reading
     @property

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
 from restorekit.ema import is_shadow_name, shadow_suffix
-from restorekit.errors import AssignmentMapError, NoMatchError, format_names
+from restorekit.errors import AssignmentMapError, InvalidArgumentError, NoMatchError, format_names
 from restorekit.names import PatternSet, closest_names, is_global_step, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
 from restorekit.targets import Target, collect, variable_name
@@ -60,7 +60,8 @@ def _mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
         raise AssignmentMapError(f"assignment_map must be a dict or a callable, got {type(assignment_map).__name__}")
     var_names = [t.variable_name for t in targets]
     known = set(var_names)
-    ckpt_names = list(checkpoint.entries)
+    # Object-based checkpoints are addressed by readable path as well as raw key.
+    ckpt_names = list(checkpoint.entries) + list(checkpoint.object_paths)
     exact: dict[str, str] = {}
     scopes: list[tuple[str, str]] = []  # (variable scope, checkpoint scope), '' means root
     for key, value in assignment_map.items():
@@ -99,7 +100,7 @@ def _mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
                     f"assignment_map maps the scope {key!r} to the single variable {target_name!r}; "
                     f"map a scope to a scope ({key!r}: 'new_scope/') or a tensor to a variable."
                 )
-            if key not in checkpoint.entries:
+            if key not in checkpoint.entries and key not in checkpoint.object_paths:
                 near = closest_names(key, ckpt_names)
                 raise NoMatchError(
                     f"assignment_map key {key!r} is not in checkpoint {checkpoint.prefix!r}."
@@ -146,21 +147,23 @@ def _hints(missing, shape_mismatched, unused) -> tuple[str, ...]:
     hints = []
     by_canonical: dict[str, list[Record]] = {}
     for r in unused:
-        by_canonical.setdefault(_canonical(r.checkpoint_name), []).append(r)
+        by_canonical.setdefault(_canonical(r.checkpoint_path or r.checkpoint_name), []).append(r)
     for r in missing:
         candidates = by_canonical.get(_canonical(r.checkpoint_name), [])
         if len(candidates) == 1:
             c = candidates[0]
             fits = c.checkpoint_shape == r.shape or r.shape is None
             hints.append(
-                f"{r.variable_name!r} is missing but checkpoint entry {c.checkpoint_name!r} differs only in naming"
+                f"{r.variable_name!r} is missing but checkpoint entry {c.checkpoint_path or c.checkpoint_name!r} "
+                f"differs only in naming"
                 + ("" if fits else f" (and shape: checkpoint {list(c.checkpoint_shape)}, model {list(r.shape)})")
-                + f"; pass assignment_map={{{c.checkpoint_name!r}: {r.variable_name!r}}}."
+                + f"; pass assignment_map={{{c.checkpoint_path or c.checkpoint_name!r}: {r.variable_name!r}}}."
             )
     for r in shape_mismatched:
         hints.append(
             f"{r.variable_name!r} differs only in shape "
-            f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)})."
+            f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)}); "
+            f"shape_policy='slice_or_pad' keeps the overlapping block."
         )
     return tuple(hints)
 
@@ -185,6 +188,10 @@ def scan(
     skip_optimizer_slots: bool = True,
     include_global_step: bool = False,
     ema=None,
+    rules=None,
+    shape_policy=None,
+    vocab=None,
+    match: str = "auto",
 ) -> RestoreReport:
     """Plan a restore of ``checkpoint`` into ``variables``; build no ops.
 
@@ -208,31 +215,73 @@ def scan(
         include_global_step: also restore global_step.
         ema: an ExponentialMovingAverage or a shadow suffix: restore each variable
             from its shadow entry, falling back per variable to the raw entry.
+        rules: naming rules variable name -> checkpoint name: a ``restorekit.tf2.Rules``
+            such as ``KERAS_FROM_TF1`` (a Keras model from a TF1/slim checkpoint), a
+            list of ``(regex, replacement)`` pairs, or both in one list. A rule that
+            matches no variable is an error. Not together with ``assignment_map``.
+        shape_policy: what to do with an entry whose shape differs from its variable:
+            ``'skip'`` (default; the record is ``shape_mismatched``), ``'slice_or_pad'``
+            (copy the overlapping block, initialize the rest), a callable
+            ``(checkpoint_value, variable) -> value``, or a dict ``{pattern: policy}``.
+            Records restored through a policy are ``matched`` with that ``reason``.
+        vocab: ``{variable_name: restorekit.VocabRemap(...)}``: restore these
+            variables by vocabulary, ``warm_start``'s ``VocabInfo`` semantics.
+        match: for object-based (TF2) checkpoints: ``'auto'`` (the object graph
+            when ``variables`` is a Keras model or tf.Module saved from the same
+            architecture, else the readable path), ``'path'`` (readable paths and
+            raw keys only) or ``'object_graph'``.
 
     Returns:
         A RestoreReport.
 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: the checkpoint cannot be read.
-        NoMatchError: an include/exclude pattern or assignment_map entry matches nothing.
+        NoMatchError: an include/exclude pattern, assignment_map entry, rule,
+            shape_policy pattern or vocab key matches nothing.
         AssignmentMapError: an assignment_map that cannot be applied.
+        VocabularyError: a vocabulary file is missing, has duplicates, or does not fit.
 
     Example:
         >>> report = restorekit.scan('pretrained/model.ckpt-1000', exclude=['logits'])
         >>> print(report)
     """
+    from restorekit import remap, tf2
+
     ckpt = as_checkpoint(checkpoint)
     targets = collect(variables)
     entries = ckpt.entries
     suffix = shadow_suffix(ema) if ema is not None and ema is not False else None
     includes = PatternSet(include, what="include pattern")
     excludes = PatternSet(exclude, what="exclude pattern")
+    if match not in ("auto", "path", "object_graph"):
+        raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")
+    policies = remap.resolve_shape_policy(shape_policy)
+    vocabularies = remap.check_vocab(vocab, [t.variable_name for t in targets])
+    object_paths = ckpt.object_paths
+    if rules is not None:
+        if assignment_map is not None:
+            raise InvalidArgumentError("pass either rules= or assignment_map=, not both")
+        assignment_map = tf2.as_rules(rules)
+    if isinstance(assignment_map, tf2.Rules):
+        assignment_map = assignment_map.bind(
+            [t.variable_name for t in targets], list(object_paths) if object_paths else list(entries)
+        )
     lookup = _mapper(assignment_map, targets, ckpt)
+    graph_keys: dict[str, str] = {}
+    if ckpt.is_object_based and match != "path" and assignment_map is None and tf2.is_trackable(variables):
+        by_id = tf2.object_graph_keys(variables, ckpt.object_graph, [t.handle for t in targets])
+        graph_keys = {t.variable_name: by_id[id(t.handle)] for t in targets if id(t.handle) in by_id}
+    if match == "object_graph" and not graph_keys:
+        raise NoMatchError(
+            f"match='object_graph' found none of the {len(targets)} variables in the object graph of "
+            f"{ckpt.prefix!r}; pass a Keras model or tf.Module saved from the same architecture"
+        )
 
     matched, missing, shape_mm, dtype_mm, skipped = [], [], [], [], []
     taken: set[str] = set()
     raw_replaced: set[str] = set()
     handles: dict[str, object] = {}
+    applied: dict[str, object] = {}
     for t in targets:
         name = t.variable_name
         if includes and includes.first_match(name) is None:
@@ -251,6 +300,11 @@ def scan(
             skipped.append(Record(name, None, t.shape, t.dtype, reason="global_step"))
             continue
         ckpt_name = t.checkpoint_name if t.checkpoint_name is not None else lookup(name)
+        if ckpt_name is not None and t.checkpoint_name is None and ckpt.is_object_based:
+            if name in graph_keys:
+                ckpt_name = graph_keys[name]
+            elif match != "object_graph" and ckpt_name not in entries:
+                ckpt_name = object_paths.get(ckpt_name, ckpt_name)
         if ckpt_name is None:
             skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
             continue
@@ -267,26 +321,45 @@ def scan(
             missing.append(Record(name, ckpt_name, t.shape, t.dtype))
             continue
         taken.add(ckpt_name)
-        record = Record(name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason)
-        if not _shapes_fit(t.shape, entry.shape):
-            shape_mm.append(record)
-        elif t.dtype != entry.dtype:
+        record = Record(
+            name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason, _readable(ckpt, ckpt_name)
+        )
+        policy = vocabularies.get(name)
+        if policy is not None:
+            policy.check(name, t.shape, entry.shape)
+        elif not _shapes_fit(t.shape, entry.shape):
+            policy = policies.for_name(name) if policies else None
+            if policy is None or not remap.policy_applies(policy, t.shape, entry.shape):
+                shape_mm.append(record)
+                continue
+        elif policies:
+            policies.for_name(name)  # records that a pattern was used
+        if t.dtype != entry.dtype:
             dtype_mm.append(record)
+        elif policy is not None and policy != remap.SKIP:
+            why = remap.policy_reason(policy)
+            matched.append(replace(record, reason=f"{why}; {reason}" if reason else why))
+            handles[name] = t.handle
+            applied[name] = policy
         else:
             matched.append(record)
             handles[name] = t.handle
     includes.check_all_used([t.variable_name for t in targets])
     excludes.check_all_used([t.variable_name for t in targets])
+    policies.check_all_used([t.variable_name for t in targets])
 
     unused = []
     for name, entry in entries.items():
         if name in taken or name == OBJECT_GRAPH_KEY:
             continue
-        record = Record(None, name, checkpoint_shape=entry.shape, checkpoint_dtype=entry.dtype)
-        slot = optimizer_slot_kind(name)
+        readable = _readable(ckpt, name)
+        record = Record(
+            None, name, checkpoint_shape=entry.shape, checkpoint_dtype=entry.dtype, checkpoint_path=readable
+        )
+        slot = optimizer_slot_kind(readable or name)
         if slot and skip_optimizer_slots:
             skipped.append(replace(record, reason=f"optimizer slot ({slot})"))
-        elif is_global_step(name) and not include_global_step:
+        elif is_global_step(readable or name) and not include_global_step:
             skipped.append(replace(record, reason="global_step"))
         elif name in raw_replaced:
             skipped.append(replace(record, reason="raw weights (EMA shadow restored instead)"))
@@ -305,5 +378,14 @@ def scan(
         unused=tuple(unused),
         hints=_hints(missing, shape_mm, unused),
         _handles=handles,
+        _policies=applied,
     )
+
+
+def _readable(ckpt: Checkpoint, name: str) -> str | None:
+    """The readable path of an object-based checkpoint key, None when it adds nothing."""
+    if not ckpt.is_object_based:
+        return None
+    readable = ckpt.readable_name(name)
+    return readable if readable != name else None
 

@@ -119,7 +119,9 @@ def collect(variables=None) -> list[Target]:
         for key, value in variables.items():
             targets.extend(_from_object(value, checkpoint_name=key))
         return targets
+    root = None
     if not isinstance(variables, (list, tuple)) and hasattr(variables, "variables"):
+        root = variables
         variables = list(variables.variables)
     if _is_partitioned(variables):
         variables = [variables]
@@ -138,7 +140,25 @@ def collect(variables=None) -> list[Target]:
             groups[info.full_name].append(obj)
             continue
         targets.extend(_from_object(obj))
-    return [
+    targets = [
         _partition_target(t, groups[t]) if isinstance(t, str) else t
         for t in targets
     ]
+    if root is not None:
+        _unique_names(targets, root)
+    return targets
+
+
+def _unique_names(targets: list[Target], root) -> None:
+    """Rename variables whose names repeat (tf.Module's 'Variable') to their attribute path in ``root``."""
+    counts: dict[str, int] = {}
+    for t in targets:
+        counts[t.variable_name] = counts.get(t.variable_name, 0) + 1
+    if all(n == 1 for n in counts.values()):
+        return
+    from restorekit.tf2 import live_paths
+
+    paths = live_paths(root)
+    for t in targets:
+        if counts[t.variable_name] > 1 and id(t.handle) in paths:
+            t.variable_name = paths[id(t.handle)]

@@ -1,0 +1,414 @@
+"""Shape policies and vocabulary remapping for warm starts: TF1 initializers and TF2 assigns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from restorekit.errors import InvalidArgumentError, NoMatchError, VocabularyError, format_names
+from restorekit.names import PatternSet
+
+__all__ = [
+    "SLICE_OR_PAD",
+    "VocabRemap",
+    "has_policy",
+    "policy_reason",
+    "resolve_shape_policy",
+    "tf1_initializer",
+]
+
+SKIP = "skip"
+SLICE_OR_PAD = "slice_or_pad"
+_NAMED = (SKIP, SLICE_OR_PAD)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+# ------------------------------------------------------------------ vocabularies
+
+def _read_words(vocab, what: str) -> tuple[str, ...]:
+    if isinstance(vocab, (list, tuple)):
+        words = [w.decode() if isinstance(w, bytes) else str(w) for w in vocab]
+        source = f"{what} list"
+    elif isinstance(vocab, (str, bytes)) or hasattr(vocab, "__fspath__"):
+        from restorekit.bundle import files
+
+        path = str(vocab)
+        if not files.exists(path):
+            raise VocabularyError(f"{what} file {path!r} does not exist")
+        words = files.read_bytes(path).decode("utf-8").splitlines()
+        source = f"{what} file {path!r}"
+    else:
+        raise VocabularyError(f"{what} is a file path or a list of words, got {type(vocab).__name__}: {vocab!r}")
+    first: dict[str, int] = {}
+    for i, word in enumerate(words):
+        if word in first:
+            raise VocabularyError(
+                f"{source} lists {word!r} twice (entries {first[word]} and {i}); a vocabulary maps each word to one row"
+            )
+        first[word] = i
+    return tuple(words)
+
+
+@dataclass(frozen=True, eq=False)
+class VocabRemap:
+    """Restore an embedding or output layer whose vocabulary changed (``warm_start``'s ``VocabInfo``).
+
+    Row (``axis=0``) or column (``axis=1``) ``i`` of the new variable takes the
+    checkpoint's row for ``new_vocab[i]`` in ``old_vocab``; words not in the old
+    vocabulary, and the ``num_oov_buckets`` rows after the vocabulary, come from
+    ``backup_initializer`` (zeros when None), as in ``tf.compat.v1.train.warm_start``.
+
+    Args:
+        old_vocab: the checkpoint's vocabulary: a file (one word per line) or a list.
+        new_vocab: the model's vocabulary, likewise.
+        axis: 0 to remap rows (embeddings), 1 to remap columns (an output layer).
+        old_vocab_size: use only the first ``old_vocab_size`` old words (None: all).
+        num_oov_buckets: out-of-vocabulary rows after the new vocabulary.
+        backup_initializer: ``init(shape, dtype=...)`` for rows with no old value.
+
+    Example:
+        >>> vocab = {'emb/embeddings': restorekit.VocabRemap('old.txt', 'new.txt')}
+        >>> restorekit.restore(restorekit.scan('ckpt/', model, vocab=vocab))
+    """
+
+    old_vocab: object
+    new_vocab: object
+    axis: int = 0
+    old_vocab_size: int | None = None
+    num_oov_buckets: int = 0
+    backup_initializer: object = None
+    _words: list = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.axis not in (0, 1):
+            raise InvalidArgumentError(f"VocabRemap axis is 0 (rows) or 1 (columns), got {self.axis!r}")
+        if self.num_oov_buckets < 0:
+            raise InvalidArgumentError(f"num_oov_buckets must be >= 0, got {self.num_oov_buckets}")
+        if self.old_vocab_size is not None and self.old_vocab_size < 0:
+            raise InvalidArgumentError(f"old_vocab_size must be >= 0, got {self.old_vocab_size}")
+        if self.backup_initializer is not None and not callable(self.backup_initializer):
+            raise InvalidArgumentError(f"backup_initializer must be callable, got {self.backup_initializer!r}")
+
+    def words(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(old words in use, new words), read once.
+
+        Raises:
+            VocabularyError: a file is missing, lists a word twice, or is shorter
+                than ``old_vocab_size``.
+        """
+        if not self._words:
+            old = _read_words(self.old_vocab, "old vocabulary")
+            new = _read_words(self.new_vocab, "new vocabulary")
+            if self.old_vocab_size is not None:
+                if self.old_vocab_size > len(old):
+                    raise VocabularyError(
+                        f"old_vocab_size={self.old_vocab_size} but the old vocabulary has only {len(old)} words"
+                    )
+                old = old[: self.old_vocab_size]
+            self._words.extend([old, new])
+        return self._words[0], self._words[1]
+
+    def index(self) -> np.ndarray:
+        """For each new row (vocabulary, then OOV buckets): its old row, or -1."""
+        old, new = self.words()
+        position = {w: i for i, w in enumerate(old)}
+        rows = [position.get(w, -1) for w in new] + [-1] * self.num_oov_buckets
+        return np.asarray(rows, dtype=np.int64)
+
+    def check(self, variable_name: str, shape, checkpoint_shape) -> int:
+        """Check that this remap fits the variable and checkpoint entry; return rows found in the old vocabulary.
+
+        Raises:
+            VocabularyError: the shapes do not fit the vocabularies.
+        """
+        old, new = self.words()
+        axis = self.axis
+        if shape is None or len(shape) <= axis or len(checkpoint_shape) != len(shape):
+            raise VocabularyError(
+                f"{variable_name!r}: cannot remap axis {axis} of a {_shape(shape or ())} variable from a "
+                f"{_shape(checkpoint_shape)} checkpoint entry"
+            )
+        rows = len(new) + self.num_oov_buckets
+        if shape[axis] is not None and shape[axis] != rows:
+            raise VocabularyError(
+                f"{variable_name!r} has {shape[axis]} entries along axis {axis}, but the new vocabulary has "
+                f"{len(new)} words + {self.num_oov_buckets} OOV buckets = {rows}"
+            )
+        if checkpoint_shape[axis] < len(old):
+            raise VocabularyError(
+                f"{variable_name!r}: the checkpoint entry has {checkpoint_shape[axis]} entries along axis {axis}, "
+                f"fewer than the {len(old)} old vocabulary words; pass old_vocab_size={checkpoint_shape[axis]}"
+            )
+        for d, (m, c) in enumerate(zip(shape, checkpoint_shape)):
+            if d != axis and m is not None and m != c:
+                raise VocabularyError(
+                    f"{variable_name!r}: checkpoint {_shape(checkpoint_shape)} and model {_shape(shape)} differ on "
+                    f"axis {d}, which the vocabulary does not cover"
+                )
+        return int((self.index() >= 0).sum())
+
+
+# ------------------------------------------------------------------ shape policies
+
+class ShapePolicies:
+    """A ``shape_policy`` argument, resolved: which policy applies to a variable name."""
+
+    def __init__(self, shape_policy):
+        self.default = SKIP
+        self.patterns = PatternSet(None, what="shape_policy pattern")
+        self.by_pattern: list = []
+        if shape_policy is None:
+            return
+        if isinstance(shape_policy, dict):
+            for pattern, policy in shape_policy.items():
+                _check_policy(policy)
+            self.patterns = PatternSet(list(shape_policy), what="shape_policy pattern")
+            self.by_pattern = list(shape_policy.values())
+        else:
+            self.default = _check_policy(shape_policy)
+
+    def __bool__(self) -> bool:
+        return self.default != SKIP or bool(self.by_pattern)
+
+    def for_name(self, name: str):
+        """The policy for ``name``: 'skip', 'slice_or_pad' or a callable."""
+        if self.by_pattern:
+            pattern = self.patterns.first_match(name)
+            if pattern is not None:
+                return self.by_pattern[self.patterns.patterns.index(pattern)]
+        return self.default
+
+    def check_all_used(self, names) -> None:
+        self.patterns.check_all_used(names)
+
+
+def _check_policy(policy):
+    if callable(policy) or policy in _NAMED:
+        return policy
+    raise InvalidArgumentError(
+        f"a shape policy is 'skip', 'slice_or_pad', a callable (checkpoint_value, variable) -> value "
+        f"or a dict {{pattern: policy}}; got {policy!r}"
+    )
+
+
+def resolve_shape_policy(shape_policy) -> ShapePolicies:
+    """Validate a ``scan(..., shape_policy=...)`` argument.
+
+    Raises:
+        InvalidArgumentError: not a policy, a callable or a dict of them.
+    """
+    return ShapePolicies(shape_policy)
+
+
+def policy_applies(policy, shape, checkpoint_shape) -> bool:
+    """True when ``policy`` can restore a ``checkpoint_shape`` entry into a ``shape`` variable."""
+    if policy == SKIP:
+        return False
+    if policy == SLICE_OR_PAD:
+        return shape is not None and None not in shape and len(shape) == len(checkpoint_shape)
+    return True
+
+
+def policy_reason(policy) -> str:
+    """The ``Record.reason`` of a record restored through ``policy``."""
+    if isinstance(policy, VocabRemap):
+        return "vocab"
+    if policy == SLICE_OR_PAD:
+        return SLICE_OR_PAD
+    return f"shape_policy: {getattr(policy, '__name__', type(policy).__name__)}"
+
+
+def has_policy(report, record) -> bool:
+    """True when ``record`` is restored through a shape policy or VocabRemap (not a plain copy).
+
+    Such records cannot go through a Saver; ``tf1_initializer`` or
+    ``restorekit.restore`` handles them.
+    """
+    return bool(report._policies) and record.variable_name in report._policies
+
+
+def _policy_name(policy) -> str:
+    return getattr(policy, "__name__", None) or type(policy).__name__
+
+
+# ------------------------------------------------------------------ values (TF ops: eager or graph)
+
+def _overlap_mask(tf, checkpoint_shape, shape):
+    """Bool tensor of ``shape``: True inside the block the checkpoint covers."""
+    mask = None
+    for d, (c, v) in enumerate(zip(checkpoint_shape, shape)):
+        inside = tf.range(v) < c
+        dims = [1] * len(shape)
+        dims[d] = v
+        inside = tf.reshape(inside, dims)
+        mask = inside if mask is None else tf.logical_and(mask, inside)
+    if mask is None:  # scalar
+        return tf.constant(True)
+    return tf.broadcast_to(mask, shape)
+
+
+def _slice_or_pad(tf, value, checkpoint_shape, shape):
+    overlap = [min(c, v) for c, v in zip(checkpoint_shape, shape)]
+    block = tf.slice(value, [0] * len(shape), overlap)
+    padded = tf.pad(block, [[0, v - o] for v, o in zip(shape, overlap)])
+    return padded, _overlap_mask(tf, checkpoint_shape, shape)
+
+
+def _backup(tf, remap: VocabRemap, shape, dtype):
+    if remap.backup_initializer is None:
+        return tf.zeros(shape, dtype)
+    value = tf.convert_to_tensor(remap.backup_initializer(list(shape), dtype=dtype))
+    return tf.cast(value, dtype)
+
+
+def _vocab(tf, remap: VocabRemap, value, shape, dtype):
+    index = remap.index()
+    found = index >= 0
+    gathered = tf.gather(value, np.maximum(index, 0) if len(index) else index, axis=remap.axis)
+    dims = [1] * len(shape)
+    dims[remap.axis] = len(index)
+    found = tf.reshape(tf.constant(found), dims)
+    return tf.where(found, gathered, _backup(tf, remap, shape, dtype))
+
+
+def _check_shape(value_shape, shape, policy, variable_name) -> None:
+    if tuple(value_shape) != tuple(shape):
+        raise InvalidArgumentError(
+            f"shape policy {_policy_name(policy)!r} returned a {_shape(value_shape)} value for {variable_name!r}, "
+            f"which is {_shape(shape)}"
+        )
+
+
+def eager_value(policy, record, checkpoint_value, handle):
+    """The value ``restorekit.restore`` assigns to ``record``'s variable under ``policy`` (eager).
+
+    ``slice_or_pad`` keeps the variable's current value (for a new model: its
+    initializer's) outside the block the checkpoint covers.
+
+    Raises:
+        InvalidArgumentError: a callable policy returned a value of the wrong shape.
+    """
+    import tensorflow as tf
+
+    shape = tuple(record.shape)
+    dtype = tf.as_dtype(record.dtype)
+    if isinstance(policy, VocabRemap):
+        return _vocab(tf, policy, checkpoint_value, shape, dtype)
+    components = getattr(handle, "values", None)
+    primary = components[0] if isinstance(components, tuple) and components else handle
+    if policy == SLICE_OR_PAD:
+        value, mask = _slice_or_pad(tf, checkpoint_value, record.checkpoint_shape, shape)
+        return tf.where(mask, value, primary.read_value())
+    value = policy(checkpoint_value.numpy(), handle)
+    value = tf.cast(tf.convert_to_tensor(value), dtype)
+    _check_shape(value.shape, shape, policy, record.variable_name)
+    return value
+
+
+def _part_slices(part, full_shape):
+    # A partition's place in the full variable lives only in its save-slice info.
+    info = getattr(part, "_save_slice_info", None)
+    if info is None:
+        return [0] * len(full_shape), list(full_shape)
+    return list(info.var_offset), list(info.var_shape)
+
+
+def _set_initial_value(tf, variable, value) -> None:
+    value = tf.cast(value, variable.dtype.base_dtype)
+    with tf.device(variable.device):
+        if getattr(variable, "handle", None) is not None and "Resource" in type(variable).__name__:
+            op = tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
+        else:
+            op = tf.compat.v1.assign(variable, value).op
+    # No public API replaces a variable's initializer; init_from_checkpoint sets
+    # these same two attributes.
+    variable._initializer_op = op
+    variable._initial_value = value
+
+
+def tf1_initializer(report, record) -> None:
+    """Make ``record``'s variable initialize from the checkpoint through its policy (TF1 graph mode).
+
+    The TF1 half of shape policies and ``VocabRemap``: after this, the variable's
+    initializer (``global_variables_initializer``, a Scaffold's init op) computes
+    the remapped value. ``slice_or_pad`` and vocabularies are computed by ops from a
+    ``RestoreV2`` read; a callable policy runs now on the numpy value and its result
+    is embedded as a constant. Partitioned variables get their slice of the value.
+
+    Raises:
+        InvalidArgumentError: ``record`` has no policy in ``report``, or a callable
+            policy returned a value of the wrong shape.
+    """
+    import tensorflow as tf
+
+    if not has_policy(report, record):
+        raise InvalidArgumentError(f"{record.variable_name!r} has no shape policy or vocabulary in this report")
+    if tf.executing_eagerly():
+        raise InvalidArgumentError("tf1_initializer builds graph initializers; in eager mode use restorekit.restore")
+    policy = report._policies[record.variable_name]
+    handle = report._handles[record.variable_name]
+    parts = list(handle) if isinstance(handle, (list, tuple)) else [handle]
+    shape = tuple(record.shape)
+    dtype = tf.as_dtype(record.dtype)
+    with tf.compat.v1.name_scope("restorekit_remap"):
+        mask = None
+        if callable(policy) and not isinstance(policy, VocabRemap):
+            from restorekit.checkpoint import Checkpoint
+
+            raw = policy(Checkpoint(report.checkpoint).read(record.checkpoint_name), handle)
+            raw = np.asarray(raw)
+            _check_shape(raw.shape, shape, policy, record.variable_name)
+            value = tf.constant(raw.astype(dtype.as_numpy_dtype))
+        else:
+            with tf.device("/cpu:0"):
+                stored = tf.raw_ops.RestoreV2(
+                    prefix=report.checkpoint,
+                    tensor_names=[record.checkpoint_name],
+                    shape_and_slices=[""],
+                    dtypes=[tf.as_dtype(record.checkpoint_dtype)],
+                )[0]
+            stored.set_shape(record.checkpoint_shape)
+            if isinstance(policy, VocabRemap):
+                value = _vocab(tf, policy, stored, shape, dtype)
+            else:
+                value, mask = _slice_or_pad(tf, stored, record.checkpoint_shape, shape)
+        for part in parts:
+            begin, size = _part_slices(part, shape)
+            piece = tf.slice(value, begin, size) if len(parts) > 1 else value
+            if mask is not None:
+                piece_mask = tf.slice(mask, begin, size) if len(parts) > 1 else mask
+                piece = tf.where(piece_mask, piece, part.initial_value)
+            _set_initial_value(tf, part, piece)
+
+
+def check_vocab(vocab, names) -> dict:
+    """Validate ``scan(..., vocab=...)``: a dict variable name -> VocabRemap, every name known.
+
+    Raises:
+        InvalidArgumentError: not a dict of VocabRemap.
+        NoMatchError: a key names no variable being scanned.
+        VocabularyError: a vocabulary cannot be read.
+    """
+    if vocab is None:
+        return {}
+    if not isinstance(vocab, dict):
+        raise InvalidArgumentError(f"vocab is a dict {{variable_name: VocabRemap}}, got {type(vocab).__name__}")
+    names = list(names)
+    known = set(names)
+    for name, remap in vocab.items():
+        if not isinstance(remap, VocabRemap):
+            raise InvalidArgumentError(f"vocab[{name!r}] must be a restorekit.VocabRemap, got {remap!r}")
+        if name not in known:
+            from restorekit.names import closest_names
+
+            near = closest_names(name, names)
+            raise NoMatchError(
+                f"vocab key {name!r} is not a variable being scanned." + (f" Closest: {format_names(near)}." if near else ""),
+                near,
+            )
+        remap.words()
+    return dict(vocab)

@@ -1,0 +1,604 @@
+"""TF2 and Keras 3: object-graph readable paths, trackable matching, naming rules, eager restore."""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from restorekit.bundle.protos import _fields
+from restorekit.errors import (
+    CorruptCheckpointError,
+    IncompleteRestoreError,
+    InvalidArgumentError,
+    NoMatchError,
+    format_names,
+)
+from restorekit.names import optimizer_slot_kind
+
+__all__ = [
+    "KERAS_FROM_TF1",
+    "ObjectGraph",
+    "Rules",
+    "TrackedVariable",
+    "decode_object_graph",
+    "object_graph_keys",
+    "restore",
+]
+
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+# ------------------------------------------------------------------ the object graph
+
+@dataclass(frozen=True)
+class _Node:
+    children: tuple  # ((node_id, local_name), ...)
+    attributes: tuple  # ((name, full_name, checkpoint_key), ...)
+    slot_variables: tuple  # ((original_node_id, slot_name, slot_node_id), ...)
+
+
+@dataclass(frozen=True)
+class TrackedVariable:
+    """One tensor of an object-based checkpoint, seen through its object graph.
+
+    ``key`` is the raw checkpoint key; ``path`` the readable path (the Keras
+    ``variable.path`` for Keras checkpoints, ``optimizer/...`` for optimizer state,
+    ``save_counter``); ``kind`` is ``'variable'``, ``'optimizer'`` or ``'save_counter'``.
+    """
+
+    key: str
+    path: str
+    object_path: str
+    full_name: str
+    node_id: int
+    kind: str
+
+
+def _str(value: bytes, what: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(f"object graph: {what} is not UTF-8") from None
+
+
+def _decode_node(buf: bytes) -> _Node:
+    children, attributes, slots = [], [], []
+    for number, wire, value, _, _ in _fields(buf):
+        if number == 1 and wire == 2:
+            node_id, local = 0, ""
+            for n2, w2, v2, _, _ in _fields(value):
+                if n2 == 1 and w2 == 0:
+                    node_id = v2
+                elif n2 == 2 and w2 == 2:
+                    local = _str(v2, "a child name")
+            children.append((node_id, local))
+        elif number == 2 and wire == 2:
+            attr = {1: "", 2: "", 3: ""}
+            for n2, w2, v2, _, _ in _fields(value):
+                if n2 in attr and w2 == 2:
+                    attr[n2] = _str(v2, "an attribute name")
+            attributes.append((attr[1], attr[2], attr[3]))
+        elif number == 3 and wire == 2:
+            ref = {1: 0, 2: "", 3: 0}
+            for n2, w2, v2, _, _ in _fields(value):
+                if n2 in (1, 3) and w2 == 0:
+                    ref[n2] = v2
+                elif n2 == 2 and w2 == 2:
+                    ref[2] = _str(v2, "a slot name")
+            slots.append((ref[1], ref[2], ref[3]))
+    return _Node(tuple(children), tuple(attributes), tuple(slots))
+
+
+def _is_optimizer(node: _Node, local_name: str) -> bool:
+    # Optimizers are recognized by their conventional name, by owning slot
+    # variables (TF and Keras 2 optimizers), or by an iteration counter child
+    # ('_iterations' in Keras 3, 'iter' in Keras 2).
+    names = {name for _, name in node.children}
+    return local_name == "optimizer" or bool(node.slot_variables) or bool(names & {"_iterations", "iter"})
+
+
+class ObjectGraph:
+    """A decoded ``TrackableObjectGraph``: nodes, and every tensor with its readable path.
+
+    Built by ``decode_object_graph``; ``Checkpoint.object_graph`` holds one for
+    object-based checkpoints.
+    """
+
+    def __init__(self, nodes: list[_Node]):
+        self.nodes = tuple(nodes)
+        if not self.nodes:
+            raise CorruptCheckpointError("object graph has no nodes")
+        for i, node in enumerate(self.nodes):
+            for child, _ in node.children:
+                if child >= len(self.nodes):
+                    raise CorruptCheckpointError(f"object graph node {i} names child {child} of {len(self.nodes)}")
+            for original, _, slot in node.slot_variables:
+                if max(original, slot) >= len(self.nodes):
+                    raise CorruptCheckpointError(f"object graph node {i} has a slot variable out of range")
+        self._variables = self._name_variables()
+        self.by_key: Mapping[str, TrackedVariable] = MappingProxyType({v.key: v for v in self._variables})
+        self.by_path: Mapping[str, TrackedVariable] = MappingProxyType({v.path: v for v in self._variables})
+
+    @property
+    def variables(self) -> tuple:
+        """Every tensor the graph names (attributes), in checkpoint-key order."""
+        return self._variables
+
+    def _walk(self, skip_optimizers: bool) -> tuple[dict[int, str], set[int]]:
+        """BFS from the root: node id -> object path, and the optimizer nodes met."""
+        paths = {0: ""}
+        optimizers = set()
+        queue = deque([0])
+        while queue:
+            node_id = queue.popleft()
+            for child, local in self.nodes[node_id].children:
+                if child in paths:
+                    continue
+                if _is_optimizer(self.nodes[child], local):
+                    optimizers.add(child)
+                    if skip_optimizers:
+                        continue
+                base = paths[node_id]
+                paths[child] = f"{base}/{local}" if base else local
+                queue.append(child)
+        return paths, optimizers
+
+    def _name_variables(self) -> tuple:
+        model_paths, _ = self._walk(skip_optimizers=True)
+        all_paths, optimizers = self._walk(skip_optimizers=False)
+        slot_of = {}
+        for opt in range(len(self.nodes)):
+            for original, slot_name, slot in self.nodes[opt].slot_variables:
+                slot_of[slot] = (original, slot_name, opt)
+        root_children = {child: local for child, local in self.nodes[0].children}
+
+        found = []
+        for node_id, node in enumerate(self.nodes):
+            for attr_name, full_name, key in node.attributes:
+                if not key:
+                    continue
+                object_path = key[: -len(_VALUE_SUFFIX)] if key.endswith(_VALUE_SUFFIX) else key
+                if node_id in model_paths and node_id not in slot_of:
+                    kind = "save_counter" if root_children.get(node_id) == "save_counter" else "variable"
+                else:
+                    kind = "optimizer"
+                found.append([key, full_name, object_path, node_id, kind, attr_name])
+
+        # Keras writes its variable.path as full_name; TF variables write their
+        # graph name, which may repeat ('Variable'). Use full_name when unique.
+        counts: dict[str, int] = {}
+        for key, full_name, _, _, kind, _ in found:
+            if kind == "variable" and full_name:
+                counts[full_name] = counts.get(full_name, 0) + 1
+        model_path_of = {}
+        for key, full_name, object_path, node_id, kind, attr_name in found:
+            if kind != "variable":
+                continue
+            if full_name and counts[full_name] == 1:
+                path = full_name
+            else:
+                path = model_paths.get(node_id) or object_path
+            if attr_name and attr_name != "VARIABLE_VALUE":
+                path = f"{path}/{attr_name}"
+            model_path_of[node_id] = path
+
+        taken = set(model_path_of.values())
+        result = []
+        for key, full_name, object_path, node_id, kind, attr_name in found:
+            if kind == "variable":
+                path = model_path_of[node_id]
+            elif kind == "save_counter":
+                path = "save_counter"
+            elif node_id in slot_of and slot_of[node_id][0] in model_path_of:
+                original, slot_name, opt = slot_of[node_id]
+                opt_path = all_paths.get(opt, "optimizer")
+                path = f"{model_path_of[original]}/.OPTIMIZER_SLOT/{opt_path}/{slot_name}"
+            else:
+                path = f"optimizer/{full_name}" if full_name else object_path
+                if optimizer_slot_kind(path) is None:
+                    path = f"optimizer/{path}"
+            if kind != "variable" and path in taken:
+                path = object_path if object_path not in taken else key
+            taken.add(path)
+            result.append(TrackedVariable(key, path, object_path, full_name, node_id, kind))
+        result.sort(key=lambda v: v.key)
+        return tuple(result)
+
+
+def decode_object_graph(raw: bytes) -> ObjectGraph:
+    """Decode a serialized ``TrackableObjectGraph`` (the ``_CHECKPOINTABLE_OBJECT_GRAPH`` entry).
+
+    Carries its own protobuf decoding, as ``restorekit.bundle.protos`` does, so
+    listing an object-based checkpoint never imports TensorFlow.
+
+    Raises:
+        CorruptCheckpointError: the bytes are not a well-formed object graph.
+    """
+    if not isinstance(raw, (bytes, bytearray)):
+        raise CorruptCheckpointError(f"object graph entry holds {type(raw).__name__}, not bytes")
+    try:
+        nodes = [_decode_node(value) for number, wire, value, _, _ in _fields(bytes(raw)) if number == 1 and wire == 2]
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"object graph is not a TrackableObjectGraph: {e}") from None
+    return ObjectGraph(nodes)
+
+
+# ------------------------------------------------------------------ live objects
+
+def is_trackable(obj) -> bool:
+    """True for a Keras model or layer, a tf.Module or another trackable root (not a variable)."""
+    return hasattr(obj, "_trackable_children") and not hasattr(obj, "assign")
+
+
+def _unwrap(var):
+    """The Keras variable's tf.Variable (or distributed variable); others as given."""
+    if type(var).__module__.startswith("keras"):
+        return var.value
+    return var
+
+
+def _walk_live(root, graph: ObjectGraph, start: int) -> dict[int, str]:
+    """id(live variable) -> checkpoint key, walking the live object and the graph in step."""
+    import tensorflow as tf
+
+    found: dict[int, str] = {}
+    seen = {start}
+    queue = deque([(root, start)])
+    while queue:
+        obj, node_id = queue.popleft()
+        node = graph.nodes[node_id]
+        for _, _, key in node.attributes:
+            if key and hasattr(obj, "assign"):
+                found.setdefault(id(obj), key)
+                value = getattr(obj, "value", None) if type(obj).__module__.startswith("keras") else None
+                if value is not None:
+                    found.setdefault(id(value), key)
+        if not node.children:
+            continue
+        try:
+            children = tf.train.TrackableView(obj).children(obj)
+        except Exception:  # a trackable whose children need a save context; nothing to match there
+            continue
+        for child_id, local in node.children:
+            if child_id in seen or local not in children:
+                continue
+            seen.add(child_id)
+            queue.append((children[local], child_id))
+    return found
+
+
+def live_paths(root) -> dict[int, str]:
+    """id(variable) -> attribute path from ``root`` (``encoder/w``), the shortest, as checkpoints name them."""
+    import tensorflow as tf
+
+    paths: dict[int, str] = {}
+    seen = {id(root)}
+    queue = deque([(root, "")])
+    while queue:
+        obj, path = queue.popleft()
+        try:
+            children = tf.train.TrackableView(obj).children(obj)
+        except Exception:  # a trackable whose children need a save context; it holds no plain variables
+            continue
+        for local, child in children.items():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            here = f"{path}/{local}" if path else local
+            if hasattr(child, "assign"):
+                paths[id(child)] = here
+                value = getattr(child, "value", None) if type(child).__module__.startswith("keras") else None
+                if value is not None:
+                    paths.setdefault(id(value), here)
+            else:
+                queue.append((child, here))
+    return paths
+
+
+def object_graph_keys(root, graph: ObjectGraph, variables) -> dict[int, str]:
+    """Match a live trackable to a checkpoint's object graph, as ``tf.train.Checkpoint`` does.
+
+    The checkpoint's root, and each of its children (``model`` in
+    ``tf.train.Checkpoint(model=...)``), is tried as the counterpart of ``root``;
+    the one that reaches the most of ``variables`` wins.
+
+    Returns:
+        ``id(variable) -> checkpoint key`` for the variables matched.
+    """
+    wanted = {id(v) for v in variables} | {id(_unwrap(v)) for v in variables}
+    best: dict[int, str] = {}
+    for start in [0] + [child for child, _ in graph.nodes[0].children]:
+        found = _walk_live(root, graph, start)
+        hits = {k: v for k, v in found.items() if k in wanted}
+        if len(hits) > len(best):
+            best = hits
+    return best
+
+
+# ------------------------------------------------------------------ naming rules
+
+_SUFFIX = re.compile(r"^(?P<base>.*?)(?:_(?P<n>\d+))?$")
+
+
+def _split_suffix(component: str) -> tuple[str, int]:
+    m = _SUFFIX.match(component)
+    return m.group("base"), int(m.group("n") or 0)
+
+
+class Rules:
+    """An ordered naming rule set: variable name -> checkpoint name, aware of the checkpoint.
+
+    ``pairs`` are ``(regex, replacement)`` applied in order with ``re.sub``; each must
+    match some variable name. ``synonyms`` maps a last name part to alternatives
+    tried when the name itself is not in the checkpoint (``kernel`` -> ``weights``).
+    ``renumber`` pairs layer-uniquification suffixes in order (model ``dense_3``,
+    ``dense_4`` onto checkpoint ``dense``, ``dense_1``) when the model's suffixes are
+    not all present in the checkpoint. Rule sets add: ``Rules([(r'^net/', '')]) + KERAS_FROM_TF1``.
+
+    Use as ``scan(..., rules=...)`` or ``scan(..., assignment_map=rules)``.
+    """
+
+    def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, name: str | None = None):
+        self.pairs = []
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise InvalidArgumentError(f"a rule is a (regex, replacement) pair, got {item!r}")
+            pattern, repl = item
+            try:
+                compiled = re.compile(pattern) if isinstance(pattern, str) else pattern
+            except re.error as e:
+                raise InvalidArgumentError(f"rule pattern {pattern!r} is not a valid regular expression: {e}") from None
+            self.pairs.append((compiled, repl))
+        self.synonyms = {k: tuple(v) for k, v in (synonyms or {}).items()}
+        self.renumber = renumber
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name or f"Rules({[(p.pattern, r) for p, r in self.pairs]!r})"
+
+    def __add__(self, other) -> "Rules":
+        other = as_rules(other)
+        combined = Rules(name=f"{self!r} + {other!r}")
+        combined.pairs = self.pairs + other.pairs
+        combined.synonyms = {**other.synonyms, **self.synonyms}
+        combined.renumber = self.renumber or other.renumber
+        return combined
+
+    def _rewrite(self, name: str) -> str:
+        for pattern, repl in self.pairs:
+            name = pattern.sub(repl, name)
+        return name
+
+    def __call__(self, name: str) -> str:
+        """Rewrite one name without seeing the checkpoint (the pairs only)."""
+        return self._rewrite(name)
+
+    def bind(self, variable_names, checkpoint_names) -> "callable":
+        """A function variable_name -> checkpoint name or None, for these names.
+
+        Raises:
+            NoMatchError: a pair matches no variable name, or the rules map no
+                variable onto a checkpoint entry.
+        """
+        variable_names = list(variable_names)
+        known = set(checkpoint_names)
+        for pattern, _ in self.pairs:
+            if not any(pattern.search(n) for n in variable_names):
+                raise NoMatchError(
+                    f"rule {pattern.pattern!r} of {self!r} matches none of the {len(variable_names)} variable names "
+                    f"({format_names(variable_names, 4)})"
+                )
+        rewritten = {n: self._rewrite(n) for n in variable_names}
+        scopes = self._renumbering(list(rewritten.values()), known) if self.renumber else {}
+        mapping = {}
+        for original, name in rewritten.items():
+            parts = name.split("/")
+            for i in range(len(parts) - 1, 0, -1):
+                prefix = "/".join(parts[:i])
+                if prefix in scopes:
+                    name = scopes[prefix] + "/" + "/".join(parts[i:])
+                    break
+            mapping[original] = self._synonym(name, known)
+        if not any(target in known for target in mapping.values()):
+            raise NoMatchError(
+                f"rules {self!r} map none of the {len(variable_names)} variables onto a checkpoint entry "
+                f"(for example {variable_names[0]!r} -> {mapping[variable_names[0]]!r})" if variable_names else
+                f"rules {self!r} have no variables to map"
+            )
+        return mapping.get
+
+    def _synonym(self, name: str, known: set) -> str:
+        if name in known or "/" not in name and name not in self.synonyms:
+            return name
+        scope, _, leaf = name.rpartition("/")
+        for alternative in self.synonyms.get(leaf, ()):
+            candidate = f"{scope}/{alternative}" if scope else alternative
+            if candidate in known:
+                return candidate
+        return name
+
+    @staticmethod
+    def _renumbering(names: list[str], known: set) -> dict[str, str]:
+        """Model scope -> checkpoint scope, pairing uniquified layer names in order."""
+        ckpt_children: dict[str, set] = {}
+        for n in known:
+            if optimizer_slot_kind(n):
+                continue
+            parts = n.split("/")
+            for i in range(len(parts) - 1):
+                ckpt_children.setdefault("/".join(parts[:i]), set()).add(parts[i])
+        result: dict[str, str] = {}
+        depth = max((n.count("/") for n in names), default=0)
+        for level in range(depth):
+            groups: dict[tuple, list[str]] = {}
+            for n in names:
+                parts = n.split("/")
+                if len(parts) - 1 <= level:
+                    continue
+                parent = "/".join(parts[:level])
+                mapped_parent = result.get(parent, parent) if parent else ""
+                component = parts[level]
+                key = (parent, mapped_parent, _split_suffix(component)[0])
+                if component not in groups.setdefault(key, []):
+                    groups[key].append(component)
+            for (parent, mapped_parent, base), components in groups.items():
+                available = sorted(
+                    (c for c in ckpt_children.get(mapped_parent, ()) if _split_suffix(c)[0] == base),
+                    key=lambda c: _split_suffix(c)[1],
+                )
+                ordered = sorted(components, key=lambda c: _split_suffix(c)[1])
+                same = set(components) <= set(available)
+                for i, component in enumerate(ordered):
+                    target = component if same or i >= len(available) else available[i]
+                    here = f"{parent}/{component}" if parent else component
+                    result[here] = f"{mapped_parent}/{target}" if mapped_parent else target
+        return result
+
+
+def as_rules(rules) -> Rules:
+    """A Rules from a Rules, a list of (regex, replacement) pairs and Rules, or one pair."""
+    if isinstance(rules, Rules):
+        return rules
+    if isinstance(rules, (list, tuple)):
+        if len(rules) == 2 and isinstance(rules[0], (str, re.Pattern)) and isinstance(rules[1], str):
+            return Rules([rules])
+        combined = Rules()
+        for item in rules:
+            combined = combined + (item if isinstance(item, Rules) else Rules([item]))
+        return combined
+    raise InvalidArgumentError(f"rules are a restorekit Rules or a list of (regex, replacement) pairs, got {rules!r}")
+
+
+KERAS_FROM_TF1 = Rules(
+    synonyms={
+        "kernel": ("weights", "W", "w"),
+        "bias": ("biases", "b"),
+        "embeddings": ("embedding", "weights"),
+        "depthwise_kernel": ("depthwise_weights",),
+        "pointwise_kernel": ("pointwise_weights",),
+        "gamma": ("scale",),
+        "beta": ("offset",),
+    },
+    renumber=True,
+    name="KERAS_FROM_TF1",
+)
+"""Keras 3 variable paths onto TF1 / tf-slim checkpoint names: ``kernel`` -> ``weights``,
+``bias`` -> ``biases``, and layer uniquification suffixes paired in order."""
+
+
+# ------------------------------------------------------------------ eager restore
+
+def _components(handle) -> list:
+    """Every copy of a variable: the replicas of a distributed variable, else itself."""
+    values = getattr(handle, "values", None)
+    if isinstance(values, tuple) and values:
+        return list(values)
+    return [handle]
+
+
+def read_tensors(prefix: str, names: list[str], dtypes: list[str], *, batch_bytes: int = 1 << 30, sizes=None):
+    """Read checkpoint tensors with ``tf.raw_ops.RestoreV2``, many per call (eager).
+
+    Batching keeps the op count low (one call for a BERT-base checkpoint) while
+    ``batch_bytes`` bounds the memory held at once.
+    """
+    import tensorflow as tf
+
+    out = []
+    start = 0
+    while start < len(names):
+        stop, total = start, 0
+        while stop < len(names) and (stop == start or total + (sizes[stop] if sizes else 0) <= batch_bytes):
+            total += sizes[stop] if sizes else 0
+            stop += 1
+        with tf.device("/cpu:0"):
+            out.extend(
+                tf.raw_ops.RestoreV2(
+                    prefix=prefix,
+                    tensor_names=names[start:stop],
+                    shape_and_slices=[""] * (stop - start),
+                    dtypes=[tf.as_dtype(d) for d in dtypes[start:stop]],
+                )
+            )
+        start = stop
+    return out
+
+
+def _nbytes(record) -> int:
+    import numpy as np
+
+    size = int(np.prod(record.checkpoint_shape, dtype=np.int64)) if record.checkpoint_shape else 1
+    try:
+        return size * np.dtype(record.checkpoint_dtype).itemsize
+    except TypeError:
+        return size * 4
+
+
+def restore(report, *, strict: bool = False):
+    """Assign the matched variables from the checkpoint, in eager mode (TF2, Keras 3).
+
+    Reads every plain match with batched ``RestoreV2`` calls, computes the values of
+    records restored through a shape policy or a ``VocabRemap``, checks them all,
+    and only then assigns. Distributed (MirroredStrategy) variables are assigned on
+    every replica.
+
+    Args:
+        report: from ``restorekit.scan`` over a Keras model, tf.Module or TF2 variables.
+        strict: raise IncompleteRestoreError when anything is missing or mismatched.
+
+    Returns:
+        The report, for chaining.
+
+    Raises:
+        InvalidArgumentError: not executing eagerly, nothing matched, the report lost
+            its variables, or a policy returned a value of the wrong shape.
+        IncompleteRestoreError: ``strict`` and the report is incomplete.
+
+    Example:
+        >>> report = restorekit.scan('ckpt/', model, shape_policy='slice_or_pad')
+        >>> restorekit.restore(report)
+    """
+    import tensorflow as tf
+
+    from restorekit import remap
+    from restorekit.report import RestoreReport
+
+    if not isinstance(report, RestoreReport):
+        raise InvalidArgumentError(f"expected a RestoreReport from restorekit.scan, got {type(report).__name__}")
+    if not tf.executing_eagerly():
+        raise InvalidArgumentError(
+            "restorekit.restore assigns eagerly; in graph mode use restorekit.warm_start(report) "
+            "or restorekit.partial_saver(report)"
+        )
+    if report._handles is None:
+        raise InvalidArgumentError(
+            "this RestoreReport was unpickled or rebuilt and no longer knows its variables; call restorekit.scan again"
+        )
+    if strict and not report.is_complete:
+        raise IncompleteRestoreError(report.incomplete_message(), report)
+    if not report.matched:
+        raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
+    handles = report._handles
+    policies = report._policies or {}
+    records = list(report.matched)
+    keys = sorted({r.checkpoint_name for r in records})
+    dtype_of = {r.checkpoint_name: r.checkpoint_dtype for r in records}
+    size_of = {r.checkpoint_name: _nbytes(r) for r in records}
+    tensors = dict(
+        zip(keys, read_tensors(report.checkpoint, keys, [dtype_of[k] for k in keys], sizes=[size_of[k] for k in keys]))
+    )
+    values = []
+    for r in records:
+        handle = handles[r.variable_name]
+        value = tensors[r.checkpoint_name]
+        if r.variable_name in policies:
+            value = remap.eager_value(policies[r.variable_name], r, value, handle)
+        values.append((handle, value))
+    for handle, value in values:
+        for component in _components(handle):
+            component.assign(value, read_value=False)
+    return report
+
