@@ -538,3 +538,12 @@ def test_kill_9_during_save_in_place_keeps_the_old_checkpoint(small_checkpoint, 
     assert sorted(got) == sorted(values)
     for name, value in values.items():
         assert np.array_equal(got[name], value)
+
+
+def test_unedited_export_takes_the_raw_copy_path_with_the_same_result(small_checkpoint, tmp_path):
+    from safetensors.numpy import load_file
+
+    prefix, values = small_checkpoint
+    got = load_file(CheckpointEditor(prefix).save(tmp_path / "o" / "m.safetensors", format="safetensors"))
+    assert sorted(got) == sorted(values)
+    assert np.array_equal(got["dense/kernel"], values["dense/kernel"])
