@@ -76,6 +76,11 @@ OPERATIONS = {
         EDITOR,
         "ed = CheckpointEditor(src)\ned.save(out + '.safetensors', format='safetensors')",
     ),
+    "rename every variable + export to safetensors": (
+        EDITOR,
+        "ed = CheckpointEditor(src)\ned.rename_all(lambda n: 'renamed/' + n)\n"
+        "ed.save(out + '.safetensors', format='safetensors')",
+    ),
 }
 
 NAIVE = (
@@ -117,6 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=os.path.join(REPO, "benchmarks", "data"))
     parser.add_argument("--repeat", type=int, default=3, help="runs per fast operation (median)")
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--only", help="run only operations whose name contains this")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     from restorekit.checkpoint import Checkpoint
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
         if not args.skip_naive:
             operations["naive rename: numpy -> tf.Variables -> Saver.save"] = NAIVE
         for name, (setup, body) in operations.items():
+            if args.only and args.only not in name:
+                continue
             runs = []
             repeat = 1 if name.startswith("naive") else args.repeat
             for _ in range(repeat):
