@@ -35,6 +35,17 @@ from restorekit.finetune import (
     layerwise_decay,
     scale_gradients,
 )
+from restorekit.graph import (
+    Alignment,
+    ConvertedConstant,
+    GraphSummary,
+    TensorSummary,
+    UnfreezeResult,
+    VariableSummary,
+    freeze,
+    inspect_graph,
+    unfreeze,
+)
 from restorekit.initializers import initialize_uninitialized, uninitialized_initializer
 from restorekit.report import Record, RestoreReport
 from restorekit.restore import assign_from_checkpoint_fn, partial_saver, warm_start
@@ -55,16 +66,19 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Alignment",
     "AssignmentMapError",
     "Checkpoint",
     "CheckpointEditor",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "ConvertedConstant",
     "CorruptCheckpointError",
     "EditError",
     "Entry",
     "ExportResult",
     "GraphError",
+    "GraphSummary",
     "GraphTooLargeError",
     "GroupError",
     "GroupedOptimizer",
@@ -80,21 +94,27 @@ __all__ = [
     "RestoreKitError",
     "RestoreKitWarning",
     "RestoreReport",
+    "TensorSummary",
+    "UnfreezeResult",
     "VariableGroup",
     "VariableGroups",
+    "VariableSummary",
     "VocabularyError",
     "assign_from_checkpoint_fn",
     "convert",
     "easy_going_scaffold",
     "export_checkpoint",
+    "freeze",
     "group_variables",
     "grouped_keras_optimizer",
     "import_checkpoint",
     "initialize_uninitialized",
+    "inspect_graph",
     "layerwise_decay",
     "partial_saver",
     "scale_gradients",
     "scan",
+    "unfreeze",
     "uninitialized_initializer",
     "warm_start",
 ]

@@ -305,3 +305,62 @@ def test_python_m_restorekit_runs_as_a_subprocess(small_checkpoint):
         [sys.executable, "-m", "restorekit", "inspect", prefix + "-nope"], capture_output=True, text=True, timeout=120
     )
     assert missing.returncode == 3 and missing.stderr.startswith("restorekit: error: no checkpoint at")
+
+
+# ------------------------------------------------------------------ graphs
+
+
+def _trained_graph(tmp_path):
+    """A small dense net: its .meta, its checkpoint, and its output for a fixed input."""
+    x_value = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf1.get_variable("dense/kernel", [4, 3], initializer=tf1.random_normal_initializer(seed=1))
+        b = tf1.get_variable("dense/bias", [3], initializer=tf1.constant_initializer(0.5))
+        tf.identity(tf.matmul(x, w) + b, name="y")
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            expected = sess.run("y:0", {x: x_value})
+            prefix = saver.save(sess, str(tmp_path / "net" / "model.ckpt"))
+    return prefix, prefix + ".meta", x_value, expected
+
+
+def test_graph_inspect_freeze_unfreeze_round_trip(capsys, tmp_path):
+    prefix, meta, x_value, expected = _trained_graph(tmp_path)
+    code, data = run_json(capsys, "graph", "inspect", meta)
+    assert code == 0
+    assert [i["name"] for i in data["inputs"]] == ["x:0"]
+    assert {v["name"] for v in data["variables"]} == {"dense/kernel", "dense/bias"}
+
+    frozen = tmp_path / "frozen.pb"
+    code, out, _ = run(capsys, "freeze", prefix, meta, "--outputs", "y", "--out", frozen)
+    assert code == 0 and frozen.exists() and "wrote" in out
+    graph_def = tf1.GraphDef.FromString(frozen.read_bytes())
+    with tf.Graph().as_default():
+        tf1.import_graph_def(graph_def, name="")
+        with tf1.Session() as sess:
+            np.testing.assert_array_equal(sess.run("y:0", {"x:0": x_value}), expected)
+
+    code, out, _ = run(capsys, "unfreeze", frozen, tmp_path / "back" / "model.ckpt")
+    assert code == 0
+    original, back = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "model.ckpt")
+    assert set(back) == set(original)
+    for name in original:
+        np.testing.assert_array_equal(back.read(name), original.read(name))
+
+
+def test_freeze_with_an_unknown_output_exits_3_and_writes_nothing(capsys, tmp_path):
+    prefix, meta, _, _ = _trained_graph(tmp_path)
+    code, _, err = run(capsys, "freeze", prefix, meta, "--outputs", "why", "--out", tmp_path / "f.pb")
+    assert code == 3 and not (tmp_path / "f.pb").exists()
+    _assert_error_line(err)
+    assert "'y'" in err  # the closest name
+
+
+def test_graph_inspect_of_a_text_file_exits_3(capsys, tmp_path):
+    bogus = tmp_path / "notes.pb"
+    bogus.write_text("this is not a graph")
+    code, _, err = run(capsys, "graph", "inspect", bogus)
+    assert code == 3
+    _assert_error_line(err)
