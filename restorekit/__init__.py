@@ -5,6 +5,7 @@ functions that need them.
 """
 
 from restorekit.checkpoint import Checkpoint, Entry, RestoreKitWarning
+from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import (
     AssignmentMapError,
@@ -102,6 +103,7 @@ __all__ = [
     "VocabularyError",
     "assign_from_checkpoint_fn",
     "convert",
+    "diff_checkpoints",
     "easy_going_scaffold",
     "export_checkpoint",
     "freeze",
@@ -114,6 +116,7 @@ __all__ = [
     "partial_saver",
     "scale_gradients",
     "scan",
+    "tensor_stats",
     "unfreeze",
     "uninitialized_initializer",
     "warm_start",

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import save_variables
 from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
 from restorekit.edit import CheckpointEditor

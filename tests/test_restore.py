@@ -6,7 +6,6 @@ import tensorflow as tf
 
 import restorekit
 from restorekit import Checkpoint, scan
-from conftest import save_variables
 
 tf1 = tf.compat.v1
 

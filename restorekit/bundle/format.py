@@ -12,7 +12,7 @@ import struct
 import google_crc32c
 import numpy as np
 
-from restorekit.bundle.table import mask_crc, unmask_crc
+from restorekit.bundle.table import mask_crc
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, MissingDependencyError
 
 __all__ = [
