@@ -317,10 +317,17 @@ def _part_slices(part, full_shape):
     return list(info.var_offset), list(info.var_shape)
 
 
+def _is_resource(tf, variable) -> bool:
+    try:
+        return variable.handle.dtype == tf.resource
+    except (AttributeError, ValueError):  # a RefVariable has no resource handle
+        return False
+
+
 def _set_initial_value(tf, variable, value) -> None:
     value = tf.cast(value, variable.dtype.base_dtype)
     with tf.device(variable.device):
-        if getattr(variable, "handle", None) is not None and "Resource" in type(variable).__name__:
+        if _is_resource(tf, variable):
             op = tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
         else:
             op = tf.compat.v1.assign(variable, value).op

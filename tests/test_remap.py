@@ -200,6 +200,24 @@ def test_tf1_classifier_1000_to_1001_classes_keeps_the_1000_rows(classifier_chec
     assert got_bias[1000] == -3.0
 
 
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource-variables", "ref-variables"])
+def test_tf1_partitioned_classifier_grows_by_one_row(tmp_path, use_resource):
+    old_value = np.arange(20, dtype=np.float32).reshape(10, 2)
+    prefix = save_variables(tmp_path / "rows" / "model.ckpt", {"softmax/weights": old_value})
+    with tf.Graph().as_default():
+        with tf1.variable_scope("softmax", use_resource=use_resource):
+            weights = tf1.get_variable(
+                "weights", (11, 2), initializer=tf1.constant_initializer(-5.0), partitioner=tf1.fixed_size_partitioner(2)
+            )
+        report = scan(prefix, [weights], shape_policy="slice_or_pad")
+        assert [(r.variable_name, r.reason) for r in report.matched] == [("softmax/weights", "slice_or_pad")]
+        tf1_warm_start(report)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            got = np.concatenate(sess.run(list(weights)))
+    np.testing.assert_array_equal(got, np.concatenate([old_value, [[-5.0, -5.0]]]))
+
+
 def test_tf1_slice_or_pad_shrinks_too(classifier_checkpoint):
     prefix, values = classifier_checkpoint
     with tf.Graph().as_default():
