@@ -284,6 +284,9 @@ def scan(
     applied: dict[str, object] = {}
     for t in targets:
         name = t.variable_name
+        # Every name is offered to the policy patterns, so a pattern "matches
+        # nothing" only when it names no variable at all.
+        shape_policy_here = policies.for_name(name) if policies else None
         if includes and includes.first_match(name) is None:
             skipped.append(Record(name, None, t.shape, t.dtype, reason="not included"))
             continue
@@ -328,12 +331,10 @@ def scan(
         if policy is not None:
             policy.check(name, t.shape, entry.shape)
         elif not _shapes_fit(t.shape, entry.shape):
-            policy = policies.for_name(name) if policies else None
+            policy = shape_policy_here
             if policy is None or not remap.policy_applies(policy, t.shape, entry.shape):
                 shape_mm.append(record)
                 continue
-        elif policies:
-            policies.for_name(name)  # records that a pattern was used
         if t.dtype != entry.dtype:
             dtype_mm.append(record)
         elif policy is not None and policy != remap.SKIP:
