@@ -670,7 +670,9 @@ def _make_grouped_optimizer_class():
             if global_step is None:
                 op = tf.group(*updates, name=name or self.get_name())
             else:
-                with tf.control_dependencies(updates), tf.compat.v1.colocate_with(global_step):
+                # assign_add lands on global_step's device by itself (ref ops and
+                # resource ops are placed with their variable).
+                with tf.control_dependencies(updates):
                     op = tf.compat.v1.assign_add(global_step, 1, name=name or self.get_name()).op
             if not tf.executing_eagerly():
                 train_ops = tf.compat.v1.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
