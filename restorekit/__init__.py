@@ -49,9 +49,12 @@ from restorekit.graph import (
 )
 from restorekit.initializers import initialize_uninitialized, uninitialized_initializer
 from restorekit.report import Record, RestoreReport
-from restorekit.restore import assign_from_checkpoint_fn, partial_saver, warm_start
 from restorekit.scaffold import easy_going_scaffold
+from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
+from restorekit.remap import VocabRemap
 from restorekit.scan import scan
+from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
+from restorekit.tf2 import KERAS_FROM_TF1, Rules, restore
 
 __version__ = "0.1.0"
 
@@ -67,6 +70,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "KERAS_FROM_TF1",
     "Alignment",
     "AssignmentMapError",
     "Checkpoint",
@@ -95,11 +99,13 @@ __all__ = [
     "RestoreKitError",
     "RestoreKitWarning",
     "RestoreReport",
+    "Rules",
     "TensorSummary",
     "UnfreezeResult",
     "VariableGroup",
     "VariableGroups",
     "VariableSummary",
+    "VocabRemap",
     "VocabularyError",
     "assign_from_checkpoint_fn",
     "convert",
@@ -114,6 +120,7 @@ __all__ = [
     "inspect_graph",
     "layerwise_decay",
     "partial_saver",
+    "restore",
     "scale_gradients",
     "scan",
     "tensor_stats",

@@ -6,6 +6,7 @@ tensor is read. TensorFlow is never imported for local paths.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -314,20 +315,44 @@ class Checkpoint(Mapping):
         entry = self.bundle_entry(name)
         if name not in self._slices:
             return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
-        # Slices must tile the full shape; a corrupt full shape would otherwise
-        # allocate an arbitrary amount of memory before any slice is read.
-        stored = sum(int(np.prod(part.shape, dtype=np.int64)) for _, part in self._slices[name])
-        if stored != int(np.prod(entry.shape, dtype=np.int64)):
+        # Slices must lie inside the full shape and tile it; a corrupt index would
+        # otherwise allocate an arbitrary amount of memory or write out of bounds.
+        full_size = math.prod(entry.shape)
+        stored = 0
+        indexes = []
+        for extents, part in self._slices[name]:
+            index, part_shape = _slice_index(name, entry.shape, extents)
+            if tuple(part.shape) != part_shape:
+                raise CorruptCheckpointError(
+                    f"partitioned entry {name!r}: a slice of shape {list(part.shape)} is stored for extents {extents}"
+                )
+            stored += math.prod(part_shape)
+            indexes.append((index, part))
+        if stored != full_size:
             raise CorruptCheckpointError(
-                f"partitioned entry {name!r}: its slices hold {stored} elements but its shape {list(entry.shape)} "
-                f"needs {int(np.prod(entry.shape, dtype=np.int64))}"
+                f"partitioned entry {name!r}: its slices hold {stored} elements but its shape "
+                f"{list(entry.shape)} needs {full_size}"
             )
         full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
-        for extents, part in self._slices[name]:
-            index = tuple(
-                slice(None) if length < 0 else slice(start, start + length) for start, length in extents
-            )
+        for index, part in indexes:
             full[index] = decode_tensor(
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
             )
         return full
+
+
+def _slice_index(name: str, shape: tuple, extents: tuple) -> tuple[tuple, tuple]:
+    """numpy index and shape of one slice; (start, -1) means the whole dimension."""
+    if len(extents) != len(shape):
+        raise CorruptCheckpointError(f"partitioned entry {name!r}: a slice has {len(extents)} extents for rank {len(shape)}")
+    index, part_shape = [], []
+    for dim, (start, length) in zip(shape, extents):
+        if length < 0:
+            start, length = 0, dim
+        if start < 0 or start + length > dim:
+            raise CorruptCheckpointError(
+                f"partitioned entry {name!r}: slice [{start}, {start + length}) lies outside dimension {dim}"
+            )
+        index.append(slice(start, start + length))
+        part_shape.append(length)
+    return tuple(index), tuple(part_shape)

@@ -6,8 +6,9 @@ restores, a ``variables_initializer`` over the rest initializes.
 
 from __future__ import annotations
 
+from restorekit import remap
 from restorekit.errors import AssignmentMapError
-from restorekit.restore import partial_saver, warm_start
+from restorekit.tf1 import partial_saver, plain_records, warm_start
 from restorekit.scan import scan
 from restorekit.targets import collect
 
@@ -63,15 +64,22 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
     known = {id(v) for v in all_globals}
     everything = all_globals + [v for v in scanned if id(v) not in known]
 
+    # Only plain matches are restored by the Saver; policy and vocabulary matches
+    # get checkpoint-reading initializers and run in init_op with the rest.
+    plain = plain_records(report)
     restored_ids = set()
-    for handle in report._handles.values():
+    for record in plain:
+        handle = report._handles[record.variable_name]
         for v in handle if isinstance(handle, list) else [handle]:
             restored_ids.add(id(v))
 
     init_fn = None
     with tf1.name_scope("restorekit"):
+        for record in report.matched:
+            if remap.has_policy(report, record):
+                remap.tf1_initializer(report, record)
         try:
-            restore_saver = partial_saver(report) if report.matched else None
+            restore_saver = partial_saver(report) if plain else None
         except AssignmentMapError:
             # One tensor feeds several variables: a Saver cannot, initializers can.
             warm_start(report)

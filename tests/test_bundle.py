@@ -14,7 +14,7 @@ from restorekit.bundle.protos import BundleEntry, decode_entry, encode_entry
 from restorekit.bundle.table import read_table, write_table
 from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import Checkpoint
-from restorekit.errors import ChecksumMismatchError, NameCollisionError, RestoreKitError
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, NameCollisionError, RestoreKitError
 
 tf1 = tf.compat.v1
 
@@ -267,8 +267,6 @@ def test_fuzzed_indexes_and_shards_raise_restorekit_errors(tmp_path):
     assert outcomes["error"] >= 200
 
 
-@pytest.mark.xfail(strict=True, reason="Checkpoint.read must check slice extents against the full shape "
-                   "(fix described for the owner of restorekit/checkpoint.py)")
 def test_slice_outside_its_full_shape_is_a_corrupt_checkpoint(tmp_path):
     raw = np.arange(4, dtype=np.float32).tobytes()
     prefix = str(tmp_path / "m")
@@ -276,7 +274,7 @@ def test_slice_outside_its_full_shape_is_a_corrupt_checkpoint(tmp_path):
         w.add_raw(encode_slice_key("part", ((5, 2), (0, -1))),
                   BundleEntry(dtype=1, shape=(2, 2), size=16, crc32c=tensor_crc(raw)), raw)
         w.add_entry_only("part", BundleEntry(dtype=1, shape=(2, 2), slices=(b"",)))
-    with pytest.raises(RestoreKitError):
+    with pytest.raises(CorruptCheckpointError, match="outside dimension 2"):
         Checkpoint(prefix).read("part")
 
 

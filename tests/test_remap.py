@@ -6,6 +6,8 @@ import pickle
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import restorekit
 from conftest import save_variables
 
 from restorekit import remap, tf2
@@ -18,15 +20,6 @@ tf1 = tf.compat.v1
 OLD = ["apple", "banana", "guava", "orange"]
 NEW = ["orange", "guava", "banana", "apple", "raspberry"]
 OLD_WEIGHTS = np.array([[0.5], [1.0], [1.5], [2.0]], np.float32)
-
-
-def tf1_warm_start(report):
-    """What restorekit.warm_start does once it routes policy records to remap.tf1_initializer."""
-    for record in report.matched:
-        if remap.has_policy(report, record):
-            remap.tf1_initializer(report, record)
-        else:
-            tf1.train.init_from_checkpoint(report.checkpoint, {record.checkpoint_name: report._handles[record.variable_name]})
 
 
 def write_vocab(path, words):
@@ -94,7 +87,7 @@ def test_tf1_partitioned_variable_with_vocabulary(tmp_path):
         remapping = VocabRemap(old_words, new_words, num_oov_buckets=1, backup_initializer=tf1.constant_initializer(-1.0))
         report = scan(prefix, [emb], vocab={"emb": remapping})
         assert report.matched_names == ("emb",)
-        tf1_warm_start(report)
+        restorekit.warm_start(report)
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             got = np.concatenate(sess.run(list(emb)))
@@ -105,7 +98,7 @@ def test_tf1_partitioned_variable_with_vocabulary(tmp_path):
 def test_tf1_vocabulary_example(fruit_checkpoint):
     with tf.Graph().as_default():
         emb = tf1.get_variable("emb", shape=(5, 1), initializer=tf1.ones_initializer())
-        tf1_warm_start(scan(fruit_checkpoint, [emb], vocab={"emb": VocabRemap(OLD, NEW)}))
+        restorekit.warm_start(scan(fruit_checkpoint, [emb], vocab={"emb": VocabRemap(OLD, NEW)}))
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             np.testing.assert_array_equal(sess.run(emb), [[2.0], [1.5], [1.0], [0.5], [0.0]])
@@ -189,7 +182,7 @@ def test_tf1_classifier_1000_to_1001_classes_keeps_the_1000_rows(classifier_chec
             "logits/weights": "slice_or_pad",
             "logits/biases": "slice_or_pad",
         }
-        tf1_warm_start(report)
+        restorekit.warm_start(report)
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             got_features, got_kernel, got_bias = sess.run([features, kernel, bias])
@@ -211,7 +204,7 @@ def test_tf1_partitioned_classifier_grows_by_one_row(tmp_path, use_resource):
             )
         report = scan(prefix, [weights], shape_policy="slice_or_pad")
         assert [(r.variable_name, r.reason) for r in report.matched] == [("softmax/weights", "slice_or_pad")]
-        tf1_warm_start(report)
+        restorekit.warm_start(report)
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             got = np.concatenate(sess.run(list(weights)))
@@ -223,7 +216,7 @@ def test_tf1_slice_or_pad_shrinks_too(classifier_checkpoint):
     with tf.Graph().as_default():
         _, kernel, _ = _tf1_classifier(10)
         report = scan(prefix, shape_policy={"logits": "slice_or_pad"})
-        tf1_warm_start(report)
+        restorekit.warm_start(report)
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             np.testing.assert_array_equal(sess.run(kernel), values["logits/weights"][:, :10])
@@ -238,7 +231,7 @@ def test_tf1_callable_policy_and_wrong_shape(classifier_checkpoint):
     with tf.Graph().as_default():
         _, kernel, bias = _tf1_classifier(1001)
         report = scan(prefix, shape_policy=add_background_class)
-        tf1_warm_start(report)
+        restorekit.warm_start(report)
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
             got_kernel, got_bias = sess.run([kernel, bias])

@@ -1,13 +1,17 @@
-"""Turn a RestoreReport into TF1 restore machinery: a Saver over the matches, warm-start initializers."""
+"""TF1 graph-mode restore machinery from a RestoreReport: a Saver over the matches, warm-start initializers.
+
+The eager (TF2, Keras 3) counterpart is ``restorekit.tf2.restore``.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from restorekit import remap
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
 from restorekit.report import RestoreReport
 
-__all__ = ["assign_from_checkpoint_fn", "partial_saver", "warm_start"]
+__all__ = ["assign_from_checkpoint_fn", "partial_saver", "plain_records", "warm_start"]
 
 
 def _handles(report: RestoreReport) -> dict:
@@ -21,25 +25,32 @@ def _handles(report: RestoreReport) -> dict:
     return report._handles
 
 
+def plain_records(report: RestoreReport) -> list:
+    """Matched records a Saver can restore (not through a shape policy or vocabulary remap)."""
+    return [r for r in report.matched if not remap.has_policy(report, r)]
+
+
 def _saver_var_list(report: RestoreReport) -> dict:
     handles = _handles(report)
-    counts = Counter(r.checkpoint_name for r in report.matched)
+    plain = plain_records(report)
+    counts = Counter(r.checkpoint_name for r in plain)
     shared = sorted(name for name, n in counts.items() if n > 1)
     if shared:
-        feeding = [r.variable_name for r in report.matched if r.checkpoint_name == shared[0]]
+        feeding = [r.variable_name for r in plain if r.checkpoint_name == shared[0]]
         raise AssignmentMapError(
             f"a Saver restores each checkpoint tensor into one variable, but {shared[0]!r} feeds "
             f"{format_names(feeding)}" + (f" (and {len(shared) - 1} more shared tensors)" if len(shared) > 1 else "")
             + ". Use restorekit.warm_start(report), which lets one tensor initialize several variables."
         )
-    return {r.checkpoint_name: handles[r.variable_name] for r in report.matched}
+    return {r.checkpoint_name: handles[r.variable_name] for r in plain}
 
 
 def partial_saver(report: RestoreReport, **saver_kwargs):
     """A ``tf.compat.v1.train.Saver`` over exactly the matched variables, keyed by checkpoint name.
 
     Call ``saver.restore(session, report.checkpoint)`` to restore them. Partitioned
-    variables restore across different partitionings.
+    variables restore across different partitionings. Matches that need a shape
+    policy or a vocabulary remap are left out: ``warm_start`` applies those.
 
     Args:
         report: from ``restorekit.scan`` in this graph.
@@ -54,6 +65,11 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
 
     var_list = _saver_var_list(report)
     if not var_list:
+        if report.matched:
+            raise InvalidArgumentError(
+                "every match goes through a shape policy or vocabulary remap, which a Saver cannot apply; "
+                "use restorekit.warm_start(report) or restorekit.easy_going_scaffold"
+            )
         raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
     saver_kwargs.setdefault("name", "restorekit_partial_saver")
     return tf.compat.v1.train.Saver(var_list=var_list, **saver_kwargs)
@@ -77,7 +93,8 @@ def warm_start(report: RestoreReport) -> None:
 
     The ``init_from_checkpoint`` way, for code that never calls a Saver: after this,
     running ``tf.compat.v1.global_variables_initializer()`` (or a Scaffold's init
-    op) loads the checkpoint values. One checkpoint tensor may feed several variables.
+    op) loads the checkpoint values. One checkpoint tensor may feed several variables;
+    shape policies and vocabulary remaps (``scan(shape_policy=..., vocab=...)``) apply.
     """
     import tensorflow as tf
 
@@ -85,4 +102,9 @@ def warm_start(report: RestoreReport) -> None:
     if not report.matched:
         raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to warm-start\n{report}")
     for record in report.matched:
-        tf.compat.v1.train.init_from_checkpoint(report.checkpoint, {record.checkpoint_name: handles[record.variable_name]})
+        if remap.has_policy(report, record):
+            remap.tf1_initializer(report, record)
+        else:
+            tf.compat.v1.train.init_from_checkpoint(
+                report.checkpoint, {record.checkpoint_name: handles[record.variable_name]}
+            )

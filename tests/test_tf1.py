@@ -1,4 +1,4 @@
-"""partial_saver, warm_start, assign_from_checkpoint_fn and uninitialized-only initializers."""
+"""restorekit.tf1 (partial_saver, warm_start, assign_from_checkpoint_fn) and uninitialized-only initializers."""
 
 import numpy as np
 import pytest
@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import restorekit
 from restorekit import Checkpoint, scan
+from conftest import save_variables
 
 tf1 = tf.compat.v1
 
@@ -130,3 +131,23 @@ def test_unpickled_report_cannot_build_a_saver(small_checkpoint):
         report = pickle.loads(pickle.dumps(scan(prefix)))
         with pytest.raises(restorekit.InvalidArgumentError, match="scan again"):
             restorekit.partial_saver(report)
+
+
+def test_policy_matches_go_through_warm_start_and_the_scaffold_not_the_saver(tmp_path):
+    rng = np.random.RandomState(3)
+    values = {"head/kernel": rng.randn(4, 1000).astype(np.float32), "body/w": rng.randn(3).astype(np.float32)}
+    prefix = save_variables(tmp_path / "ckpt" / "m", values)
+    with tf.Graph().as_default():
+        head = tf1.get_variable("head/kernel", [4, 1001], initializer=tf1.constant_initializer(9.0))
+        body = tf1.get_variable("body/w", [3])
+        tf1.train.get_or_create_global_step()
+        report = scan(prefix, shape_policy="slice_or_pad")
+        assert {r.variable_name: r.reason for r in report.matched} == {"head/kernel": "slice_or_pad", "body/w": ""}
+        saver = restorekit.partial_saver(report)
+        assert sorted(saver._var_list) == ["body/w"]
+        scaffold = restorekit.easy_going_scaffold(prefix, shape_policy="slice_or_pad")
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=str(tmp_path / "train")) as sess:
+            got_head, got_body = sess.run([head, body])
+    np.testing.assert_array_equal(got_head[:, :1000], values["head/kernel"])  # the 1000 trained classes
+    np.testing.assert_array_equal(got_head[:, 1000], np.full(4, 9.0))  # the new class from its initializer
+    np.testing.assert_array_equal(got_body, values["body/w"])
