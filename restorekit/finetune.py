@@ -56,6 +56,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit.names import PatternSet, closest_names, matches, strip_output_index, strip_partition
+from restorekit.targets import is_keras_variable, is_partitioned, tf_variable, variable_name
 
 __all__ = [
     "GroupedOptimizer",
@@ -304,19 +305,12 @@ def _variable_name(variable) -> tuple[str, object, object]:
 
     if isinstance(variable, tf.Variable):
         return strip_output_index(variable.name), variable, None
-    value = getattr(variable, "value", None)
-    path = getattr(variable, "path", None)
-    if isinstance(path, str) and isinstance(value, tf.Variable):
-        return path, value, variable
+    if is_keras_variable(variable) and isinstance(tf_variable(variable), tf.Variable):
+        return variable_name(variable), tf_variable(variable), variable
     raise GroupError(
         f"cannot group {type(variable).__name__} {variable!r}: pass tf.Variables, "
         "PartitionedVariables, Keras variables, a Keras model or a tf.Module"
     )
-
-
-def _is_partitioned(variable) -> bool:
-    # tf.compat.v1 has no public PartitionedVariable class to test against.
-    return type(variable).__name__ == "PartitionedVariable"
 
 
 def _collect(variables) -> list[tuple[str, str, object, object]]:
@@ -332,12 +326,17 @@ def _collect(variables) -> list[tuple[str, str, object, object]]:
             )
     elif hasattr(variables, "trainable_variables") and not isinstance(variables, (list, tuple)):
         variables = variables.trainable_variables
-    elif _is_partitioned(variables) or isinstance(variables, tf.Variable):
+    elif is_partitioned(variables) or isinstance(variables, tf.Variable):
         variables = [variables]
+    elif isinstance(variables, (str, bytes)) or not isinstance(variables, Iterable):
+        raise GroupError(
+            f"cannot group {type(variables).__name__} {variables!r}: pass a list of variables, "
+            "a Keras model or a tf.Module"
+        )
 
     found = []
     for v in variables:
-        if _is_partitioned(v):
+        if is_partitioned(v):
             # Rules see the full name: every part of one variable must share a group.
             for part in v:
                 name, tf_var, _ = _variable_name(part)
@@ -496,6 +495,8 @@ def layerwise_decay(
     if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < float(decay) <= 1:
         raise InvalidArgumentError(f"decay must be a number in (0, 1], got {decay!r}")
     decay = float(decay)
+    if not isinstance(pattern, str):
+        raise InvalidArgumentError(f"pattern must be a str regex with one '(\\d+)' group, got {pattern!r}")
     if "(\\d+)" not in pattern:
         raise InvalidArgumentError(f"pattern {pattern!r} must hold one '(\\d+)' group: the layer number")
     try:
@@ -527,7 +528,11 @@ def layerwise_decay(
         # Digits are literal in a regex, so the number can stand in for its group.
         rules[re.compile(pattern.replace("(\\d+)", str(i), 1))] = decay ** (num_layers - i)
     given = embeddings is not DEFAULT_EMBEDDINGS
-    embeddings = [embeddings] if isinstance(embeddings, (str, re.Pattern)) else list(embeddings or ())
+    if isinstance(embeddings, (str, re.Pattern)):
+        embeddings = [embeddings]
+    elif embeddings is not None and not isinstance(embeddings, Iterable):
+        raise InvalidArgumentError(f"embeddings is a pattern or a list of patterns, got {embeddings!r}")
+    embeddings = list(embeddings or ())
     for emb in embeddings:
         patterns = PatternSet([emb], what="embeddings pattern")
         if any(patterns.first_match(n) for n in names):

@@ -16,14 +16,16 @@ import contextlib
 import dataclasses
 import os
 import re
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
+from restorekit.bundle import atomic
+from restorekit.bundle.varint import read_varint
 from restorekit.errors import (
+    CorruptCheckpointError,
     GraphError,
     GraphTooLargeError,
     IncompleteRestoreError,
@@ -33,6 +35,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit.names import closest_names, is_global_step, optimizer_slot_kind, strip_output_index
+from restorekit.report import format_bytes, format_shape
 
 __all__ = [
     "Alignment",
@@ -49,6 +52,9 @@ __all__ = [
 # Protobuf cannot parse or serialize a message of 2 GB or more. Module-level so tests
 # can lower it instead of writing 2 GB.
 MAX_PROTO_BYTES = 2**31 - 1
+
+# How summaries print a shape of unknown rank.
+_UNKNOWN_RANK = "<unknown>"
 
 # unfreeze(weights='large') takes floating constants of at least this many bytes.
 LARGE_CONSTANT_BYTES = 1024
@@ -119,20 +125,6 @@ _READ_VARIABLE_LEAF = re.compile(r"(^|/)ReadVariableOp(_\d+)?$")
 
 
 # ---------------------------------------------------------------- results
-
-
-def _shape_text(shape) -> str:
-    if shape is None:
-        return "<unknown>"
-    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
-
-
-def _bytes_text(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
@@ -227,7 +219,7 @@ class GraphSummary:
                 (
                     t.name if t.signature is None else f"{t.signature}[{t.key!r}] {t.name}",
                     t.dtype,
-                    _shape_text(t.shape),
+                    format_shape(t.shape, _UNKNOWN_RANK),
                     t.op,
                 )
                 for t in tensors
@@ -241,14 +233,14 @@ class GraphSummary:
         lines.append(f"variables  {len(self.variables)}{detail}, {total} model parameters")
         lines += _table(
             [
-                (v.name, v.dtype, _shape_text(v.shape), v.op + (f" slot of {v.slot}" if v.slot else ""))
+                (v.name, v.dtype, format_shape(v.shape, _UNKNOWN_RANK), v.op + (f" slot of {v.slot}" if v.slot else ""))
                 for v in self.variables
             ]
         )
         counts = ", ".join(f"{op} {n}" for op, n in list(self.op_counts.items())[:12])
         more = f", ... and {len(self.op_counts) - 12} more" if len(self.op_counts) > 12 else ""
         lines.append(f"ops        {len(self.op_counts)} types: {counts}{more}")
-        lines.append(f"constants  {_bytes_text(self.const_bytes)}")
+        lines.append(f"constants  {format_bytes(self.const_bytes)}")
         if self.unknown_ops:
             lines.append(f"unknown    {format_names(self.unknown_ops)} (not registered in this TensorFlow)")
         for note in self.repaired:
@@ -304,8 +296,8 @@ class UnfreezeResult:
                 (
                     c.name,
                     c.dtype,
-                    _shape_text(c.shape),
-                    c.pattern + (f", slice of {c.full_name!r} {_shape_text(c.full_shape)}" if c.full_name else ""),
+                    format_shape(c.shape, _UNKNOWN_RANK),
+                    c.pattern + (f", slice of {c.full_name!r} {format_shape(c.full_shape, _UNKNOWN_RANK)}" if c.full_name else ""),
                 )
                 for c in self.converted
             ]
@@ -350,42 +342,27 @@ def _protos():
 def _looks_truncated(data: bytes) -> bool:
     """True when the top-level protobuf fields run past the end of ``data``."""
     pos, end = 0, len(data)
-
-    def varint():
-        nonlocal pos
-        shift = value = 0
-        while True:
-            if pos >= end:
-                raise EOFError
-            b = data[pos]
-            pos += 1
-            value |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return value
-            shift += 7
-            if shift > 63:
-                raise ValueError
-
-    try:
-        while pos < end:
-            tag = varint()
+    while pos < end:
+        try:
+            tag, pos = read_varint(data, pos, end, "graph")
             wire = tag & 7
             if wire == 0:
-                varint()
+                _, pos = read_varint(data, pos, end, "graph")
             elif wire == 1:
                 pos += 8
             elif wire == 2:
-                pos += varint()
+                length, pos = read_varint(data, pos, end, "graph")
+                pos += length
             elif wire == 5:
                 pos += 4
             else:
                 return False
-            if pos > end:
-                return True
-    except EOFError:
-        return True
-    except ValueError:
-        return False
+        except CorruptCheckpointError:
+            # A varint fails on its 10th continuation byte (over 64 bits: not a
+            # protobuf) or at the end of the data (truncated); pos is where it began.
+            return end - pos < 10
+        if pos > end:
+            return True
     return False
 
 
@@ -904,21 +881,6 @@ def _open_checkpoint(checkpoint):
     return Checkpoint(checkpoint)
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory and a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _serialize(graph_def, path: str) -> bytes:
     if graph_def.ByteSize() > MAX_PROTO_BYTES:
         raise GraphTooLargeError(
@@ -1080,7 +1042,7 @@ def freeze(checkpoint, graph, outputs, out=None):
                 frozen = tf1.graph_util.convert_variables_to_constants(sess, gd, output_names)
     if out is not None:
         out = os.fspath(out)
-        _atomic_write(out, _serialize(frozen, out))
+        atomic.write_bytes(out, _serialize(frozen, out))
     return frozen
 
 
@@ -1192,7 +1154,7 @@ def _align(units: list[tuple], reference: dict) -> list[Alignment]:
         refs = open_refs.get(key, [])
         if len(indexes) == 1 and len(refs) == 1:
             new[indexes[0]] = refs[0]
-            reasons[indexes[0]] = f"unique shape match {_shape_text(key[0])}"
+            reasons[indexes[0]] = f"unique shape match {format_shape(key[0], _UNKNOWN_RANK)}"
     for i, (name, _, _) in enumerate(units):
         if new[i] is None:
             new[i] = name
@@ -1242,10 +1204,8 @@ def _write_checkpoint(prefix: str, tensors: list[tuple[str, str, np.ndarray]]) -
     tf = _tf()
     tf1 = tf.compat.v1
     directory = os.path.dirname(os.path.abspath(prefix))
-    os.makedirs(directory, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(dir=directory, prefix=f".{os.path.basename(prefix)}.tmp")
-    tmp_prefix = os.path.join(tmp_dir, "ckpt")
-    try:
+    with atomic.Staging(directory) as staging:
+        tmp_prefix = os.path.join(staging.tmpdir, os.path.basename(prefix))
         with tf.Graph().as_default():
             # Placeholders keep the tensors out of the graph (no 2 GB GraphDef limit).
             holders = [tf1.placeholder(tf.as_dtype(value.dtype), value.shape) for _, _, value in tensors]
@@ -1257,17 +1217,11 @@ def _write_checkpoint(prefix: str, tensors: list[tuple[str, str, np.ndarray]]) -
             )
             with tf1.Session() as sess:
                 sess.run(save, dict(zip(holders, (value for _, _, value in tensors))))
-        data = [f for f in sorted(os.listdir(tmp_dir)) if f.startswith("ckpt.data-")]
+        for f in os.listdir(staging.tmpdir):
+            if f == f"{os.path.basename(prefix)}.index" or f.startswith(f"{os.path.basename(prefix)}.data-"):
+                staging.path(os.path.join(directory, f))
         # Data shards first, the index last: a reader never sees an index without its data.
-        for f in data:
-            os.replace(os.path.join(tmp_dir, f), prefix + f[len("ckpt") :])
-        os.replace(tmp_prefix + ".index", prefix + ".index")
-    finally:
-        for f in os.listdir(tmp_dir) if os.path.isdir(tmp_dir) else ():
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(tmp_dir, f))
-        with contextlib.suppress(OSError):
-            os.rmdir(tmp_dir)
+        staging.commit()
 
 
 def _slice_spec(c: ConvertedConstant) -> str:
@@ -1479,5 +1433,5 @@ def unfreeze(
     meta_path = None
     if meta_bytes is not None:
         meta_path = out_prefix + ".meta"
-        _atomic_write(meta_path, meta_bytes)
+        atomic.write_bytes(meta_path, meta_bytes)
     return UnfreezeResult(out_prefix, meta_path, tuple(converted), tuple(aligned))

@@ -78,7 +78,13 @@ class PatternSet:
             patterns = []
         elif isinstance(patterns, (str, re.Pattern)):
             patterns = [patterns]
-        self.patterns = list(patterns)
+        try:
+            self.patterns = list(patterns)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"{what}s are a str, a compiled re.Pattern or a list of them, got {type(patterns).__name__}: "
+                f"{patterns!r}"
+            ) from None
         self._tests = [_compile(p) for p in self.patterns]
         self.what = what
         self.used = [False] * len(self.patterns)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError, NoMatchError, VocabularyError, format_names
 from restorekit.names import PatternSet
+from restorekit.report import format_shape
+from restorekit.targets import slice_info
 
 __all__ = [
     "SLICE_OR_PAD",
@@ -21,10 +24,6 @@ __all__ = [
 SKIP = "skip"
 SLICE_OR_PAD = "slice_or_pad"
 _NAMED = (SKIP, SLICE_OR_PAD)
-
-
-def _shape(shape) -> str:
-    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 # ------------------------------------------------------------------ vocabularies
@@ -84,6 +83,12 @@ class VocabRemap:
     _words: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
+        for what in ("axis", "num_oov_buckets", "old_vocab_size"):
+            value = getattr(self, what)
+            if not (value is None and what == "old_vocab_size") and (
+                isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            ):
+                raise InvalidArgumentError(f"VocabRemap {what} must be an int, got {value!r}")
         if self.axis not in (0, 1):
             raise InvalidArgumentError(f"VocabRemap axis is 0 (rows) or 1 (columns), got {self.axis!r}")
         if self.num_oov_buckets < 0:
@@ -129,8 +134,8 @@ class VocabRemap:
         axis = self.axis
         if shape is None or len(shape) <= axis or len(checkpoint_shape) != len(shape):
             raise VocabularyError(
-                f"{variable_name!r}: cannot remap axis {axis} of a {_shape(shape or ())} variable from a "
-                f"{_shape(checkpoint_shape)} checkpoint entry"
+                f"{variable_name!r}: cannot remap axis {axis} of a {format_shape(shape or ())} variable from a "
+                f"{format_shape(checkpoint_shape)} checkpoint entry"
             )
         rows = len(new) + self.num_oov_buckets
         if shape[axis] is not None and shape[axis] != rows:
@@ -146,7 +151,7 @@ class VocabRemap:
         for d, (m, c) in enumerate(zip(shape, checkpoint_shape)):
             if d != axis and m is not None and m != c:
                 raise VocabularyError(
-                    f"{variable_name!r}: checkpoint {_shape(checkpoint_shape)} and model {_shape(shape)} differ on "
+                    f"{variable_name!r}: checkpoint {format_shape(checkpoint_shape)} and model {format_shape(shape)} differ on "
                     f"axis {d}, which the vocabulary does not cover"
                 )
         return int((self.index() >= 0).sum())
@@ -278,8 +283,8 @@ def _vocab(tf, remap: VocabRemap, value, shape, dtype):
 def _check_shape(value_shape, shape, policy, variable_name) -> None:
     if tuple(value_shape) != tuple(shape):
         raise InvalidArgumentError(
-            f"shape policy {_policy_name(policy)!r} returned a {_shape(value_shape)} value for {variable_name!r}, "
-            f"which is {_shape(shape)}"
+            f"shape policy {_policy_name(policy)!r} returned a {format_shape(value_shape)} value for {variable_name!r}, "
+            f"which is {format_shape(shape)}"
         )
 
 
@@ -311,7 +316,7 @@ def eager_value(policy, record, checkpoint_value, handle):
 
 def _part_slices(part, full_shape):
     # A partition's place in the full variable lives only in its save-slice info.
-    info = getattr(part, "_save_slice_info", None)
+    info = slice_info(part)
     if info is None:
         return [0] * len(full_shape), list(full_shape)
     return list(info.var_offset), list(info.var_shape)

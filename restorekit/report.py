@@ -1,6 +1,8 @@
 """RestoreReport: what a restore will do, as plain values (names, shapes, dtypes).
 
-Pure Python: importing this module never imports TensorFlow.
+Also the shape and size formatting every printed result shares (reports, graph
+summaries, export results, remap errors). Pure Python: importing this module never
+imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -11,13 +13,23 @@ from dataclasses import asdict, dataclass, field, fields
 
 from restorekit.errors import IncompleteRestoreError
 
-__all__ = ["Record", "RestoreReport"]
+__all__ = ["Record", "RestoreReport", "format_bytes", "format_shape"]
 
 
-def _shape(shape) -> str:
+def format_shape(shape, unknown_rank: str = "?") -> str:
+    """``(2048, None)`` -> ``'[2048, ?]'``; a shape of unknown rank (None) -> ``unknown_rank``."""
     if shape is None:
-        return "?"
+        return unknown_rank
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def format_bytes(n: int) -> str:
+    """A byte count for people: ``512`` -> ``'512 B'``, ``1536`` -> ``'1.5 KiB'`` (up to GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class Record:
     def describe(self) -> str:
         name = self.variable_name if self.variable_name is not None else (self.checkpoint_path or self.checkpoint_name)
         shape = self.shape if self.variable_name is not None else self.checkpoint_shape
-        return f"{name} {_shape(shape)}"
+        return f"{name} {format_shape(shape)}"
 
 
 _KINDS = ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")
@@ -104,12 +116,12 @@ class RestoreReport:
         shown = 0
         for r in self.missing:
             if shown < 20:
-                lines.append(f"  missing     {r.variable_name} {_shape(r.shape)} (looked for {r.checkpoint_name!r})")
+                lines.append(f"  missing     {r.variable_name} {format_shape(r.shape)} (looked for {r.checkpoint_name!r})")
             shown += 1
         for r in self.shape_mismatched:
             if shown < 20:
                 lines.append(
-                    f"  mismatched  {r.variable_name}: checkpoint {_shape(r.checkpoint_shape)}, model {_shape(r.shape)}"
+                    f"  mismatched  {r.variable_name}: checkpoint {format_shape(r.checkpoint_shape)}, model {format_shape(r.shape)}"
                 )
             shown += 1
         for r in self.dtype_mismatched:
@@ -167,7 +179,7 @@ class RestoreReport:
         row("matched", self.matched, ", ".join(f"{n} via {k}" for k, n in ema.items()))
         row("missing", self.missing, listing(self.missing))
         mismatched = [
-            f"{r.variable_name} (checkpoint {_shape(r.checkpoint_shape)}, model {_shape(r.shape)})"
+            f"{r.variable_name} (checkpoint {format_shape(r.checkpoint_shape)}, model {format_shape(r.shape)})"
             for r in self.shape_mismatched
         ] + [
             f"{r.variable_name} (checkpoint {r.checkpoint_dtype}, model {r.dtype})" for r in self.dtype_mismatched

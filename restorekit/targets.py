@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from restorekit.errors import InvalidArgumentError
 from restorekit.names import strip_output_index, strip_partition
 
-__all__ = ["Target", "collect", "variable_name"]
+__all__ = [
+    "Target",
+    "collect",
+    "is_keras_variable",
+    "is_partitioned",
+    "slice_info",
+    "tf_variable",
+    "variable_name",
+]
 
 
 @dataclass
@@ -33,16 +41,34 @@ class Target:
         return bool(self.parts)
 
 
-def _is_partitioned(obj) -> bool:
+def is_partitioned(obj) -> bool:
+    """True for a TF1 ``PartitionedVariable`` (the whole, not one of its parts)."""
     # tf.compat.v1 exports no PartitionedVariable class to isinstance against.
     return type(obj).__name__ == "PartitionedVariable" and hasattr(obj, "_get_variable_list")
 
 
+def is_keras_variable(var) -> bool:
+    """True for a Keras 3 variable: not a tf.Variable, it holds one in ``value`` and is named by ``path``."""
+    return type(var).__module__.startswith("keras") and isinstance(getattr(var, "path", None), str)
+
+
+def tf_variable(var):
+    """The tf.Variable behind a Keras 3 variable; any other variable as given."""
+    return var.value if is_keras_variable(var) else var
+
+
 def variable_name(var) -> str:
     """Graph name without ':0' (Keras 3 variables: their ``path``)."""
-    if type(var).__module__.startswith("keras"):
+    if is_keras_variable(var):
         return var.path
     return strip_output_index(var.name)
+
+
+def slice_info(var):
+    """A partition's save-slice info (full name, full shape, offset), or None for a whole variable."""
+    # The full name and shape of a partition live only here; tf.Variable exposes
+    # no public accessor for it.
+    return getattr(var, "_save_slice_info", None)
 
 
 def _shape(var) -> tuple:
@@ -62,14 +88,8 @@ def _dtype(var) -> str:
     return str(dtype).replace("<dtype: '", "").rstrip("'>")
 
 
-def _slice_info(var):
-    # The full name and shape of a partition live only in its save-slice info;
-    # tf.Variable exposes no public accessor for it.
-    return getattr(var, "_save_slice_info", None)
-
-
 def _partition_target(name: str, parts: list, checkpoint_name=None) -> Target:
-    info = _slice_info(parts[0])
+    info = slice_info(parts[0])
     if info is not None:
         full_shape = tuple(info.full_shape)
         full_name = info.full_name
@@ -80,16 +100,20 @@ def _partition_target(name: str, parts: list, checkpoint_name=None) -> Target:
 
 
 def _from_object(obj, checkpoint_name=None) -> list[Target]:
-    if _is_partitioned(obj):
+    if is_partitioned(obj):
         parts = list(obj)
         return [_partition_target(strip_output_index(obj.name), parts, checkpoint_name)]
-    if isinstance(obj, (list, tuple)) and obj and all(_slice_info(v) is not None for v in obj):
+    if isinstance(obj, (list, tuple)) and obj and all(slice_info(v) is not None for v in obj):
         return [_partition_target(None, list(obj), checkpoint_name)]
-    if type(obj).__module__.startswith("keras"):
+    if is_keras_variable(obj):
         return [Target(obj.path, _shape(obj), _dtype(obj), obj.value, checkpoint_name)]
     if not hasattr(obj, "dtype") or not hasattr(obj, "shape") or not hasattr(obj, "name"):
         raise InvalidArgumentError(f"expected a variable, got {type(obj).__name__}: {obj!r}")
     return [Target(variable_name(obj), _shape(obj), _dtype(obj), obj, checkpoint_name)]
+
+
+def _is_single_variable(obj) -> bool:
+    return is_keras_variable(obj) or (hasattr(obj, "dtype") and hasattr(obj, "shape") and hasattr(obj, "name"))
 
 
 def collect(variables=None) -> list[Target]:
@@ -117,14 +141,22 @@ def collect(variables=None) -> list[Target]:
     if isinstance(variables, dict):
         targets = []
         for key, value in variables.items():
+            if not isinstance(key, str) or not key:
+                raise InvalidArgumentError(f"a variables dict maps checkpoint names (str) to variables, got key {key!r}")
             targets.extend(_from_object(value, checkpoint_name=key))
         return targets
     root = None
     if not isinstance(variables, (list, tuple)) and hasattr(variables, "variables"):
         root = variables
         variables = list(variables.variables)
-    if _is_partitioned(variables):
+    if is_partitioned(variables):
         variables = [variables]
+    elif isinstance(variables, (str, bytes)) or not hasattr(variables, "__iter__") or _is_single_variable(variables):
+        # A lone variable would be iterated element by element (eager) or fail (graph).
+        raise InvalidArgumentError(
+            f"variables is a list of variables, a {{checkpoint_name: variable}} dict, a Keras model or a tf.Module; "
+            f"got {type(variables).__name__}: {variables!r}" + ("; pass [variable]" if _is_single_variable(variables) else "")
+        )
     targets: list[Target] = []
     groups: dict[str, list] = {}
     seen: set[int] = set()
@@ -132,7 +164,7 @@ def collect(variables=None) -> list[Target]:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        info = _slice_info(obj) if not _is_partitioned(obj) else None
+        info = slice_info(obj) if not is_partitioned(obj) else None
         if info is not None:
             if info.full_name not in groups:
                 groups[info.full_name] = []

@@ -17,6 +17,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit.names import optimizer_slot_kind
+from restorekit.targets import tf_variable
 
 __all__ = [
     "KERAS_FROM_TF1",
@@ -233,13 +234,6 @@ def is_trackable(obj) -> bool:
     return hasattr(obj, "_trackable_children") and not hasattr(obj, "assign")
 
 
-def _unwrap(var):
-    """The Keras variable's tf.Variable (or distributed variable); others as given."""
-    if type(var).__module__.startswith("keras"):
-        return var.value
-    return var
-
-
 def _walk_live(root, graph: ObjectGraph, start: int) -> dict[int, str]:
     """id(live variable) -> checkpoint key, walking the live object and the graph in step."""
     import tensorflow as tf
@@ -253,9 +247,7 @@ def _walk_live(root, graph: ObjectGraph, start: int) -> dict[int, str]:
         for _, _, key in node.attributes:
             if key and hasattr(obj, "assign"):
                 found.setdefault(id(obj), key)
-                value = getattr(obj, "value", None) if type(obj).__module__.startswith("keras") else None
-                if value is not None:
-                    found.setdefault(id(value), key)
+                found.setdefault(id(tf_variable(obj)), key)
         if not node.children:
             continue
         try:
@@ -290,9 +282,7 @@ def live_paths(root) -> dict[int, str]:
             here = f"{path}/{local}" if path else local
             if hasattr(child, "assign"):
                 paths[id(child)] = here
-                value = getattr(child, "value", None) if type(child).__module__.startswith("keras") else None
-                if value is not None:
-                    paths.setdefault(id(value), here)
+                paths.setdefault(id(tf_variable(child)), here)
             else:
                 queue.append((child, here))
     return paths
@@ -308,7 +298,7 @@ def object_graph_keys(root, graph: ObjectGraph, variables) -> dict[int, str]:
     Returns:
         ``id(variable) -> checkpoint key`` for the variables matched.
     """
-    wanted = {id(v) for v in variables} | {id(_unwrap(v)) for v in variables}
+    wanted = {id(v) for v in variables} | {id(tf_variable(v)) for v in variables}
     best: dict[int, str] = {}
     for start in [0] + [child for child, _ in graph.nodes[0].children]:
         found = _walk_live(root, graph, start)
@@ -352,7 +342,20 @@ class Rules:
             except re.error as e:
                 raise InvalidArgumentError(f"rule pattern {pattern!r} is not a valid regular expression: {e}") from None
             self.pairs.append((compiled, repl))
-        self.synonyms = {k: tuple(v) for k, v in (synonyms or {}).items()}
+        if synonyms is not None and not isinstance(synonyms, Mapping):
+            raise InvalidArgumentError(
+                f"synonyms is a mapping from a last name part to its alternatives, got {synonyms!r}"
+            )
+        self.synonyms = {}
+        for leaf, alternatives in (synonyms or {}).items():
+            alternatives = (alternatives,) if isinstance(alternatives, str) else alternatives
+            if (
+                not isinstance(leaf, str)
+                or not isinstance(alternatives, (list, tuple))
+                or not all(isinstance(a, str) for a in alternatives)
+            ):
+                raise InvalidArgumentError(f"synonyms map a str to strs, got {leaf!r}: {alternatives!r}")
+            self.synonyms[leaf] = tuple(alternatives)
         self.renumber = renumber
         self.name = name
 

@@ -2,6 +2,7 @@
 
 import os
 import random
+import stat
 
 import ml_dtypes
 import numpy as np
@@ -9,12 +10,19 @@ import pytest
 import tensorflow as tf
 
 from restorekit.bundle import atomic
-from restorekit.bundle.format import decode_slice_key, encode_slice_key, tensor_crc
+from restorekit.bundle.format import decode_slice_key, decode_tensor, encode_slice_key, encode_string_tensor, tensor_crc
 from restorekit.bundle.protos import BundleEntry, decode_entry, encode_entry
 from restorekit.bundle.table import read_table, write_table
+from restorekit.bundle.varint import put_varint, read_varint
 from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import Checkpoint
-from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, NameCollisionError, RestoreKitError
+from restorekit.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    NameCollisionError,
+    OutputError,
+    RestoreKitError,
+)
 
 tf1 = tf.compat.v1
 
@@ -52,6 +60,38 @@ def test_write_table_round_trips_through_our_reader(count):
 def test_write_table_rejects_unsorted_keys():
     with pytest.raises(ValueError, match="strictly increasing"):
         write_table([(b"b", b""), (b"a", b"")])
+
+
+# ------------------------------------------------------------------ varints
+
+
+@pytest.mark.parametrize(
+    "value, encoded",
+    [(0, b"\x00"), (127, b"\x7f"), (300, b"\xac\x02"), (2**64 - 1, b"\xff" * 9 + b"\x01"), (-1, b"\xff" * 9 + b"\x01")],
+    ids=["zero", "one-byte", "two-bytes", "max-uint64", "negative-as-int64"],
+)
+def test_varints_encode_as_protobuf_does_and_read_back(value, encoded):
+    out = bytearray()
+    put_varint(out, value)
+    assert bytes(out) == encoded
+    assert read_varint(encoded, 0, len(encoded), "test") == (value % 2**64, len(encoded))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [(b"\x80\x80", "truncated varint in test data"), (b"\xff" * 10 + b"\x01", "varint longer than 64 bits in test data")],
+    ids=["truncated", "over-64-bits"],
+)
+def test_bad_varints_are_corrupt_checkpoint_errors_saying_where(data, message):
+    with pytest.raises(CorruptCheckpointError, match=message):
+        read_varint(data, 0, len(data), "test data")
+
+
+def test_string_tensor_with_a_truncated_length_names_the_tensor():
+    raw, crc = encode_string_tensor([b"a" * 200, b"b"])
+    with pytest.raises(CorruptCheckpointError, match="'vocab'"):
+        decode_tensor(raw[:1], 7, (2,), name="vocab", crc32c=crc)
+    assert list(decode_tensor(raw, 7, (2,), name="vocab", crc32c=crc)) == [b"a" * 200, b"b"]
 
 
 # ------------------------------------------------------------------ slice keys
@@ -157,6 +197,24 @@ def test_writer_is_invisible_until_finish(tmp_path):
     w.finish()
     assert files_in(tmp_path) == ["m.data-00000-of-00001", "m.index"]
     assert list(Checkpoint(str(tmp_path / "m")).read("a")) == [0, 1, 2, 3]
+
+
+def test_atomic_output_gives_normal_permissions_and_refuses_a_directory(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        atomic.write_bytes(str(tmp_path / "frozen.pb"), b"graph")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "frozen.pb").st_mode) == 0o644  # not mkstemp's 0600
+    assert (tmp_path / "frozen.pb").read_bytes() == b"graph"
+    os.mkdir(tmp_path / "out")
+    with pytest.raises(OutputError, match="is a directory"):
+        atomic.write_bytes(str(tmp_path / "out"), b"graph")
+    with pytest.raises(RuntimeError):
+        with atomic.atomic_output(str(tmp_path / "half.pb")) as tmp:
+            open(tmp, "wb").write(b"half")
+            raise RuntimeError("killed halfway")
+    assert files_in(tmp_path) == ["frozen.pb", "out"]
 
 
 def test_stale_temporary_directories_are_swept(tmp_path):

@@ -161,6 +161,12 @@ def test_bad_multiplier_is_rejected(multiplier):
             group_variables({}, variables, default=multiplier)
 
 
+@pytest.mark.parametrize("variables", [5, "logits/weights"], ids=["an-int", "a-name-not-a-variable"])
+def test_variables_that_are_not_variables_are_a_group_error(variables):
+    with pytest.raises(GroupError, match="cannot group"):
+        group_variables({"logits": 10}, variables)
+
+
 @pytest.mark.parametrize(
     "rules",
     ["logits", [("logits", 1), ("logits", 2)], {"(": 1}],
@@ -246,9 +252,11 @@ def test_layerwise_decay_keras_block_names():
         ({"decay": 0.9, "pattern": r"layer_\d+"}, InvalidArgumentError),
         ({"decay": 0.9, "pattern": r"stage_(\d+)"}, NoMatchError),
         ({"decay": 0.9, "embeddings": ["bert/embedding"]}, NoMatchError),
+        ({"decay": 0.9, "pattern": 5}, InvalidArgumentError),
+        ({"decay": 0.9, "embeddings": 5}, InvalidArgumentError),
     ],
     ids=["zero-decay", "string-decay", "layer-above-num-layers", "float-num-layers", "no-group-in-pattern",
-         "no-layer-numbers", "embeddings-match-nothing"],
+         "no-layer-numbers", "embeddings-match-nothing", "pattern-not-a-str", "embeddings-not-patterns"],
 )
 def test_layerwise_decay_bad_input(kwargs, error):
     with tf.Graph().as_default():

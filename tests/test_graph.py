@@ -522,7 +522,21 @@ def truncated(frozen, tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("bad", ["not_a_graph", "truncated"], ids=["not-a-graph", "truncated"])
+@pytest.fixture
+def truncated_by_one_byte(frozen, tmp_path):
+    # Cut inside the last field's payload, fewer bytes than its length varint holds
+    # beyond it: the truncation check must count the length from after that varint.
+    data = open(frozen.path, "rb").read()
+    path = tmp_path / "truncated_by_one_byte.pb"
+    path.write_bytes(data[:-1])
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["not_a_graph", "truncated", "truncated_by_one_byte"],
+    ids=["not-a-graph", "truncated-in-half", "truncated-by-one-byte"],
+)
 def test_bad_graph_files_raise_graph_error_and_write_nothing(net, bad, request, tmp_path):
     path = request.getfixturevalue(bad)
     out = tmp_path / "out"
@@ -530,7 +544,7 @@ def test_bad_graph_files_raise_graph_error_and_write_nothing(net, bad, request, 
     with pytest.raises(GraphError) as info:
         inspect_graph(path)
     assert repr(path) in str(info.value)
-    assert ("truncated" in str(info.value)) == (bad == "truncated")
+    assert ("truncated" in str(info.value)) == bad.startswith("truncated")
     with pytest.raises(GraphError):
         freeze(net.prefix, path, ["y"], out=str(out / "frozen.pb"))
     with pytest.raises(GraphError):

@@ -150,6 +150,16 @@ def test_vocab_key_naming_no_variable(fruit_checkpoint):
         VocabRemap(OLD, NEW, axis=2)
 
 
+@pytest.mark.parametrize(
+    "kwargs, what",
+    [({"num_oov_buckets": "2"}, "num_oov_buckets"), ({"old_vocab_size": 1.5}, "old_vocab_size"), ({"axis": True}, "axis")],
+    ids=["oov-buckets-a-str", "old-vocab-size-a-float", "axis-a-bool"],
+)
+def test_vocab_remap_numbers_must_be_ints(kwargs, what):
+    with pytest.raises(InvalidArgumentError, match=f"VocabRemap {what} must be an int"):
+        VocabRemap(OLD, NEW, **kwargs)
+
+
 # ------------------------------------------------------------------ shape policies, TF1
 
 

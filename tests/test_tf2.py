@@ -362,3 +362,17 @@ def test_restore_rejects_graph_mode_lost_handles_and_strict_gaps(keras_checkpoin
             tf2.restore(report)
     with pytest.raises(InvalidArgumentError, match="RestoreReport"):
         tf2.restore("ckpt")
+
+
+@pytest.mark.parametrize(
+    "synonyms",
+    [[("kernel", "weights")], {"kernel": 5}, {5: ("weights",)}],
+    ids=["a-list-not-a-mapping", "alternatives-not-strs", "leaf-not-a-str"],
+)
+def test_rules_with_bad_synonyms_are_invalid_arguments(synonyms):
+    with pytest.raises(InvalidArgumentError, match="synonyms"):
+        tf2.Rules(synonyms=synonyms)
+
+
+def test_a_single_synonym_string_is_one_alternative_not_its_letters():
+    assert tf2.Rules(synonyms={"kernel": "weights"}).synonyms == {"kernel": ("weights",)}

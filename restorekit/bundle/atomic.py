@@ -1,19 +1,23 @@
-"""Write a checkpoint's files under temporary names in their target directory, then rename them into place.
+"""Write files under temporary names in their target directory, then rename them into place.
 
-Our own because a checkpoint is several files (``.index`` plus data shards) that must
-appear as one: no library renames a *set* of files. The ``.index`` is what makes a
+``Staging`` does it for a checkpoint, several files (``.index`` plus data shards) that
+must appear as one: no library renames a *set* of files. The ``.index`` is what makes a
 checkpoint exist (every reader, TF's too, starts from it), so it is renamed last, and
-whatever it replaces keeps working until that single ``os.replace``.
+whatever it replaces keeps working until that single ``os.replace``. ``atomic_output``
+does it for one file (an exported ``.safetensors``, a frozen ``.pb``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import uuid
 
-__all__ = ["Staging", "crash_point", "fsync_directory", "link_or_copy"]
+from restorekit.errors import OutputError
+
+__all__ = ["Staging", "atomic_output", "crash_point", "fsync_directory", "link_or_copy", "write_bytes"]
 
 _TMP_PREFIX = ".restorekit-tmp-"
 # Tests set this to a point name; the process then pauses there so it can be killed.
@@ -85,6 +89,40 @@ def link_or_copy(src: str, dst: str) -> bool:
     except OSError:
         shutil.copyfile(src, dst)
         return False
+
+
+@contextlib.contextmanager
+def atomic_output(path):
+    """Yield a temporary path beside ``path``; move it onto ``path`` only on success.
+
+        with atomic_output('model.pb') as tmp:
+            write(tmp)
+
+    Raises:
+        OutputError: ``path`` is a directory (before anything is written).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise OutputError(f"output {path!r} is a directory; name a file")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    # Created here rather than by tempfile.mkstemp, whose files are 0600: the output
+    # gets the permissions any new file gets (0666 less the umask).
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see ``atomic_output``)."""
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
 
 class Staging:

@@ -13,6 +13,7 @@ import google_crc32c
 import numpy as np
 
 from restorekit.bundle.table import mask_crc
+from restorekit.bundle.varint import put_varint, read_varint
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, MissingDependencyError
 
 __all__ = [
@@ -111,29 +112,15 @@ def tensor_crc(raw: bytes) -> int:
     return mask_crc(google_crc32c.value(raw))
 
 
-def _varint(buf, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise CorruptCheckpointError("string tensor: truncated length varint")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise CorruptCheckpointError("string tensor: length varint too long")
-
-
 def _decode_strings(raw: bytes, count: int, name: str, expected_crc: int | None) -> np.ndarray:
     # Layout: varint64 length per element, a masked crc32c (4 bytes) of the lengths
     # as little-endian uint32, then the bytes. The entry's crc covers the uint32
     # lengths, the 4 checksum bytes and the string bytes, in that order.
     pos = 0
     lengths = []
+    where = f"the lengths of string tensor {name!r}"
     for _ in range(count):
-        n, pos = _varint(raw, pos)
+        n, pos = read_varint(raw, pos, len(raw), where)
         lengths.append(n)
     if pos + 4 > len(raw) or pos + 4 + sum(lengths) != len(raw):
         raise CorruptCheckpointError(f"{name!r}: string tensor lengths do not add up to its {len(raw)} bytes")
@@ -156,13 +143,7 @@ def encode_string_tensor(values) -> tuple[bytes, int]:
     flat = [v.encode() if isinstance(v, str) else bytes(v) for v in np.asarray(values, dtype=object).ravel()]
     out = bytearray()
     for v in flat:
-        n = len(v)
-        while True:
-            b = n & 0x7F
-            n >>= 7
-            out.append(b | 0x80 if n else b)
-            if not n:
-                break
+        put_varint(out, len(v))
     len_bytes = struct.pack(f"<{len(flat)}I", *[len(v) & 0xFFFFFFFF for v in flat])
     len_crc = mask_crc(google_crc32c.value(len_bytes))
     checksum = struct.pack("<I", len_crc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field, replace
 
+from restorekit.bundle.varint import put_varint, read_varint
 from restorekit.errors import CorruptCheckpointError
 
 __all__ = ["BundleEntry", "BundleHeader", "decode_entry", "decode_header", "encode_entry", "encode_header"]
@@ -45,38 +46,22 @@ class BundleHeader:
     bad_consumers: tuple = field(default_factory=tuple)
 
 
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise CorruptCheckpointError("truncated varint in index entry")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise CorruptCheckpointError("varint longer than 64 bits in index entry")
-
-
 def _fields(buf: bytes, pos: int = 0, end: int | None = None):
     """Yield (field_number, wire_type, value, start, stop) for each field of a message."""
     end = len(buf) if end is None else end
     while pos < end:
         start = pos
-        key, pos = _varint(buf, pos, end)
+        key, pos = read_varint(buf, pos, end, "index entry")
         number, wire = key >> 3, key & 7
         if wire == 0:
-            value, pos = _varint(buf, pos, end)
+            value, pos = read_varint(buf, pos, end, "index entry")
         elif wire == 1:
             if pos + 8 > end:
                 raise CorruptCheckpointError("truncated fixed64 in index entry")
             value = struct.unpack_from("<Q", buf, pos)[0]
             pos += 8
         elif wire == 2:
-            length, pos = _varint(buf, pos, end)
+            length, pos = read_varint(buf, pos, end, "index entry")
             if pos + length > end:
                 raise CorruptCheckpointError("length-delimited field runs past the end of an index entry")
             value = bytes(buf[pos : pos + length])
@@ -112,7 +97,7 @@ def _fast_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     b = buf[pos] if pos < end else 256
     if b < 0x80:
         return b, pos + 1
-    return _varint(buf, pos, end)
+    return read_varint(buf, pos, end, "index entry")
 
 
 def _decode_entry_fast(buf: bytes) -> BundleEntry | None:
@@ -225,25 +210,12 @@ def decode_header(buf: bytes) -> BundleHeader:
     )
 
 
-def _put_varint(out: bytearray, value: int) -> None:
-    if value < 0:
-        value += 1 << 64
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return
-
-
 def _put_field(out: bytearray, number: int, wire: int, value) -> None:
-    _put_varint(out, (number << 3) | wire)
+    put_varint(out, (number << 3) | wire)
     if wire == 0:
-        _put_varint(out, value)
+        put_varint(out, value)
     elif wire == 2:
-        _put_varint(out, len(value))
+        put_varint(out, len(value))
         out += value
     elif wire == 5:
         out += struct.pack("<I", value)

@@ -20,6 +20,7 @@ import struct
 
 import google_crc32c
 
+from restorekit.bundle.varint import put_varint, read_varint
 from restorekit.errors import CorruptCheckpointError, ChecksumMismatchError
 
 __all__ = ["FOOTER_SIZE", "MAGIC", "mask_crc", "read_table", "unmask_crc", "write_table"]
@@ -38,22 +39,6 @@ def mask_crc(crc: int) -> int:
 def unmask_crc(masked: int) -> int:
     rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
     return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
-
-
-def _varint(buf, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end:
-            raise CorruptCheckpointError("truncated varint in index table")
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise CorruptCheckpointError("varint longer than 64 bits in index table")
 
 
 def _block(data: bytes, offset: int, size: int, *, verify: bool) -> memoryview:
@@ -86,9 +71,9 @@ def _block_records(block: memoryview):
     pos = 0
     key = b""
     while pos < limit:
-        shared, pos = _varint(block, pos, limit)
-        unshared, pos = _varint(block, pos, limit)
-        value_len, pos = _varint(block, pos, limit)
+        shared, pos = read_varint(block, pos, limit, "index table")
+        unshared, pos = read_varint(block, pos, limit, "index table")
+        value_len, pos = read_varint(block, pos, limit, "index table")
         if shared > len(key) or pos + unshared + value_len > limit:
             raise CorruptCheckpointError("index record overruns its block")
         key = key[:shared] + bytes(block[pos : pos + unshared])
@@ -115,15 +100,15 @@ def read_table(data: bytes, *, verify: bool = True) -> list[tuple[bytes, bytes]]
     if magic != MAGIC:
         raise CorruptCheckpointError("index footer has the wrong magic number (truncated or not an index)")
     pos = footer
-    _meta_offset, pos = _varint(data, pos, footer + 40)
-    _meta_size, pos = _varint(data, pos, footer + 40)
-    index_offset, pos = _varint(data, pos, footer + 40)
-    index_size, pos = _varint(data, pos, footer + 40)
+    _meta_offset, pos = read_varint(data, pos, footer + 40, "index table")
+    _meta_size, pos = read_varint(data, pos, footer + 40, "index table")
+    index_offset, pos = read_varint(data, pos, footer + 40, "index table")
+    index_size, pos = read_varint(data, pos, footer + 40, "index table")
     records: list[tuple[bytes, bytes]] = []
     previous = None
     for _, handle in _block_records(_block(data, index_offset, index_size, verify=verify)):
-        offset, p = _varint(handle, 0, len(handle))
-        size, _ = _varint(handle, p, len(handle))
+        offset, p = read_varint(handle, 0, len(handle), "index table")
+        size, _ = read_varint(handle, p, len(handle), "index table")
         if offset + size + TRAILER_SIZE > footer:
             raise CorruptCheckpointError("data block handle points past the index's data area")
         for key, value in _block_records(_block(data, offset, size, verify=verify)):
@@ -144,17 +129,6 @@ BLOCK_SIZE = 256 * 1024
 _RESTART_INTERVAL = 16
 
 
-def _put_varint(out: bytearray, value: int) -> None:
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return
-
-
 def _build_block(records, restart_interval: int) -> bytes:
     out = bytearray()
     restarts = []
@@ -168,9 +142,9 @@ def _build_block(records, restart_interval: int) -> bytes:
             limit = min(len(last), len(key))
             while shared < limit and last[shared] == key[shared]:
                 shared += 1
-        _put_varint(out, shared)
-        _put_varint(out, len(key) - shared)
-        _put_varint(out, len(value))
+        put_varint(out, shared)
+        put_varint(out, len(key) - shared)
+        put_varint(out, len(value))
         out += key[shared:]
         out += value
         last = key
@@ -203,8 +177,8 @@ def write_table(records) -> bytes:
             return
         raw = _build_block(block, _RESTART_INTERVAL)
         handle = bytearray()
-        _put_varint(handle, len(out))
-        _put_varint(handle, len(raw))
+        put_varint(handle, len(out))
+        put_varint(handle, len(raw))
         index.append((block[-1][0], bytes(handle)))
         out.extend(_with_trailer(raw))
         block, block_bytes = [], 0
@@ -221,8 +195,8 @@ def write_table(records) -> bytes:
     flush()
     handles = bytearray()
     for raw in (_build_block([], 1), _build_block(index, 1)):
-        _put_varint(handles, len(out))
-        _put_varint(handles, len(raw))
+        put_varint(handles, len(out))
+        put_varint(handles, len(raw))
         out.extend(_with_trailer(raw))
     footer = bytes(handles).ljust(FOOTER_SIZE - 8, b"\x00") + struct.pack("<Q", MAGIC)
     return bytes(out + footer)

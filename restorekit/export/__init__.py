@@ -20,18 +20,19 @@ npz stores them as fixed-width bytes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
+# atomic_output is imported from here by the format modules.
+from restorekit.bundle.atomic import atomic_output  # noqa: F401
 from restorekit.errors import (
     InvalidArgumentError,
     OutputExistsError,
 )
+from restorekit.report import format_bytes
 
 __all__ = [
     "FORMATS",
@@ -60,7 +61,7 @@ class ExportResult:
     strings: tuple = ()
 
     def __str__(self) -> str:
-        text = f"wrote {self.count} tensors ({_human(self.nbytes)}) to {self.path!r} as {self.format}"
+        text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
         if self.layout:
             text += f", layout {self.layout!r} ({len(self.permuted)} permuted)"
         if self.strings:
@@ -68,32 +69,7 @@ class ExportResult:
         return text
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 # ------------------------------------------------------------------ shared helpers
-
-@contextlib.contextmanager
-def atomic_output(path: str):
-    """Yield a temporary path beside ``path``; move it onto ``path`` only on success."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
 
 def progress_bar(total: int, enabled: bool, desc: str):
     """A tqdm byte counter on stderr; silent unless enabled and stderr is a terminal."""
