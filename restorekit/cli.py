@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from restorekit.compare import diff_checkpoints, tensor_stats
+from restorekit.report import format_bytes, format_shape
 
 __all__ = ["COMMANDS", "Command", "main", "register"]
 
@@ -92,23 +93,11 @@ def _print_json(data) -> None:
     print(json.dumps(_jsonable(data), indent=2, sort_keys=False))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
-
-
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
-
-
-def _shape(shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _num(x) -> str:
@@ -156,13 +145,13 @@ def _inspect(args) -> int:
     header = ["NAME", "SHAPE", "DTYPE", "SIZE"] + (["MIN", "MAX", "MEAN", "NANS"] if args.stats else [])
     lines = []
     for r in rows:
-        line = [r["name"], _shape(r["shape"]), r["dtype"], _size(r["nbytes"])]
+        line = [r["name"], format_shape(r["shape"]), r["dtype"], format_bytes(r["nbytes"])]
         if args.stats:
             s = r["stats"]
             line += [_num(s["min"]), _num(s["max"]), _num(s["mean"]), str(s["nans"])]
         lines.append(line)
     print(_table(lines, header))
-    print(f"{len(rows)} tensors, {_size(total)} in {ckpt.prefix!r}")
+    print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}")
     return EXIT_OK
 
 
@@ -186,8 +175,8 @@ def _diff(args) -> int:
         for name in result["only_in_b"]:
             print(f"only in B  {name}")
         for c in result["changed"]:
-            print(f"changed    {c['name']}: {c['a']['dtype']} {_shape(c['a']['shape'])} -> "
-                  f"{c['b']['dtype']} {_shape(c['b']['shape'])}")
+            print(f"changed    {c['name']}: {c['a']['dtype']} {format_shape(c['a']['shape'])} -> "
+                  f"{c['b']['dtype']} {format_shape(c['b']['shape'])}")
         for v in result["values"]:
             print(f"values     {v['name']}: max abs diff {_num(v['max_abs_diff'])} ({v['differing']} elements differ)")
         verdict = "equal" if result["equal"] else "different"

@@ -24,9 +24,9 @@ def format_shape(shape, unknown_rank: str = "?") -> str:
 
 
 def format_bytes(n: int) -> str:
-    """A byte count for people: ``512`` -> ``'512 B'``, ``1536`` -> ``'1.5 KiB'`` (up to GiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    """A byte count for people: ``512`` -> ``'512 B'``, ``1536`` -> ``'1.5 KiB'`` (up to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover

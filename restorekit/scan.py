@@ -11,7 +11,7 @@ from restorekit.ema import is_shadow_name, shadow_suffix
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, NoMatchError, format_names
 from restorekit.names import PatternSet, closest_names, is_global_step, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
-from restorekit.targets import Target, collect, variable_name
+from restorekit.targets import Target, collect, is_partitioned, slice_info, variable_name
 
 __all__ = ["as_checkpoint", "scan"]
 
@@ -23,20 +23,17 @@ def as_checkpoint(checkpoint) -> Checkpoint:
 
 # ------------------------------------------------------------------ assignment maps
 
-def _value_names(value, known: set[str]) -> list[str]:
+def _value_names(value) -> list[str]:
     """The variable names (or scopes) an assignment_map value stands for."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, (list, tuple)):
-        if value and all(not isinstance(v, str) and getattr(v, "_save_slice_info", None) is not None for v in value):
-            return [value[0]._save_slice_info.full_name]  # one partitioned variable
-        names = []
-        for v in value:
-            names.extend(_value_names(v, known))
-        return names
-    if type(value).__name__ == "PartitionedVariable":
+        if value and all(not isinstance(v, str) and slice_info(v) is not None for v in value):
+            return [slice_info(value[0]).full_name]  # the parts of one partitioned variable
+        return [name for v in value for name in _value_names(v)]
+    if is_partitioned(value):
         return [variable_name(value)]
-    info = getattr(value, "_save_slice_info", None)
+    info = slice_info(value)
     if info is not None:
         return [info.full_name]
     if hasattr(value, "name") and hasattr(value, "dtype"):
@@ -75,7 +72,7 @@ def _mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
                 + (f" Closest: {format_names(near)}." if near else ""),
                 near,
             )
-        for target_name in _value_names(value, known):
+        for target_name in _value_names(value):
             is_scope = target_name.endswith("/") or (
                 target_name not in known and any(n.startswith(target_name + "/") for n in var_names)
             )
