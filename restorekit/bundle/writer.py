@@ -9,6 +9,7 @@ temporary names and renamed into place on ``finish`` (see ``atomic.py``).
 from __future__ import annotations
 
 import os
+import threading
 
 import google_crc32c
 import numpy as np
@@ -19,11 +20,55 @@ from restorekit.bundle.protos import BundleEntry, BundleHeader, encode_entry, en
 from restorekit.bundle.table import mask_crc, write_table
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, EditError, NameCollisionError
 
-__all__ = ["BundleWriter", "CHUNK_SIZE", "array_chunks"]
+__all__ = ["BundleWriter", "CHUNK_SIZE", "array_chunks", "copy_checked"]
 
 CHUNK_SIZE = 8 << 20
-_VERIFY_CHUNK = 1 << 20  # small reads stay in the CPU cache for the crc
+# Copies go through one reused buffer about the size of a core's L2 cache: the crc
+# then reads bytes the read just brought into the cache, and the write sends them on
+# from there. Measured on BERT-base: 1-2 MiB beat both 256 KiB and 4-32 MiB.
+COPY_CHUNK = 1 << 20
 STRING = 7
+_scratch = threading.local()
+
+
+def _buffer() -> np.ndarray:
+    # One per thread, allocated once: a fresh buffer per chunk costs a page fault per 4 KiB.
+    if getattr(_scratch, "buffer", None) is None:
+        _scratch.buffer = np.empty(COPY_CHUNK, np.uint8)
+    return _scratch.buffer
+
+
+def _crc_extend(crc: int, chunk: np.ndarray) -> int:
+    # google_crc32c takes read-only bytes-like objects; a numpy array qualifies (a
+    # memoryview or bytearray does not), so the crc reads the buffer without a copy.
+    try:
+        return google_crc32c.extend(crc, chunk)
+    except TypeError:  # pragma: no cover - a numpy whose buffers need releasing
+        return google_crc32c.extend(crc, chunk.tobytes())
+
+
+def copy_checked(fd: int, offset: int, size: int, write) -> int | None:
+    """Copy ``size`` bytes at ``offset`` of file descriptor ``fd`` to ``write``, in one pass.
+
+    Each chunk is read once into a reused buffer, added to the crc32c, and passed to
+    ``write`` (a callable taking a memoryview, which it must use up before returning:
+    the buffer is reused), so verifying costs no second read of the source.
+
+    Returns:
+        The unmasked crc32c of the bytes, or None when the file ended before ``size``.
+    """
+    buffer = _buffer()
+    view = memoryview(buffer)
+    crc = 0
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(COPY_CHUNK, size - done)]], offset + done)
+        if n == 0:
+            return None
+        crc = _crc_extend(crc, buffer[:n])
+        write(view[:n])
+        done += n
+    return crc
 
 
 def array_chunks(array: np.ndarray, chunk_size: int = CHUNK_SIZE):
@@ -140,14 +185,15 @@ class BundleWriter:
                             expected_size=entry.size)
 
     def add_copy(self, name, entry: BundleEntry, path: str) -> BundleEntry:
-        """Copy a stored tensor from the data shard at ``path`` (``entry.offset``), in the kernel.
+        """Copy a stored tensor from the data shard at ``path`` (``entry.offset``), crc32c checked.
 
-        The source range is read once to check its crc32c (string tensors: decoded),
-        then copied with ``os.copy_file_range`` (chunked read/write where unsupported),
-        so a compaction runs at about the speed of ``cp``.
+        Each byte is read once: into a buffer, into the crc, and out to the new shard
+        (``copy_checked``), so a compaction runs at about the speed of ``cp``. String
+        tensors are decoded to check them.
 
         Raises:
-            ChecksumMismatchError: the source bytes fail their crc32c.
+            ChecksumMismatchError: the source bytes fail their crc32c; nothing of the
+                tensor stays in the new shard.
             CorruptCheckpointError: the shard is missing or shorter than the entry says.
         """
         key = self._key(name)
@@ -155,54 +201,42 @@ class BundleWriter:
         atomic.crash_point(f"tensor-{len(self._entries)}")
         shown = key.decode("utf-8", "replace")
         try:
-            src = open(path, "rb")
+            src = open(path, "rb", buffering=0)
         except OSError:
             raise CorruptCheckpointError(f"data shard {path!r} for {shown!r} is missing or unreadable") from None
+        truncated = CorruptCheckpointError(
+            f"data shard {path!r} is truncated: {shown!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+        )
+        start = self._offset
         with src:
             if os.fstat(src.fileno()).st_size < entry.offset + entry.size:
-                raise CorruptCheckpointError(
-                    f"data shard {path!r} is truncated: {shown!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
-                )
-            src.seek(entry.offset)
+                raise truncated
             if entry.dtype == STRING:
-                raw = src.read(entry.size)
+                raw = os.pread(src.fileno(), entry.size, entry.offset)
                 decode_tensor(raw, STRING, entry.shape, name=shown, crc32c=entry.crc32c)
+                self._write(raw)
+                crc = None
             else:
-                crc = 0
-                remaining = entry.size
-                while remaining:
-                    chunk = src.read(min(_VERIFY_CHUNK, remaining))
-                    crc = google_crc32c.extend(crc, chunk)
-                    remaining -= len(chunk)
-                if mask_crc(crc) != entry.crc32c:
-                    raise ChecksumMismatchError(
-                        f"{shown!r}: source bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed "
-                        f"{mask_crc(crc):#010x}); the source data shard is corrupt"
-                    )
-            start = self._offset
-            self._copy_range(src.fileno(), entry.offset, entry.size)
+                crc = copy_checked(src.fileno(), entry.offset, entry.size, self._write)
+                if crc is None:
+                    self._rewind(start)
+                    raise truncated
+        if crc is not None and mask_crc(crc) != entry.crc32c:
+            # The bad bytes are already in the shard: cut them off, so the writer stays usable.
+            self._rewind(start)
+            raise ChecksumMismatchError(
+                f"{shown!r}: source bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed "
+                f"{mask_crc(crc):#010x}); the source data shard is corrupt"
+            )
+        self._offset = start + entry.size
         new = entry.replace(shard_id=self.shard_id, offset=start)
         self._entries[key] = new
         return new
 
-    def _copy_range(self, fd: int, offset: int, size: int) -> None:
-        out = self._file.fileno()
-        done = 0
-        try:
-            while done < size:
-                n = os.copy_file_range(fd, out, size - done, offset + done)
-                if n == 0:
-                    raise CorruptCheckpointError("data shard ended while copying")
-                done += n
-        except (AttributeError, OSError):  # no copy_file_range here, or across filesystems
-            os.lseek(out, self._offset + done, os.SEEK_SET)
-            while done < size:
-                chunk = os.pread(fd, min(CHUNK_SIZE, size - done), offset + done)
-                if not chunk:
-                    raise CorruptCheckpointError("data shard ended while copying") from None
-                self._write(chunk)
-                done += len(chunk)
-        self._offset += size
+    def _rewind(self, offset: int) -> None:
+        os.ftruncate(self._file.fileno(), offset)
+        self._file.seek(offset)
+        self._offset = offset
 
     def _write(self, data) -> None:
         view = memoryview(data)
@@ -258,7 +292,7 @@ class BundleWriter:
         if self.finished:
             return self.prefix
         if self._file is not None:
-            os.fsync(self._file.fileno())
+            # No fsync here: Staging.commit fsyncs every staged file before renaming it.
             self._file.close()
             self._file = None
         header = BundleHeader(num_shards=self.num_shards)

@@ -274,10 +274,13 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
 
 
 def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None:
-    """Copy one tensor's bytes from its data shard to ``out`` in large chunks, checking crc32c."""
-    import google_crc32c
+    """Copy one tensor's bytes from its data shard to ``out`` (``.write``), checking crc32c.
 
+    One pass through a reused cache-sized buffer (``bundle.writer.copy_checked``): each
+    byte is read once, then checked and written from the CPU cache.
+    """
     from restorekit.bundle.table import mask_crc
+    from restorekit.bundle.writer import copy_checked
 
     path = checkpoint.data_file(entry.shard_id)
     if path not in handles:
@@ -285,21 +288,19 @@ def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None
             handles[path] = open(path, "rb", buffering=0)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
-    src = handles[path]
-    src.seek(entry.offset)
-    remaining = entry.size
-    crc = 0
-    while remaining:
-        chunk = src.read(min(_CHUNK, remaining))
-        if not chunk:
-            raise CorruptCheckpointError(
-                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
-            )
-        crc = google_crc32c.extend(crc, chunk)
-        out.write(chunk)
-        remaining -= len(chunk)
+
+    def write(view) -> None:
+        size = len(view)
+        while view:
+            view = view[out.write(view) :]
         if bar is not None:
-            bar.update(len(chunk))
+            bar.update(size)
+
+    crc = copy_checked(handles[path].fileno(), entry.offset, entry.size, write)
+    if crc is None:
+        raise CorruptCheckpointError(
+            f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+        )
     if mask_crc(crc) != entry.crc32c:
         raise ChecksumMismatchError(f"{name!r}: tensor bytes in {path!r} fail their crc32c check; the data shard is corrupt")
 
