@@ -336,12 +336,7 @@ def test_slice_outside_its_full_shape_is_a_corrupt_checkpoint(tmp_path):
         Checkpoint(prefix).read("part")
 
 
-@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "read-write-fallback"])
-def test_add_copy_copies_a_stored_tensor(written, tmp_path, monkeypatch, kernel_copy):
-    if not kernel_copy:
-        def unsupported(*args):
-            raise OSError(18, "cross-device")
-        monkeypatch.setattr(os, "copy_file_range", unsupported, raising=False)
+def test_add_copy_copies_a_stored_tensor(written, tmp_path):
     src = Checkpoint(written)
     prefix = str(tmp_path / "copy" / "m")
     with BundleWriter(prefix) as w:
@@ -352,3 +347,30 @@ def test_add_copy_copies_a_stored_tensor(written, tmp_path, monkeypatch, kernel_
     for name in ("float32", "string", "bool"):
         assert np.array_equal(out.read(name), VALUES[name])
     assert out.read("after").tolist() == [0, 1, 2]
+
+
+def test_add_copy_of_a_corrupt_tensor_raises_and_leaves_the_writer_usable(written, tmp_path):
+    import shutil
+
+    src_prefix = str(tmp_path / "bad" / "m")
+    os.makedirs(os.path.dirname(src_prefix))
+    for suffix in (".index", ".data-00000-of-00001"):
+        shutil.copy(written + suffix, src_prefix + suffix)
+    src = Checkpoint(src_prefix)
+    entry = src.bundle_entry("float32")
+    with open(src.data_file(0), "r+b") as f:  # flip one byte of the float32 tensor
+        f.seek(entry.offset)
+        byte = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    prefix = str(tmp_path / "copy" / "m")
+    with BundleWriter(prefix) as w:
+        w.add_copy("bool", src.bundle_entry("bool"), src.data_file(0))
+        with pytest.raises(ChecksumMismatchError, match="float32"):
+            w.add_copy("float32", entry, src.data_file(0))
+        w.add_copy("string", src.bundle_entry("string"), src.data_file(0))
+    out = Checkpoint(prefix)
+    assert sorted(out) == ["bool", "string"]  # nothing of the corrupt tensor was kept
+    assert np.array_equal(out.read("bool"), VALUES["bool"])
+    assert np.array_equal(out.read("string"), VALUES["string"])
+    assert os.path.getsize(out.data_file(0)) == sum(out.bundle_entry(n).size for n in out)
