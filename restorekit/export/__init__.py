@@ -97,6 +97,26 @@ def tf_dtype_of(array: np.ndarray) -> str:
         raise InvalidArgumentError(f"dtype {array.dtype} has no TensorFlow equivalent") from None
 
 
+def layout_tensors(tensors, record):
+    """Put each tensor in the output layout: yield ``(out_name, array, tf_dtype, permuted)``.
+
+    The one loop behind every exporter: ``tensors`` are ``(TF name, ndarray)`` pairs
+    (a third item, a TF dtype name, keeps dtypes numpy cannot name); string tensors
+    go to ``record`` (carried in the file's metadata) and are not yielded; names and
+    axes follow ``record``'s layout.
+    """
+    for name, array, *dtype in tensors:
+        array = np.asarray(array)
+        tf_dtype = dtype[0] if dtype and dtype[0] else tf_dtype_of(array)
+        if tf_dtype == "string":
+            record.add_string(name, array)
+            continue
+        out, perm = record.plan(name, array.shape)
+        if perm is not None:
+            array = np.ascontiguousarray(np.transpose(array, perm))
+        yield name, out, array, tf_dtype, perm is not None
+
+
 def little_endian(array: np.ndarray) -> np.ndarray:
     """A C-contiguous, little-endian version of ``array`` (no copy when it already is)."""
     if array.dtype.byteorder == ">":

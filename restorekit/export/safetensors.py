@@ -27,10 +27,10 @@ from restorekit.export import (
     STRINGS_LIMIT,
     ExportResult,
     atomic_output,
+    layout_tensors,
     little_endian,
     progress_bar,
     raw_bytes_view,
-    tf_dtype_of,
 )
 from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
 
@@ -168,15 +168,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
     with atomic_output(path) as tmp:
         with open(tmp, "w+b") as f:
             f.seek(8 + _RESERVE)
-            for name, array, *dtype in tensors:
-                array = np.asarray(array)
-                tf_dtype = dtype[0] if dtype and dtype[0] else tf_dtype_of(array)
-                if tf_dtype == "string":
-                    record.add_string(name, array)
-                    continue
-                out, perm = record.plan(name, array.shape)
-                if perm is not None:
-                    array = np.transpose(array, perm)
+            for name, out, array, tf_dtype, was_permuted in layout_tensors(tensors, record):
+                if was_permuted:
                     permuted.append(name)
                 st_dtype, array = _stored(array, tf_dtype, record, out)
                 array = little_endian(array)

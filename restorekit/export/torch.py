@@ -17,7 +17,15 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
-from restorekit.export import STRINGS_LIMIT, ExportResult, atomic_output, contiguous, progress_bar, tf_dtype_of
+from restorekit.export import (
+    STRINGS_LIMIT,
+    ExportResult,
+    atomic_output,
+    contiguous,
+    layout_tensors,
+    progress_bar,
+    tf_dtype_of,
+)
 from restorekit.export.layout import STORED_AS, LayoutRecord, check_layout
 
 __all__ = ["load", "read", "to_numpy", "write", "write_checkpoint"]
@@ -123,15 +131,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
     state = collections.OrderedDict()
     permuted = []
     nbytes = 0
-    for name, array, *dtype in tensors:
-        array = np.asarray(array)
-        tf_dtype = dtype[0] if dtype and dtype[0] else tf_dtype_of(array)
-        if tf_dtype == "string":
-            record.add_string(name, array)
-            continue
-        out, perm = record.plan(name, array.shape)
-        if perm is not None:
-            array = np.ascontiguousarray(np.transpose(array, perm))
+    for name, out, array, tf_dtype, was_permuted in layout_tensors(tensors, record):
+        if was_permuted:
             permuted.append(name)
         if tf_dtype in STORED_AS:
             record.note_dtype(out, tf_dtype)
