@@ -44,6 +44,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit.names import apply_renames, closest_names, matches, optimizer_slot_kind
+from restorekit.report import format_shape
 
 __all__ = ["CheckpointEditor"]
 
@@ -73,10 +74,6 @@ class _Item:
     def stored(self) -> bool:
         """True when the output bytes are the origin's bytes, unchanged."""
         return self.base is None and not self.ops and self.cast is None
-
-
-def _shape_text(shape) -> str:
-    return str(list(shape))
 
 
 class CheckpointEditor:
@@ -224,7 +221,7 @@ class CheckpointEditor:
         if flat.size != entry.size:
             raise CorruptCheckpointError(
                 f"{name!r}: the index says {entry.size} bytes for a {dtype_name(entry.dtype)} tensor of shape "
-                f"{_shape_text(entry.shape)} ({flat.size} expected)"
+                f"{format_shape(entry.shape)} ({flat.size} expected)"
             )
         crc = 0
         pos = 0
@@ -335,7 +332,7 @@ class CheckpointEditor:
         try:
             return dummy[index].shape
         except (IndexError, TypeError, ValueError) as e:
-            raise EditError(f"index {index!r} does not fit {name!r} of shape {_shape_text(shape)}: {e}") from None
+            raise EditError(f"index {index!r} does not fit {name!r} of shape {format_shape(shape)}: {e}") from None
 
     # ------------------------------------------------------------------ edits
     def rename(self, old: str, new: str) -> None:
@@ -409,7 +406,7 @@ class CheckpointEditor:
             array = self._coerce(name, value, item.dtype, allow_dtype_change=allow_dtype_change)
             if array.shape != tuple(item.shape) and not allow_shape_change:
                 raise EditError(
-                    f"{name!r} has shape {_shape_text(item.shape)}; got {_shape_text(array.shape)}. "
+                    f"{name!r} has shape {format_shape(item.shape)}; got {format_shape(array.shape)}. "
                     "Pass allow_shape_change=True to store the new shape."
                 )
             self._plan[name] = _Item(item.origin, dtype_enum(array.dtype), array.shape, base=array)
@@ -424,7 +421,7 @@ class CheckpointEditor:
                 raise ValueError
         except ValueError:
             raise EditError(
-                f"{name!r}[{index!r}] has shape {_shape_text(region)}; got a value of shape {_shape_text(array.shape)}"
+                f"{name!r}[{index!r}] has shape {format_shape(region)}; got a value of shape {format_shape(array.shape)}"
             ) from None
         if isinstance(index, list):
             index = np.asarray(index)
@@ -522,7 +519,7 @@ class CheckpointEditor:
         axis %= rank
         others = {tuple(d for i, d in enumerate(it.shape) if i != axis) for it in items}
         if len(others) > 1:
-            shapes = ", ".join(_shape_text(it.shape) for it in items)
+            shapes = ", ".join(format_shape(it.shape) for it in items)
             raise EditError(f"concat of {format_names(names)} along axis {axis}: shapes {shapes} do not fit")
         shape = list(items[0].shape)
         shape[axis] = sum(it.shape[axis] for it in items)
@@ -876,11 +873,5 @@ def _update_state_file(prefix: str) -> None:
     body = f"model_checkpoint_path: {_quote(name)}\n" + "".join(
         f"all_model_checkpoint_paths: {_quote(p)}\n" for p in paths
     )
-    tmp = os.path.join(directory, f".checkpoint.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, state)
-    atomic.fsync_directory(directory)
+    atomic.write_bytes(state, body.encode("utf-8"))
 

@@ -120,9 +120,12 @@ def atomic_output(path):
 
 
 def write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (see ``atomic_output``)."""
+    """Write a small file atomically and durably: temp file, fsync, rename, fsync the directory."""
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 class Staging:
