@@ -328,7 +328,9 @@ class Rules:
     ``dense_4`` onto checkpoint ``dense``, ``dense_1``) when the model's suffixes are
     not all present in the checkpoint. Rule sets add: ``Rules([(r'^net/', '')]) + KERAS_FROM_TF1``.
 
-    Use as ``scan(..., rules=...)`` or ``scan(..., assignment_map=rules)``.
+    Use as ``scan(..., rules=...)`` or ``scan(..., assignment_map=rules)``. Against a
+    checkpoint, a scope shared by every variable (a Sequential's name) that no
+    checkpoint entry has is dropped before the rules apply.
     """
 
     def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, name: str | None = None):
@@ -394,7 +396,10 @@ class Rules:
                     f"rule {pattern.pattern!r} of {self!r} matches none of the {len(variable_names)} variable names "
                     f"({format_names(variable_names, 4)})"
                 )
-        rewritten = {n: self._rewrite(n) for n in variable_names}
+        # A Sequential's or subclassed model's own name prefixes every Keras path
+        # ('sequential/dense/kernel'); a checkpoint without that scope never had it.
+        root = _shared_root(variable_names, known)
+        rewritten = {n: self._rewrite(n[len(root):]) for n in variable_names}
         scopes = self._renumbering(list(rewritten.values()), known) if self.renumber else {}
         mapping = {}
         for original, name in rewritten.items():
@@ -459,6 +464,15 @@ class Rules:
                     here = f"{parent}/{component}" if parent else component
                     result[here] = f"{mapped_parent}/{target}" if mapped_parent else target
         return result
+
+
+def _shared_root(variable_names: list[str], checkpoint_names: set) -> str:
+    """'model/' when every variable sits under that one scope and no checkpoint entry does, else ''."""
+    roots = {n.split("/", 1)[0] for n in variable_names}
+    if len(roots) != 1 or not all("/" in n for n in variable_names):
+        return ""
+    root = roots.pop() + "/"
+    return "" if any(c.startswith(root) for c in checkpoint_names) else root
 
 
 def as_rules(rules) -> Rules:
