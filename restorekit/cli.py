@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.report import format_bytes, format_shape
 
@@ -204,7 +205,7 @@ def _scan(args) -> int:
     checkpoint = Checkpoint(args.checkpoint)  # fail fast, before importing TensorFlow
     if not os.path.isfile(args.meta_graph):
         raise CheckpointNotFoundError(f"no MetaGraph file at {args.meta_graph!r}", args.meta_graph)
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     import restorekit
 

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError, MissingDependencyError, RestoreKitError
 
 __all__ = [
@@ -106,7 +107,7 @@ def load_tasks() -> Tasks:
         from sklearn.datasets import load_digits
     except ImportError:
         raise MissingDependencyError(
-            "the demo needs scikit-learn for its data set: pip install 'restorekit[demo]'"
+            "the demo needs scikit-learn for its data set: pip install 'restorekit[tf,demo]'"
         ) from None
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -127,7 +128,7 @@ def load_tasks() -> Tasks:
 
 
 def _dense(x, units: int, scope: str, *, relu: bool = True):
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     tf1 = tf.compat.v1
     with tf1.variable_scope(scope):
@@ -139,7 +140,7 @@ def _dense(x, units: int, scope: str, *, relu: bool = True):
 
 def _backbone(x):
     """The part both tasks share: two hidden layers of 64 units."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     with tf.compat.v1.variable_scope("backbone"):
         return _dense(_dense(x, 64, "layer1"), 64, "layer2")
@@ -151,14 +152,14 @@ def _task_a_logits(images):
 
 
 def _inputs():
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     tf1 = tf.compat.v1
     return tf1.placeholder(tf.float32, [None, 64], name="images"), tf1.placeholder(tf.int64, [None], name="labels")
 
 
 def _loss_and_accuracy(logits, labels):
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
     accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, axis=1), labels), tf.float32))
@@ -181,7 +182,7 @@ def pretrain(tasks: Tasks, directory, *, steps: int = PRETRAIN_STEPS, seed: int 
         (checkpoint prefix, task A test accuracy of the EMA weights).
     """
     import numpy as np
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     tf1 = tf.compat.v1
     directory = Path(directory)
@@ -271,7 +272,7 @@ def finetune(
     Returns:
         A Run.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     from restorekit.finetune import GroupedOptimizer, group_variables
     from restorekit.scaffold import easy_going_scaffold
@@ -400,7 +401,7 @@ def plot_learning_curves(warm, cold, path, *, shots: int = DEFAULT_SHOTS) -> str
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise MissingDependencyError("the demo plots with matplotlib: pip install 'restorekit[demo]'") from None
+        raise MissingDependencyError("the demo plots with matplotlib: pip install 'restorekit[tf,demo]'") from None
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -531,7 +532,7 @@ def main(argv=None) -> int:
         "(restored with restorekit) and cold; print the restore report, the group table and the "
         "accuracy table; write a learning-curve plot.",
     )
-    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help=f"seeds to run (default {DEFAULT_SEEDS})")
+    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help=f"seeds to run, at least 2 (default {DEFAULT_SEEDS})")
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"fine-tuning steps per run (default {DEFAULT_STEPS})"
     )
@@ -541,7 +542,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default ./{DEFAULT_OUT})")
     args = parser.parse_args(argv)
     # Quiets TensorFlow's C++ start-up logs when TF is not imported yet.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # 3 also hides the CUDA-init error line TF prints on machines without a GPU.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
         run_demo(args.out, seeds=args.seeds, steps=args.steps, shots=args.shots)
     except RestoreKitError as e:

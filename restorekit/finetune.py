@@ -48,6 +48,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import (
     GroupError,
     InvalidArgumentError,
@@ -301,7 +302,7 @@ def _check_multiplier(value, what: str) -> float:
 
 def _variable_name(variable) -> tuple[str, object, object]:
     """(name, tf.Variable, Keras variable or None) of a TF1, TF2 or Keras 3 variable."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     if isinstance(variable, tf.Variable):
         return strip_output_index(variable.name), variable, None
@@ -315,7 +316,7 @@ def _variable_name(variable) -> tuple[str, object, object]:
 
 def _collect(variables) -> list[tuple[str, str, object, object]]:
     """(name, name to match, tf.Variable, Keras variable) for every variable given."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     if variables is None:
         variables = tf.compat.v1.trainable_variables()
@@ -565,7 +566,7 @@ def scale_gradients(grads_and_vars, groups: VariableGroups) -> list:
         GroupError: a variable the groups do not know (or from another graph).
         InvalidArgumentError: a ``None`` gradient where a multiplier was asked for.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     if not isinstance(groups, VariableGroups):
         raise GroupError(f"groups must come from group_variables, got {type(groups).__name__}")
@@ -595,7 +596,7 @@ def scale_gradients(grads_and_vars, groups: VariableGroups) -> list:
 
 
 def _make_grouped_optimizer_class():
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     class GroupedOptimizer(tf.compat.v1.train.Optimizer):
         """One TF1 optimizer per multiplier; one train op for all of them.

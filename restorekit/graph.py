@@ -22,6 +22,7 @@ from typing import Iterable
 
 import numpy as np
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle import atomic
 from restorekit.bundle.varint import read_varint
 from restorekit.errors import (
@@ -327,7 +328,7 @@ class _Loaded:
 
 
 def _tf():
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     return tf
 

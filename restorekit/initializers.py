@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.targets import collect, variable_name
 
 __all__ = ["initialize_uninitialized", "uninitialized_initializer"]
@@ -9,7 +10,7 @@ __all__ = ["initialize_uninitialized", "uninitialized_initializer"]
 
 def _plain_variables(variables):
     if variables is None:
-        import tensorflow as tf
+        tf = import_tensorflow()
 
         return tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
     out = []
@@ -28,7 +29,7 @@ def uninitialized_initializer(variables=None, *, name: str = "restorekit_init_un
     Args:
         variables: as ``restorekit.scan`` accepts; None means global + local variables.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     tf1 = tf.compat.v1
     ops = []
@@ -51,7 +52,7 @@ def initialize_uninitialized(session, variables=None) -> list[str]:
         session: a ``tf.compat.v1.Session`` (or MonitoredSession's raw session).
         variables: as ``restorekit.scan`` accepts; None means global + local variables.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     tf1 = tf.compat.v1
     candidates = _plain_variables(variables)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError, NoMatchError, VocabularyError, format_names
 from restorekit.names import PatternSet
 from restorekit.report import format_shape
@@ -297,7 +298,7 @@ def eager_value(policy, record, checkpoint_value, handle):
     Raises:
         InvalidArgumentError: a callable policy returned a value of the wrong shape.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     shape = tuple(record.shape)
     dtype = tf.as_dtype(record.dtype)
@@ -355,7 +356,7 @@ def tf1_initializer(report, record) -> None:
         InvalidArgumentError: ``record`` has no policy in ``report``, or a callable
             policy returned a value of the wrong shape.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     if not has_policy(report, record):
         raise InvalidArgumentError(f"{record.variable_name!r} has no shape policy or vocabulary in this report")

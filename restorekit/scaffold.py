@@ -6,6 +6,7 @@ restores, a ``variables_initializer`` over the rest initializes.
 
 from __future__ import annotations
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit import remap
 from restorekit.errors import AssignmentMapError
 from restorekit.tf1 import partial_saver, plain_records, warm_start
@@ -50,7 +51,7 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
         >>> scaffold = restorekit.easy_going_scaffold('pretrained/', exclude=['logits'])
         >>> with tf.compat.v1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=d) as s: ...
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     tf1 = tf.compat.v1
     report = scan(checkpoint, variables, **scan_options)

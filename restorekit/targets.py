@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError
 from restorekit.names import strip_output_index, strip_partition
 
@@ -130,7 +131,7 @@ def collect(variables=None) -> list[Target]:
             in eager mode with ``variables=None``.
     """
     if variables is None:
-        import tensorflow as tf
+        tf = import_tensorflow()
 
         if tf.executing_eagerly():
             raise InvalidArgumentError(

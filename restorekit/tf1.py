@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit import remap
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
 from restorekit.report import RestoreReport
@@ -61,7 +62,7 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
             cannot); use ``warm_start`` for that.
         InvalidArgumentError: nothing matched, or the report lost its variables.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     var_list = _saver_var_list(report)
     if not var_list:
@@ -96,7 +97,7 @@ def warm_start(report: RestoreReport) -> None:
     op) loads the checkpoint values. One checkpoint tensor may feed several variables;
     shape policies and vocabulary remaps (``scan(shape_policy=..., vocab=...)``) apply.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     handles = _handles(report)
     if not report.matched:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.protos import _fields
 from restorekit.errors import (
     CorruptCheckpointError,
@@ -236,7 +237,7 @@ def is_trackable(obj) -> bool:
 
 def _walk_live(root, graph: ObjectGraph, start: int) -> dict[int, str]:
     """id(live variable) -> checkpoint key, walking the live object and the graph in step."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     found: dict[int, str] = {}
     seen = {start}
@@ -264,7 +265,7 @@ def _walk_live(root, graph: ObjectGraph, start: int) -> dict[int, str]:
 
 def live_paths(root) -> dict[int, str]:
     """id(variable) -> attribute path from ``root`` (``encoder/w``), the shortest, as checkpoints name them."""
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     paths: dict[int, str] = {}
     seen = {id(root)}
@@ -522,7 +523,7 @@ def read_tensors(prefix: str, names: list[str], dtypes: list[str], *, batch_byte
     Batching keeps the op count low (one call for a BERT-base checkpoint) while
     ``batch_bytes`` bounds the memory held at once.
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     out = []
     start = 0
@@ -578,7 +579,7 @@ def restore(report, *, strict: bool = False):
         >>> report = restorekit.scan('ckpt/', model, shape_policy='slice_or_pad')
         >>> restorekit.restore(report)
     """
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     from restorekit import remap
     from restorekit.report import RestoreReport

@@ -364,3 +364,22 @@ def test_graph_inspect_of_a_text_file_exits_3(capsys, tmp_path):
     code, _, err = run(capsys, "graph", "inspect", bogus)
     assert code == 3
     _assert_error_line(err)
+
+
+def test_a_command_needing_missing_tensorflow_exits_3_with_the_install_hint(capsys, small_checkpoint, tmp_path, monkeypatch):
+    import sys
+
+    from restorekit._tensorflow import import_tensorflow
+    from restorekit.errors import MissingDependencyError
+
+    meta = _meta_graph(tmp_path / "m.meta", {"dense/kernel": [4, 3]})
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # as if TensorFlow were not installed
+    with pytest.raises(MissingDependencyError, match=r"restorekit\[tf\]"):
+        import_tensorflow()
+    prefix, _ = small_checkpoint
+    code, _, err = run(capsys, "scan", prefix, "--meta-graph", meta)
+    assert code == 3
+    _assert_error_line(err)
+    assert "pip install 'restorekit[tf]'" in err
+    code, out, _ = run(capsys, "inspect", prefix)  # listing never needs TensorFlow
+    assert code == 0 and "dense/kernel" in out

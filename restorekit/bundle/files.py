@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from restorekit._tensorflow import import_tensorflow
 
 __all__ = ["exists", "glob", "isdir", "join", "mtime", "read_bytes", "read_range", "is_remote"]
 
@@ -20,7 +21,7 @@ def is_remote(path: str) -> bool:
 
 
 def _gfile():
-    import tensorflow as tf
+    tf = import_tensorflow()
 
     return tf.io.gfile
 
