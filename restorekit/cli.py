@@ -236,7 +236,7 @@ def _editor(path):
 
 
 def _save(editor, args) -> int:
-    result = editor.save(args.out)
+    result = editor.save(args.out, progress=not _quiet(args))
     if not _quiet(args):
         print(result if result is not None and not isinstance(result, str) else f"wrote {args.out!r}")
     return EXIT_OK

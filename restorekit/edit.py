@@ -575,13 +575,26 @@ class CheckpointEditor:
         Returns:
             The deleted names (empty when there were none).
         """
-        names = [n for n in self._plan if n != OBJECT_GRAPH_KEY and optimizer_slot_kind(n)]
+        ckpt = self.checkpoint
+        # In a TF2 checkpoint a key's spelling says nothing: Keras 3 saves the model's
+        # own weights under 'optimizer/_trainable_variables/N/...' when the optimizer
+        # tracked them first. The object graph says what each key really is.
+        tracked = ckpt.object_graph.by_key if ckpt.is_object_based else {}
+
+        def is_optimizer_state(name: str, item: _Item) -> bool:
+            if name == OBJECT_GRAPH_KEY:
+                return False
+            if item.origin in tracked:
+                return tracked[item.origin].kind == "optimizer"
+            return optimizer_slot_kind(name) is not None
+
+        names = [n for n, item in self._plan.items() if is_optimizer_state(n, item)]
         self._items = {k: v for k, v in self._plan.items() if k not in names}
         return names
 
     # ------------------------------------------------------------------ saving
     def save(self, out, *, format: str = "tf", compact: bool = False, overwrite: bool = False,
-             update_state_file: bool = False) -> str:
+             update_state_file: bool = False, progress: bool = False) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -591,6 +604,7 @@ class CheckpointEditor:
             compact: write one new shard holding only the kept tensors (``'tf'``).
             overwrite: replace an existing output (never the source: use save_in_place).
             update_state_file: point the directory's ``checkpoint`` file at ``out``.
+            progress: show a byte counter on stderr while writing (when it is a terminal).
 
         Returns:
             The output prefix (or file).
@@ -620,14 +634,15 @@ class CheckpointEditor:
         if existing and not overwrite:
             raise OutputExistsError(f"{prefix!r} already holds a checkpoint; pass overwrite=True to replace it")
         return self._save_tf(prefix, compact=compact, in_place=False, replacing=existing,
-                             update_state_file=update_state_file)
+                             update_state_file=update_state_file, progress=progress)
 
-    def save_in_place(self, *, compact: bool = False, update_state_file: bool = False) -> str:
+    def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
+                      progress: bool = False) -> str:
         """Replace the source checkpoint with the edited one; the old one stays until the new one is complete."""
         if files.is_remote(self.prefix):
             raise OutputError(f"{self.prefix!r}: only local checkpoints can be replaced atomically")
         prefix = self._save_tf(os.path.abspath(self.prefix), compact=compact, in_place=True, replacing=True,
-                               update_state_file=update_state_file)
+                               update_state_file=update_state_file, progress=progress)
         self._checkpoint = None
         self._items = None
         return prefix
@@ -705,7 +720,7 @@ class CheckpointEditor:
             return False
 
     def _save_tf(self, prefix: str, *, compact: bool, in_place: bool, replacing: bool,
-                 update_state_file: bool) -> str:
+                 update_state_file: bool, progress: bool = False) -> str:
         ckpt = self.checkpoint
         plan = self._final_plan()
         directory = os.path.dirname(prefix)
@@ -750,7 +765,7 @@ class CheckpointEditor:
                     shard_paths = {i: ckpt.data_file(i) for i in range(n_src)}
                 if new_shard is not None:
                     shard_paths[new_shard] = staging.path(writer.data_path(new_shard))
-                expected = self._write(writer, plan, reuse=reuse)
+                expected = self._write(writer, plan, reuse=reuse, progress=progress)
                 writer.finish(commit=False)
                 if num_shards == 2 and not reuse:
                     extra = staging.path(f"{prefix}.data-00001-of-00002")
@@ -767,31 +782,48 @@ class CheckpointEditor:
             _update_state_file(prefix)
         return prefix
 
-    def _write(self, writer: BundleWriter, plan: dict[str, _Item], *, reuse: bool) -> set[bytes]:
+    def _write(self, writer: BundleWriter, plan: dict[str, _Item], *, reuse: bool,
+               progress: bool = False) -> set[bytes]:
         """Stream every tensor of ``plan`` into ``writer``; return the index keys written."""
+        from restorekit.export import progress_bar
+
+        keys = set()
+        with progress_bar(sum(self._nbytes(item) for item in plan.values()), progress, "save") as bar:
+            for name, item in plan.items():
+                keys |= self._write_one(writer, name, item, reuse=reuse)
+                bar.update(self._nbytes(item))
+        return keys
+
+    def _nbytes(self, item: _Item) -> int:
+        if item.origin is not None and item.stored:
+            return self.checkpoint.entries[item.origin].nbytes
+        itemsize = 1 if item.dtype == STRING else numpy_dtype(item.dtype).itemsize
+        return math.prod(item.shape) * itemsize
+
+    def _write_one(self, writer: BundleWriter, name: str, item: _Item, *, reuse: bool) -> set[bytes]:
+        """Write one tensor (or the slices of a partitioned one); return the index keys written."""
         ckpt = self.checkpoint
         keys = set()
-        for name, item in plan.items():
-            if item.stored and ckpt.is_partitioned(item.origin):
-                for extents, part in ckpt._slices[item.origin]:
-                    key = encode_slice_key(name, extents)
-                    if reuse:
-                        writer.add_entry_only(key, part)
-                    else:
-                        self._copy(writer, key, part, item.origin)
-                    keys.add(key)
-                writer.add_entry_only(name, ckpt.bundle_entry(item.origin))
-            elif item.stored:
-                entry = ckpt.bundle_entry(item.origin)
+        if item.stored and ckpt.is_partitioned(item.origin):
+            for extents, part in ckpt._slices[item.origin]:
+                key = encode_slice_key(name, extents)
                 if reuse:
-                    writer.add_entry_only(name, entry)
+                    writer.add_entry_only(key, part)
                 else:
-                    self._copy(writer, name, entry, item.origin)
-            elif item.base is None and not item.ops and item.cast is not None:
-                writer.add_stream(name, item.cast, item.shape, self._cast_chunks(item))
+                    self._copy(writer, key, part, item.origin)
+                keys.add(key)
+            writer.add_entry_only(name, ckpt.bundle_entry(item.origin))
+        elif item.stored:
+            entry = ckpt.bundle_entry(item.origin)
+            if reuse:
+                writer.add_entry_only(name, entry)
             else:
-                writer.add(name, self._value(item))
-            keys.add(name.encode("utf-8"))
+                self._copy(writer, name, entry, item.origin)
+        elif item.base is None and not item.ops and item.cast is not None:
+            writer.add_stream(name, item.cast, item.shape, self._cast_chunks(item))
+        else:
+            writer.add(name, self._value(item))
+        keys.add(name.encode("utf-8"))
         return keys
 
     def _copy(self, writer: BundleWriter, key, entry, origin: str) -> None:

@@ -4,7 +4,7 @@
   Adagrad, ...) and BERT's adam_m/adam_v are recognized, not reported unused/missing;
 * issue 4: shard reuse falls back to a copy across filesystems; peak memory while
   saving stays near the largest tensor, not the checkpoint size; strip_optimizer_slots
-  on a real Keras 3 checkpoint (a known bug, marked xfail strict);
+  on a real Keras 3 checkpoint (weights saved under 'optimizer/...' keys are kept);
 * issue 5: unfreeze of a frozen graph holding no weight constants is a clear error.
 """
 
@@ -175,11 +175,6 @@ def test_keras_checkpoint_stores_model_weights_under_optimizer_keys(tmp_path):
     assert all(t.key.startswith("optimizer/_trainable_variables/") for t in weights)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: strip_optimizer_slots matches raw keys with names._TF2_SLOT ('^optimizer/') and deletes "
-    "Keras 3 model weights saved under 'optimizer/_trainable_variables/N'",
-)
 def test_strip_optimizer_slots_keeps_keras_model_weights(tmp_path):
     prefix, model = _keras_checkpoint_with_its_optimizer(tmp_path)
     graph = Checkpoint(prefix).object_graph

@@ -549,3 +549,30 @@ def test_unedited_export_takes_the_raw_copy_path_with_the_same_result(small_chec
     got = load_file(CheckpointEditor(prefix).save(tmp_path / "o" / "m.safetensors", format="safetensors"))
     assert sorted(got) == sorted(values)
     assert np.array_equal(got["dense/kernel"], values["dense/kernel"])
+
+
+def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkeypatch):
+    import restorekit.export as export
+
+    totals = []
+
+    class Bar:
+        def __init__(self, total, enabled, desc):
+            totals.append([total, 0, enabled])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            totals[-1][1] += n
+
+    monkeypatch.setattr(export, "progress_bar", Bar)
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    ed.set("dense/bias", np.zeros(3, np.float32))
+    ed.save(tmp_path / "out" / "model.ckpt", progress=True, compact=True)
+    expected = sum(np.asarray(v).nbytes for v in values.values())
+    assert totals == [[expected, expected, True]]
