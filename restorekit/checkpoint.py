@@ -33,6 +33,7 @@ __all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "resolve_prefix"]
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-\d{5}$")
+_WARNED: set = set()
 _STATE_LINE = re.compile(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\]|\\.)*)"\s*$', re.M)
 
 
@@ -117,7 +118,9 @@ def resolve_prefix(path) -> str:
             if named is not None
             else "it has no 'checkpoint' state file"
         )
-        warnings.warn(f"restorekit: in {path!r} {reason}; using {fallback!r}.", RestoreKitWarning, stacklevel=3)
+        if (path, fallback) not in _WARNED:  # once per directory and choice, however often it is opened
+            _WARNED.add((path, fallback))
+            warnings.warn(f"restorekit: in {path!r} {reason}; using {fallback!r}.", RestoreKitWarning, stacklevel=3)
         return fallback
     hint = ""
     parent = path.rsplit("/", 1)[0] if "/" in path else "."

@@ -1390,11 +1390,12 @@ def unfreeze(
     chosen = _find_weights(gd, weights, min_bytes)
     if not chosen:
         variables = [n.name for n in gd.node if n.op in _VARIABLE_OPS]
-        hint = (
-            f" It still has {len(variables)} variables ({format_names(variables, 3)}): it is not frozen."
-            if variables
-            else " Pass weights='large' to take every large floating constant, or a list of names."
-        )
+        if variables:
+            hint = f" It still has {len(variables)} variables ({format_names(variables, 3)}): it is not frozen."
+        elif weights == "large":
+            hint = f" No floating constant reaches min_bytes={min_bytes}: lower it, or pass a list of node names."
+        else:
+            hint = " Pass weights='large' to take every large floating constant, or a list of names."
         raise GraphError(f"{loaded.source!r}: no weight constants found with weights={weights!r}.{hint}")
     converted = []
     for node, pattern in chosen:

@@ -205,4 +205,6 @@ def test_unfreeze_of_a_frozen_graph_without_weight_constants_is_an_error(tmp_pat
     with pytest.raises(GraphError, match="no weight constants found") as info:
         restorekit.unfreeze(str(path), str(out / "model.ckpt"), weights=weights, trainable_graph=True)
     assert "no_weights.pb" in str(info.value)
+    hint = "lower it, or pass a list of node names" if weights == "large" else "Pass weights='large'"
+    assert hint in str(info.value)
     assert not out.exists() or os.listdir(out) == []

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -241,3 +242,15 @@ def test_unknown_entry_lists_closest_names(small_checkpoint):
     with pytest.raises(NoMatchError, match="dense/kernel") as info:
         Checkpoint(prefix).read("dense/kernal")
     assert "dense/kernel" in info.value.closest
+
+
+def test_fallback_warns_once_however_often_the_directory_is_opened(small_checkpoint):
+    prefix, _ = small_checkpoint
+    directory = os.path.dirname(prefix)
+    with open(os.path.join(directory, "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "/elsewhere/model.ckpt-7"\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert Checkpoint(directory).prefix == prefix
+    assert [str(w.message).count("does not exist") for w in caught] == [1]
