@@ -448,3 +448,40 @@ def test_import_restorekit_loads_neither_torch_nor_safetensors():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _contiguous_checkpoint(tmp_path):
+    rng = np.random.RandomState(5)
+    values = {f"layer_{i}/kernel": rng.randn(64, 32).astype(np.float32) for i in range(5)}
+    prefix = str(tmp_path / "src" / "model.ckpt")
+    with BundleWriter(prefix) as writer:
+        for name, value in values.items():
+            writer.add(name, value)
+    return prefix, values
+
+
+def test_export_copies_back_to_back_tensors_exactly(tmp_path):
+    from safetensors.numpy import load_file
+
+    prefix, values = _contiguous_checkpoint(tmp_path)
+    out = tmp_path / "out" / "model.safetensors"
+    st_format.write_checkpoint(Checkpoint(prefix), str(out))
+    got = load_file(str(out))
+    assert sorted(got) == sorted(values)
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_export_of_a_corrupt_tensor_inside_a_run_writes_nothing(tmp_path):
+    prefix, _ = _contiguous_checkpoint(tmp_path)
+    ckpt = Checkpoint(prefix)
+    entry = ckpt.bundle_entry("layer_2/kernel")
+    with open(ckpt.data_file(0), "r+b") as f:
+        f.seek(entry.offset + 10)
+        byte = f.read(1)
+        f.seek(entry.offset + 10)
+        f.write(bytes([byte[0] ^ 0x55]))
+    out = tmp_path / "out"
+    with pytest.raises(ChecksumMismatchError, match="layer_2/kernel"):
+        st_format.write_checkpoint(Checkpoint(prefix), str(out / "model.safetensors"))
+    assert _listing(out) == []
