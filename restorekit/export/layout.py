@@ -136,14 +136,18 @@ class LayoutRecord:
                 f"rename one first (CheckpointEditor.rename) or export without layout"
             )
         self._owners[out] = name
+        self.note_tensor(out, name, perm)
+        return out, perm
+
+    def note_tensor(self, stored: str, name: str, perm) -> None:
+        """Record that ``stored`` holds TF tensor ``name``, permuted by ``perm`` (None: not)."""
         note = {}
-        if out != name:
+        if stored != name:
             note["name"] = name
         if perm is not None:
             note["perm"] = list(perm)
         if note:
-            self.tensors[out] = note
-        return out, perm
+            self.tensors[stored] = note
 
     def note_dtype(self, stored_name: str, tf_dtype: str) -> None:
         self.tensors.setdefault(stored_name, {})["dtype"] = tf_dtype
@@ -234,13 +238,7 @@ def guess_tf_names(shapes: dict) -> LayoutRecord:
         if name in owners:
             raise NameCollisionError(f"{owners[name]!r} and {stored!r} both map back to {name!r}")
         owners[name] = stored
-        note = {}
-        if name != stored:
-            note["name"] = name
-        if perm is not None:
-            note["perm"] = list(perm)
-        if note:
-            record.tensors[stored] = note
+        record.note_tensor(stored, name, perm)
     return record
 
 
