@@ -460,9 +460,20 @@ def _contiguous_checkpoint(tmp_path):
     return prefix, values
 
 
-def test_export_copies_back_to_back_tensors_exactly(tmp_path):
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "no in-kernel copy"])
+def test_export_copies_back_to_back_tensors_exactly(tmp_path, monkeypatch, kernel_copy):
     from safetensors.numpy import load_file
 
+    calls = []
+    real = os.copy_file_range
+
+    def copy_file_range(*args):
+        calls.append(args)
+        if not kernel_copy:
+            raise OSError(18, "Invalid cross-device link")
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
     prefix, values = _contiguous_checkpoint(tmp_path)
     out = tmp_path / "out" / "model.safetensors"
     st_format.write_checkpoint(Checkpoint(prefix), str(out))
@@ -470,6 +481,7 @@ def test_export_copies_back_to_back_tensors_exactly(tmp_path):
     assert sorted(got) == sorted(values)
     for name, value in values.items():
         np.testing.assert_array_equal(got[name], value)
+    assert calls  # the five back-to-back tensors went to the kernel as one run
 
 
 def test_export_of_a_corrupt_tensor_inside_a_run_writes_nothing(tmp_path):

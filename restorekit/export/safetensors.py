@@ -248,10 +248,17 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
     try:
         with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
             f.write(header)
+            run: list = []  # stored tensors lying back to back in one shard, copied together
             for name, out, st_dtype, shape, perm, raw, nbytes in plan:
                 if raw is not None:
-                    copy_raw(checkpoint, name, raw, f, handles, bar)
+                    if run and not _follows(run[-1][1], raw):
+                        copy_raw_run(checkpoint, run, f, handles, bar)
+                        run = []
+                    run.append((name, raw))
                     continue
+                if run:
+                    copy_raw_run(checkpoint, run, f, handles, bar)
+                    run = []
                 array = checkpoint.read(name)
                 if perm is not None:
                     array = np.transpose(array, perm)
@@ -259,11 +266,38 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
                 view = raw_bytes_view(little_endian(array))
                 f.write(view)
                 bar.update(len(view))
+            if run:
+                copy_raw_run(checkpoint, run, f, handles, bar)
     finally:
         for handle in handles.values():
             handle.close()
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
     return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings))
+
+
+def _follows(previous, entry) -> bool:
+    return entry.shard_id == previous.shard_id and entry.offset == previous.offset + previous.size
+
+
+def _shard(checkpoint, name: str, entry, handles: dict):
+    path = checkpoint.data_file(entry.shard_id)
+    if path not in handles:
+        try:
+            handles[path] = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
+    return path, handles[path]
+
+
+def _check(crc, name: str, entry, path: str) -> None:
+    from restorekit.bundle.table import mask_crc
+
+    if crc is None:
+        raise CorruptCheckpointError(
+            f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+        )
+    if mask_crc(crc) != entry.crc32c:
+        raise ChecksumMismatchError(f"{name!r}: tensor bytes in {path!r} fail their crc32c check; the data shard is corrupt")
 
 
 def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None:
@@ -272,15 +306,9 @@ def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None
     One pass through a reused cache-sized buffer (``bundle.writer.copy_checked``): each
     byte is read once, then checked and written from the CPU cache.
     """
-    from restorekit.bundle.table import mask_crc
     from restorekit.bundle.writer import copy_checked
 
-    path = checkpoint.data_file(entry.shard_id)
-    if path not in handles:
-        try:
-            handles[path] = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
+    path, shard = _shard(checkpoint, name, entry, handles)
 
     def write(view) -> None:
         size = len(view)
@@ -289,13 +317,44 @@ def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None
         if bar is not None:
             bar.update(size)
 
-    crc = copy_checked(handles[path].fileno(), entry.offset, entry.size, write)
-    if crc is None:
-        raise CorruptCheckpointError(
-            f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
-        )
-    if mask_crc(crc) != entry.crc32c:
-        raise ChecksumMismatchError(f"{name!r}: tensor bytes in {path!r} fail their crc32c check; the data shard is corrupt")
+    _check(copy_checked(shard.fileno(), entry.offset, entry.size, write), name, entry, path)
+
+
+def copy_raw_run(checkpoint, run: list, out, handles: dict, bar=None) -> None:
+    """Copy stored tensors that lie back to back in one shard, the way ``cp`` copies a file.
+
+    Every tensor's crc32c is checked first (a read from the page cache, nothing
+    written), then the kernel copies the whole byte range (``os.copy_file_range``).
+    Measured side by side, that is faster than checking and writing each chunk from
+    Python (benchmarks/README.md). Falls back to ``copy_raw`` where the kernel cannot
+    copy (another filesystem).
+    """
+    from restorekit.bundle.writer import copy_checked
+
+    first_name, first = run[0]
+    path, shard = _shard(checkpoint, first_name, first, handles)
+    for name, entry in run:
+        _check(copy_checked(shard.fileno(), entry.offset, entry.size, lambda view: None), name, entry, path)
+    start = first.offset
+    size = run[-1][1].offset + run[-1][1].size - start
+    done = 0
+    try:
+        while done < size:
+            n = os.copy_file_range(shard.fileno(), out.fileno(), size - done, start + done)
+            if n == 0:
+                raise CorruptCheckpointError(f"data shard {path!r} ended while copying")
+            done += n
+            if bar is not None:
+                bar.update(n)
+    except OSError:
+        if done:  # the kernel stopped part way: finish with plain reads and writes
+            remaining = [(name, e) for name, e in run if e.offset >= start + done]
+            if remaining and remaining[0][1].offset != start + done:
+                raise
+        else:
+            remaining = run
+        for name, entry in remaining:
+            copy_raw(checkpoint, name, entry, out, handles, bar)
 
 
 def read_header(path) -> Header:
