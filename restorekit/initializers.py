@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.targets import collect, variable_name
+from restorekit.targets import collect, flat_variables, variable_name
 
 __all__ = ["initialize_uninitialized", "uninitialized_initializer"]
 
@@ -13,10 +13,7 @@ def _plain_variables(variables):
         tf = import_tensorflow()
 
         return tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
-    out = []
-    for t in collect(variables):
-        out.extend(t.parts or [t.handle])
-    return out
+    return flat_variables(collect(variables))
 
 
 def uninitialized_initializer(variables=None, *, name: str = "restorekit_init_uninitialized"):

@@ -11,9 +11,9 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
-from restorekit.errors import IncompleteRestoreError
+from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
 
-__all__ = ["Record", "RestoreReport", "format_bytes", "format_shape"]
+__all__ = ["Record", "RestoreReport", "format_bytes", "format_shape", "live_handles"]
 
 
 def format_shape(shape, unknown_rank: str = "?") -> str:
@@ -193,3 +193,19 @@ class RestoreReport:
         if len(self.hints) > 8:
             lines.append(f"  ... and {len(self.hints) - 8} more hints")
         return "\n".join(lines)
+
+
+def live_handles(report) -> dict:
+    """variable_name -> live variable of a report made by ``scan`` in this process.
+
+    Raises:
+        InvalidArgumentError: not a RestoreReport, or one that was unpickled or rebuilt.
+    """
+    if not isinstance(report, RestoreReport):
+        raise InvalidArgumentError(f"expected a RestoreReport from restorekit.scan, got {type(report).__name__}")
+    if report._handles is None:
+        raise InvalidArgumentError(
+            "this RestoreReport was unpickled or rebuilt and no longer knows its variables; "
+            "call restorekit.scan again in the process that builds the graph"
+        )
+    return report._handles

@@ -11,7 +11,7 @@ from restorekit import remap
 from restorekit.errors import AssignmentMapError
 from restorekit.tf1 import partial_saver, plain_records, warm_start
 from restorekit.scan import scan
-from restorekit.targets import collect
+from restorekit.targets import collect, flat_variables
 
 __all__ = ["easy_going_scaffold"]
 
@@ -58,9 +58,7 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
     if strict:
         report.assert_complete()
 
-    scanned = []
-    for t in collect(variables):
-        scanned.extend(t.parts or [t.handle])
+    scanned = flat_variables(collect(variables))
     all_globals = list(tf1.global_variables())
     known = {id(v) for v in all_globals}
     everything = all_globals + [v for v in scanned if id(v) not in known]
@@ -68,11 +66,7 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
     # Only plain matches are restored by the Saver; policy and vocabulary matches
     # get checkpoint-reading initializers and run in init_op with the rest.
     plain = plain_records(report)
-    restored_ids = set()
-    for record in plain:
-        handle = report._handles[record.variable_name]
-        for v in handle if isinstance(handle, list) else [handle]:
-            restored_ids.add(id(v))
+    restored_ids = {id(v) for v in flat_variables(report._handles[r.variable_name] for r in plain)}
 
     init_fn = None
     with tf1.name_scope("restorekit"):

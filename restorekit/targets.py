@@ -17,6 +17,7 @@ from restorekit.names import strip_output_index, strip_partition
 __all__ = [
     "Target",
     "collect",
+    "flat_variables",
     "is_keras_variable",
     "is_partitioned",
     "slice_info",
@@ -195,3 +196,13 @@ def _unique_names(targets: list[Target], root) -> None:
     for t in targets:
         if counts[t.variable_name] > 1 and id(t.handle) in paths:
             t.variable_name = paths[id(t.handle)]
+
+
+def flat_variables(handles) -> list:
+    """Every tf.Variable behind Targets or report handles: partitions as their parts."""
+    out = []
+    for h in handles:
+        if isinstance(h, Target):
+            h = h.parts or [h.handle]
+        out.extend(h if isinstance(h, list) else [h])
+    return out

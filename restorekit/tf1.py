@@ -10,20 +10,9 @@ from collections import Counter
 from restorekit._tensorflow import import_tensorflow
 from restorekit import remap
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
-from restorekit.report import RestoreReport
+from restorekit.report import RestoreReport, live_handles
 
 __all__ = ["assign_from_checkpoint_fn", "partial_saver", "plain_records", "warm_start"]
-
-
-def _handles(report: RestoreReport) -> dict:
-    if not isinstance(report, RestoreReport):
-        raise InvalidArgumentError(f"expected a RestoreReport from restorekit.scan, got {type(report).__name__}")
-    if report._handles is None:
-        raise InvalidArgumentError(
-            "this RestoreReport was unpickled or rebuilt and no longer knows its variables; "
-            "call restorekit.scan again in the process that builds the graph"
-        )
-    return report._handles
 
 
 def plain_records(report: RestoreReport) -> list:
@@ -32,7 +21,7 @@ def plain_records(report: RestoreReport) -> list:
 
 
 def _saver_var_list(report: RestoreReport) -> dict:
-    handles = _handles(report)
+    handles = live_handles(report)
     plain = plain_records(report)
     counts = Counter(r.checkpoint_name for r in plain)
     shared = sorted(name for name, n in counts.items() if n > 1)
@@ -99,7 +88,7 @@ def warm_start(report: RestoreReport) -> None:
     """
     tf = import_tensorflow()
 
-    handles = _handles(report)
+    handles = live_handles(report)
     if not report.matched:
         raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to warm-start\n{report}")
     for record in report.matched:

@@ -582,19 +582,14 @@ def restore(report, *, strict: bool = False):
     tf = import_tensorflow()
 
     from restorekit import remap
-    from restorekit.report import RestoreReport
+    from restorekit.report import live_handles
 
-    if not isinstance(report, RestoreReport):
-        raise InvalidArgumentError(f"expected a RestoreReport from restorekit.scan, got {type(report).__name__}")
     if not tf.executing_eagerly():
         raise InvalidArgumentError(
             "restorekit.restore assigns eagerly; in graph mode use restorekit.warm_start(report) "
             "or restorekit.partial_saver(report)"
         )
-    if report._handles is None:
-        raise InvalidArgumentError(
-            "this RestoreReport was unpickled or rebuilt and no longer knows its variables; call restorekit.scan again"
-        )
+    live_handles(report)
     if strict and not report.is_complete:
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
