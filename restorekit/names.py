@@ -202,6 +202,24 @@ def global_step_name(names: Iterable[str]) -> str | None:
 RenameRule = Callable[[str], str]
 
 
+def compile_pairs(pairs) -> list:
+    """Validate and compile ``(regex, replacement)`` pairs for ``re.sub``.
+
+    Raises:
+        InvalidArgumentError: an item that is not a pair, or a pattern that does not compile.
+    """
+    compiled = []
+    for item in pairs:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise InvalidArgumentError(f"a rename rule list holds (regex, replacement) pairs, got {item!r}")
+        pattern, repl = item
+        try:
+            compiled.append((re.compile(pattern) if isinstance(pattern, str) else pattern, repl))
+        except re.error as e:
+            raise InvalidArgumentError(f"rename pattern {pattern!r} is not a valid regular expression: {e}") from None
+    return compiled
+
+
 def rename_rule(rule) -> RenameRule:
     """Turn a callable, a mapping, or a list of (regex, replacement) pairs into one function.
 
@@ -215,15 +233,7 @@ def rename_rule(rule) -> RenameRule:
         table = dict(rule)
         return lambda name: table.get(name, name)
     if isinstance(rule, Sequence) and not isinstance(rule, str):
-        pairs = []
-        for item in rule:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise InvalidArgumentError(f"a rename rule list holds (regex, replacement) pairs, got {item!r}")
-            pattern, repl = item
-            try:
-                pairs.append((re.compile(pattern) if isinstance(pattern, str) else pattern, repl))
-            except re.error as e:
-                raise InvalidArgumentError(f"rename pattern {pattern!r} is not a valid regular expression: {e}") from None
+        pairs = compile_pairs(rule)
 
         def apply(name: str) -> str:
             for pattern, repl in pairs:

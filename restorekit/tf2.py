@@ -17,7 +17,7 @@ from restorekit.errors import (
     NoMatchError,
     format_names,
 )
-from restorekit.names import optimizer_slot_kind
+from restorekit.names import compile_pairs, optimizer_slot_kind
 from restorekit.targets import tf_variable
 
 __all__ = [
@@ -335,16 +335,7 @@ class Rules:
     """
 
     def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, name: str | None = None):
-        self.pairs = []
-        for item in pairs:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise InvalidArgumentError(f"a rule is a (regex, replacement) pair, got {item!r}")
-            pattern, repl = item
-            try:
-                compiled = re.compile(pattern) if isinstance(pattern, str) else pattern
-            except re.error as e:
-                raise InvalidArgumentError(f"rule pattern {pattern!r} is not a valid regular expression: {e}") from None
-            self.pairs.append((compiled, repl))
+        self.pairs = compile_pairs(pairs)
         if synonyms is not None and not isinstance(synonyms, Mapping):
             raise InvalidArgumentError(
                 f"synonyms is a mapping from a last name part to its alternatives, got {synonyms!r}"
