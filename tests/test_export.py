@@ -497,3 +497,90 @@ def test_export_of_a_corrupt_tensor_inside_a_run_writes_nothing(tmp_path):
     with pytest.raises(ChecksumMismatchError, match="layer_2/kernel"):
         st_format.write_checkpoint(Checkpoint(prefix), str(out / "model.safetensors"))
     assert _listing(out) == []
+
+
+def test_kernel_copy_that_stops_part_way_is_finished_through_a_buffer(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    real = os.copy_file_range
+    calls = []
+
+    def copy_file_range(src, dst, count, offset_src=None, offset_dst=None):
+        calls.append(count)
+        if len(calls) > 3:
+            raise OSError(5, "Input/output error")
+        return real(src, dst, count, offset_src)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    monkeypatch.setattr(st_format._KernelCopy, "_STEP", 1000)  # 3 steps of 1000 bytes, then a failure
+    prefix, values = _contiguous_checkpoint(tmp_path)
+    out = tmp_path / "out" / "model.safetensors"
+    st_format.write_checkpoint(Checkpoint(prefix), str(out))
+    assert calls[:3] == [1000, 1000, 1000] and len(calls) == 4
+    got = load_file(str(out))
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_export_lays_data_out_in_shard_order_and_lists_names_in_index_order(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    rng = np.random.RandomState(6)
+    values = {name: rng.randn(40, 8).astype(np.float32) for name in ("zeta/w", "alpha/w", "mid/w", "beta/w")}
+    prefix = str(tmp_path / "src" / "model.ckpt")
+    with BundleWriter(prefix) as writer:  # shard order: zeta, alpha, mid, beta
+        for name, value in values.items():
+            writer.add(name, value)
+    calls = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *args: calls.append(args[2]) or real(*args))
+    out = str(tmp_path / "model.safetensors")
+    st_format.write_checkpoint(Checkpoint(prefix), out)
+    with open(out, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__")
+    assert list(header) == ["alpha/w", "beta/w", "mid/w", "zeta/w"]
+    by_offset = sorted(header, key=lambda n: header[n]["data_offsets"][0])
+    assert by_offset == list(values)  # the shard's order, so the copy is one run
+    assert calls == [4 * 40 * 8 * 4]
+    got = load_file(out)
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_large_export_starts_its_data_where_the_kernel_copies_fastest(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    monkeypatch.setattr(st_format, "_FOLIO_ABOVE", 1)  # as for a checkpoint over 64 MiB
+    prefix, values = _contiguous_checkpoint(tmp_path)
+    out = tmp_path / "model.safetensors"
+    st_format.write_checkpoint(Checkpoint(prefix), str(out))
+    header = st_format.read_header(out)
+    assert header.data_start == st_format._FOLIO  # source run starts at 0 in its shard
+    assert os.path.getsize(out) == st_format._FOLIO + sum(v.nbytes for v in values.values())
+    got = load_file(str(out))
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_small_export_keeps_the_formats_8_byte_alignment(tmp_path):
+    prefix, values = _contiguous_checkpoint(tmp_path)
+    out = tmp_path / "model.safetensors"
+    st_format.write_checkpoint(Checkpoint(prefix), str(out))
+    header = st_format.read_header(out)
+    assert header.data_start % 8 == 0 and header.data_start < 4096
+
+
+def test_copy_alignment_follows_the_heaviest_run_and_only_8_byte_offsets():
+    from types import SimpleNamespace as Entry
+
+    def step(shard_offset, size):
+        raw = None if shard_offset is None else Entry(shard_id=0, offset=shard_offset, size=size)
+        return ("n", "n", "F32", (), None, raw, size)
+
+    big = st_format._FOLIO_ABOVE
+    # a 16-byte decoded tensor first, then a big run that starts at 64 in its shard
+    assert st_format._copy_alignment([step(None, 16), step(64, big)]) == 64 - 16
+    assert st_format._copy_alignment([step(0, big)]) == st_format._FOLIO
+    assert st_format._copy_alignment([step(None, 3), step(64, big)]) == 0  # 61: not 8-byte aligned
+    assert st_format._copy_alignment([step(0, big - 1)]) == 0  # too small to be worth the padding
