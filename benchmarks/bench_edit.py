@@ -85,6 +85,12 @@ OPERATIONS = {
         "ed = CheckpointEditor(src)\ned.cast('.*', 'bfloat16')\ned.save(out, compact=True)",
         (CP_DATA_SYNC,),
     ),
+    "concat two 94 MB tensors along axis 0 (links + 1 new shard)": (
+        EDITOR,
+        "ed = CheckpointEditor(src)\n"
+        "ed.concat(['bert/embeddings/word_embeddings'] * 2, 0, 'bert/embeddings/doubled')\ned.save(out)",
+        (CP_DATA_SYNC,),
+    ),
     "export to safetensors": (
         EDITOR,
         "ed = CheckpointEditor(src)\ned.save(out + '.safetensors', format='safetensors')",

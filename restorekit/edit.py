@@ -28,7 +28,7 @@ from restorekit.bundle.format import (
 )
 from restorekit.bundle.protos import decode_entry, decode_header
 from restorekit.bundle.table import mask_crc, read_table
-from restorekit.bundle.writer import CHUNK_SIZE, BundleWriter
+from restorekit.bundle.writer import CHUNK_SIZE, BundleWriter, array_chunks
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry, RestoreKitWarning, resolve_prefix
 from restorekit.errors import (
     ChecksumMismatchError,
@@ -74,6 +74,14 @@ class _Item:
     def stored(self) -> bool:
         """True when the output bytes are the origin's bytes, unchanged."""
         return self.base is None and not self.ops and self.cast is None
+
+
+@dataclass(frozen=True)
+class _Concat:
+    """The base of a ``concat`` result: its input items (snapshots) and the axis."""
+
+    items: tuple
+    axis: int
 
 
 class CheckpointEditor:
@@ -269,28 +277,60 @@ class CheckpointEditor:
                 value = value.astype(numpy_dtype(item.cast))
         elif isinstance(item.base, np.ndarray):
             value = item.base.copy() if item.ops else item.base
+        elif isinstance(item.base, _Concat):
+            value = np.concatenate([self._value(it) for it in item.base.items], axis=item.base.axis)
         else:
             value = item.base()
         for op in item.ops:
             value = op(value)
         return value
 
+    def _checked_chunks(self, name: str) -> Iterator[bytes]:
+        """A stored numeric tensor's bytes in chunks; raises at the end if the crc32c fails."""
+        entry = self.checkpoint.bundle_entry(name)
+        crc = 0
+        for chunk in self._raw_chunks(entry, name):
+            crc = google_crc32c.extend(crc, chunk)
+            yield chunk
+        if mask_crc(crc) != entry.crc32c:
+            raise ChecksumMismatchError(f"{name!r}: tensor bytes fail their crc32c check; the data shard is corrupt")
+
     def _cast_chunks(self, item: _Item) -> Iterator[bytes]:
         """The bytes of a pure cast, converted chunk by chunk (memory: one chunk)."""
-        entry = self.checkpoint.bundle_entry(item.origin)
-        source, target = numpy_dtype(entry.dtype), numpy_dtype(item.cast)
-        crc = 0
+        source, target = numpy_dtype(self.checkpoint.bundle_entry(item.origin).dtype), numpy_dtype(item.cast)
         pending = b""
-        for chunk in self._raw_chunks(entry, item.origin):
-            crc = google_crc32c.extend(crc, chunk)
+        for chunk in self._checked_chunks(item.origin):
             chunk = pending + chunk
             usable = len(chunk) - len(chunk) % source.itemsize
             pending = chunk[usable:]
             yield np.frombuffer(chunk[:usable], source).astype(target).tobytes()
-        if pending or mask_crc(crc) != entry.crc32c:
-            raise ChecksumMismatchError(
-                f"{item.origin!r}: tensor bytes fail their crc32c check; the data shard is corrupt"
-            )
+        if pending:
+            raise CorruptCheckpointError(f"{item.origin!r}: stored size is not a whole number of {source} values")
+
+    def _concat_chunks(self, concat: _Concat) -> Iterator[bytes]:
+        """The bytes of a ``concat`` result without building it.
+
+        Along axis 0 the result is its inputs' bytes one after another: stored inputs
+        are copied chunk by chunk (crc checked), others decoded one at a time, so the
+        peak is the largest input. Along another axis each output block interleaves
+        rows of every input; the inputs are held (together the result's size), and
+        the result is produced a chunk of rows at a time, never whole.
+        """
+        if concat.axis == 0:
+            for it in concat.items:
+                if it.stored and not self.checkpoint.is_partitioned(it.origin):
+                    yield from self._checked_chunks(it.origin)
+                else:
+                    yield from array_chunks(self._value(it))
+            return
+        values = [self._value(it) for it in concat.items]
+        outer = math.prod(values[0].shape[: concat.axis])
+        rows = [v.reshape(outer, -1) for v in values]
+        row_bytes = sum(r.shape[1] for r in rows) * values[0].itemsize
+        step = max(1, CHUNK_SIZE // max(row_bytes, 1))
+        for start in range(0, outer, step):
+            block = np.concatenate([r[start : start + step] for r in rows], axis=1)
+            yield from array_chunks(block)
 
     # ------------------------------------------------------------------ values in
     def _coerce(self, name: str, value, dtype: int, *, allow_dtype_change: bool) -> np.ndarray:
@@ -524,10 +564,7 @@ class CheckpointEditor:
         shape = list(items[0].shape)
         shape[axis] = sum(it.shape[axis] for it in items)
 
-        def build(items=tuple(items), axis=axis):
-            return np.concatenate([self._value(it) for it in items], axis=axis)
-
-        self._plan[new_name] = _Item(None, items[0].dtype, tuple(shape), base=build)
+        self._plan[new_name] = _Item(None, items[0].dtype, tuple(shape), base=_Concat(tuple(items), axis))
 
     def cast(self, pattern, dtype) -> list[str]:
         """Cast entries to ``dtype`` (e.g. float32 to ``'bfloat16'`` or ``'float16'``).
@@ -821,6 +858,8 @@ class CheckpointEditor:
                 self._copy(writer, name, entry, item.origin)
         elif item.base is None and not item.ops and item.cast is not None:
             writer.add_stream(name, item.cast, item.shape, self._cast_chunks(item))
+        elif isinstance(item.base, _Concat) and not item.ops and item.cast is None and item.dtype != STRING:
+            writer.add_stream(name, item.dtype, item.shape, self._concat_chunks(item.base))
         else:
             writer.add(name, self._value(item))
         keys.add(name.encode("utf-8"))

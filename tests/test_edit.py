@@ -576,3 +576,73 @@ def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkey
     ed.save(tmp_path / "out" / "model.ckpt", progress=True, compact=True)
     expected = sum(np.asarray(v).nbytes for v in values.values())
     assert totals == [[expected, expected, True]]
+
+
+# ------------------------------------------------------------------ concat, streamed on save
+
+@pytest.fixture
+def tables(tmp_path):
+    rng = np.random.RandomState(3)
+    values = {
+        "emb/a": rng.randn(37, 6).astype(np.float32),
+        "emb/b": rng.randn(11, 6).astype(np.float32),
+        "cube/a": rng.randn(5, 3, 4).astype(ml_dtypes.bfloat16),
+        "cube/b": rng.randn(5, 2, 4).astype(ml_dtypes.bfloat16),
+    }
+    prefix = str(tmp_path / "tables" / "m")
+    with BundleWriter(prefix) as w:
+        for name, value in values.items():
+            w.add(name, value)
+    return prefix, values
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
+def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tables, tmp_path, monkeypatch, compact):
+    import restorekit.edit as edit
+
+    prefix, values = tables
+    ed = CheckpointEditor(prefix)
+    ed.set("emb/b", np.full((2, 6), 7.0, np.float32), index=[0, 5])  # an edited input beside a stored one
+    ed.concat(["emb/a", "emb/b", "emb/a"], 0, "emb/all")
+    edited_b = values["emb/b"].copy()
+    edited_b[[0, 5]] = 7.0
+    expected = np.concatenate([values["emb/a"], edited_b, values["emb/a"]])
+    monkeypatch.setattr(edit, "CHUNK_SIZE", 100)  # many chunks per stored input
+    monkeypatch.setattr(np, "concatenate", lambda *a, **k: pytest.fail("the concat result was built whole"))
+    out = ed.save(tmp_path / "out" / "m", compact=compact)
+    monkeypatch.undo()
+    got = tf.train.load_checkpoint(out).get_tensor("emb/all")
+    assert got.dtype == np.float32 and np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("chunk", [10_000, 40, 1], ids=["one-block", "several-rows", "row-by-row"])
+def test_concat_along_inner_axes_is_written_in_blocks_of_rows(tables, tmp_path, monkeypatch, chunk):
+    import restorekit.edit as edit
+
+    prefix, values = tables
+    ed = CheckpointEditor(prefix)
+    ed.concat(["cube/a", "cube/b", "cube/a"], 1, "cube/mid")
+    ed.concat(["cube/b", "cube/b"], -1, "cube/last")
+    monkeypatch.setattr(edit, "CHUNK_SIZE", chunk)
+    out = ed.save(tmp_path / "out" / "m")
+    ckpt = Checkpoint(out)
+    mid = np.concatenate([values["cube/a"], values["cube/b"], values["cube/a"]], axis=1)
+    last = np.concatenate([values["cube/b"], values["cube/b"]], axis=2)
+    assert ckpt.read("cube/mid").tobytes() == mid.tobytes() and ckpt.read("cube/mid").shape == (5, 8, 4)
+    assert ckpt.read("cube/last").tobytes() == last.tobytes() and ckpt.read("cube/last").shape == (5, 2, 8)
+    assert ed.get("cube/mid").tobytes() == mid.tobytes()
+
+
+def test_concat_of_a_corrupt_stored_input_raises_and_writes_nothing(tables, tmp_path):
+    prefix, _ = tables
+    ckpt = Checkpoint(prefix)
+    entry = ckpt.bundle_entry("emb/b")
+    with open(ckpt.data_file(0), "r+b") as f:
+        f.seek(entry.offset + 3)
+        f.write(b"\x55")
+    ed = CheckpointEditor(prefix)
+    ed.concat(["emb/a", "emb/b"], 0, "emb/all")
+    out = tmp_path / "out"
+    with pytest.raises(ChecksumMismatchError, match="emb/b"):
+        ed.save(out / "m", compact=True)
+    assert visible(out) == []
