@@ -582,5 +582,76 @@ def test_copy_alignment_follows_the_heaviest_run_and_only_8_byte_offsets():
     # a 16-byte decoded tensor first, then a big run that starts at 64 in its shard
     assert st_format._copy_alignment([step(None, 16), step(64, big)]) == 64 - 16
     assert st_format._copy_alignment([step(0, big)]) == st_format._FOLIO
+    assert st_format._copy_alignment([step(0, big), step(None, 12)]) == st_format._FOLIO  # decoded ones go last
     assert st_format._copy_alignment([step(None, 3), step(64, big)]) == 0  # 61: not 8-byte aligned
     assert st_format._copy_alignment([step(0, big - 1)]) == 0  # too small to be worth the padding
+
+
+def test_padding_never_takes_the_header_past_the_formats_limit(monkeypatch):
+    entries = [("w", "F32", (2,), 0, 8)]
+    plain = st_format._encode_header(entries, {})
+    padded = st_format._encode_header(entries, {}, start=st_format._FOLIO)
+    assert len(padded) == st_format._FOLIO
+    monkeypatch.setattr(st_format, "_MAX_HEADER", len(padded) - 8 - 1)  # the padded header would not fit
+    header = st_format._encode_header(entries, {}, start=st_format._FOLIO)
+    assert header == plain  # 8-byte alignment instead of a header over the limit
+
+
+def test_export_without_copy_file_range_copies_through_a_buffer(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    monkeypatch.delattr(os, "copy_file_range")  # as on macOS and Windows
+    prefix, values = _contiguous_checkpoint(tmp_path)
+    out = tmp_path / "model.safetensors"
+    st_format.write_checkpoint(Checkpoint(prefix), str(out))
+    got = load_file(str(out))
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_export_of_a_checkpoint_with_two_shards_copies_one_run_per_shard(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    from restorekit.edit import CheckpointEditor
+
+    prefix, values = _contiguous_checkpoint(tmp_path)
+    ed = CheckpointEditor(prefix)
+    ed.set("layer_1/kernel", np.ones((64, 32), np.float32))  # saved into a second shard, the rest linked
+    edited = ed.save(tmp_path / "edited" / "model.ckpt")
+    assert Checkpoint(edited).header.num_shards == 2
+    calls = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *args: calls.append(args[2]) or real(*args))
+    out = tmp_path / "model.safetensors"
+    st_format.write_checkpoint(Checkpoint(edited), str(out))
+    size = 64 * 32 * 4
+    # shard 0: layer_0, then layers 2-4 (the old layer_1 between them is skipped); shard 1: the new layer_1
+    assert sorted(calls) == [size, size, 3 * size]
+    got = load_file(str(out))
+    values["layer_1/kernel"] = np.ones((64, 32), np.float32)
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_interrupt_while_waiting_for_the_kernel_copy_stops_it_and_writes_nothing(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    real = os.copy_file_range
+
+    def slow_copy(*args):
+        time.sleep(0.02)
+        return real(*args)
+
+    def interrupted_wait(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "copy_file_range", slow_copy)
+    monkeypatch.setattr(st_format._KernelCopy, "_STEP", 4096)  # 40 slow steps: still copying when interrupted
+    monkeypatch.setattr(st_format._KernelCopy, "wait", interrupted_wait)
+    prefix, _ = _contiguous_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        st_format.write_checkpoint(Checkpoint(prefix), str(out / "model.safetensors"))
+    assert not [t for t in threading.enumerate() if t.name == "restorekit-copy"]
+    assert _listing(out) == []

@@ -57,7 +57,7 @@ _TO_ST = {
     "float8_e5m2": "F8_E5M2",
 }
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
-_MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers
+_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers ("header too large")
 _CHUNK = 16 << 20
 # The generic writer does not know the header before the tensors, so it leaves this
 # much room for it and writes it last; small files are then rewritten compactly.
@@ -132,7 +132,7 @@ def _encode_header(entries: list, meta: dict, size: int | None = None, start: in
         header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     if len(text) > _MAX_HEADER:
-        raise InvalidArgumentError(f"safetensors header would be {len(text)} bytes, over the 100 MiB limit")
+        raise InvalidArgumentError(f"safetensors header would be {len(text)} bytes, over the format's limit of {_MAX_HEADER}")
     # Pad with spaces (allowed by the format) so the data starts 8-byte aligned.
     if size is not None:
         target = size
@@ -269,7 +269,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
     handles: dict[str, object] = {}
     try:
         with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
-            f.write(header)
+            _write_all(f, header)
             run: list = []  # stored tensors lying back to back in one shard, copied together
             for name, out, st_dtype, shape, perm, raw, nbytes in plan:
                 if raw is not None:
@@ -286,7 +286,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
                     array = np.transpose(array, perm)
                 _, array = _stored(array, checkpoint.entries[name].dtype, LayoutRecord(), out)
                 view = raw_bytes_view(little_endian(array))
-                f.write(view)
+                _write_all(f, view)
                 bar.update(len(view))
             if run:
                 copy_raw_run(checkpoint, run, f, handles, bar)
@@ -352,11 +352,9 @@ def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None
     path, shard = _shard(checkpoint, name, entry, handles)
 
     def write(view) -> None:
-        size = len(view)
-        while view:
-            view = view[out.write(view) :]
+        _write_all(out, view)
         if bar is not None:
-            bar.update(size)
+            bar.update(len(view))
 
     _check(copy_checked(shard.fileno(), entry.offset, entry.size, write), name, entry, path)
 
@@ -383,19 +381,22 @@ def copy_raw_run(checkpoint, run: list, out, handles: dict, bar=None) -> None:
             _check(copy_checked(shard.fileno(), entry.offset, entry.size, lambda view: None), name, entry, path)
             if bar is not None:
                 bar.update(entry.size)
-    except BaseException:
-        copy.stop()
+        copy.wait()
+    except BaseException:  # a failed check, or Ctrl-C while waiting
+        copy.stop()  # the thread must be gone before the caller closes its file descriptors
         raise
-    copy.join()
     if copy.error is not None and not isinstance(copy.error, OSError):
         raise copy.error
     if copy.done < size:  # the kernel refused or stopped part way: finish through a buffer
-        def write(view) -> None:
-            while view:
-                view = view[out.write(view) :]
-
-        if copy_checked(shard.fileno(), start + copy.done, size - copy.done, write) is None:
+        if copy_checked(shard.fileno(), start + copy.done, size - copy.done, lambda view: _write_all(out, view)) is None:
             raise CorruptCheckpointError(f"data shard {path!r} ended while copying")
+
+
+def _write_all(out, view) -> None:
+    """Write all of ``view`` to a raw (unbuffered) file, which may take several calls."""
+    view = memoryview(view).cast("B")
+    while view:
+        view = view[out.write(view) :]
 
 
 class _KernelCopy:
@@ -410,26 +411,38 @@ class _KernelCopy:
         self.done = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="restorekit-copy", daemon=True)
-        self._thread.start()
+        self._finished = threading.Event()
+        threading.Thread(target=self._run, name="restorekit-copy", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            while self.done < self.size and not self._stop.is_set():
-                n = os.copy_file_range(self.src, self.dst, min(self._STEP, self.size - self.done), self.start + self.done)
+            copy = getattr(os, "copy_file_range", None)  # absent off Linux: the buffered copy does it all
+            while copy is not None and self.done < self.size and not self._stop.is_set():
+                n = copy(self.src, self.dst, min(self._STEP, self.size - self.done), self.start + self.done)
                 if n == 0:
                     break  # the shard ended early; the buffered copy reports it
                 self.done += n
         except BaseException as e:  # handed to the caller's thread
             self.error = e
+        finally:
+            self._finished.set()
 
-    def join(self) -> None:
-        self._thread.join()
+    def wait(self) -> None:
+        self._finished.wait()
 
     def stop(self) -> None:
-        """End the copy after its current step and wait for it."""
+        """End the copy after its current step and wait for that, even through another Ctrl-C.
+
+        (An Event, not ``Thread.join``: on CPython 3.11 an interrupted ``join`` marks the
+        thread finished while it still runs.)
+        """
         self._stop.set()
-        self._thread.join()
+        while True:
+            try:
+                self._finished.wait()
+                return
+            except BaseException:  # noqa: BLE001 - the original exception is re-raised by the caller
+                continue
 
 
 def read_header(path) -> Header:
