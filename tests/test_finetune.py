@@ -566,3 +566,94 @@ def test_grouped_optimizer_drives_tf_slim_create_train_op():
     assert step == 2
     assert fast_value.tobytes() == np.zeros([1], np.float32).tobytes()
     assert slow_value[0, 0] != 0
+
+
+# ---------------------------------------------------------------- Keras 3 under MirroredStrategy
+
+# body frozen, neck in the default group (1x), head at 0.1x; in model.trainable_variables order.
+MIRRORED_RULES = {"net/body": 0, "net/head": 0.1}
+MIRRORED_MULTIPLIERS = [0, 0, 1, 1, 0.1, 0.1]
+MIRRORED_LEARNING_RATE = 0.1
+
+
+def _mirrored_grouped_model(optimizer_class, **kwargs):
+    """_keras_model and its grouped optimizer under a 2-replica MirroredStrategy, and a batch of 8."""
+    import keras
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    with strategy.scope():
+        model = _keras_model()
+        groups = group_variables(MIRRORED_RULES, model)
+        opt = grouped_keras_optimizer(
+            lambda m: getattr(keras.optimizers, optimizer_class)(MIRRORED_LEARNING_RATE * m, **kwargs), groups
+        )
+    x = np.random.RandomState(0).rand(8, 4).astype(np.float32)
+    return strategy, model, opt, x, x.sum(axis=1, keepdims=True)
+
+
+def _one_sgd_step_without_strategy(initial, x, y):
+    """w - lr * multiplier * grad, where grad is the mean-squared-error gradient over the whole batch."""
+    reference = _keras_model()
+    reference.set_weights(initial)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(reference(x) - y))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    return [w - MIRRORED_LEARNING_RATE * m * g.numpy() for w, g, m in zip(initial, grads, MIRRORED_MULTIPLIERS)]
+
+
+def _assert_every_replica_took_the_step(strategy, model, initial, expected):
+    for v, before, want, mult in zip(model.trainable_variables, initial, expected, MIRRORED_MULTIPLIERS):
+        copies = strategy.experimental_local_results(v.value)
+        assert len(copies) == 2, v.path
+        for copy in copies:
+            if mult == 0:
+                assert copy.numpy().tobytes() == before.tobytes(), f"{v.path} on {copy.device} moved"
+            else:
+                # The step is far larger than the tolerance: a summed (2x) or per-replica
+                # gradient, or another group's multiplier, fails here.
+                assert np.abs(want - before).max() > 1e-3, v.path
+                np.testing.assert_allclose(
+                    copy.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=f"{v.path} on {copy.device}"
+                )
+
+
+def test_keras_fit_under_mirrored_strategy_matches_one_step_on_the_global_batch():
+    strategy, model, opt, x, y = _mirrored_grouped_model("SGD")
+    with strategy.scope():
+        model.compile(opt, "mse")
+    initial = [v.numpy() for v in model.trainable_variables]
+    expected = _one_sgd_step_without_strategy(initial, x, y)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_every_replica_took_the_step(strategy, model, initial, expected)
+    # One step in all: not one per replica, and not one per group optimizer on the wrapper.
+    assert int(opt.iterations.numpy()) == 1
+    assert [int(o.iterations.numpy()) for o in opt.optimizers.values()] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "optimizer_class, kwargs",
+    [("SGD", {}), ("SGD", {"momentum": 0.9})],
+    # The first momentum step equals plain SGD (m = -lr * grad), and it needs mirrored slots.
+    ids=["sgd", "sgd-with-momentum-slots"],
+)
+def test_keras_custom_step_under_mirrored_strategy_matches_one_step_on_the_global_batch(optimizer_class, kwargs):
+    strategy, model, opt, x, y = _mirrored_grouped_model(optimizer_class, **kwargs)
+    with strategy.scope():
+        opt.build(model.trainable_variables)  # slots are created under the scope, as Keras asks
+    initial = [v.numpy() for v in model.trainable_variables]
+    expected = _one_sgd_step_without_strategy(initial, x, y)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    x_batch, y_batch = next(iter(dataset))
+    assert [t.shape[0] for t in strategy.experimental_local_results(x_batch)] == [4, 4]
+
+    def replica_step(x_batch, y_batch):
+        with tf.GradientTape() as tape:
+            per_example = tf.square(model(x_batch) - y_batch)[:, 0]
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=8)
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    tf.function(lambda a, b: strategy.run(replica_step, args=(a, b)))(x_batch, y_batch)
+    _assert_every_replica_took_the_step(strategy, model, initial, expected)
+    assert int(opt.iterations.numpy()) == 1
+    assert [int(o.iterations.numpy()) for o in opt.optimizers.values()] == [1, 1]
