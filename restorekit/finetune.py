@@ -862,7 +862,10 @@ def grouped_keras_optimizer(optimizer_factory, groups: VariableGroups, *, name: 
     included, saves and restores with ``tf.train.Checkpoint(optimizer=opt)``; restoring
     before the first step is fine (Keras defers it to ``build``). Clipping options
     (``global_clipnorm``...) act per group. It has no single ``learning_rate``: read
-    ``learning_rates`` or set each of ``optimizers``.
+    ``learning_rates`` or set each of ``optimizers``. Under ``tf.distribute`` (tested
+    with MirroredStrategy), create it inside ``strategy.scope()`` as any Keras optimizer,
+    and in a custom ``strategy.run`` step call ``opt.build(model.trainable_variables)``
+    in the scope first.
 
     Args:
         optimizer_factory: ``multiplier -> keras.optimizers.Optimizer``.
