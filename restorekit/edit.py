@@ -636,7 +636,9 @@ class CheckpointEditor:
 
         Args:
             out: a checkpoint prefix (``'out/model.ckpt'``), an existing directory (the
-                source's file name is used there), or a file for other formats.
+                source's file name is used there), or a file for other formats. A
+                ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
+                first, then uploaded file by file, the ``.index`` last; it must not exist.
             format: ``'tf'``, ``'torch'``, ``'safetensors'`` or ``'npz'``.
             compact: write one new shard holding only the kept tensors (``'tf'``).
             overwrite: replace an existing output (never the source: use save_in_place).
@@ -655,7 +657,8 @@ class CheckpointEditor:
             raise InvalidArgumentError(f"format must be 'tf', 'torch', 'safetensors' or 'npz', got {format!r}")
         out = os.fspath(out)
         if files.is_remote(out):
-            raise OutputError(f"saving to {out!r}: only local paths can be written atomically")
+            return self._save_remote(out, format=format, compact=compact, overwrite=overwrite,
+                                     update_state_file=update_state_file, progress=progress)
         if format != "tf":
             return self._export(os.path.abspath(out), format, overwrite=overwrite)
         prefix = out[: -len(".index")] if out.endswith(".index") else out
@@ -673,11 +676,65 @@ class CheckpointEditor:
         return self._save_tf(prefix, compact=compact, in_place=False, replacing=existing,
                              update_state_file=update_state_file, progress=progress)
 
+    def _save_remote(self, out: str, *, format: str, compact: bool, overwrite: bool,
+                     update_state_file: bool, progress: bool) -> str:
+        """Save to ``gs://`` and the like: write locally (under ``$TMPDIR``), then upload.
+
+        Each file is uploaded under a hidden name and renamed; the data shards go first
+        and the ``.index`` last, so the checkpoint exists for readers only once it is
+        complete. An existing remote checkpoint is not replaced: that would briefly mix
+        old and new files, which no object store can rename as one.
+        """
+        import tempfile
+
+        target = out[: -len(".index")] if format == "tf" and out.endswith(".index") else out.rstrip("/")
+        # (ram:// calls any prefix of a file a directory, so a checkpoint's own prefix is not one)
+        if format == "tf" and files.isdir(target) and not files.exists(target + ".index"):
+            target = files.join(target, os.path.basename(self.prefix))
+        if format == "tf" and target == self.prefix:
+            raise OutputExistsError(f"{out!r} is the source checkpoint; save under a new name")
+        if files.exists(target + ".index" if format == "tf" else target):
+            if overwrite:
+                raise OutputError(
+                    f"{target!r} exists on a remote filesystem, where replacing it cannot be atomic; "
+                    "delete it first or save under a new name"
+                )
+            raise OutputExistsError(f"{target!r} exists; pass overwrite=True to replace it")
+        base = target.rsplit("/", 1)[1]
+        directory = files.dirname(target)
+        with tempfile.TemporaryDirectory(prefix="restorekit-upload-") as local_dir:
+            local = os.path.join(local_dir, base)
+            if format == "tf":
+                self._save_tf(local, compact=compact, in_place=False, replacing=False,
+                              update_state_file=False, progress=progress)
+                shards = sorted(n for n in os.listdir(local_dir) if n.startswith(base + ".data-"))
+                names = shards + [base + ".index"]
+            else:
+                self._export(local, format, overwrite=False)
+                names = [base]
+            uploaded = []
+            try:
+                for name in names:
+                    # data shards without their index are orphans of an earlier failed save
+                    files.publish(os.path.join(local_dir, name), files.join(directory, name),
+                                  overwrite=name != names[-1])
+                    uploaded.append(name)
+            except BaseException:
+                for name in uploaded:
+                    files.remove(files.join(directory, name))
+                raise
+        if update_state_file and format == "tf":
+            _update_state_file(target)
+        return target
+
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
                       progress: bool = False) -> str:
         """Replace the source checkpoint with the edited one; the old one stays until the new one is complete."""
         if files.is_remote(self.prefix):
-            raise OutputError(f"{self.prefix!r}: only local checkpoints can be replaced atomically")
+            raise OutputError(
+                f"{self.prefix!r}: a remote checkpoint cannot be replaced atomically (its files are separate "
+                "objects); save() it under a new name instead"
+            )
         prefix = self._save_tf(os.path.abspath(self.prefix), compact=compact, in_place=True, replacing=True,
                                update_state_file=update_state_file, progress=progress)
         self._checkpoint = None
@@ -762,6 +819,7 @@ class CheckpointEditor:
         plan = self._final_plan()
         directory = os.path.dirname(prefix)
         n_src = ckpt.header.num_shards
+        compact = compact or files.is_remote(ckpt.prefix)  # a remote shard cannot be linked
         old_shards = 0
         if replacing:
             try:
@@ -930,19 +988,28 @@ def _update_state_file(prefix: str) -> None:
     """Point ``dir/checkpoint`` at ``prefix`` (written to a temporary file, then renamed)."""
     import re
 
-    directory = os.path.dirname(prefix)
-    state = os.path.join(directory, "checkpoint")
-    name = os.path.basename(prefix)
+    directory = files.dirname(prefix)
+    state = files.join(directory, "checkpoint")
+    name = prefix.rstrip("/").rsplit("/", 1)[-1] if files.is_remote(prefix) else os.path.basename(prefix)
     paths = []
-    if os.path.exists(state):
+    if files.exists(state):
         text = files.read_bytes(state).decode("utf-8", "replace")
         for m in re.finditer(r'^\s*all_model_checkpoint_paths\s*:\s*"((?:[^"\\]|\\.)*)"', text, re.M):
             old = m.group(1).encode().decode("unicode_escape")
-            if old != name and os.path.exists(os.path.join(directory, old) + ".index" if not os.path.isabs(old) else old + ".index"):
+            path = old if os.path.isabs(old) or files.is_remote(old) else files.join(directory, old)
+            if old != name and files.exists(path + ".index"):
                 paths.append(old)
     paths.append(name)
     body = f"model_checkpoint_path: {_quote(name)}\n" + "".join(
         f"all_model_checkpoint_paths: {_quote(p)}\n" for p in paths
     )
-    atomic.write_bytes(state, body.encode("utf-8"))
+    if not files.is_remote(state):
+        atomic.write_bytes(state, body.encode("utf-8"))
+        return
+    import tempfile
 
+    with tempfile.TemporaryDirectory(prefix="restorekit-upload-") as local_dir:
+        local = os.path.join(local_dir, "checkpoint")
+        with open(local, "wb") as f:
+            f.write(body.encode("utf-8"))
+        files.publish(local, state, overwrite=True)

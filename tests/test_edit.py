@@ -24,6 +24,7 @@ from restorekit.errors import (
     InsufficientSpaceError,
     NameCollisionError,
     NoMatchError,
+    OutputError,
     OutputExistsError,
 )
 
@@ -646,3 +647,102 @@ def test_concat_of_a_corrupt_stored_input_raises_and_writes_nothing(tables, tmp_
     with pytest.raises(ChecksumMismatchError, match="emb/b"):
         ed.save(out / "m", compact=True)
     assert visible(out) == []
+
+
+# ------------------------------------------------------------------ remote outputs (ram:// stands in for gs://)
+
+def _ram_dir():
+    import uuid
+
+    return f"ram://restorekit-save-{uuid.uuid4().hex[:8]}"
+
+
+def _remote_listing(directory):
+    return sorted(tf.io.gfile.listdir(directory)) if tf.io.gfile.exists(directory) else []
+
+
+def test_save_to_a_remote_path_uploads_shards_then_the_index(small_checkpoint, monkeypatch):
+    import restorekit.bundle.files as files
+
+    prefix, values = small_checkpoint
+    remote = _ram_dir()
+    order = []
+    real = files.publish
+    monkeypatch.setattr(files, "publish", lambda local, path, **kw: order.append(path.rsplit("/", 1)[1]) or real(local, path, **kw))
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/bias", "dense/b")
+    ed.set("logits/bias", np.arange(5, dtype=np.float32))
+    out = ed.save(remote + "/edited/model.ckpt", update_state_file=True)
+    assert out == remote + "/edited/model.ckpt"
+    assert order[-2:] == ["model.ckpt.index", "checkpoint"] and all(".data-" in n for n in order[:-2])
+    reader = tf1.train.NewCheckpointReader(out)  # (load_checkpoint takes a ram:// prefix for a directory)
+    assert np.array_equal(reader.get_tensor("dense/b"), values["dense/bias"])
+    assert np.array_equal(reader.get_tensor("logits/bias"), np.arange(5))
+    assert tf.train.latest_checkpoint(remote + "/edited") == out
+    assert not [n for n in _remote_listing(remote + "/edited") if n.startswith(".")]  # no temporary objects
+
+
+def test_remote_checkpoint_is_read_edited_and_saved_locally_and_remotely(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    remote = _ram_dir()
+    first = CheckpointEditor(prefix).save(remote + "/model.ckpt")
+    ed = CheckpointEditor(first)  # a remote source: its shards cannot be linked, so they are copied
+    ed.delete("dense/kernel/Momentum")
+    local = ed.save(tmp_path / "local" / "model.ckpt")
+    again = ed.save(remote + "/again/model.ckpt")
+    for out in (local, again):
+        reader = tf1.train.NewCheckpointReader(out)
+        assert sorted(reader.get_variable_to_shape_map()) == sorted(set(values) - {"dense/kernel/Momentum"})
+        assert np.array_equal(reader.get_tensor("logits/kernel"), values["logits/kernel"])
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_export_to_a_remote_file(small_checkpoint, tmp_path, fmt):
+    prefix, values = small_checkpoint
+    remote = _ram_dir() + f"/model.{fmt}"
+    CheckpointEditor(prefix).save(remote, format=fmt)
+    local = str(tmp_path / f"copy.{fmt}")
+    tf.io.gfile.copy(remote, local)
+    if fmt == "safetensors":
+        from safetensors.numpy import load_file
+
+        got = load_file(local)
+    else:
+        got = dict(np.load(local))
+    assert np.array_equal(got["dense/kernel"], values["dense/kernel"])
+
+
+def test_existing_remote_output_is_never_replaced(small_checkpoint):
+    prefix, _ = small_checkpoint
+    remote = _ram_dir() + "/model.ckpt"
+    CheckpointEditor(prefix).save(remote)
+    before = tf.io.gfile.stat(remote + ".index").length
+    ed = CheckpointEditor(prefix)
+    ed.delete("dense/kernel/Momentum")
+    with pytest.raises(OutputExistsError):
+        ed.save(remote)
+    with pytest.raises(OutputError, match="cannot be atomic"):
+        ed.save(remote, overwrite=True)
+    with pytest.raises(OutputError, match="replaced atomically"):
+        CheckpointEditor(remote).save_in_place()
+    assert tf.io.gfile.stat(remote + ".index").length == before
+
+
+def test_failed_upload_of_the_index_leaves_no_remote_files(small_checkpoint, monkeypatch):
+    import restorekit.bundle.files as files
+
+    prefix, _ = small_checkpoint
+    remote = _ram_dir()
+    real = files.publish
+
+    def publish(local, path, **kw):
+        if path.endswith(".index"):
+            raise OutputError(f"could not write {path!r}: simulated network error")
+        return real(local, path, **kw)
+
+    monkeypatch.setattr(files, "publish", publish)
+    ed = CheckpointEditor(prefix)
+    ed.set("logits/bias", np.zeros(5, np.float32))
+    with pytest.raises(OutputError, match="simulated"):
+        ed.save(remote + "/model.ckpt")
+    assert _remote_listing(remote) == []

@@ -655,3 +655,20 @@ def test_interrupt_while_waiting_for_the_kernel_copy_stops_it_and_writes_nothing
         st_format.write_checkpoint(Checkpoint(prefix), str(out / "model.safetensors"))
     assert not [t for t in threading.enumerate() if t.name == "restorekit-copy"]
     assert _listing(out) == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_export_of_a_remote_checkpoint_reads_its_shards_through_gfile(rich_checkpoint, tmp_path, fmt):
+    import uuid
+
+    tf = pytest.importorskip("tensorflow")
+    _need(fmt)
+    from restorekit.edit import CheckpointEditor
+
+    remote = CheckpointEditor(rich_checkpoint).save(f"ram://restorekit-export-{uuid.uuid4().hex[:8]}/model.ckpt")
+    out = tmp_path / f"model.{'pt' if fmt == 'torch' else fmt}"
+    export_checkpoint(remote, str(out))
+    back = str(tmp_path / "back" / "model.ckpt")
+    import_checkpoint(str(out), back)
+    assert_same_checkpoint(rich_checkpoint, back)
+    assert tf.io.gfile.exists(remote + ".index")

@@ -11,7 +11,7 @@ import os
 import re
 from restorekit._tensorflow import import_tensorflow
 
-__all__ = ["exists", "glob", "isdir", "join", "mtime", "read_bytes", "read_range", "is_remote"]
+__all__ = ["dirname", "exists", "glob", "isdir", "join", "mtime", "publish", "read_bytes", "read_range", "is_remote"]
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -30,6 +30,12 @@ def join(*parts: str) -> str:
     if is_remote(parts[0]):
         return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]])
     return os.path.join(*parts)
+
+
+def dirname(path: str) -> str:
+    if is_remote(path):
+        return path.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(path)
 
 
 def exists(path: str) -> bool:
@@ -72,3 +78,47 @@ def read_range(path: str, offset: int, size: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(size)
+
+
+def publish(local: str, remote: str, *, overwrite: bool) -> None:
+    """Copy a finished local file to ``remote`` so that it appears whole or not at all.
+
+    The bytes go to a hidden temporary object beside ``remote`` first, which is then
+    renamed (on object stores a rename creates the final object in one step).
+
+    Raises:
+        OutputExistsError: ``remote`` exists and ``overwrite`` is False.
+        OutputError: the copy or the rename failed (the temporary object is removed).
+    """
+    import uuid
+
+    from restorekit.errors import OutputError, OutputExistsError
+
+    gfile = _gfile()
+    directory, name = dirname(remote), remote.rstrip("/").rsplit("/", 1)[1]
+    tmp = join(directory, f".{name}.restorekit-tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        gfile.makedirs(directory)
+        gfile.copy(local, tmp, overwrite=True)
+        gfile.rename(tmp, remote, overwrite=overwrite)
+    except Exception as e:  # tf.errors.OpError and OSError alike
+        try:
+            if gfile.exists(tmp):
+                gfile.remove(tmp)
+        except Exception:  # noqa: BLE001 - best effort; the original error matters
+            pass
+        if type(e).__name__ == "AlreadyExistsError":
+            raise OutputExistsError(f"{remote!r} exists; pass overwrite=True to replace it") from None
+        raise OutputError(f"could not write {remote!r}: {e}") from None
+
+
+def remove(path: str) -> None:
+    """Delete a file if it exists (best effort, for cleaning up after a failed write)."""
+    try:
+        if is_remote(path):
+            if _gfile().exists(path):
+                _gfile().remove(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    except Exception:  # noqa: BLE001
+        pass

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from restorekit.bundle import files
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -235,6 +236,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
     _metadata(metadata, record)
     path = os.fspath(path)
     plan = []  # (name, out, st_dtype, out_shape, perm, raw entry or None, nbytes)
+    local = not files.is_remote(checkpoint.prefix)  # remote shards are read through tf.io.gfile
     offset = 0
     for name, entry in checkpoint.entries.items():
         if entry.dtype == "string":
@@ -252,7 +254,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
         else:
             st_dtype, shape = "F64", shape + (2,)
             record.note_dtype(out, entry.dtype)
-        raw = None if perm is not None or checkpoint.is_partitioned(name) else checkpoint.bundle_entry(name)
+        raw = None if perm is not None or not local or checkpoint.is_partitioned(name) else checkpoint.bundle_entry(name)
         plan.append((name, out, st_dtype, shape, perm, raw, entry.nbytes))
     _check_strings(record)
     # The header lists tensors in name order; the data section holds them in the order

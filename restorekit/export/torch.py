@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from restorekit.bundle import files
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
 from restorekit.export import (
     STRINGS_LIMIT,
@@ -175,11 +176,12 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: b
     handles: dict = {}
     nbytes = sum(checkpoint.entries[name].nbytes for name, _, _ in plan)
     path = os.fspath(path)
+    local = not files.is_remote(checkpoint.prefix)  # remote shards are read whole, not mapped
     try:
         with progress_bar(nbytes, progress, "torch") as bar:
             for name, out, perm in plan:
                 entry = checkpoint.entries[name]
-                if perm is None and not checkpoint.is_partitioned(name) and entry.nbytes:
+                if local and perm is None and not checkpoint.is_partitioned(name) and entry.nbytes:
                     raw = checkpoint.bundle_entry(name)
                     copy_raw(checkpoint, name, raw, _Discard(), handles, bar)  # crc check only
                     array = _map(checkpoint.data_file(raw.shard_id), raw.offset, raw.size, entry)
