@@ -113,14 +113,15 @@ def resolve_prefix(path) -> str:
                 f"prefix and no *.index file). Pass the prefix of a checkpoint, such as 'dir/model.ckpt-1000'.",
                 path,
             )
-        reason = (
-            f"its 'checkpoint' file names {named!r}, which does not exist"
-            if named is not None
-            else "it has no 'checkpoint' state file"
-        )
+        if named is not None:
+            reason = f"the 'checkpoint' state file in {path!r} names {named!r}, which does not exist"
+        elif files.exists(files.join(path, "checkpoint")):
+            reason = f"the 'checkpoint' state file in {path!r} names no checkpoint (it does not parse)"
+        else:
+            reason = f"{path!r} has no 'checkpoint' state file"
         if (path, fallback) not in _WARNED:  # once per directory and choice, however often it is opened
             _WARNED.add((path, fallback))
-            warnings.warn(f"restorekit: in {path!r} {reason}; using {fallback!r}.", RestoreKitWarning, stacklevel=3)
+            warnings.warn(f"{reason}; using {fallback!r}", RestoreKitWarning, stacklevel=3)
         return fallback
     hint = ""
     parent = path.rsplit("/", 1)[0] if "/" in path else "."

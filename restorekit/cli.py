@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -167,6 +169,8 @@ def _diff_args(p: argparse.ArgumentParser) -> None:
 
 @register("diff", help="compare two checkpoints (exit 0 when equal, 1 when different)", configure=_diff_args)
 def _diff(args) -> int:
+    if not args.atol >= 0:
+        raise _Usage(f"--atol must be a number >= 0, got {args.atol}")
     result = diff_checkpoints(args.a, args.b, atol=args.atol)
     if args.json:
         _print_json(result)
@@ -226,7 +230,10 @@ def _scan(args) -> int:
 
 def _edit_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="source checkpoint")
-    p.add_argument("out", help="output checkpoint prefix (never the source)")
+    p.add_argument("out", help="output checkpoint prefix, or an existing directory (never the source)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output checkpoint")
+    p.add_argument("--update-state-file", action="store_true",
+                   help="point the output directory's 'checkpoint' file at the output (for tf.train.latest_checkpoint)")
 
 
 def _editor(path):
@@ -236,9 +243,17 @@ def _editor(path):
 
 
 def _save(editor, args) -> int:
-    result = editor.save(args.out, progress=not _quiet(args))
+    from restorekit.errors import OutputExistsError
+
+    try:
+        prefix = editor.save(args.out, overwrite=args.overwrite, update_state_file=args.update_state_file,
+                             progress=not _quiet(args))
+    except OutputExistsError as e:
+        if "save_in_place" in str(e):
+            raise OutputExistsError(f"{args.out!r} is the source checkpoint; name another output") from None
+        raise OutputExistsError(f"{e.args[0].split(';')[0]}; pass --overwrite to replace it") from None
     if not _quiet(args):
-        print(result if result is not None and not isinstance(result, str) else f"wrote {args.out!r}")
+        print(f"wrote {prefix!r}")
     return EXIT_OK
 
 
@@ -427,9 +442,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``restorekit`` command; return its exit code (see the module docstring)."""
+    parser = build_parser()
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
+    try:
+        return _run(parser, argv)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _run(parser: argparse.ArgumentParser, argv) -> int:
     from restorekit.errors import RestoreKitError
 
-    parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
         if extra and args.command != "demo":  # the demo parses its own options
@@ -443,6 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Usage as e:
         print(f"restorekit: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `restorekit inspect ... | head`: the reader has what it wanted
+        try:  # no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout replaced (tests) or closed
+            pass
+        return EXIT_OK
     except (RestoreKitError, OSError) as e:
         message = str(e) or type(e).__name__
         if isinstance(e, OSError) and not isinstance(e, RestoreKitError) and e.filename:
@@ -452,3 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("restorekit: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"restorekit: warning: {message}\n"

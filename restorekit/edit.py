@@ -50,6 +50,7 @@ __all__ = ["CheckpointEditor"]
 
 STRING = 7
 _FLOATS = {1, 2, 14, 19}  # float32, float64, bfloat16, float16
+_COMPLEX = {8, 18}  # complex64, complex128
 _EXPORTERS = {
     "torch": "restorekit.export.torch",
     "safetensors": "restorekit.export.safetensors",
@@ -299,11 +300,15 @@ class CheckpointEditor:
         """The bytes of a pure cast, converted chunk by chunk (memory: one chunk)."""
         source, target = numpy_dtype(self.checkpoint.bundle_entry(item.origin).dtype), numpy_dtype(item.cast)
         pending = b""
+        overflow = 0
         for chunk in self._checked_chunks(item.origin):
             chunk = pending + chunk
             usable = len(chunk) - len(chunk) % source.itemsize
             pending = chunk[usable:]
-            yield np.frombuffer(chunk[:usable], source).astype(target).tobytes()
+            values, lost = _cast_counting(np.frombuffer(chunk[:usable], source), target)
+            overflow += lost
+            yield values.tobytes()
+        _warn_overflow(item.origin, overflow, target)
         if pending:
             raise CorruptCheckpointError(f"{item.origin!r}: stored size is not a whole number of {source} values")
 
@@ -336,15 +341,12 @@ class CheckpointEditor:
     def _coerce(self, name: str, value, dtype: int, *, allow_dtype_change: bool) -> np.ndarray:
         """``value`` as an array of ``dtype`` (or its own dtype when allowed to change). Copies."""
         if dtype == STRING and not allow_dtype_change:
-            array = np.array(value, dtype=object)
-            if not all(isinstance(v, (bytes, str)) for v in array.reshape(-1)):
-                raise EditError(f"{name!r} is a string tensor; set it to bytes or str values")
-            return array
+            return _string_array(name, value)
         given = np.asarray(value)
         if given.dtype.kind in "SUO":
             if dtype != STRING and not allow_dtype_change:
                 raise EditError(f"{name!r} is {dtype_name(dtype)}; got strings. Pass allow_dtype_change=True to store strings.")
-            return np.array(value, dtype=object)
+            return _string_array(name, value)
         try:
             given_code = dtype_enum(given.dtype)
         except ValueError:
@@ -511,7 +513,7 @@ class CheckpointEditor:
         self._check_new_name(name)
         array = np.asarray(value)
         if array.dtype.kind in "SUO":
-            array = np.array(value, dtype=object)
+            array = _string_array(name, value)
         else:
             try:
                 dtype_enum(array.dtype)
@@ -597,13 +599,22 @@ class CheckpointEditor:
         names = [n for n in names if self._plan[n].dtype != code]
         if not names:
             raise NoMatchError(f"cast pattern {pattern!r} matches no entry that is not already {dtype_name(code)}")
+        for n in names:
+            source = self._plan[n].dtype
+            if (source in _FLOATS or source in _COMPLEX) and code not in _FLOATS | _COMPLEX or (
+                source in _COMPLEX and code not in _COMPLEX
+            ):
+                raise EditError(
+                    f"casting {n!r} from {dtype_name(source)} to {dtype_name(code)} would truncate its values; "
+                    f"if that is meant, set() it to value.astype({dtype_name(code)!r}) with allow_dtype_change=True"
+                )
         ckpt = self.checkpoint
         for n in names:
             item = self._plan[n]
             if item.stored and not ckpt.is_partitioned(item.origin):
                 self._plan[n] = replace(item, cast=code, dtype=code)
             else:
-                self._plan[n] = replace(self._with_op(item, lambda a, t=target: a.astype(t)), dtype=code)
+                self._plan[n] = replace(self._with_op(item, lambda a, t=target, n=n: _cast(a, t, n)), dtype=code)
         return names
 
     def strip_optimizer_slots(self) -> list[str]:
@@ -1013,3 +1024,36 @@ def _update_state_file(prefix: str) -> None:
         with open(local, "wb") as f:
             f.write(body.encode("utf-8"))
         files.publish(local, state, overwrite=True)
+
+
+def _cast_counting(array: np.ndarray, target: np.dtype) -> tuple[np.ndarray, int]:
+    """``array.astype(target)`` and how many finite values it turned into inf or nan."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = array.astype(target)
+    if array.dtype.kind in "iub" or out.dtype.kind in "iub":
+        return out, 0
+    return out, int(np.count_nonzero(np.isfinite(array) & ~np.isfinite(out)))
+
+
+def _warn_overflow(name: str, count: int, target: np.dtype) -> None:
+    if count:
+        warnings.warn(
+            f"{name!r}: {count} finite values are out of {np.dtype(target).name}'s range and became inf or nan",
+            RestoreKitWarning,
+            stacklevel=3,
+        )
+
+
+def _cast(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
+    out, lost = _cast_counting(np.asarray(array), target)
+    _warn_overflow(name, lost, target)
+    return out
+
+
+def _string_array(name: str, value) -> np.ndarray:
+    """``value`` as an object array of bytes/str (a string tensor), or EditError."""
+    array = np.array(value, dtype=object)
+    odd = next((v for v in array.reshape(-1) if not isinstance(v, (bytes, str))), None)
+    if odd is not None:
+        raise EditError(f"{name!r}: a string tensor holds bytes or str values, not {type(odd).__name__}")
+    return array

@@ -383,3 +383,87 @@ def test_a_command_needing_missing_tensorflow_exits_3_with_the_install_hint(caps
     assert "pip install 'restorekit[tf]'" in err
     code, out, _ = run(capsys, "inspect", prefix)  # listing never needs TensorFlow
     assert code == 0 and "dense/kernel" in out
+
+
+# ------------------------------------------------------------------ edits: outputs, state file, messages
+
+@pytest.mark.parametrize("command", [["strip"], ["rename", "--rule", "^dense/=fc/"], ["cast", "--dtype", "bfloat16"]])
+def test_edit_commands_refuse_an_existing_output_until_overwrite(capsys, small_checkpoint, tmp_path, command):
+    prefix, values = small_checkpoint
+    out = tmp_path / "out" / "model.ckpt"
+    name, *options = command
+    assert run(capsys, name, prefix, out, *options)[0] == 0
+    code, _, err = run(capsys, name, prefix, out, *options)
+    assert code == 3 and "--overwrite" in err and "overwrite=True" not in err
+    _assert_error_line(err)
+    code, out_text, _ = run(capsys, name, prefix, out, *options, "--overwrite")
+    assert code == 0 and f"wrote {str(out)!r}" in out_text
+
+
+def test_edit_command_into_a_directory_reports_the_prefix_and_can_update_the_state_file(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    directory = tmp_path / "stripped"
+    directory.mkdir()
+    code, out, err = run(capsys, "strip", prefix, directory, "--update-state-file")
+    written = str(directory / os.path.basename(prefix))
+    assert code == 0 and f"wrote {written!r}" in out
+    assert tf.train.latest_checkpoint(str(directory)) == written
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, out, err = run(capsys, "inspect", directory)
+    assert code == 0 and not caught  # no fallback warning: the state file names the checkpoint
+
+
+def test_source_as_output_names_the_problem_in_cli_terms(capsys, small_checkpoint):
+    prefix, _ = small_checkpoint
+    code, _, err = run(capsys, "strip", prefix, prefix)
+    assert code == 3 and "is the source checkpoint" in err and "save_in_place" not in err
+
+
+def test_warnings_print_as_one_line(small_checkpoint, tmp_path):
+    import shutil
+
+    prefix, _ = small_checkpoint
+    directory = tmp_path / "no_state"
+    directory.mkdir()
+    for f in os.listdir(os.path.dirname(prefix)):
+        if f.startswith(os.path.basename(prefix)):
+            shutil.copy(os.path.join(os.path.dirname(prefix), f), directory)
+    # a subprocess: pytest records warnings in-process instead of printing them
+    done = subprocess.run([sys.executable, "-m", "restorekit", "inspect", str(directory)],
+                          capture_output=True, text=True, timeout=120)
+    code, err = done.returncode, done.stderr
+    assert code == 0
+    assert err.strip().splitlines() == [
+        f"restorekit: warning: {str(directory)!r} has no 'checkpoint' state file; using {str(directory / os.path.basename(prefix))!r}"
+    ]
+
+
+def test_cast_to_an_integer_exits_3_and_writes_nothing(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    code, _, err = run(capsys, "cast", prefix, tmp_path / "out" / "m", "--dtype", "int8")
+    assert code == 3 and "truncate" in err
+    assert _listing(tmp_path / "out") == []
+
+
+def test_negative_atol_is_a_usage_error(capsys, small_checkpoint):
+    prefix, _ = small_checkpoint
+    assert run(capsys, "diff", prefix, prefix, "--atol", "-1")[0] == 2
+
+
+def test_output_cut_short_by_the_reader_exits_quietly(tmp_path):
+    from restorekit.bundle.writer import BundleWriter
+
+    prefix = str(tmp_path / "many" / "m")
+    with BundleWriter(prefix) as w:
+        for i in range(4000):
+            w.add(f"layer_{i:05d}/a_rather_long_variable_name/kernel", np.zeros(1, np.float32))
+    proc = subprocess.Popen([sys.executable, "-m", "restorekit", "inspect", prefix],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert err == ""

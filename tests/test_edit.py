@@ -746,3 +746,53 @@ def test_failed_upload_of_the_index_leaves_no_remote_files(small_checkpoint, mon
     with pytest.raises(OutputError, match="simulated"):
         ed.save(remote + "/model.ckpt")
     assert _remote_listing(remote) == []
+
+
+# ------------------------------------------------------------------ casts that would lose values
+
+def test_cast_to_an_integer_or_from_complex_is_refused_and_queues_nothing(mixed):
+    ed = CheckpointEditor(mixed)
+    before = ed.list()
+    with pytest.raises(EditError, match="truncate"):
+        ed.cast(".*", "int8")
+    with pytest.raises(EditError, match="truncate"):
+        ed.cast("f32", "int32")
+    with pytest.raises(EditError, match="truncate"):
+        ed.cast("c64", "float32")
+    assert ed.list() == before
+    assert ed.cast("i64", "int32") == ["i64"]  # integer to integer stays allowed
+    assert ed.get("i64").dtype == np.int32
+
+
+@pytest.mark.parametrize("edited", [False, True], ids=["streamed", "edited-in-memory"])
+def test_cast_overflow_warns_with_the_tensor_name_and_count(tmp_path, edited):
+    import warnings
+
+    prefix = str(tmp_path / "src" / "m")
+    values = np.array([1.0, 7e4, -1e6, 2.5], np.float32)
+    with BundleWriter(prefix) as w:
+        w.add("big", values)
+    ed = CheckpointEditor(prefix)
+    if edited:
+        ed.set("big", 3.0, index=3)
+        values = values.copy()
+        values[3] = 3.0
+    ed.cast("big", "float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ed.save(tmp_path / "out" / "m")
+    messages = [str(w.message) for w in caught]
+    assert [w.category for w in caught] == [RestoreKitWarning], messages  # and no raw numpy RuntimeWarning
+    assert "'big'" in messages[0] and "2 finite values" in messages[0] and "float16" in messages[0]
+    got = Checkpoint(out).read("big")
+    assert got.dtype == np.float16 and got.tolist() == [1.0, np.inf, -np.inf, values[3]]
+
+
+def test_add_of_an_object_array_that_is_not_strings_fails_at_the_call(small_checkpoint):
+    ed = CheckpointEditor(small_checkpoint[0])
+    before = ed.list()
+    with pytest.raises(EditError, match="bytes or str"):
+        ed.add("obj", np.array([object()]))
+    with pytest.raises(EditError, match="bytes or str"):
+        ed.add("mixed", np.array([b"a", 3], dtype=object))
+    assert ed.list() == before
