@@ -24,6 +24,10 @@ __all__ = [
 
 SKIP = "skip"
 SLICE_OR_PAD = "slice_or_pad"
+# scan(dtype_policy='cast'): a float entry restores into a float variable of another
+# precision (a bfloat16 checkpoint into a float32 model), cast by TF on the way in.
+CAST = "cast"
+_FLOAT_NAMES = frozenset({"float16", "bfloat16", "float32", "float64"})
 _NAMED = (SKIP, SLICE_OR_PAD)
 
 
@@ -219,6 +223,16 @@ def policy_applies(policy, shape, checkpoint_shape) -> bool:
     return True
 
 
+def dtype_cast_applies(dtype_policy, dtype: str, checkpoint_dtype: str) -> bool:
+    """True when ``scan(dtype_policy=...)`` lets a ``checkpoint_dtype`` entry restore into a ``dtype`` variable."""
+    return dtype_policy == CAST and dtype in _FLOAT_NAMES and checkpoint_dtype in _FLOAT_NAMES
+
+
+def check_dtype_policy(dtype_policy) -> None:
+    if dtype_policy not in (None, CAST):
+        raise InvalidArgumentError(f"dtype_policy is None or 'cast', got {dtype_policy!r}")
+
+
 def policy_reason(policy) -> str:
     """The ``Record.reason`` of a record restored through ``policy``."""
     if isinstance(policy, VocabRemap):
@@ -306,6 +320,8 @@ def eager_value(policy, record, checkpoint_value, handle):
         return _vocab(tf, policy, checkpoint_value, shape, dtype)
     components = getattr(handle, "values", None)
     primary = components[0] if isinstance(components, tuple) and components else handle
+    if policy == CAST:
+        return tf.cast(checkpoint_value, dtype)
     if policy == SLICE_OR_PAD:
         value, mask = _slice_or_pad(tf, checkpoint_value, record.checkpoint_shape, shape)
         return tf.where(mask, value, primary.read_value())
@@ -387,6 +403,8 @@ def tf1_initializer(report, record) -> None:
             stored.set_shape(record.checkpoint_shape)
             if isinstance(policy, VocabRemap):
                 value = _vocab(tf, policy, stored, shape, dtype)
+            elif policy == CAST:
+                value = tf.cast(stored, dtype)
             else:
                 value, mask = _slice_or_pad(tf, stored, record.checkpoint_shape, shape)
         for part in parts:

@@ -140,7 +140,7 @@ def _canonical(name: str) -> str:
     return "/".join(parts)
 
 
-def _hints(missing, shape_mismatched, unused) -> tuple[str, ...]:
+def _hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[str, ...]:
     hints = []
     by_canonical: dict[str, list[Record]] = {}
     for r in unused:
@@ -162,6 +162,14 @@ def _hints(missing, shape_mismatched, unused) -> tuple[str, ...]:
             f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)}); "
             f"shape_policy='slice_or_pad' keeps the overlapping block."
         )
+    from restorekit.remap import CAST, dtype_cast_applies
+
+    for r in dtype_mismatched:
+        if dtype_cast_applies(CAST, r.dtype, r.checkpoint_dtype) and _shapes_fit(r.shape, r.checkpoint_shape):
+            hints.append(
+                f"{r.variable_name!r} differs only in dtype (checkpoint {r.checkpoint_dtype}, model {r.dtype}); "
+                f"dtype_policy='cast' restores it cast."
+            )
     return tuple(hints)
 
 
@@ -187,6 +195,7 @@ def scan(
     ema=None,
     rules=None,
     shape_policy=None,
+    dtype_policy=None,
     vocab=None,
     match: str = "auto",
 ) -> RestoreReport:
@@ -221,6 +230,11 @@ def scan(
             (copy the overlapping block, initialize the rest), a callable
             ``(checkpoint_value, variable) -> value``, or a dict ``{pattern: policy}``.
             Records restored through a policy are ``matched`` with that ``reason``.
+        dtype_policy: None (default; an entry of another dtype is ``dtype_mismatched``)
+            or ``'cast'``: a float entry (float16, bfloat16, float32, float64) of the
+            right shape restores into a float variable of another precision, cast on
+            the way in (``warm_start`` and ``restorekit.restore`` apply it; a Saver
+            cannot). Not combined with a shape policy on the same variable.
         vocab: ``{variable_name: restorekit.VocabRemap(...)}``: restore these
             variables by vocabulary, ``warm_start``'s ``VocabInfo`` semantics.
         match: for object-based (TF2) checkpoints: ``'auto'`` (the object graph
@@ -253,6 +267,7 @@ def scan(
     if match not in ("auto", "path", "object_graph"):
         raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")
     policies = remap.resolve_shape_policy(shape_policy)
+    remap.check_dtype_policy(dtype_policy)
     vocabularies = remap.check_vocab(vocab, [t.variable_name for t in targets])
     object_paths = ckpt.object_paths
     if rules is not None:
@@ -333,7 +348,13 @@ def scan(
                 shape_mm.append(record)
                 continue
         if t.dtype != entry.dtype:
-            dtype_mm.append(record)
+            if policy is None and remap.dtype_cast_applies(dtype_policy, t.dtype, entry.dtype):
+                why = f"cast {entry.dtype} -> {t.dtype}"
+                matched.append(replace(record, reason=f"{why}; {reason}" if reason else why))
+                handles[name] = t.handle
+                applied[name] = remap.CAST
+            else:
+                dtype_mm.append(record)
         elif policy is not None and policy != remap.SKIP:
             why = remap.policy_reason(policy)
             matched.append(replace(record, reason=f"{why}; {reason}" if reason else why))
@@ -374,7 +395,7 @@ def scan(
         dtype_mismatched=tuple(dtype_mm),
         skipped=tuple(skipped),
         unused=tuple(unused),
-        hints=_hints(missing, shape_mm, unused),
+        hints=_hints(missing, shape_mm, dtype_mm, unused),
         _handles=handles,
         _policies=applied,
     )

@@ -279,3 +279,63 @@ def test_rank_change_is_not_sliced_or_padded(tmp_path):
     w = tf.Variable(tf.zeros((3, 2, 1)), name="w")
     report = scan(prefix, [w], shape_policy="slice_or_pad")
     assert not report.matched and [r.variable_name for r in report.shape_mismatched] == ["w"]
+
+
+# ------------------------------------------------------------------ dtype_policy='cast'
+
+@pytest.fixture
+def bf16_checkpoint(tmp_path):
+    """A float32 checkpoint cast to bfloat16 with restorekit (as `restorekit cast` does)."""
+    import ml_dtypes
+
+    from restorekit.edit import CheckpointEditor
+
+    rng = np.random.RandomState(4)
+    values = {"net/w": rng.randn(3, 4).astype(np.float32), "net/b": rng.randn(4).astype(np.float32),
+              "steps": np.int32(5)}
+    prefix = save_variables(tmp_path / "f32" / "model.ckpt", values)
+    ed = CheckpointEditor(prefix)
+    ed.cast("net/.*", "bfloat16")
+    out = ed.save(tmp_path / "bf16" / "model.ckpt")
+    upcast = {n: v.astype(ml_dtypes.bfloat16).astype(np.float32) for n, v in values.items() if n.startswith("net/")}
+    return out, upcast
+
+
+def test_tf1_bfloat16_checkpoint_warm_starts_a_float32_graph_with_dtype_policy_cast(bf16_checkpoint):
+    prefix, upcast = bf16_checkpoint
+    with tf.Graph().as_default():
+        w = tf1.get_variable("net/w", shape=[3, 4], dtype=tf.float32)
+        b = tf1.get_variable("net/b", shape=[4], dtype=tf.float32)
+        steps = tf1.get_variable("steps", shape=[], dtype=tf.int64)  # int32 in the checkpoint: never cast
+        plain = scan(prefix)
+        assert sorted(r.variable_name for r in plain.dtype_mismatched) == ["net/b", "net/w", "steps"]
+        assert any("net/w" in h and "dtype_policy='cast'" in h for h in plain.hints)
+        assert not any("steps" in h for h in plain.hints)
+        report = scan(prefix, dtype_policy="cast")
+        assert {r.variable_name: r.reason for r in report.matched} == {
+            "net/w": "cast bfloat16 -> float32", "net/b": "cast bfloat16 -> float32"}
+        assert [r.variable_name for r in report.dtype_mismatched] == ["steps"]
+        restorekit.warm_start(report)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            got_w, got_b = sess.run([w, b])
+    assert got_w.dtype == np.float32 and np.array_equal(got_w, upcast["net/w"])
+    assert np.array_equal(got_b, upcast["net/b"])
+
+
+def test_tf2_restore_casts_a_bfloat16_checkpoint_into_float32_variables(bf16_checkpoint):
+    prefix, upcast = bf16_checkpoint
+    module = tf.Module()
+    with tf.name_scope("net"):
+        module.w = tf.Variable(tf.zeros([3, 4]), name="w")
+        module.b = tf.Variable(tf.zeros([4]), name="b")
+    report = restorekit.scan(prefix, [module.w, module.b], dtype_policy="cast")
+    assert len(report.matched) == 2 and report.is_complete
+    restorekit.restore(report)
+    assert np.array_equal(module.w.numpy(), upcast["net/w"])
+    assert np.array_equal(module.b.numpy(), upcast["net/b"])
+
+
+def test_unknown_dtype_policy_is_refused(fruit_checkpoint):
+    with pytest.raises(InvalidArgumentError, match="dtype_policy"):
+        scan(fruit_checkpoint, [tf.Variable(OLD_WEIGHTS, name="emb")], dtype_policy="round")
