@@ -123,6 +123,23 @@ _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_>.]*$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-/>]*$")
 # The TF1 resource-variable read that convert_variables_to_constants turns into Identity.
 _READ_VARIABLE_LEAF = re.compile(r"(^|/)ReadVariableOp(_\d+)?$")
+# Ops that take a variable (a ref or a resource handle) without writing it: reads that
+# convert_variables_to_constants rewrites onto the constant, and the control-flow and
+# identity ops a variable passes through on its way to its reader or writer.
+_VARIABLE_READ_OPS = frozenset(
+    {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp",
+     "IsVariableInitialized"}
+)
+_PASS_THROUGH_OPS = frozenset(
+    {"Identity", "RefIdentity", "Enter", "RefEnter", "Switch", "RefSwitch", "Merge", "RefMerge", "Exit", "RefExit",
+     "NextIteration", "RefNextIteration"}
+)
+# Writers whose variable input cannot be traced to a variable node (a handle fed from
+# elsewhere) are still known by their type; op_def's mutable inputs rule out pure ops
+# like ScatterNd or TensorScatterUpdate.
+_WRITE_OP_PATTERN = re.compile(
+    r"^(Assign|(Resource)?(Sparse)?Apply|(Resource)?Scatter|(Resource)?CountUpTo$|(Resource)?StridedSliceAssign$)"
+)
 
 
 # ---------------------------------------------------------------- results
@@ -545,17 +562,7 @@ def _repair(loaded: _Loaded) -> _Loaded:
             + ", ".join(f"{k} ({n} nodes)" for k, n in sorted(dropped_attrs.items()))
         )
     names = {n.name for n in gd.node}
-    stale_class = 0
-    for node in gd.node:
-        if "_class" in node.attr:
-            refs = list(node.attr["_class"].list.s)
-            keep = [s for s in refs if not s.startswith(b"loc:@") or s[5:].decode() in names]
-            if len(keep) != len(refs):
-                stale_class += 1
-                if keep:
-                    node.attr["_class"].list.s[:] = keep
-                else:
-                    del node.attr["_class"]
+    stale_class = _drop_stale_colocation(gd)
     if stale_class:
         loaded.repaired.append(f"dropped colocation ('_class') with nodes not in the graph from {stale_class} nodes")
     missing_inputs = [
@@ -603,6 +610,23 @@ def _repair(loaded: _Loaded) -> _Loaded:
             f"stripped stale '_output_shapes' from {where}: they disagree with the shapes this TensorFlow infers"
         )
     return loaded
+
+
+def _drop_stale_colocation(gd) -> int:
+    """Drop colocation (``_class``) with nodes not in ``gd``, which import rejects; return how many nodes changed."""
+    names = {n.name for n in gd.node}
+    changed = 0
+    for node in gd.node:
+        if "_class" in node.attr:
+            refs = list(node.attr["_class"].list.s)
+            keep = [s for s in refs if not s.startswith(b"loc:@") or s[5:].decode() in names]
+            if len(keep) != len(refs):
+                changed += 1
+                if keep:
+                    node.attr["_class"].list.s[:] = keep
+                else:
+                    del node.attr["_class"]
+    return changed
 
 
 def _require_loadable(loaded: _Loaded) -> None:
@@ -939,6 +963,115 @@ def _output_nodes(gd, outputs) -> list[str]:
 # ---------------------------------------------------------------- freeze
 
 
+def _takes_mutable_input(op_type: str) -> bool:
+    """True when the op has an input it may write: a ref (``is_ref``) or a resource handle."""
+    op_def = _op_def(op_type)
+    if op_def is None:
+        return False
+    resource = _tf().resource.as_datatype_enum
+    return any(arg.is_ref or arg.type == resource for arg in op_def.input_arg)
+
+
+def _variable_source(by_name: dict, input_name: str) -> str | None:
+    """The variable node an input reads, followed back through identities and control flow."""
+    name, seen = _node_of(input_name), set()
+    while name in by_name and name not in seen:
+        seen.add(name)
+        node = by_name[name]
+        if node.op in _VARIABLE_OPS:
+            return name
+        if node.op not in _PASS_THROUGH_OPS or not node.input or node.input[0].startswith("^"):
+            return None
+        name = _node_of(node.input[0])
+    return None
+
+
+def _variable_writers(gd, names: set[str]) -> list:
+    """The nodes among ``names`` that write a variable (moving-average updates, optimizer
+    steps, assigns, scatters), told by their op taking a mutable input that is a variable,
+    or by their op type."""
+    by_name = {n.name: n for n in gd.node}
+    writers = []
+    for node in gd.node:
+        if node.name not in names or node.op in _VARIABLE_OPS | _VARIABLE_READ_OPS | _PASS_THROUGH_OPS:
+            continue
+        if not _takes_mutable_input(node.op):
+            continue
+        if _WRITE_OP_PATTERN.match(node.op) or any(
+            _variable_source(by_name, i) for i in node.input if not i.startswith("^")
+        ):
+            writers.append(node)
+    return writers
+
+
+def _without_writers(gd, output_names: list[str]):
+    """A copy of ``gd`` without the variable writes the outputs wait on.
+
+    A training graph runs its updates as control dependencies of the outputs (tf-slim's
+    batch_norm with ``updates_collections=None``). Once the variables are constants the
+    updates cannot run, and a writer left on a constant does not even import; what the
+    outputs compute from the checkpoint's values does not change without them.
+    """
+    writers = _variable_writers(gd, _ancestors(gd, output_names))
+    dropped = {w.name for w in writers}
+    updates = [f"{w.name!r} ({w.op})" for w in writers if w.name in output_names]
+    if updates:
+        raise GraphError(
+            f"outputs {', '.join(updates)} are variable updates, which a frozen graph cannot run. "
+            f"Freeze the value they compute from instead."
+        )
+    result = type(gd)()
+    result.CopyFrom(gd)
+    waited: dict[str, list[str]] = {}  # node -> the writes it had to wait for
+    for node in result.node:
+        edges = [i for i in node.input if i.startswith("^") and i[1:] in dropped]
+        if edges:
+            waited[node.name] = [e[1:] for e in edges]
+            node.input[:] = [i for i in node.input if i not in edges]
+    upstream = _ancestors(result, output_names)
+    by_name = {n.name: n for n in result.node}
+    # Values that are the result of a write: the writer's own output, or a read ordered
+    # after it. Dropping the write would silently change them, so refuse instead.
+    after_write = []
+    for node in result.node:
+        if node.name not in upstream:
+            continue
+        for i in node.input:
+            if not i.startswith("^") and _node_of(i) in dropped:
+                after_write.append((node.name, _node_of(i)))
+        if node.name in waited and (
+            node.op in _VARIABLE_READ_OPS or (node.op in _PASS_THROUGH_OPS and _variable_source(by_name, node.name))
+        ):
+            after_write += [(node.name, w) for w in waited[node.name]]
+    if after_write:
+        ops = {w.name: w.op for w in writers}
+        reads = [f"{reader!r} reads {writer!r} ({ops[writer]})" for reader, writer in after_write]
+        more = f", ... and {len(reads) - 5} more" if len(reads) > 5 else ""
+        raise GraphError(
+            f"outputs {format_names(output_names)} use values written by variable updates, which a frozen graph "
+            f"cannot run: {', '.join(reads[:5])}{more}. Freeze an output computed before the update."
+        )
+    return result
+
+
+def _check_imports(gd, output_names: list[str]) -> None:
+    """Raise GraphError unless the frozen ``gd`` imports into a fresh graph."""
+    tf = _tf()
+    try:
+        with tf.Graph().as_default():
+            tf.compat.v1.import_graph_def(gd, name="")
+    except (ValueError, tf.errors.OpError) as e:
+        # With its variables gone, a node that still wants a ref or a resource handle is
+        # almost surely what breaks the import.
+        suspects = [f"{n.name!r} ({n.op})" for n in gd.node if _takes_mutable_input(n.op)]
+        more = f", ... and {len(suspects) - 5} more" if len(suspects) > 5 else ""
+        hint = f" Nodes that still take a variable: {', '.join(suspects[:5])}{more}." if suspects else ""
+        raise GraphError(
+            f"the graph frozen for outputs {format_names(output_names)} does not import in TensorFlow "
+            f"{tf.__version__}, so nothing was written: {str(e).rstrip('.')}.{hint}"
+        ) from None
+
+
 def freeze(checkpoint, graph, outputs, out=None):
     """Restore ``checkpoint`` into ``graph`` and turn the variables the outputs need into constants.
 
@@ -946,7 +1079,11 @@ def freeze(checkpoint, graph, outputs, out=None):
                                ['logits'], out='frozen.pb')
 
     Checkpoint names are the variable names (for partitioned variables, the full name
-    from the MetaGraph's save-slice info). Device assignments are cleared.
+    from the MetaGraph's save-slice info). Device assignments are cleared. Variable
+    updates the outputs wait on (batch-norm moving averages in a training graph,
+    optimizer steps) are dropped with the control edges to them: the frozen graph
+    computes what one run of the original graph computes from the checkpoint's values.
+    The result is checked to import in a fresh graph before anything is written.
 
     Args:
         checkpoint: a checkpoint prefix, directory or ``restorekit.Checkpoint``.
@@ -962,7 +1099,9 @@ def freeze(checkpoint, graph, outputs, out=None):
 
     Raises:
         CheckpointNotFoundError: no checkpoint at ``checkpoint``.
-        GraphError: the graph is missing, not a graph, truncated, or does not load.
+        GraphError: the graph is missing, not a graph, truncated, or does not load; an
+            output uses a value a variable update wrote; or the frozen graph does not
+            import (the message names the nodes that still take a variable).
         GraphTooLargeError: the graph, or the frozen graph, is over 2 GB.
         NoMatchError: an output is not in the graph (``closest`` has near misses).
         IncompleteRestoreError: the checkpoint lacks, or has other shapes for, variables
@@ -989,7 +1128,8 @@ def freeze(checkpoint, graph, outputs, out=None):
     for node in gd.node:
         node.device = ""
 
-    upstream = _ancestors(gd, output_names)
+    inference = _without_writers(gd, output_names)
+    upstream = _ancestors(inference, output_names)
     needed = [n for n in gd.node if n.op in _VARIABLE_OPS and n.name in upstream]
     vdefs = _variable_defs(loaded.meta_graph)
     plan = []  # (node, checkpoint name, slice of the checkpoint tensor or None)
@@ -1040,7 +1180,9 @@ def freeze(checkpoint, graph, outputs, out=None):
         with tf1.Session(graph=g) as sess:
             sess.run(assigns, feeds)
             with _quiet_tf_logs():
-                frozen = tf1.graph_util.convert_variables_to_constants(sess, gd, output_names)
+                frozen = tf1.graph_util.convert_variables_to_constants(sess, inference, output_names)
+    _drop_stale_colocation(frozen)
+    _check_imports(frozen, output_names)
     if out is not None:
         out = os.fspath(out)
         atomic.write_bytes(out, _serialize(frozen, out))

@@ -504,6 +504,120 @@ def test_partitioned_variable_round_trips_as_slices_of_one_entry(tmp_path, use_r
             assert not np.array_equal(sess.run(y, {"ids:0": ids}), outputs)
 
 
+# ---------------------------------------------------------------- freeze a training graph
+
+
+def _build_training_batch_norm(use_resource: bool):
+    """A tf-slim conv net with fused batch norm in training mode, its moving-average updates
+    inline (control dependencies of the logits), and a Momentum train op."""
+    x = tf1.placeholder(tf.float32, [None, 8, 8, 3], name="x")
+    bn = {"is_training": True, "updates_collections": None, "fused": True, "decay": 0.9, "scale": True}
+    with tf1.variable_scope("net", use_resource=use_resource):
+        with slim.arg_scope([slim.conv2d], normalizer_fn=slim.batch_norm, normalizer_params=bn):
+            net = slim.conv2d(x, 4, [3, 3], scope="conv1")
+        net = tf.reduce_mean(net, [1, 2])
+        logits = slim.fully_connected(net, 5, activation_fn=None, scope="logits")
+    global_step = tf1.train.get_or_create_global_step()
+    loss = tf.reduce_sum(tf.square(logits))
+    train_op = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss, global_step=global_step)
+    return x, train_op
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["resource", "ref"])
+def training_net(request, tmp_path_factory):
+    """A training-mode batch-norm net after one step, and its logits from one run of the
+    original graph restored from the checkpoint (before any update changes a variable)."""
+    directory = tmp_path_factory.mktemp("bn_resource" if request.param else "bn_ref")
+    rng = np.random.RandomState(4)
+    with tf.Graph().as_default():
+        x, train_op = _build_training_batch_norm(request.param)
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(train_op, {x: rng.randn(4, 8, 8, 3).astype(np.float32)})  # moving averages move off 0 / 1
+            prefix = saver.save(sess, str(directory / "model.ckpt"), global_step=1)
+    inputs = rng.randn(3, 8, 8, 3).astype(np.float32)
+    with tf.Graph().as_default():
+        saver = tf1.train.import_meta_graph(prefix + ".meta")
+        with tf1.Session() as sess:
+            saver.restore(sess, prefix)
+            outputs = sess.run("net/logits/BiasAdd:0", {"x:0": inputs})
+    return types.SimpleNamespace(prefix=prefix, meta=prefix + ".meta", inputs=inputs, outputs=outputs)
+
+
+def test_freeze_training_batch_norm_drops_the_updates_and_computes_one_run(training_net, tmp_path):
+    out = tmp_path / "frozen.pb"
+
+    graph_def = freeze(training_net.prefix, training_net.meta, ["net/logits/BiasAdd"], out=str(out))
+
+    on_disk = tf1.GraphDef.FromString(out.read_bytes())
+    assert on_disk == graph_def
+    with tf.Graph().as_default() as g:
+        tf1.import_graph_def(on_disk, name="")
+        with tf1.Session() as sess:
+            outputs = sess.run("net/logits/BiasAdd:0", {"x:0": training_net.inputs})
+    np.testing.assert_allclose(outputs, training_net.outputs, rtol=0, atol=1e-6)
+    # Nothing is left that writes, or even takes, a variable.
+    resource = tf.resource.as_datatype_enum
+    takes_variable = [
+        (op.name, op.type)
+        for op in g.get_operations()
+        if any(a.is_ref or a.type == resource for a in op.op_def.input_arg)
+    ]
+    assert takes_variable == []
+    ops = {n.op for n in graph_def.node}
+    assert "FusedBatchNormV3" in ops
+    assert not {op for op in ops if "Assign" in op or "Apply" in op or op in ("VariableV2", "VarHandleOp", "NoOp")}
+    assert not [n.name for n in graph_def.node if "Momentum" in n.name or "AssignMovingAvg" in n.name]
+    # restorekit's own unfreeze takes it back: the model variables, no moving averages
+    # (training-mode batch norm normalizes with the batch statistics).
+    result = unfreeze(str(out), str(tmp_path / "back" / "model.ckpt"))
+    assert sorted(c.name for c in result.converted) == [
+        "net/conv1/BatchNorm/beta",
+        "net/conv1/BatchNorm/gamma",
+        "net/conv1/weights",
+        "net/logits/biases",
+        "net/logits/weights",
+    ]
+
+
+def test_frozen_graph_that_does_not_import_raises_and_writes_nothing(training_net, tmp_path, monkeypatch):
+    # Keep the updates, as freeze did before it dropped them: a writer left on a constant.
+    monkeypatch.setattr(rkgraph, "_variable_writers", lambda graph_def, names: [])
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(GraphError) as info:
+        freeze(training_net.prefix, training_net.meta, ["net/logits/BiasAdd"], out=str(out))
+
+    message = str(info.value)
+    assert "does not import" in message and "nothing was written" in message
+    assert "net/conv1/BatchNorm/AssignMovingAvg" in message
+    assert "AssignSub" in message
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
+def test_freeze_refuses_an_output_that_uses_an_updated_value(tmp_path, use_resource):
+    # y = x * (counter += 1): the frozen graph cannot compute it, and must not silently
+    # compute x * counter instead.
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, [None], name="x")
+        counter = tf1.get_variable("counter", initializer=2.0, use_resource=use_resource)
+        tf.multiply(x, counter.assign_add(1.0), name="y")
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            prefix = saver.save(sess, str(tmp_path / "train" / "model.ckpt"))
+    out = tmp_path / "frozen.pb"
+
+    with pytest.raises(GraphError, match=r"use values written by variable updates.*: '.+' reads 'AssignAdd\w*'"):
+        freeze(prefix, prefix + ".meta", ["y"], out=str(out))
+    update = "AssignAddVariableOp" if use_resource else "AssignAdd"
+    with pytest.raises(GraphError, match=f"outputs '{update}' \\({update}\\) are variable updates"):
+        freeze(prefix, prefix + ".meta", [update], out=str(out))
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- bad input
 
 
