@@ -183,9 +183,12 @@ def _diff(args) -> int:
             print(f"changed    {c['name']}: {c['a']['dtype']} {format_shape(c['a']['shape'])} -> "
                   f"{c['b']['dtype']} {format_shape(c['b']['shape'])}")
         for v in result["values"]:
-            print(f"values     {v['name']}: max abs diff {_num(v['max_abs_diff'])} ({v['differing']} elements differ)")
+            diff = v["max_abs_diff"]
+            how = "NaNs in different places" if diff is not None and math.isnan(diff) else f"max abs diff {_num(diff)}"
+            print(f"values     {v['name']}: {how} ({v['differing']} elements differ)")
         verdict = "equal" if result["equal"] else "different"
-        print(f"{verdict}: {result['same']} tensors identical, {len(result['only_in_a'])} only in A, "
+        same = "identical" if args.atol == 0 else f"equal within {args.atol:g}"
+        print(f"{verdict}: {result['same']} tensors {same}, {len(result['only_in_a'])} only in A, "
               f"{len(result['only_in_b'])} only in B, {len(result['changed'])} changed shape/dtype, "
               f"{len(result['values'])} changed values")
     return EXIT_OK if result["equal"] else EXIT_DIFFERENT

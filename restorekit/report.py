@@ -186,7 +186,8 @@ class RestoreReport:
         ]
         text = ", ".join(mismatched[:4]) + (f", ... and {len(mismatched) - 4} more" if len(mismatched) > 4 else "")
         row("mismatched", tuple(self.shape_mismatched) + tuple(self.dtype_mismatched), text)
-        reasons = Counter(r.reason for r in self.skipped)
+        # a name skipped on both sides (the variable and its checkpoint entry) counts once
+        reasons = Counter(reason for reason, _ in {(r.reason, r.variable_name or r.checkpoint_name) for r in self.skipped})
         row("skipped", self.skipped, ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common()))
         row("unused", self.unused, listing(self.unused))
         lines.extend(f"  hint: {h}" for h in self.hints[:8])

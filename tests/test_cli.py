@@ -467,3 +467,12 @@ def test_output_cut_short_by_the_reader_exits_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert err == ""
+
+
+def test_diff_names_nans_in_different_places_and_says_within_tolerance(capsys, tmp_path):
+    a = save_variables(tmp_path / "a" / "m", {"x": np.array([1.0, np.nan, 3.0], np.float32), "y": np.float32(1.0)})
+    b = save_variables(tmp_path / "b" / "m", {"x": np.array([1.0, 2.0, np.nan], np.float32), "y": np.float32(1.001)})
+    code, out, _ = run(capsys, "diff", a, b, "--atol", "0.01")
+    assert code == 1
+    assert "values     x: NaNs in different places (2 elements differ)" in out
+    assert "1 tensors equal within 0.01" in out

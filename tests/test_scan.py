@@ -319,3 +319,13 @@ def test_bad_checkpoint_paths_raise_before_anything(tmp_path):
         tf1.get_variable("x", [1])
         with pytest.raises(restorekit.CheckpointNotFoundError):
             scan(tmp_path / "missing")
+
+
+def test_report_counts_a_name_skipped_on_both_sides_once(tmp_path):
+    prefix = save_variables(tmp_path / "c" / "m", {"w": np.ones(2, np.float32), "global_step": np.int64(3)})
+    with tf.Graph().as_default():
+        tf.compat.v1.get_variable("w", shape=[2])
+        tf.compat.v1.train.get_or_create_global_step()
+        report = scan(prefix)
+    assert len([r for r in report.skipped if r.reason == "global_step"]) == 2  # the variable and the entry
+    assert "global_step (1)" in str(report)
