@@ -672,3 +672,15 @@ def test_export_of_a_remote_checkpoint_reads_its_shards_through_gfile(rich_check
     import_checkpoint(str(out), back)
     assert_same_checkpoint(rich_checkpoint, back)
     assert tf.io.gfile.exists(remote + ".index")
+
+
+def test_a_text_file_named_pt_gets_a_readable_error(tmp_path):
+    pytest.importorskip("torch")
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"junk\n")
+    with pytest.raises(CorruptCheckpointError) as caught:
+        import_checkpoint(str(junk), str(tmp_path / "out" / "m"))
+    message = str(caught.value)
+    assert "not a readable PyTorch file" in message and "\x1b" not in message
+    assert not message.rstrip(")").split()[-1].isdigit()  # torch's bare magic number is not the explanation
+    assert _listing(tmp_path / "out") == []

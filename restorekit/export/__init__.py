@@ -50,7 +50,12 @@ STRINGS_LIMIT = 64 << 20
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What one export or import wrote."""
+    """What one export or import wrote.
+
+    ``permuted`` and ``kept`` hold TF names: the tensors whose axes ``layout='torch'``
+    permuted, and the optimizer state of an object-based checkpoint that it left in TF
+    axes on purpose (see ``restorekit.export.layout``).
+    """
 
     path: str
     format: str
@@ -59,11 +64,13 @@ class ExportResult:
     layout: str | None = None
     permuted: tuple = ()
     strings: tuple = ()
+    kept: tuple = ()
 
     def __str__(self) -> str:
         text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
         if self.layout:
-            text += f", layout {self.layout!r} ({len(self.permuted)} permuted)"
+            kept = f"; {len(self.kept)} optimizer tensors left in TF layout" if self.kept else ""
+            text += f", layout {self.layout!r} ({len(self.permuted)} permuted{kept})"
         if self.strings:
             text += f"; string tensors carried in metadata: {', '.join(repr(s) for s in self.strings)}"
         return text
@@ -223,7 +230,9 @@ def export_checkpoint(
         checkpoint: a path (anything ``Checkpoint`` accepts) or a ``Checkpoint``.
         path: the output file.
         format: 'torch', 'safetensors' or 'npz'; by default from the extension.
-        layout: None (TF names and axes) or 'torch' (see ``restorekit.export.layout``).
+        layout: None (TF names and axes) or 'torch' (see ``restorekit.export.layout``;
+            object-based checkpoints are named from their readable paths, and their
+            optimizer state keeps TF axes).
         overwrite: replace an existing output file.
         progress: show a progress bar on stderr (when it is a terminal).
 
@@ -392,15 +401,17 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
     src, files = _source_files(src, fmt)
     _check_output(out, to, files, overwrite)
     shapes, arrays, record = _open_source(src, fmt, layout if fmt != "npz" else None)
+    # An object graph carried along names the tensors as the export from TF did.
+    graph = record.object_graph() if layout == "torch" and to != "npz" else None
     tensors = _tf_tensors(arrays, record)
     if to == "safetensors":
         from restorekit.export import safetensors
 
-        return safetensors.write(out, tensors, layout=layout)
+        return safetensors.write(out, tensors, layout=layout, graph=graph)
     if to == "torch":
         from restorekit.export import torch
 
-        return torch.write(out, tensors, layout=layout)
+        return torch.write(out, tensors, layout=layout, graph=graph)
     from restorekit.export import npz
 
     return npz.write(out, tensors, progress=progress)

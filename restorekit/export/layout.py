@@ -15,6 +15,21 @@ TensorFlow                 PyTorch                     axes
 
 plus ``/`` -> ``.`` and TF2's ``/.ATTRIBUTES/VARIABLE_VALUE`` suffix dropped.
 
+Object-based (TF2, Keras) checkpoints are planned from each variable's readable path
+(``Checkpoint.readable_name``: the Keras ``variable.path`` such as ``conv/kernel``, or
+the path under the model such as ``model/encoder/kernel``), not from its key, which
+may name no layer at all (``optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE``,
+``model/_operations/1/_kernel/...``). Optimizer state (slots such as Adam's
+``momentum``, ``iteration``, ``learning_rate``) and ``save_counter`` keep their TF axes
+and leaf names and are only named by their readable path with dots
+(``optimizer.adam.conv_kernel_momentum``, ``model.dense.kernel.OPTIMIZER_SLOT.optimizer.m``):
+Keras 3 optimizers record no link from a slot to its variable (only a name, which
+repeats for plain ``tf.Variable``s), factored slots (Adafactor) have other shapes, and
+PyTorch optimizers key their state by parameter index, not by name, so there is no
+PyTorch layout to convert them to. ``ExportResult.kept`` lists them. Name-based (TF1)
+checkpoints follow the table for every name; their slots (``dense/kernel/Adam``) end
+in a leaf the table leaves alone, so they too keep their axes.
+
 The mapping loses information (``kernel`` and ``gamma`` both become ``weight``), so
 every export records what it did in a :class:`LayoutRecord` stored inside the file
 (safetensors ``__metadata__``, the ``_metadata`` of a torch ``state_dict``); the import
@@ -97,6 +112,11 @@ def torch_permutation(name: str, rank: int) -> tuple[int, ...] | None:
     return None
 
 
+def _dotted(path: str) -> str:
+    """'model/kernel/.OPTIMIZER_SLOT/optimizer/m' -> 'model.kernel.OPTIMIZER_SLOT.optimizer.m'."""
+    return ".".join(part.lstrip(".") or part for part in path.split("/"))
+
+
 def invert(perm) -> tuple[int, ...]:
     """The permutation undoing ``perm``."""
     return tuple(int(i) for i in np.argsort(perm))
@@ -110,13 +130,31 @@ class LayoutRecord:
     it differs), ``dtype`` (the TF dtype, when the stored dtype does not say it, such
     as ``qint8`` stored as int8 or ``complex128`` stored as float64 pairs) and
     ``perm`` (the axes permutation applied). ``strings`` holds string tensors, which
-    neither safetensors nor torch can store, as base64.
+    neither safetensors nor torch can store, as base64. ``graph``, the object graph of
+    an object-based checkpoint (``Checkpoint.object_graph``), makes ``plan`` work from
+    readable paths; it is not stored, since every stored name maps back to its key.
     """
 
     layout: str | None = None
     tensors: dict = field(default_factory=dict)
     strings: dict = field(default_factory=dict)
+    graph: object = field(default=None, repr=False, compare=False)
     _owners: dict = field(default_factory=dict, repr=False)
+    _kept: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint, layout: str | None) -> "LayoutRecord":
+        """An empty record for exporting ``checkpoint``; with layout 'torch', planned from its object graph.
+
+        Raises:
+            CorruptCheckpointError: layout 'torch' and an unreadable object graph.
+        """
+        return cls(layout, graph=checkpoint.object_graph if layout == "torch" else None)
+
+    @property
+    def kept(self) -> tuple:
+        """TF names of the optimizer state that layout 'torch' left in TF axes (object-based checkpoints)."""
+        return tuple(self._kept)
 
     # -- export side
     def plan(self, name: str, shape: tuple, layout: str | None = None) -> tuple[str, tuple | None]:
@@ -126,16 +164,23 @@ class LayoutRecord:
             NameCollisionError: two TF names map to one stored name.
         """
         layout = self.layout if layout is None else layout
-        if layout == "torch":
-            out, perm = torch_name(name), torch_permutation(name, len(shape))
-        else:
+        tracked = self.graph.by_key.get(name) if layout == "torch" and self.graph is not None else None
+        if layout != "torch":
             out, perm = name, None
+        elif tracked is None:  # name-based, or a key the object graph does not name
+            out, perm = torch_name(name), torch_permutation(name, len(shape))
+        elif tracked.kind == "variable":
+            out, perm = torch_name(tracked.path), torch_permutation(tracked.path, len(shape))
+        else:  # optimizer state and save_counter: see the module docstring
+            out, perm = _dotted(tracked.path), None
         if out in self._owners:
             raise NameCollisionError(
                 f"layout {layout!r} maps both {self._owners[out]!r} and {name!r} to {out!r}; "
                 f"rename one first (CheckpointEditor.rename) or export without layout"
             )
         self._owners[out] = name
+        if tracked is not None and tracked.kind == "optimizer":
+            self._kept.append(name)
         self.note_tensor(out, name, perm)
         return out, perm
 
@@ -193,6 +238,20 @@ class LayoutRecord:
         if perm is not None:
             array = np.ascontiguousarray(np.transpose(array, invert(perm)))
         return note.get("name", stored), array, note.get("dtype")
+
+    def object_graph(self):
+        """The object graph among the string tensors carried along, or None.
+
+        Raises:
+            CorruptCheckpointError: it is there but does not decode.
+        """
+        from restorekit.checkpoint import OBJECT_GRAPH_KEY
+        from restorekit.tf2 import decode_object_graph
+
+        for name, array in self.string_tensors():
+            if name == OBJECT_GRAPH_KEY and array.shape == ():
+                return decode_object_graph(array.item())
+        return None
 
     def string_tensors(self):
         """Yield (TF name, object array of bytes) for the string tensors carried along."""

@@ -153,7 +153,7 @@ def _check_strings(record: LayoutRecord) -> None:
         )
 
 
-def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None) -> ExportResult:
+def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None, graph=None) -> ExportResult:
     """Write ``(name, ndarray)`` pairs to a ``.safetensors`` file, one tensor at a time.
 
     Only one tensor is held at a time. The file appears at ``path`` only once it is
@@ -167,6 +167,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
             a TF dtype name, keeps dtypes numpy cannot name (``'qint8'``).
         layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
         metadata: extra ``__metadata__`` entries, str -> str.
+        graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
+            so that layout 'torch' names them from their readable paths.
 
     Returns:
         An ExportResult. String tensors are carried in the metadata and listed there.
@@ -176,7 +178,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
         InvalidArgumentError: a dtype safetensors cannot hold, or bad metadata.
     """
     check_layout(layout)
-    record = LayoutRecord(layout)
+    record = LayoutRecord(layout, graph=graph)
     _metadata(metadata, record)  # validate before writing anything
     path = os.fspath(path)
     entries = []
@@ -203,7 +205,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
                 compact = header
         if compact is not None:
             _rewrite(tmp, compact, 8 + _RESERVE, offset)
-    return ExportResult(path, "safetensors", len(entries), offset, layout, tuple(permuted), tuple(record.strings))
+    return ExportResult(path, "safetensors", len(entries), offset, layout, tuple(permuted), tuple(record.strings), record.kept)
 
 
 def _rewrite(tmp: str, header: bytes, data_start: int, size: int) -> None:
@@ -232,7 +234,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
         ChecksumMismatchError, CorruptCheckpointError: a bad shard (no output left).
     """
     check_layout(layout)
-    record = LayoutRecord(layout)
+    record = LayoutRecord.for_checkpoint(checkpoint, layout)
     _metadata(metadata, record)
     path = os.fspath(path)
     plan = []  # (name, out, st_dtype, out_shape, perm, raw entry or None, nbytes)
@@ -296,7 +298,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
         for handle in handles.values():
             handle.close()
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings))
+    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept)
 
 
 def _copy_alignment(plan: list) -> int:

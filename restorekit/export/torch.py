@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import re
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -53,6 +54,7 @@ _TORCH_DTYPES = {
     "float8_e5m2": "float8_e5m2",
 }
 _BITS = {"bfloat16": ("int16", np.int16), "float8_e4m3fn": ("uint8", np.uint8), "float8_e5m2": ("uint8", np.uint8)}
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # torch colours some of its messages
 _SAFE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError)
 
 
@@ -109,7 +111,7 @@ def _save(path: str, state: dict, record: LayoutRecord) -> None:
         torch.save(state, tmp)
 
 
-def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult:
+def write(path, tensors: Iterable, *, layout: str | None = None, graph=None) -> ExportResult:
     """Write ``(name, ndarray)`` pairs as a PyTorch ``state_dict`` file (``torch.save``).
 
     ``torch.save`` pickles one dict, so every tensor is held in memory until the file
@@ -121,6 +123,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
         tensors: an iterable of ``(TF name, ndarray)``; a third item, a TF dtype
             name, keeps dtypes numpy cannot name (``'qint8'``).
         layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
+        graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
+            so that layout 'torch' names them from their readable paths.
 
     Raises:
         MissingDependencyError: torch is not installed.
@@ -128,7 +132,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
     """
     check_layout(layout)
     _torch()
-    record = LayoutRecord(layout)
+    record = LayoutRecord(layout, graph=graph)
     state = collections.OrderedDict()
     permuted = []
     nbytes = 0
@@ -141,7 +145,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None) -> ExportResult
         nbytes += array.nbytes
     path = os.fspath(path)
     _save(path, state, record)
-    return ExportResult(path, "torch", len(state), nbytes, layout, tuple(permuted), tuple(record.strings))
+    return ExportResult(path, "torch", len(state), nbytes, layout, tuple(permuted), tuple(record.strings), record.kept)
 
 
 def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: bool = False) -> ExportResult:
@@ -160,7 +164,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: b
 
     check_layout(layout)
     _torch()
-    record = LayoutRecord(layout)
+    record = LayoutRecord.for_checkpoint(checkpoint, layout)
     plan = []
     for name, entry in checkpoint.entries.items():
         if entry.dtype == "string":
@@ -196,7 +200,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: b
         for handle in handles.values():
             handle.close()
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    return ExportResult(path, "torch", len(state), nbytes, layout, permuted, tuple(record.strings))
+    return ExportResult(path, "torch", len(state), nbytes, layout, permuted, tuple(record.strings), record.kept)
 
 
 class _Discard:
@@ -242,13 +246,18 @@ def load(path) -> tuple[collections.OrderedDict, LayoutRecord | None]:
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = _ANSI.sub("", str(e)).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
         raise CorruptCheckpointError(
             f"refusing to load {path!r}: it is not a plain weights file and torch.load(weights_only=True) "
             f"rejected it ({first}). Nothing in it was run; load it only if you trust its source."
         ) from None
     except _SAFE_ERRORS + (OSError,) as e:
-        raise CorruptCheckpointError(f"{path!r} is not a readable PyTorch file: {e}") from None
+        detail = _ANSI.sub("", str(e)).strip()
+        detail = f"{type(e).__name__}: {detail}" if detail and not detail.isdigit() else type(e).__name__
+        raise CorruptCheckpointError(
+            f"{path!r} is not a readable PyTorch file (neither torch.save's zip format nor its legacy one; {detail})"
+        ) from None
     if isinstance(obj, dict) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
         for key in ("state_dict", "model", "model_state_dict"):
             if isinstance(obj.get(key), dict):
