@@ -684,3 +684,9 @@ def test_a_text_file_named_pt_gets_a_readable_error(tmp_path):
     assert "not a readable PyTorch file" in message and "\x1b" not in message
     assert not message.rstrip(")").split()[-1].isdigit()  # torch's bare magic number is not the explanation
     assert _listing(tmp_path / "out") == []
+
+
+def test_layout_on_a_tf_to_tf_copy_is_refused_not_ignored(rich_checkpoint, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        convert(rich_checkpoint, str(tmp_path / "out" / "m"), to="tf", layout="torch")
+    assert _listing(tmp_path / "out") == []

@@ -393,6 +393,11 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
     fmt = source_format(src)
     if fmt == "tf":
         if to == "tf":
+            if layout is not None:
+                raise InvalidArgumentError(
+                    f"layout={layout!r} applies when writing or reading PyTorch, safetensors or npz files, "
+                    "not in a TF-to-TF copy"
+                )
             return _copy_tf(src, out, overwrite=overwrite, progress=progress)
         return export_checkpoint(src, out, format=to, layout=layout, overwrite=overwrite, progress=progress)
     if to == "tf":
