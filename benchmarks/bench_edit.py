@@ -96,6 +96,12 @@ OPERATIONS = {
         "ed = CheckpointEditor(src)\ned.save(out + '.safetensors', format='safetensors')",
         (CP_DATA, CP_DATA_SYNC),
     ),
+    "strip optimizer slots + export to safetensors": (
+        EDITOR,
+        "ed = CheckpointEditor(src)\ned.strip_optimizer_slots()\n"
+        "ed.save(out + '.safetensors', format='safetensors')",
+        (CP_KEPT_SYNC,),
+    ),
     "rename every variable + export to safetensors": (
         EDITOR,
         "ed = CheckpointEditor(src)\ned.rename_all(lambda n: 'renamed/' + n)\n"

@@ -971,16 +971,12 @@ class CheckpointEditor:
         directory = os.path.dirname(out)
         self._check_space(directory, sum(self._nbytes(it) for it in plan.values()))
         tensors = ((name, self._value(it)) for name, it in plan.items() if name != OBJECT_GRAPH_KEY)
-        unchanged = (
-            list(plan) == list(self.checkpoint)
-            and all(it.stored and it.origin == name for name, it in plan.items())
-            and OBJECT_GRAPH_KEY not in plan
-        )
+        # Only renames, deletions and subsets: the exporter copies raw shard bytes itself.
+        raw = OBJECT_GRAPH_KEY not in plan and all(it.stored for it in plan.values())
         with atomic.Staging(directory) as staging:
             tmp = staging.path(out)
-            if unchanged and hasattr(module, "write_checkpoint"):
-                # Nothing edited: the exporter copies raw shard bytes (crc checked) itself.
-                module.write_checkpoint(self.checkpoint, tmp)
+            if raw and hasattr(module, "write_checkpoint"):
+                module.write_checkpoint(self.checkpoint, tmp, names={name: it.origin for name, it in plan.items()})
             elif format == "npz":
                 module.write(tmp, tensors)
             else:

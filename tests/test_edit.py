@@ -796,3 +796,26 @@ def test_add_of_an_object_array_that_is_not_strings_fails_at_the_call(small_chec
     with pytest.raises(EditError, match="bytes or str"):
         ed.add("mixed", np.array([b"a", 3], dtype=object))
     assert ed.list() == before
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_strip_and_rename_then_export_copies_raw_bytes_without_decoding(small_checkpoint, tmp_path, monkeypatch, fmt):
+    if fmt == "torch":
+        pytest.importorskip("torch")
+    from restorekit.export import import_checkpoint
+
+    prefix, values = small_checkpoint
+    ed = CheckpointEditor(prefix)
+    ed.strip_optimizer_slots()
+    ed.rename("dense/kernel", "fc/kernel")
+    monkeypatch.setattr(CheckpointEditor, "_value", lambda self, item: pytest.fail("a tensor was decoded"))
+    out = tmp_path / f"model.{'pt' if fmt == 'torch' else fmt}"
+    ed.save(out, format=fmt)
+    monkeypatch.undo()
+    back = str(tmp_path / "back" / "m")
+    import_checkpoint(str(out), back)
+    got = read_all(back)
+    expected = {("fc/kernel" if n == "dense/kernel" else n): v for n, v in values.items() if n != "dense/kernel/Momentum"}
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert np.array_equal(got[name], value), name

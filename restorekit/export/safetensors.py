@@ -222,8 +222,13 @@ def _rewrite(tmp: str, header: bytes, data_start: int, size: int) -> None:
             remaining -= len(chunk)
 
 
-def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: dict | None = None, progress: bool = False) -> ExportResult:
+def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: dict | None = None,
+                     progress: bool = False, names: dict | None = None) -> ExportResult:
     """Write every tensor of a TF checkpoint to ``path``, copying raw shard bytes where possible.
+
+    ``names`` (``{TF name in the output: checkpoint entry}``, in output order) exports
+    a renamed subset the same way: ``CheckpointEditor`` passes it after renames and
+    deletions, so stripping optimizer slots and exporting still copies raw bytes.
 
     The header is built from the index first; then each numeric tensor that needs no
     permutation is copied from its data shard in large chunks, crc32c checked on the
@@ -240,12 +245,13 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
     plan = []  # (name, out, st_dtype, out_shape, perm, raw entry or None, nbytes)
     local = not files.is_remote(checkpoint.prefix)  # remote shards are read through tf.io.gfile
     offset = 0
-    for name, entry in checkpoint.entries.items():
+    for name, source in names.items() if names is not None else ((n, n) for n in checkpoint.entries):
+        entry = checkpoint.entries[source]
         if entry.dtype == "string":
-            record.add_string(name, checkpoint.read(name))
+            record.add_string(name, checkpoint.read(source))
             continue
         if entry.dtype not in _TO_ST and entry.dtype not in STORED_AS and entry.dtype != "complex128":
-            raise InvalidArgumentError(f"checkpoint entry {name!r} has dtype {entry.dtype!r}, which safetensors cannot hold")
+            raise InvalidArgumentError(f"checkpoint entry {source!r} has dtype {entry.dtype!r}, which safetensors cannot hold")
         out, perm = record.plan(name, entry.shape)
         shape = tuple(entry.shape[i] for i in perm) if perm is not None else tuple(entry.shape)
         if entry.dtype in _TO_ST:
@@ -256,8 +262,8 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
         else:
             st_dtype, shape = "F64", shape + (2,)
             record.note_dtype(out, entry.dtype)
-        raw = None if perm is not None or not local or checkpoint.is_partitioned(name) else checkpoint.bundle_entry(name)
-        plan.append((name, out, st_dtype, shape, perm, raw, entry.nbytes))
+        raw = None if perm is not None or not local or checkpoint.is_partitioned(source) else checkpoint.bundle_entry(source)
+        plan.append((source, out, st_dtype, shape, perm, raw, entry.nbytes))
     _check_strings(record)
     # The header lists tensors in name order; the data section holds them in the order
     # of their bytes in the shards, so an unedited shard is one run that the kernel

@@ -148,8 +148,11 @@ def write(path, tensors: Iterable, *, layout: str | None = None, graph=None) -> 
     return ExportResult(path, "torch", len(state), nbytes, layout, tuple(permuted), tuple(record.strings), record.kept)
 
 
-def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: bool = False) -> ExportResult:
+def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: bool = False,
+                     names: dict | None = None) -> ExportResult:
     """Write every tensor of a TF checkpoint as a ``state_dict`` file.
+
+    ``names``: as in ``safetensors.write_checkpoint`` (a renamed subset, in order).
 
     Tensors that need no permutation are memory-mapped from the data shards (after a
     crc32c check), so ``torch.save`` reads them from the page cache instead of
@@ -166,16 +169,17 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: b
     _torch()
     record = LayoutRecord.for_checkpoint(checkpoint, layout)
     plan = []
-    for name, entry in checkpoint.entries.items():
+    for name, source in names.items() if names is not None else ((n, n) for n in checkpoint.entries):
+        entry = checkpoint.entries[source]
         if entry.dtype == "string":
-            record.add_string(name, checkpoint.read(name))
+            record.add_string(name, checkpoint.read(source))
             continue
         if entry.dtype not in _TORCH_DTYPES and entry.dtype not in STORED_AS:
-            raise InvalidArgumentError(f"checkpoint entry {name!r} has dtype {entry.dtype!r}, which torch cannot hold")
+            raise InvalidArgumentError(f"checkpoint entry {source!r} has dtype {entry.dtype!r}, which torch cannot hold")
         out, perm = record.plan(name, entry.shape)
         if entry.dtype in STORED_AS:
             record.note_dtype(out, entry.dtype)
-        plan.append((name, out, perm))
+        plan.append((source, out, perm))
     state = collections.OrderedDict()
     handles: dict = {}
     nbytes = sum(checkpoint.entries[name].nbytes for name, _, _ in plan)
