@@ -757,31 +757,58 @@ def _make_keras_optimizer_class():
                 setattr(self, f"group_{i}", opt)
 
         @property
-        def optimizers(self) -> dict:
+        def group_optimizers(self) -> dict:
             """multiplier -> the optimizer that applies it."""
+            # Not named ``optimizers``: Keras callbacks (LearningRateScheduler,
+            # ReduceLROnPlateau) take any optimizer with that attribute for a
+            # MultiOptimizer and set each sub-optimizer's rate on its own, which would
+            # give every group the schedule's value and erase the multipliers.
             return {m: getattr(self, f"group_{i}") for i, m in enumerate(self._multiplier_list)}
 
         @property
         def learning_rates(self) -> dict:
             """multiplier -> that optimizer's current learning rate (a float)."""
-            return {m: float(keras.ops.convert_to_numpy(opt.learning_rate)) for m, opt in self.optimizers.items()}
+            return {
+                m: float(keras.ops.convert_to_numpy(opt.learning_rate)) for m, opt in self.group_optimizers.items()
+            }
 
         @property
         def learning_rate(self):
-            raise AttributeError(
-                "a grouped optimizer has one learning rate per group: read .learning_rates, "
-                "or set the learning rate of each optimizer in .optimizers"
-            )
+            """The base rate (a scalar tensor): the 1x group's rate, else the first group's rate / its multiplier."""
+            mult = 1.0 if 1.0 in self._multiplier_list else self._multiplier_list[0]
+            return keras.ops.divide(self.group_optimizers[mult].learning_rate, mult)
 
         @learning_rate.setter
         def learning_rate(self, value):
-            raise AttributeError(
-                "a grouped optimizer has one learning rate per group: set it on each optimizer in .optimizers"
-            )
+            if isinstance(value, bool) or not (
+                isinstance(value, numbers.Real) or isinstance(value, keras.Variable) or keras.ops.is_tensor(value)
+            ):
+                raise InvalidArgumentError(
+                    f"learning_rate must be a number or a scalar tensor (the base rate), got {value!r}; "
+                    "to schedule it, give each group's optimizer a schedule in optimizer_factory"
+                )
+            if isinstance(value, numbers.Real) and not (math.isfinite(value) and value >= 0):
+                raise InvalidArgumentError(f"learning_rate must be a finite number >= 0, got {value!r}")
+            optimizers = self.group_optimizers
+            # Check every group before setting any, so a refusal changes nothing.
+            scheduled = [m for m, opt in optimizers.items() if not isinstance(opt.learning_rate, keras.Variable)]
+            if scheduled:
+                which = ", ".join(f"{m:g}x" for m in scheduled)
+                raise InvalidArgumentError(
+                    f"cannot set learning_rate: the optimizer of the {which} group"
+                    f"{' has' if len(scheduled) == 1 else 's have'} a learning-rate schedule (or callable), "
+                    "whose rate cannot be set, as Keras refuses for one optimizer. Nothing was changed; "
+                    "give every group a float rate in optimizer_factory to make it settable"
+                )
+            for mult, opt in optimizers.items():
+                if isinstance(value, numbers.Real):
+                    opt.learning_rate = float(value) * mult
+                else:
+                    opt.learning_rate = keras.ops.multiply(keras.ops.cast(value, opt.learning_rate.dtype), mult)
 
         @property
         def variables(self):
-            return self._variables[:] + [v for opt in self.optimizers.values() for v in opt.variables]
+            return self._variables[:] + [v for opt in self.group_optimizers.values() for v in opt.variables]
 
         def _split(self, variables) -> dict:
             split = {m: [] for m in self._multiplier_list}
@@ -797,7 +824,7 @@ def _make_keras_optimizer_class():
             variables = list(variables)
             for mult, group_vars in self._split(variables).items():
                 if group_vars:
-                    self.optimizers[mult].build(group_vars)
+                    self.group_optimizers[mult].build(group_vars)
             super().build(variables)
 
         def apply(self, grads, trainable_variables=None):
@@ -817,7 +844,7 @@ def _make_keras_optimizer_class():
                 if mult != 0:
                     by_mult[mult][0].append(grad)
                     by_mult[mult][1].append(var)
-            optimizers = self.optimizers
+            optimizers = self.group_optimizers
             for mult, (g, v) in by_mult.items():
                 if v:
                     optimizers[mult].apply(g, v)
@@ -826,7 +853,7 @@ def _make_keras_optimizer_class():
         def finalize_variable_values(self, var_list):
             for mult, group_vars in self._split(var_list).items():
                 if group_vars:
-                    self.optimizers[mult].finalize_variable_values(group_vars)
+                    self.group_optimizers[mult].finalize_variable_values(group_vars)
 
         def get_config(self):
             raise NotImplementedError(
@@ -861,8 +888,19 @@ def grouped_keras_optimizer(optimizer_factory, groups: VariableGroups, *, name: 
     (``opt.apply(grads, model.trainable_variables)``). Its state, each group's slots
     included, saves and restores with ``tf.train.Checkpoint(optimizer=opt)``; restoring
     before the first step is fine (Keras defers it to ``build``). Clipping options
-    (``global_clipnorm``...) act per group. It has no single ``learning_rate``: read
-    ``learning_rates`` or set each of ``optimizers``. Under ``tf.distribute`` (tested
+    (``global_clipnorm``...) act per group.
+
+    ``learning_rate`` is one base rate, so ``LearningRateScheduler`` and
+    ``ReduceLROnPlateau`` work and keep the ratios between groups. Reading it gives the
+    rate of the 1x group, or with no 1x group the first group's rate divided by its
+    multiplier (a scalar tensor, as Keras gives). Assigning a number sets every group to
+    number × multiplier, so a factory whose rates do not follow the multipliers loses
+    its own ratios at the first assignment; ``ReduceLROnPlateau``'s ``min_lr`` bounds the
+    base rate. If any group's optimizer has a ``LearningRateSchedule``, assigning
+    raises and changes nothing, as Keras raises for one optimizer with a schedule.
+    ``learning_rates`` reads each group's rate and ``group_optimizers`` holds the
+    optimizers by multiplier (not named ``optimizers``: Keras callbacks would take that
+    for a ``MultiOptimizer`` and set each group on its own). Under ``tf.distribute`` (tested
     with MirroredStrategy), create it inside ``strategy.scope()`` as any Keras optimizer,
     and in a custom ``strategy.run`` step call ``opt.build(model.trainable_variables)``
     in the scope first.
@@ -876,7 +914,9 @@ def grouped_keras_optimizer(optimizer_factory, groups: VariableGroups, *, name: 
         A ``restorekit.finetune.KerasGroupedOptimizer`` (a ``keras.optimizers.Optimizer``).
 
     Raises:
-        InvalidArgumentError: the factory returns no Keras optimizer, or one twice.
+        InvalidArgumentError: the factory returns no Keras optimizer, or one twice; on
+            assigning ``learning_rate``, a value that is not a number >= 0 or a scalar
+            tensor, or a group whose optimizer has a schedule.
         GroupError: at build or apply, a variable the groups do not know.
         MissingDependencyError: Keras 2 is installed instead of Keras 3.
 

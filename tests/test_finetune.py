@@ -475,8 +475,6 @@ def test_keras_fit_freezes_and_scales_per_group():
                             "net/head/kernel", "net/head/bias")
     opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups)
     assert opt.learning_rates == pytest.approx({10.0: 0.1, 1.0: 0.01})
-    with pytest.raises(AttributeError, match="learning_rates"):
-        opt.learning_rate
     model.compile(opt, "mse")
     before = [v.numpy() for v in model.trainable_variables]
     x = np.random.RandomState(0).rand(32, 4).astype(np.float32)
@@ -485,7 +483,7 @@ def test_keras_fit_freezes_and_scales_per_group():
     assert before[0].tobytes() == after[0].tobytes() and before[1].tobytes() == after[1].tobytes()
     assert all(not np.array_equal(b, a) for b, a in zip(before[2:], after[2:]))
     assert int(opt.iterations.numpy()) == 8
-    assert [int(o.iterations.numpy()) for o in opt.optimizers.values()] == [8, 8]
+    assert [int(o.iterations.numpy()) for o in opt.group_optimizers.values()] == [8, 8]
 
 
 def test_keras_custom_step_applies_each_group_learning_rate():
@@ -532,8 +530,8 @@ def test_keras_optimizer_state_round_trips_with_tf_train_checkpoint(tmp_path):
     for a, b in zip(saved, restored):
         assert a.shape == b.shape
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
-    assert int(opt2.optimizers[10.0].iterations.numpy()) == 4
-    assert np.abs(opt2.optimizers[10.0].variables[2].numpy()).sum() > 0
+    assert int(opt2.group_optimizers[10.0].iterations.numpy()) == 4
+    assert np.abs(opt2.group_optimizers[10.0].variables[2].numpy()).sum() > 0
 
 
 def test_keras_unknown_variable_is_a_group_error():
@@ -547,6 +545,113 @@ def test_keras_unknown_variable_is_a_group_error():
         opt.build(other.trainable_variables)
     with pytest.raises(InvalidArgumentError, match="not a Keras optimizer"):
         grouped_keras_optimizer(lambda m: tf1.train.GradientDescentOptimizer(m), groups)
+
+
+# ---------------------------------------------------------------- Keras 3: one base learning rate
+
+
+def _fit_with_callback(model, opt, callback, epochs):
+    """Fit the _keras_model on a fixed problem with one callback; the History of the fit."""
+    model.compile(opt, "mse")
+    x = np.random.RandomState(0).rand(32, 4).astype(np.float32)
+    return model.fit(x, x.sum(axis=1, keepdims=True), epochs=epochs, batch_size=8, verbose=0, callbacks=[callback])
+
+
+def test_keras_learning_rate_scheduler_sets_each_group_to_the_schedule_times_its_multiplier():
+    import keras
+
+    model = _keras_model()
+    groups = group_variables({"net/body": 0, "net/head": 10.0}, model)
+    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups)
+    body = [v.numpy().tobytes() for v in model.get_layer("body").weights]
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5**epoch)
+    history = _fit_with_callback(model, opt, schedule, epochs=2)
+    # The callback logs the base rate it reads back at the end of each epoch.
+    assert history.history["learning_rate"] == pytest.approx([0.1, 0.05])
+    assert opt.learning_rates == pytest.approx({10.0: 0.5, 1.0: 0.05})
+    assert [v.numpy().tobytes() for v in model.get_layer("body").weights] == body
+    assert int(opt.iterations.numpy()) == 8
+
+
+def test_keras_reduce_lr_on_plateau_reduces_every_group_by_the_factor():
+    import keras
+
+    model = _keras_model()
+    groups = group_variables({"net/body": 0, "net/head": 10.0}, model, default=0.1)
+    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups)
+    # No loss improves by 1e9: every epoch after the first one reduces.
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9)
+    history = _fit_with_callback(model, opt, plateau, epochs=3)
+    assert history.history["learning_rate"] == pytest.approx([0.01, 0.01, 0.005])
+    assert opt.learning_rates == pytest.approx({10.0: 0.025, 0.1: 0.00025})
+
+
+@pytest.mark.parametrize(
+    "default, factory_rates, base",
+    [(1.0, {10.0: 0.3, 1.0: 0.01}, 0.01), (0.1, {10.0: 0.2, 0.1: 0.05}, 0.02)],
+    # The factory's rates do not follow the multipliers, so the base shows which group it comes from.
+    ids=["is-the-1x-group-rate", "without-a-1x-group-is-the-first-group-rate-over-its-multiplier"],
+)
+def test_keras_learning_rate_base(default, factory_rates, base):
+    import keras
+
+    model = _keras_model()
+    groups = group_variables({"net/body": 0, "net/head": 10.0}, model, default=default)
+    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(factory_rates[m]), groups)
+    assert float(keras.ops.convert_to_numpy(opt.learning_rate)) == pytest.approx(base)
+
+    opt.learning_rate = 0.02
+    assert float(keras.ops.convert_to_numpy(opt.learning_rate)) == pytest.approx(0.02)
+    assert opt.learning_rates == pytest.approx({10.0: 0.2, default: 0.02 * default})
+    # The next step uses the new rates.
+    x = np.ones((2, 4), np.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    before = [v.numpy() for v in model.trainable_variables]
+    opt.apply(grads, model.trainable_variables)
+    for v, b, g, m in zip(model.trainable_variables, before, grads, [0, 0, default, default, 10, 10]):
+        np.testing.assert_allclose(v.numpy(), b - 0.02 * m * g.numpy(), rtol=1e-5, atol=1e-7)
+
+    opt.learning_rate = tf.constant(0.04, tf.float64)  # a tensor is scaled as well
+    assert opt.learning_rates == pytest.approx({10.0: 0.4, default: 0.04 * default})
+
+
+def test_keras_learning_rate_cannot_be_set_when_a_group_has_a_schedule():
+    import keras
+
+    model = _keras_model()
+    groups = group_variables({"net/body": 0, "net/head": 10.0}, model)
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(decay if m == 10.0 else 0.01), groups)
+    assert float(keras.ops.convert_to_numpy(opt.learning_rate)) == pytest.approx(0.01)  # reading works
+    with pytest.raises(InvalidArgumentError, match=r"the 10x group has a learning-rate schedule.*Nothing was changed"):
+        opt.learning_rate = 0.5
+    assert opt.learning_rates == pytest.approx({10.0: 0.1, 1.0: 0.01})
+    # Keras callbacks meet the same error, before the first step.
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1)
+    with pytest.raises(InvalidArgumentError, match="10x group has a learning-rate schedule"):
+        _fit_with_callback(model, opt, schedule, epochs=1)
+    assert opt.learning_rates == pytest.approx({10.0: 0.1, 1.0: 0.01})
+    assert int(opt.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("case", ["negative", "nan", "a-schedule", "a-string"])
+def test_keras_learning_rate_rejects_a_bad_value_and_changes_nothing(case):
+    import keras
+
+    value = {
+        "negative": -0.1,
+        "nan": float("nan"),
+        "a-schedule": keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5),
+        "a-string": "0.1",
+    }[case]
+    model = _keras_model()
+    groups = group_variables({"net/body": 0, "net/head": 10.0}, model)
+    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups)
+    with pytest.raises(InvalidArgumentError, match="learning_rate must be"):
+        opt.learning_rate = value
+    assert opt.learning_rates == pytest.approx({10.0: 0.1, 1.0: 0.01})
 
 
 def test_grouped_optimizer_drives_tf_slim_create_train_op():
@@ -628,7 +733,7 @@ def test_keras_fit_under_mirrored_strategy_matches_one_step_on_the_global_batch(
     _assert_every_replica_took_the_step(strategy, model, initial, expected)
     # One step in all: not one per replica, and not one per group optimizer on the wrapper.
     assert int(opt.iterations.numpy()) == 1
-    assert [int(o.iterations.numpy()) for o in opt.optimizers.values()] == [1, 1]
+    assert [int(o.iterations.numpy()) for o in opt.group_optimizers.values()] == [1, 1]
 
 
 @pytest.mark.parametrize(
@@ -656,4 +761,4 @@ def test_keras_custom_step_under_mirrored_strategy_matches_one_step_on_the_globa
     tf.function(lambda a, b: strategy.run(replica_step, args=(a, b)))(x_batch, y_batch)
     _assert_every_replica_took_the_step(strategy, model, initial, expected)
     assert int(opt.iterations.numpy()) == 1
-    assert [int(o.iterations.numpy()) for o in opt.optimizers.values()] == [1, 1]
+    assert [int(o.iterations.numpy()) for o in opt.group_optimizers.values()] == [1, 1]
