@@ -178,17 +178,22 @@ class RestoreReport:
         ema = Counter(r.reason.split(":")[0] for r in self.matched if r.reason)
         row("matched", self.matched, ", ".join(f"{n} via {k}" for k, n in ema.items()))
         row("missing", self.missing, listing(self.missing))
+        def source(r) -> str:  # the entry's name, when it is not the variable's own
+            name = r.checkpoint_path or r.checkpoint_name
+            return "" if name == r.variable_name else f"{name} "
+
         mismatched = [
-            f"{r.variable_name} (checkpoint {format_shape(r.checkpoint_shape)}, model {format_shape(r.shape)})"
+            f"{r.variable_name} (checkpoint {source(r)}{format_shape(r.checkpoint_shape)}, model {format_shape(r.shape)})"
             for r in self.shape_mismatched
         ] + [
-            f"{r.variable_name} (checkpoint {r.checkpoint_dtype}, model {r.dtype})" for r in self.dtype_mismatched
+            f"{r.variable_name} (checkpoint {source(r)}{r.checkpoint_dtype}, model {r.dtype})"
+            for r in self.dtype_mismatched
         ]
         text = ", ".join(mismatched[:4]) + (f", ... and {len(mismatched) - 4} more" if len(mismatched) > 4 else "")
         row("mismatched", tuple(self.shape_mismatched) + tuple(self.dtype_mismatched), text)
         # a name skipped on both sides (the variable and its checkpoint entry) counts once
         reasons = Counter(reason for reason, _ in {(r.reason, r.variable_name or r.checkpoint_name) for r in self.skipped})
-        row("skipped", self.skipped, ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common()))
+        row("skipped", range(sum(reasons.values())), ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common()))
         row("unused", self.unused, listing(self.unused))
         lines.extend(f"  hint: {h}" for h in self.hints[:8])
         if len(self.hints) > 8:

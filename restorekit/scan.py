@@ -175,6 +175,19 @@ def _hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[str, ..
 
 # ------------------------------------------------------------------ scan
 
+def _names_beat_positions(graph_keys: dict, variable_names: list, object_paths: dict) -> dict:
+    """Drop object-graph pairings that hand a variable the entry another variable is named after.
+
+    Keras 3 saves layers and the optimizer's variables as numbered lists, so with a
+    layer inserted the object graph pairs by position: a new ``extra/kernel`` gets
+    the entry saved as ``head/kernel`` while the model's own ``head/kernel`` is right
+    there. Names are the stronger evidence; the displaced variable is then matched
+    by its own path, or reported missing.
+    """
+    named = {object_paths[n]: n for n in variable_names if n in object_paths}
+    return {name: key for name, key in graph_keys.items() if named.get(key, name) == name}
+
+
 def _shapes_fit(model_shape, checkpoint_shape) -> bool:
     if model_shape is None:
         return True
@@ -283,6 +296,8 @@ def scan(
     if ckpt.is_object_based and match != "path" and assignment_map is None and tf2.is_trackable(variables):
         by_id = tf2.object_graph_keys(variables, ckpt.object_graph, [t.handle for t in targets])
         graph_keys = {t.variable_name: by_id[id(t.handle)] for t in targets if id(t.handle) in by_id}
+        if match == "auto":
+            graph_keys = _names_beat_positions(graph_keys, [t.variable_name for t in targets], object_paths)
     if match == "object_graph" and not graph_keys:
         raise NoMatchError(
             f"match='object_graph' found none of the {len(targets)} variables in the object graph of "
@@ -291,6 +306,8 @@ def scan(
 
     matched, missing, shape_mm, dtype_mm, skipped = [], [], [], [], []
     taken: set[str] = set()
+    owner: dict[str, str] = {}  # checkpoint key -> the variable it restores
+    shared: list[tuple[str, str, str]] = []
     raw_replaced: set[str] = set()
     handles: dict[str, object] = {}
     applied: dict[str, object] = {}
@@ -335,6 +352,13 @@ def scan(
         if entry is None:
             missing.append(Record(name, ckpt_name, t.shape, t.dtype))
             continue
+        if assignment_map is None and ckpt_name in owner:
+            # Found automatically for two variables: the first keeps it (an
+            # assignment_map can still share one entry on purpose).
+            missing.append(Record(name, ckpt_name, t.shape, t.dtype))
+            shared.append((name, owner[ckpt_name], ckpt_name))
+            continue
+        owner[ckpt_name] = name
         taken.add(ckpt_name)
         record = Record(
             name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason, _readable(ckpt, ckpt_name)
@@ -395,7 +419,11 @@ def scan(
         dtype_mismatched=tuple(dtype_mm),
         skipped=tuple(skipped),
         unused=tuple(unused),
-        hints=_hints(missing, shape_mm, dtype_mm, unused),
+        hints=_hints(missing, shape_mm, dtype_mm, unused) + tuple(
+            f"{name!r} and {first!r} both match checkpoint entry {_readable(ckpt, key) or key!r}; {first!r} restores "
+            f"from it and {name!r} is left to its initializer (an assignment_map can give one entry to both)."
+            for name, first, key in shared
+        ),
         _handles=handles,
         _policies=applied,
     )

@@ -376,3 +376,60 @@ def test_rules_with_bad_synonyms_are_invalid_arguments(synonyms):
 
 def test_a_single_synonym_string_is_one_alternative_not_its_letters():
     assert tf2.Rules(synonyms={"kernel": "weights"}).synonyms == {"kernel": ("weights",)}
+
+
+# ------------------------------------------------------------------ an inserted layer: names beat positions
+
+@pytest.fixture
+def head_checkpoint(tmp_path):
+    """body -> head (Dense 5 -> Dense 5), with SGD state, saved by tf.train.Checkpoint."""
+    model = functional((5, 5), names=["body", "head"])
+    optimizer = keras.optimizers.SGD(momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "heads" / "ckpt"))
+    return prefix, values_of(model.variables)
+
+
+def test_an_inserted_layer_is_missing_and_never_takes_the_heads_weights(head_checkpoint):
+    prefix, saved = head_checkpoint
+    new = functional((5, 5, 5), names=["body", "extra", "head"])  # same shapes, so positions would fit
+    fresh = values_of(new.variables)
+    report = scan(prefix, new)
+    assert sorted(r.variable_name for r in report.missing) == ["extra/bias", "extra/kernel"]
+    assert {r.variable_name: r.checkpoint_path for r in report.matched} == {
+        n: n for n in ("body/kernel", "body/bias", "head/kernel", "head/bias")}
+    assert not report.is_complete
+    tf2.restore(report)
+    got = values_of(new.variables)
+    for name in ("body/kernel", "body/bias", "head/kernel", "head/bias"):
+        np.testing.assert_array_equal(got[name], saved[name])
+    for name in ("extra/kernel", "extra/bias"):
+        np.testing.assert_array_equal(got[name], fresh[name])  # its own initializer, not the old head
+
+
+def test_one_entry_found_for_two_variables_restores_only_the_first_and_says_so(head_checkpoint, monkeypatch):
+    prefix, saved = head_checkpoint
+    new = functional((5, 5), names=["body", "copy"])
+    real = tf2.object_graph_keys
+
+    body_key = Checkpoint(prefix).object_paths["body/kernel"]
+    copy_kernel = new.get_layer("copy").kernel
+
+    def both_on_body(root, graph, variables):  # an object graph that pairs two layers with one
+        keys = real(root, graph, variables)
+        return {**keys, id(copy_kernel): body_key, id(tf2.tf_variable(copy_kernel)): body_key}
+
+    monkeypatch.setattr(tf2, "object_graph_keys", both_on_body)
+    report = scan(prefix, new, match="object_graph")
+    keys = [r.checkpoint_name for r in report.matched]
+    assert len(keys) == len(set(keys))  # no entry feeds two variables
+    assert "copy/kernel" in [r.variable_name for r in report.missing]
+    assert any("'copy/kernel' and 'body/kernel' both match" in h for h in report.hints)
+
+
+def test_mismatch_line_names_the_entry_when_it_is_not_the_variables_own(tmp_path):
+    old = functional((3, 5), names=["body", "head"])
+    prefix = tf.train.Checkpoint(model=old).save(str(tmp_path / "ckpt"))
+    new = functional((3, 7), names=["trunk", "top"])  # other names, same structure: object graph pairs them
+    report = scan(prefix, new)
+    assert "top/kernel (checkpoint head/kernel [3, 5], model [3, 7])" in str(report)
