@@ -150,6 +150,22 @@ class CheckpointEditor:
                 self._items[name] = _Item(origin=name, dtype=entry.dtype, shape=tuple(entry.shape))
         return self._items
 
+    def _key(self, name):
+        """``name``, or in a TF2 checkpoint the key its readable path ``name`` is stored under.
+
+        Keras 3 keys often name no layer (``optimizer/_trainable_variables/0/.ATTRIBUTES/
+        VARIABLE_VALUE``); ``set('fc1/kernel', ...)`` means the entry ``Checkpoint.
+        object_paths`` gives for that path, as long as it has not been renamed.
+        """
+        if isinstance(name, str) and name not in self._plan:
+            try:
+                key = self.checkpoint.object_paths.get(name)
+            except CorruptCheckpointError:  # an unreadable object graph: raw keys only
+                return name
+            if key is not None and key in self._plan:
+                return key
+        return name
+
     def _item(self, name: str) -> _Item:
         plan = self._plan
         if not isinstance(name, str) or name not in plan:
@@ -169,8 +185,8 @@ class CheckpointEditor:
         patterns = [pattern] if isinstance(pattern, str) or hasattr(pattern, "pattern") else list(pattern)
         found: list[str] = []
         for p in patterns:
-            if isinstance(p, str) and p in self._plan:
-                hits = [p]
+            if isinstance(p, str) and self._key(p) in self._plan:
+                hits = [self._key(p)]
             else:
                 hits = [n for n in self._plan if matches(p, n)]
             if not hits:
@@ -214,6 +230,7 @@ class CheckpointEditor:
             NoMatchError: no such entry.
             CorruptCheckpointError: the source bytes are truncated or fail their crc32c.
         """
+        name = self._key(name)
         item = self._item(name)
         value = self._value(item)
         # A value given to set/add is returned as a copy, so editing it changes nothing queued.
@@ -384,6 +401,7 @@ class CheckpointEditor:
             NoMatchError: ``old`` does not exist.
             NameCollisionError: ``new`` already exists.
         """
+        old = self._key(old)
         self._item(old)
         if new == old:
             return
@@ -443,6 +461,7 @@ class CheckpointEditor:
             NoMatchError: unknown name.
             EditError: wrong shape, dtype or index.
         """
+        name = self._key(name)
         item = self._item(name)
         if index is None:
             array = self._coerce(name, value, item.dtype, allow_dtype_change=allow_dtype_change)
@@ -485,6 +504,7 @@ class CheckpointEditor:
         Raises:
             EditError: lengths differ, a row is out of range, or the tensor is a scalar.
         """
+        name = self._key(name)
         item = self._item(name)
         if not item.shape:
             raise EditError(f"{name!r} is a scalar; it has no rows")
@@ -547,6 +567,7 @@ class CheckpointEditor:
         """
         if isinstance(names, str) or not names:
             raise EditError(f"concat takes a non-empty list of names, got {names!r}")
+        names = [self._key(n) for n in names]
         items = [self._item(n) for n in names]
         self._check_new_name(new_name)
         dtypes = {it.dtype for it in items}

@@ -819,3 +819,30 @@ def test_strip_and_rename_then_export_copies_raw_bytes_without_decoding(small_ch
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert np.array_equal(got[name], value), name
+
+
+def test_tf2_keras_entries_are_edited_by_their_readable_paths(tmp_path):
+    import keras
+
+    inp = keras.Input((4,))
+    model = keras.Model(inp, keras.layers.Dense(3, name="head")(keras.layers.Dense(5, name="body")(inp)))
+    optimizer = keras.optimizers.SGD(momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "k" / "ckpt"))
+    ckpt = Checkpoint(prefix)
+    assert "head/kernel" not in ckpt.entries  # Keras 3 keys name no layer
+    slot = next(p for p in ckpt.object_paths if p.startswith("optimizer/") and p.endswith("head_kernel_momentum"))
+    ed = CheckpointEditor(prefix)
+    np.testing.assert_array_equal(ed.get("body/kernel"), model.get_layer("body").kernel.numpy())
+    ed.set("head/kernel", np.zeros((5, 3), np.float32))
+    ed.copy_rows("body/kernel", [0], [1])
+    assert ed.delete(slot) == [ckpt.object_paths[slot]]
+    out = ed.save(tmp_path / "out" / "ckpt")
+    inp = keras.Input((4,))
+    fresh = keras.Model(inp, keras.layers.Dense(3, name="head")(keras.layers.Dense(5, name="body")(inp)))
+    tf.train.Checkpoint(model=fresh).restore(out).expect_partial()
+    np.testing.assert_array_equal(fresh.get_layer("head").kernel.numpy(), np.zeros((5, 3)))
+    body = model.get_layer("body").kernel.numpy()
+    body[1] = body[0]
+    np.testing.assert_array_equal(fresh.get_layer("body").kernel.numpy(), body)
+    assert ckpt.object_paths[slot] not in Checkpoint(out).entries
