@@ -175,7 +175,27 @@ def _hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[str, ..
 
 # ------------------------------------------------------------------ scan
 
-def _names_beat_positions(graph_keys: dict, variable_names: list, object_paths: dict) -> dict:
+def _same(name: str) -> str:
+    return name
+
+
+def _model_scope(object_paths, variable_names: list):
+    """Map a variable path into the checkpoint's model scope when only that scope differs.
+
+    A Keras Sequential puts its own name first in every path, and Keras numbers auto
+    names per process: the checkpoint says ``sequential/head/kernel``, this model
+    ``sequential_9/head/kernel``. When each side has a single, different first
+    component (optimizer state aside), ``sequential_9/...`` is looked up as ``sequential/...``.
+    """
+    saved = {p.split("/", 1)[0] for p in object_paths if "/" in p and not p.startswith("optimizer/")}
+    live = {n.split("/", 1)[0] for n in variable_names if "/" in n}
+    if len(saved) != 1 or len(live) != 1 or saved == live or len(variable_names) != sum("/" in n for n in variable_names):
+        return _same
+    (old,), (new,) = saved, live
+    return lambda name: old + name[len(new):] if name.startswith(new + "/") else name
+
+
+def _names_beat_positions(graph_keys: dict, variable_names: list, object_paths: dict, rescope=_same) -> dict:
     """Drop object-graph pairings that hand a variable the entry another variable is named after.
 
     Keras 3 saves layers and the optimizer's variables as numbered lists, so with a
@@ -184,7 +204,11 @@ def _names_beat_positions(graph_keys: dict, variable_names: list, object_paths: 
     there. Names are the stronger evidence; the displaced variable is then matched
     by its own path, or reported missing.
     """
-    named = {object_paths[n]: n for n in variable_names if n in object_paths}
+    named = {}
+    for n in variable_names:
+        key = object_paths.get(n) or object_paths.get(rescope(n))
+        if key is not None:
+            named[key] = n
     return {name: key for name, key in graph_keys.items() if named.get(key, name) == name}
 
 
@@ -292,12 +316,13 @@ def scan(
             [t.variable_name for t in targets], list(object_paths) if object_paths else list(entries)
         )
     lookup = _mapper(assignment_map, targets, ckpt)
+    rescope = _model_scope(object_paths, [t.variable_name for t in targets]) if object_paths else _same
     graph_keys: dict[str, str] = {}
     if ckpt.is_object_based and match != "path" and assignment_map is None and tf2.is_trackable(variables):
         by_id = tf2.object_graph_keys(variables, ckpt.object_graph, [t.handle for t in targets])
         graph_keys = {t.variable_name: by_id[id(t.handle)] for t in targets if id(t.handle) in by_id}
         if match == "auto":
-            graph_keys = _names_beat_positions(graph_keys, [t.variable_name for t in targets], object_paths)
+            graph_keys = _names_beat_positions(graph_keys, [t.variable_name for t in targets], object_paths, rescope)
     if match == "object_graph" and not graph_keys:
         raise NoMatchError(
             f"match='object_graph' found none of the {len(targets)} variables in the object graph of "
@@ -336,7 +361,7 @@ def scan(
             if name in graph_keys:
                 ckpt_name = graph_keys[name]
             elif match != "object_graph" and ckpt_name not in entries:
-                ckpt_name = object_paths.get(ckpt_name, ckpt_name)
+                ckpt_name = object_paths.get(ckpt_name) or object_paths.get(rescope(ckpt_name), ckpt_name)
         if ckpt_name is None:
             skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
             continue

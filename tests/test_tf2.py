@@ -433,3 +433,19 @@ def test_mismatch_line_names_the_entry_when_it_is_not_the_variables_own(tmp_path
     new = functional((3, 7), names=["trunk", "top"])  # other names, same structure: object graph pairs them
     report = scan(prefix, new)
     assert "top/kernel (checkpoint head/kernel [3, 5], model [3, 7])" in str(report)
+
+
+@pytest.mark.parametrize("model_name", ["net", "net_9"], ids=["same-model-name", "renumbered-model-name"])
+def test_sequential_with_an_inserted_layer_restores_the_same_under_any_model_name(tmp_path, model_name):
+    def sequential(name, layers):
+        model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(n, name=ln) for ln, n in layers], name=name)
+        return model
+
+    old = sequential("net", [("body", 6), ("head", 6)])
+    prefix = tf.train.Checkpoint(model=old).save(str(tmp_path / "seq" / "ckpt"))
+    new = sequential(model_name, [("body", 6), ("extra", 6), ("head", 6)])
+    report = scan(prefix, new)
+    assert sorted(r.variable_name for r in report.missing) == [f"{model_name}/extra/bias", f"{model_name}/extra/kernel"]
+    tf2.restore(report)
+    np.testing.assert_array_equal(new.get_layer("head").kernel.numpy(), old.get_layer("head").kernel.numpy())
+    np.testing.assert_array_equal(new.get_layer("body").kernel.numpy(), old.get_layer("body").kernel.numpy())
