@@ -690,3 +690,33 @@ def test_layout_on_a_tf_to_tf_copy_is_refused_not_ignored(rich_checkpoint, tmp_p
     with pytest.raises(InvalidArgumentError, match="layout"):
         convert(rich_checkpoint, str(tmp_path / "out" / "m"), to="tf", layout="torch")
     assert _listing(tmp_path / "out") == []
+
+
+def test_foreign_embedding_tables_come_back_untransposed_as_embeddings(tmp_path):
+    from safetensors.numpy import save_file
+
+    rng = np.random.RandomState(8)
+    tensors = {
+        "bert.embeddings.word_embeddings.weight": rng.randn(50, 8).astype(np.float32),
+        "model.embed_tokens.weight": rng.randn(40, 8).astype(np.float32),
+        "transformer.wte.weight": rng.randn(30, 8).astype(np.float32),
+        "proj.weight": rng.randn(3, 8).astype(np.float32),  # a Linear without bias: still a kernel
+        "embed_proj.weight": rng.randn(4, 8).astype(np.float32),
+        "embed_proj.bias": rng.randn(4).astype(np.float32),  # has a bias: a Linear, whatever its name
+    }
+    save_file(tensors, str(tmp_path / "lm.safetensors"))
+    import_checkpoint(tmp_path / "lm.safetensors", tmp_path / "tf", layout="torch")
+    ckpt = Checkpoint(tmp_path / "tf")
+    np.testing.assert_array_equal(ckpt.read("bert/embeddings/word_embeddings/embeddings"),
+                                  tensors["bert.embeddings.word_embeddings.weight"])
+    np.testing.assert_array_equal(ckpt.read("model/embed_tokens/embeddings"), tensors["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(ckpt.read("transformer/wte/embeddings"), tensors["transformer.wte.weight"])
+    np.testing.assert_array_equal(ckpt.read("proj/kernel"), tensors["proj.weight"].T)
+    np.testing.assert_array_equal(ckpt.read("embed_proj/kernel"), tensors["embed_proj.weight"].T)
+    back = tmp_path / "back.safetensors"
+    export_checkpoint(str(tmp_path / "tf"), str(back), layout="torch")
+    from safetensors.numpy import load_file
+
+    again = load_file(str(back))
+    for name, value in tensors.items():  # the round trip restores the file's own names and axes
+        np.testing.assert_array_equal(again[name], value)

@@ -268,8 +268,12 @@ def guess_tf_names(shapes: dict) -> LayoutRecord:
     Rules, by name and rank: ``.`` -> ``/``; ``weight`` of rank >= 2 -> ``kernel`` with
     the inverse kernel permutation; ``weight`` of rank 1 -> ``gamma``, and its sibling
     ``bias`` -> ``beta``; ``running_mean``/``running_var`` -> ``moving_mean``/
-    ``moving_variance``. Embedding tables (``weight`` of an ``nn.Embedding``) cannot be
-    told from Dense weights and come back transposed as ``kernel``: rename them after.
+    ``moving_variance``. A rank-2 ``weight`` without a ``bias`` whose module is named
+    like an embedding (``word_embeddings``, ``embed_tokens``, ``wte``, ``wpe``,
+    ``shared``) is a table: it becomes ``embeddings``, untransposed, as Keras names it.
+    Other embedding tables cannot be told from Dense weights and come back transposed
+    as ``kernel``: rename them after. Depthwise convolutions (``groups`` > 1) cannot be
+    told from their weights either.
 
     Args:
         shapes: stored name -> shape, for every tensor in the file.
@@ -280,12 +284,15 @@ def guess_tf_names(shapes: dict) -> LayoutRecord:
     record = LayoutRecord(layout="torch")
     norm_scopes = {n.rpartition(".")[0] for n, s in shapes.items() if n.endswith("weight") and len(s) == 1}
     norm_scopes |= {n.rpartition(".")[0] for n in shapes if n.endswith(("running_mean", "running_var"))}
+    with_bias = {n.rpartition(".")[0] for n in shapes if n.endswith("bias")}
     owners: dict[str, str] = {}
     for stored, shape in shapes.items():
         scope, _, leaf = stored.rpartition(".")
         perm = None
         if leaf == "weight":
-            if len(shape) >= 2 and len(shape) in _KERNEL_PERMS:
+            if len(shape) == 2 and scope not in with_bias and _is_embedding(scope):
+                leaf = "embeddings"
+            elif len(shape) >= 2 and len(shape) in _KERNEL_PERMS:
                 leaf, perm = "kernel", _KERNEL_PERMS[len(shape)]
             elif len(shape) == 1:
                 leaf = "gamma"
@@ -299,6 +306,11 @@ def guess_tf_names(shapes: dict) -> LayoutRecord:
         owners[name] = stored
         record.note_tensor(stored, name, perm)
     return record
+
+
+def _is_embedding(scope: str) -> bool:
+    module = scope.rpartition(".")[2].lower()
+    return "embed" in module or module in ("wte", "wpe", "shared")
 
 
 # TF dtypes a file format stores as another dtype; the record names the TF one.
