@@ -132,10 +132,18 @@ _SYNONYMS = {"biases": "bias", "weights": "kernel", "gamma": "scale", "embedding
 _UNIQUIFIED = re.compile(r"_\d+$")
 
 
+# batch norm scopes: tf-slim 'conv1/BatchNorm/...', Keras 'conv1_bn/...' or 'batch_normalization'
+_BATCH_NORM = re.compile(r"^(?:(?P<base>.+?)_)?(?:bn|batchnorm|batch_norm|batch_normalization)$", re.IGNORECASE)
+
+
 def _canonical(name: str) -> str:
     parts = []
     for part in name.split("/"):
         part = _UNIQUIFIED.sub("", part)
+        bn = _BATCH_NORM.match(part)
+        if bn:
+            parts += [bn.group("base"), "bn"] if bn.group("base") else ["bn"]
+            continue
         parts.append(_SYNONYMS.get(part, part))
     return "/".join(parts)
 

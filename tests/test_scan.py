@@ -329,3 +329,17 @@ def test_report_counts_a_name_skipped_on_both_sides_once(tmp_path):
         report = scan(prefix)
     assert len([r for r in report.skipped if r.reason == "global_step"]) == 2  # the variable and the entry
     assert "global_step (1)" in str(report)
+
+
+def test_keras_batch_norm_names_get_a_hint_towards_slim_batchnorm_entries(tmp_path):
+    values = {"conv1/weights": np.ones((3, 3, 1, 2), np.float32), "conv1/BatchNorm/gamma": np.ones(2, np.float32),
+              "conv1/BatchNorm/moving_mean": np.zeros(2, np.float32)}
+    prefix = save_variables(tmp_path / "slim" / "m", values)
+    with tf.Graph().as_default():
+        tf.compat.v1.get_variable("conv1/kernel", shape=[3, 3, 1, 2])
+        tf.compat.v1.get_variable("conv1_bn/gamma", shape=[2])
+        tf.compat.v1.get_variable("conv1_bn/moving_mean", shape=[2])
+        report = scan(prefix)
+    text = "\n".join(report.hints)
+    assert "'conv1_bn/gamma' is missing but checkpoint entry 'conv1/BatchNorm/gamma' differs only in naming" in text
+    assert "'conv1_bn/moving_mean'" in text and "'conv1/kernel'" in text
