@@ -252,7 +252,7 @@ def _save(editor, args) -> int:
         prefix = editor.save(args.out, overwrite=args.overwrite, update_state_file=args.update_state_file,
                              progress=not _quiet(args))
     except OutputExistsError as e:
-        if "save_in_place" in str(e):
+        if "save_in_place" in str(e) or "is the source checkpoint" in str(e):
             raise OutputExistsError(f"{args.out!r} is the source checkpoint; name another output") from None
         raise OutputExistsError(f"{e.args[0].split(';')[0]}; pass --overwrite to replace it") from None
     if not _quiet(args):

@@ -185,10 +185,12 @@ class CheckpointEditor:
         patterns = [pattern] if isinstance(pattern, str) or hasattr(pattern, "pattern") else list(pattern)
         found: list[str] = []
         for p in patterns:
-            if isinstance(p, str) and self._key(p) in self._plan:
-                hits = [self._key(p)]
+            if isinstance(p, str) and p in self._plan:
+                hits = [p]
             else:
                 hits = [n for n in self._plan if matches(p, n)]
+                if not hits and isinstance(p, str) and self._key(p) in self._plan:
+                    hits = [self._key(p)]  # a TF2 readable path, when no key matches it as a pattern
             if not hits:
                 text = getattr(p, "pattern", p)
                 near = closest_names(str(text), self._plan)
@@ -1047,7 +1049,7 @@ def _cast_counting(array: np.ndarray, target: np.dtype) -> tuple[np.ndarray, int
     """``array.astype(target)`` and how many finite values it turned into inf or nan."""
     with np.errstate(over="ignore", invalid="ignore"):
         out = array.astype(target)
-    if array.dtype.kind in "iub" or out.dtype.kind in "iub":
+    if out.dtype.kind in "iub":
         return out, 0
     return out, int(np.count_nonzero(np.isfinite(array) & ~np.isfinite(out)))
 

@@ -195,11 +195,15 @@ def _model_scope(object_paths, variable_names: list):
     ``sequential_9/head/kernel``. When each side has a single, different first
     component (optimizer state aside), ``sequential_9/...`` is looked up as ``sequential/...``.
     """
-    saved = {p.split("/", 1)[0] for p in object_paths if "/" in p and not p.startswith("optimizer/")}
-    live = {n.split("/", 1)[0] for n in variable_names if "/" in n}
-    if len(saved) != 1 or len(live) != 1 or saved == live or len(variable_names) != sum("/" in n for n in variable_names):
+    model_paths = [p for p in object_paths if not p.startswith("optimizer/") and p != "save_counter"]
+    saved = {p.split("/", 1)[0] for p in model_paths}
+    live = {n.split("/", 1)[0] for n in variable_names}
+    if len(saved) != 1 or len(live) != 1 or saved == live:
         return _same
     (old,), (new,) = saved, live
+    # only a model scope (model/layer/variable below it) renumbered by Keras: 'net' and 'net_9'
+    if any(p.count("/") < 2 for p in model_paths + list(variable_names)) or _UNIQUIFIED.sub("", old) != _UNIQUIFIED.sub("", new):
+        return _same
     return lambda name: old + name[len(new):] if name.startswith(new + "/") else name
 
 
@@ -324,7 +328,7 @@ def scan(
             [t.variable_name for t in targets], list(object_paths) if object_paths else list(entries)
         )
     lookup = _mapper(assignment_map, targets, ckpt)
-    rescope = _model_scope(object_paths, [t.variable_name for t in targets]) if object_paths else _same
+    rescope = _model_scope(object_paths, [t.variable_name for t in targets]) if object_paths and match == "auto" else _same
     graph_keys: dict[str, str] = {}
     if ckpt.is_object_based and match != "path" and assignment_map is None and tf2.is_trackable(variables):
         by_id = tf2.object_graph_keys(variables, ckpt.object_graph, [t.handle for t in targets])
@@ -385,7 +389,7 @@ def scan(
         if entry is None:
             missing.append(Record(name, ckpt_name, t.shape, t.dtype))
             continue
-        if assignment_map is None and ckpt_name in owner:
+        if assignment_map is None and ckpt.is_object_based and ckpt_name in owner:
             # Found automatically for two variables: the first keeps it (an
             # assignment_map can still share one entry on purpose).
             missing.append(Record(name, ckpt_name, t.shape, t.dtype))

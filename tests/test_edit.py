@@ -846,3 +846,35 @@ def test_tf2_keras_entries_are_edited_by_their_readable_paths(tmp_path):
     body[1] = body[0]
     np.testing.assert_array_equal(fresh.get_layer("body").kernel.numpy(), body)
     assert ckpt.object_paths[slot] not in Checkpoint(out).entries
+
+
+def test_a_scope_pattern_that_is_also_a_readable_path_still_takes_the_whole_scope(tmp_path):
+    class Model(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.ones([3, 2]))  # unnamed: readable paths are the object paths
+            self.b = tf.Variable(tf.zeros([2]))
+
+    model = Model()
+    optimizer = tf1.train.AdamOptimizer()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model.w) + tf.reduce_sum(model.b)
+    optimizer.apply_gradients(zip(tape.gradient(loss, [model.w, model.b]), [model.w, model.b]))
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "m" / "ck"))
+    scope = [k for k in Checkpoint(prefix).entries if k.startswith("model/w/")]
+    assert len(scope) == 3  # the variable and its two Adam slots
+    assert sorted(CheckpointEditor(prefix).delete("model/w")) == sorted(scope)
+
+
+def test_integer_to_float16_overflow_warns_too(tmp_path):
+    import warnings
+
+    prefix = str(tmp_path / "src" / "m")
+    with BundleWriter(prefix) as w:
+        w.add("count", np.array([1, 70000, -70000], np.int32))
+    ed = CheckpointEditor(prefix)
+    ed.cast("count", "float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ed.save(tmp_path / "out" / "m")
+    assert [w.category for w in caught] == [RestoreKitWarning] and "2 finite values" in str(caught[0].message)
+    assert Checkpoint(out).read("count").tolist() == [1.0, np.inf, -np.inf]

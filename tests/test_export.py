@@ -720,3 +720,11 @@ def test_foreign_embedding_tables_come_back_untransposed_as_embeddings(tmp_path)
     again = load_file(str(back))
     for name, value in tensors.items():  # the round trip restores the file's own names and axes
         np.testing.assert_array_equal(again[name], value)
+
+
+def test_linear_layers_named_like_embeddings_stay_kernels():
+    record = guess_tf_names({"embed_out.weight": (50, 8), "transformer.embed_proj.weight": (4, 8),
+                             "unembed.weight": (50, 8), "encoder.embed.weight": (30, 8)})
+    named = {note["name"]: note.get("perm") for note in record.tensors.values()}
+    assert named["embed_out/kernel"] and named["transformer/embed_proj/kernel"] and named["unembed/kernel"]
+    assert "encoder/embed/embeddings" in named and named["encoder/embed/embeddings"] is None

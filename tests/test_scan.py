@@ -343,3 +343,33 @@ def test_keras_batch_norm_names_get_a_hint_towards_slim_batchnorm_entries(tmp_pa
     text = "\n".join(report.hints)
     assert "'conv1_bn/gamma' is missing but checkpoint entry 'conv1/BatchNorm/gamma' differs only in naming" in text
     assert "'conv1_bn/moving_mean'" in text and "'conv1/kernel'" in text
+
+
+def test_ema_with_the_shadow_variables_in_the_graph_is_complete(tmp_path):
+    def build():
+        w = tf.compat.v1.get_variable("w", [2], initializer=tf.compat.v1.ones_initializer())
+        ema = tf.train.ExponentialMovingAverage(0.9)
+        return ema, ema.apply([w])
+
+    with tf.Graph().as_default():
+        ema, update = build()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(update)
+            prefix = tf.compat.v1.train.Saver().save(sess, str(tmp_path / "ema" / "m"))
+    with tf.Graph().as_default():
+        ema, _ = build()
+        report = scan(prefix, ema=ema)  # 'w' and its live shadow both read the shadow entry
+    assert report.is_complete and len(report.matched) == 2 and not report.hints
+
+
+def test_a_single_layer_of_another_name_is_not_taken_for_a_renamed_model_scope(tmp_path):
+    import keras
+
+    def one_layer(name):
+        inp = keras.Input((3,))
+        return keras.Model(inp, keras.layers.Dense(2, name=name)(inp))
+
+    prefix = tf.train.Checkpoint(model=one_layer("probe")).save(str(tmp_path / "k" / "ckpt"))
+    report = scan(prefix, one_layer("head").variables)  # a list: matched by path, not by object graph
+    assert not report.matched and len(report.missing) == 2

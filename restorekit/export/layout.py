@@ -269,8 +269,9 @@ def guess_tf_names(shapes: dict) -> LayoutRecord:
     the inverse kernel permutation; ``weight`` of rank 1 -> ``gamma``, and its sibling
     ``bias`` -> ``beta``; ``running_mean``/``running_var`` -> ``moving_mean``/
     ``moving_variance``. A rank-2 ``weight`` without a ``bias`` whose module is named
-    like an embedding (``word_embeddings``, ``embed_tokens``, ``wte``, ``wpe``,
-    ``shared``) is a table: it becomes ``embeddings``, untransposed, as Keras names it.
+    like an embedding (``*embeddings``, ``*embedding``, ``embed``, ``embed_tokens``,
+    ``embed_positions``, ``wte``, ``wpe``, ``shared``; not ``embed_out`` or
+    ``embed_proj``) is a table: it becomes ``embeddings``, untransposed, as Keras names it.
     Other embedding tables cannot be told from Dense weights and come back transposed
     as ``kernel``: rename them after. Depthwise convolutions (``groups`` > 1) cannot be
     told from their weights either.
@@ -310,7 +311,8 @@ def guess_tf_names(shapes: dict) -> LayoutRecord:
 
 def _is_embedding(scope: str) -> bool:
     module = scope.rpartition(".")[2].lower()
-    return "embed" in module or module in ("wte", "wpe", "shared")
+    # not 'embed_out' (GPT-NeoX's LM head), 'embed_proj' or 'unembed': those are Linear
+    return module.endswith(("embeddings", "embedding")) or module in ("embed", "embed_tokens", "embed_positions", "wte", "wpe", "shared")
 
 
 # TF dtypes a file format stores as another dtype; the record names the TF one.
