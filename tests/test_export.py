@@ -24,6 +24,7 @@ from restorekit.errors import (
 from restorekit.export import convert, export_checkpoint, import_checkpoint, safetensors as st_format
 from restorekit.export import npz as npz_format
 from restorekit.export.layout import guess_tf_names
+from conftest import write_bundle
 
 FORMATS = ["safetensors", "torch"]
 LAYOUTS = [None, "torch"]
@@ -453,11 +454,7 @@ def test_import_restorekit_loads_neither_torch_nor_safetensors():
 def _contiguous_checkpoint(tmp_path):
     rng = np.random.RandomState(5)
     values = {f"layer_{i}/kernel": rng.randn(64, 32).astype(np.float32) for i in range(5)}
-    prefix = str(tmp_path / "src" / "model.ckpt")
-    with BundleWriter(prefix) as writer:
-        for name, value in values.items():
-            writer.add(name, value)
-    return prefix, values
+    return write_bundle(tmp_path / "src" / "model.ckpt", values), values
 
 
 @pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "no in-kernel copy"])
@@ -527,10 +524,7 @@ def test_export_lays_data_out_in_shard_order_and_lists_names_in_index_order(tmp_
 
     rng = np.random.RandomState(6)
     values = {name: rng.randn(40, 8).astype(np.float32) for name in ("zeta/w", "alpha/w", "mid/w", "beta/w")}
-    prefix = str(tmp_path / "src" / "model.ckpt")
-    with BundleWriter(prefix) as writer:  # shard order: zeta, alpha, mid, beta
-        for name, value in values.items():
-            writer.add(name, value)
+    prefix = write_bundle(tmp_path / "src" / "model.ckpt", values)  # shard order: zeta, alpha, mid, beta
     calls = []
     real = os.copy_file_range
     monkeypatch.setattr(os, "copy_file_range", lambda *args: calls.append(args[2]) or real(*args))
@@ -578,13 +572,16 @@ def test_copy_alignment_follows_the_heaviest_run_and_only_8_byte_offsets():
         raw = None if shard_offset is None else Entry(shard_id=0, offset=shard_offset, size=size)
         return ("n", "n", "F32", (), None, raw, size)
 
+    def alignment(plan):
+        return st_format._copy_alignment(st_format._groups(plan))
+
     big = st_format._FOLIO_ABOVE
     # a 16-byte decoded tensor first, then a big run that starts at 64 in its shard
-    assert st_format._copy_alignment([step(None, 16), step(64, big)]) == 64 - 16
-    assert st_format._copy_alignment([step(0, big)]) == st_format._FOLIO
-    assert st_format._copy_alignment([step(0, big), step(None, 12)]) == st_format._FOLIO  # decoded ones go last
-    assert st_format._copy_alignment([step(None, 3), step(64, big)]) == 0  # 61: not 8-byte aligned
-    assert st_format._copy_alignment([step(0, big - 1)]) == 0  # too small to be worth the padding
+    assert alignment([step(None, 16), step(64, big)]) == 64 - 16
+    assert alignment([step(0, big)]) == st_format._FOLIO
+    assert alignment([step(0, big), step(None, 12)]) == st_format._FOLIO  # decoded ones go last
+    assert alignment([step(None, 3), step(64, big)]) == 0  # 61: not 8-byte aligned
+    assert alignment([step(0, big - 1)]) == 0  # too small to be worth the padding
 
 
 def test_padding_never_takes_the_header_past_the_formats_limit(monkeypatch):

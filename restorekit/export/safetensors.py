@@ -275,22 +275,17 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
         ranges[out] = (offset, offset + nbytes)
         offset += nbytes
     entries = [(out, st_dtype, shape, *ranges[out]) for name, out, st_dtype, shape, *_ in by_name]
-    header = _encode_header(entries, _metadata(metadata, record), start=_copy_alignment(plan))
+    groups = _groups(plan)
+    header = _encode_header(entries, _metadata(metadata, record), start=_copy_alignment(groups))
     handles: dict[str, object] = {}
     try:
         with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
             _write_all(f, header)
-            run: list = []  # stored tensors lying back to back in one shard, copied together
-            for name, out, st_dtype, shape, perm, raw, nbytes in plan:
-                if raw is not None:
-                    if run and not _follows(run[-1][1], raw):
-                        copy_raw_run(checkpoint, run, f, handles, bar)
-                        run = []
-                    run.append((name, raw))
+            for group in groups:
+                if group[0][5] is not None:
+                    copy_raw_run(checkpoint, [(step[0], step[5]) for step in group], f, handles, bar)
                     continue
-                if run:
-                    copy_raw_run(checkpoint, run, f, handles, bar)
-                    run = []
+                name, out, st_dtype, shape, perm, raw, nbytes = group[0]
                 array = checkpoint.read(name)
                 if perm is not None:
                     array = np.transpose(array, perm)
@@ -298,8 +293,6 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
                 view = raw_bytes_view(little_endian(array))
                 _write_all(f, view)
                 bar.update(len(view))
-            if run:
-                copy_raw_run(checkpoint, run, f, handles, bar)
     finally:
         for handle in handles.values():
             handle.close()
@@ -307,19 +300,31 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
     return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept)
 
 
-def _copy_alignment(plan: list) -> int:
+def _groups(plan: list) -> list[list]:
+    """The plan's steps in order, grouped: stored tensors lying back to back in one shard
+    form one group (one kernel copy); every decoded tensor is a group of its own."""
+    groups: list[list] = []
+    for step in plan:
+        raw = step[5]
+        previous = groups[-1][-1][5] if groups else None
+        if raw is not None and previous is not None and _follows(previous, raw):
+            groups[-1].append(step)
+        else:
+            groups.append([step])
+    return groups
+
+
+def _copy_alignment(groups: list) -> int:
     """Where the data section should start modulo _FOLIO so most raw-copied bytes keep
     their source offset modulo _FOLIO; 0 (the format's 8-byte alignment) when few are."""
     weight: dict[int, int] = {}
     offset = 0
-    run_start = previous = None
-    for *_, raw, nbytes in plan:
-        if raw is not None:
-            if previous is None or not _follows(previous, raw):
-                run_start = (raw.offset - offset) % _FOLIO
-            weight[run_start] = weight.get(run_start, 0) + nbytes
-        previous = raw
-        offset += nbytes
+    for group in groups:
+        size = sum(step[6] for step in group)
+        if group[0][5] is not None:
+            start = (group[0][5].offset - offset) % _FOLIO
+            weight[start] = weight.get(start, 0) + size
+        offset += size
     best = max(weight, key=weight.get, default=None)
     if best is None or weight[best] < _FOLIO_ABOVE or best % 8:
         return 0
