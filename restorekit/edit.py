@@ -189,8 +189,9 @@ class CheckpointEditor:
                 hits = [p]
             else:
                 hits = [n for n in self._plan if matches(p, n)]
-                if not hits and isinstance(p, str) and self._key(p) in self._plan:
-                    hits = [self._key(p)]  # a TF2 readable path, when no key matches it as a pattern
+                key = self._key(p) if not hits and isinstance(p, str) else None
+                if key in self._plan:
+                    hits = [key]  # a TF2 readable path, when no key matches it as a pattern
             if not hits:
                 text = getattr(p, "pattern", p)
                 near = closest_names(str(text), self._plan)
@@ -251,14 +252,10 @@ class CheckpointEditor:
                 f"{name!r}: the index says {entry.size} bytes for a {dtype_name(entry.dtype)} tensor of shape "
                 f"{format_shape(entry.shape)} ({flat.size} expected)"
             )
-        crc = 0
         pos = 0
-        for chunk in self._raw_chunks(entry, name):
+        for chunk in self._checked_chunks(name):
             flat[pos : pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
             pos += len(chunk)
-            crc = google_crc32c.extend(crc, chunk)
-        if mask_crc(crc) != entry.crc32c:
-            raise ChecksumMismatchError(f"{name!r}: tensor bytes fail their crc32c check; the data shard is corrupt")
         return array
 
     def _raw_chunks(self, entry, name: str) -> Iterator[bytes]:
@@ -624,9 +621,7 @@ class CheckpointEditor:
             raise NoMatchError(f"cast pattern {pattern!r} matches no entry that is not already {dtype_name(code)}")
         for n in names:
             source = self._plan[n].dtype
-            if (source in _FLOATS or source in _COMPLEX) and code not in _FLOATS | _COMPLEX or (
-                source in _COMPLEX and code not in _COMPLEX
-            ):
+            if (source in _COMPLEX and code not in _COMPLEX) or (source in _FLOATS and code not in _FLOATS | _COMPLEX):
                 raise EditError(
                     f"casting {n!r} from {dtype_name(source)} to {dtype_name(code)} would truncate its values; "
                     f"if that is meant, set() it to value.astype({dtype_name(code)!r}) with allow_dtype_change=True"
@@ -734,7 +729,7 @@ class CheckpointEditor:
                     "delete it first or save under a new name"
                 )
             raise OutputExistsError(f"{target!r} exists; pass overwrite=True to replace it")
-        base = target.rsplit("/", 1)[1]
+        base = files.basename(target)
         directory = files.dirname(target)
         with tempfile.TemporaryDirectory(prefix="restorekit-upload-") as local_dir:
             local = os.path.join(local_dir, base)
@@ -1020,7 +1015,7 @@ def _update_state_file(prefix: str) -> None:
 
     directory = files.dirname(prefix)
     state = files.join(directory, "checkpoint")
-    name = prefix.rstrip("/").rsplit("/", 1)[-1] if files.is_remote(prefix) else os.path.basename(prefix)
+    name = files.basename(prefix)
     paths = []
     if files.exists(state):
         text = files.read_bytes(state).decode("utf-8", "replace")

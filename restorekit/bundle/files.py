@@ -11,7 +11,7 @@ import os
 import re
 from restorekit._tensorflow import import_tensorflow
 
-__all__ = ["dirname", "exists", "glob", "isdir", "join", "mtime", "publish", "read_bytes", "read_range", "is_remote"]
+__all__ = ["basename", "dirname", "exists", "glob", "isdir", "join", "mtime", "publish", "read_bytes", "read_range", "is_remote"]
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -36,6 +36,12 @@ def dirname(path: str) -> str:
     if is_remote(path):
         return path.rstrip("/").rsplit("/", 1)[0]
     return os.path.dirname(path)
+
+
+def basename(path: str) -> str:
+    if is_remote(path):
+        return path.rstrip("/").rsplit("/", 1)[-1]
+    return os.path.basename(path)
 
 
 def exists(path: str) -> bool:
@@ -95,7 +101,7 @@ def publish(local: str, remote: str, *, overwrite: bool) -> None:
     from restorekit.errors import OutputError, OutputExistsError
 
     gfile = _gfile()
-    directory, name = dirname(remote), remote.rstrip("/").rsplit("/", 1)[1]
+    directory, name = dirname(remote), basename(remote)
     tmp = join(directory, f".{name}.restorekit-tmp-{uuid.uuid4().hex[:8]}")
     try:
         gfile.makedirs(directory)
