@@ -207,7 +207,7 @@ def _model_scope(object_paths, variable_names: list):
     return lambda name: old + name[len(new):] if name.startswith(new + "/") else name
 
 
-def _names_beat_positions(graph_keys: dict, variable_names: list, object_paths: dict, rescope=_same) -> dict:
+def _names_beat_positions(graph_keys: dict, variable_names: list, by_path) -> dict:
     """Drop object-graph pairings that hand a variable the entry another variable is named after.
 
     Keras 3 saves layers and the optimizer's variables as numbered lists, so with a
@@ -216,11 +216,7 @@ def _names_beat_positions(graph_keys: dict, variable_names: list, object_paths: 
     there. Names are the stronger evidence; the displaced variable is then matched
     by its own path, or reported missing.
     """
-    named = {}
-    for n in variable_names:
-        key = object_paths.get(n) or object_paths.get(rescope(n))
-        if key is not None:
-            named[key] = n
+    named = {by_path(n): n for n in variable_names}
     return {name: key for name, key in graph_keys.items() if named.get(key, name) == name}
 
 
@@ -329,12 +325,16 @@ def scan(
         )
     lookup = _mapper(assignment_map, targets, ckpt)
     rescope = _model_scope(object_paths, [t.variable_name for t in targets]) if object_paths and match == "auto" else _same
+
+    def by_path(name: str) -> str | None:  # the key saved under readable path ``name``, if any
+        return object_paths.get(name) or object_paths.get(rescope(name))
+
     graph_keys: dict[str, str] = {}
     if ckpt.is_object_based and match != "path" and assignment_map is None and tf2.is_trackable(variables):
         by_id = tf2.object_graph_keys(variables, ckpt.object_graph, [t.handle for t in targets])
         graph_keys = {t.variable_name: by_id[id(t.handle)] for t in targets if id(t.handle) in by_id}
         if match == "auto":
-            graph_keys = _names_beat_positions(graph_keys, [t.variable_name for t in targets], object_paths, rescope)
+            graph_keys = _names_beat_positions(graph_keys, [t.variable_name for t in targets], by_path)
     if match == "object_graph" and not graph_keys:
         raise NoMatchError(
             f"match='object_graph' found none of the {len(targets)} variables in the object graph of "
@@ -342,7 +342,6 @@ def scan(
         )
 
     matched, missing, shape_mm, dtype_mm, skipped = [], [], [], [], []
-    taken: set[str] = set()
     owner: dict[str, str] = {}  # checkpoint key -> the variable it restores
     shared: list[tuple[str, str, str]] = []
     raw_replaced: set[str] = set()
@@ -373,7 +372,7 @@ def scan(
             if name in graph_keys:
                 ckpt_name = graph_keys[name]
             elif match != "object_graph" and ckpt_name not in entries:
-                ckpt_name = object_paths.get(ckpt_name) or object_paths.get(rescope(ckpt_name), ckpt_name)
+                ckpt_name = by_path(ckpt_name) or ckpt_name
         if ckpt_name is None:
             skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
             continue
@@ -396,7 +395,6 @@ def scan(
             shared.append((name, owner[ckpt_name], ckpt_name))
             continue
         owner[ckpt_name] = name
-        taken.add(ckpt_name)
         record = Record(
             name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason, _readable(ckpt, ckpt_name)
         )
@@ -430,7 +428,7 @@ def scan(
 
     unused = []
     for name, entry in entries.items():
-        if name in taken or name == OBJECT_GRAPH_KEY:
+        if name in owner or name == OBJECT_GRAPH_KEY:
             continue
         readable = _readable(ckpt, name)
         record = Record(
