@@ -27,6 +27,17 @@ _ops.Tensor = tf.Tensor
 tf1 = tf.compat.v1
 
 
+def write_bundle(prefix, values: dict) -> str:
+    """Write ``values`` (name -> array, in this order) with restorekit's BundleWriter; return the prefix."""
+    from restorekit.bundle.writer import BundleWriter
+
+    prefix = str(prefix)
+    with BundleWriter(prefix) as writer:
+        for name, value in values.items():
+            writer.add(name, value)
+    return prefix
+
+
 def save_variables(prefix, values: dict, *, use_resource=True, dtype_map=None):
     """Write a name-based (TF1 Saver) checkpoint holding ``values`` and return its prefix."""
     with tf.Graph().as_default():

@@ -16,6 +16,7 @@ import tensorflow as tf
 from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
 from restorekit.edit import CheckpointEditor
+from conftest import write_bundle
 from restorekit.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -60,11 +61,7 @@ def read_all(prefix):
 
 @pytest.fixture
 def mixed(tmp_path):
-    prefix = str(tmp_path / "mixed" / "m")
-    with BundleWriter(prefix) as w:
-        for name, value in MIXED.items():
-            w.add(name, value)
-    return prefix
+    return write_bundle(tmp_path / "mixed" / "m", MIXED)
 
 
 # ------------------------------------------------------------------ reading
@@ -590,11 +587,7 @@ def tables(tmp_path):
         "cube/a": rng.randn(5, 3, 4).astype(ml_dtypes.bfloat16),
         "cube/b": rng.randn(5, 2, 4).astype(ml_dtypes.bfloat16),
     }
-    prefix = str(tmp_path / "tables" / "m")
-    with BundleWriter(prefix) as w:
-        for name, value in values.items():
-            w.add(name, value)
-    return prefix, values
+    return write_bundle(tmp_path / "tables" / "m", values), values
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])

@@ -486,20 +486,25 @@ def test_keras_fit_freezes_and_scales_per_group():
     assert [int(o.iterations.numpy()) for o in opt.group_optimizers.values()] == [8, 8]
 
 
-def test_keras_custom_step_applies_each_group_learning_rate():
-    import keras
-
-    model = _keras_model()
-    groups = group_variables({"net/body": 0, "net/head": 10.0}, model)
-    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups)
+def _assert_one_sgd_step(model, opt, base_rate, multipliers):
+    """One ``opt.apply`` on a fixed batch moves each variable by ``-base_rate * multiplier * grad``."""
     x = np.ones((2, 4), np.float32)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(x))
     grads = tape.gradient(loss, model.trainable_variables)
     before = [v.numpy() for v in model.trainable_variables]
     opt.apply(grads, model.trainable_variables)
-    for v, b, g, m in zip(model.trainable_variables, before, grads, [0, 0, 1, 1, 10, 10]):
-        np.testing.assert_allclose(v.numpy(), b - 0.01 * m * g.numpy(), rtol=1e-5, atol=1e-7)
+    for v, b, g, m in zip(model.trainable_variables, before, grads, multipliers):
+        np.testing.assert_allclose(v.numpy(), b - base_rate * m * g.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_keras_custom_step_applies_each_group_learning_rate():
+    import keras
+
+    model = _keras_model()
+    groups = group_variables({"net/body": 0, "net/head": 10.0}, model)
+    opt = grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups)
+    _assert_one_sgd_step(model, opt, 0.01, [0, 0, 1, 1, 10, 10])
 
 
 def test_keras_optimizer_state_round_trips_with_tf_train_checkpoint(tmp_path):
@@ -604,14 +609,7 @@ def test_keras_learning_rate_base(default, factory_rates, base):
     assert float(keras.ops.convert_to_numpy(opt.learning_rate)) == pytest.approx(0.02)
     assert opt.learning_rates == pytest.approx({10.0: 0.2, default: 0.02 * default})
     # The next step uses the new rates.
-    x = np.ones((2, 4), np.float32)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(model(x))
-    grads = tape.gradient(loss, model.trainable_variables)
-    before = [v.numpy() for v in model.trainable_variables]
-    opt.apply(grads, model.trainable_variables)
-    for v, b, g, m in zip(model.trainable_variables, before, grads, [0, 0, default, default, 10, 10]):
-        np.testing.assert_allclose(v.numpy(), b - 0.02 * m * g.numpy(), rtol=1e-5, atol=1e-7)
+    _assert_one_sgd_step(model, opt, 0.02, [0, 0, default, default, 10, 10])
 
     opt.learning_rate = tf.constant(0.04, tf.float64)  # a tensor is scaled as well
     assert opt.learning_rates == pytest.approx({10.0: 0.4, default: 0.04 * default})
