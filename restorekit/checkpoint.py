@@ -25,9 +25,10 @@ from restorekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NoMatchError,
+    RestoreKitWarning,
+    closest_names,
     format_names,
 )
-from restorekit.names import closest_names
 
 __all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "resolve_prefix"]
 
@@ -35,10 +36,6 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _WARNED: set = set()
 _STATE_LINE = re.compile(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\]|\\.)*)"\s*$', re.M)
-
-
-class RestoreKitWarning(UserWarning):
-    """Something was guessed or skipped; the message says what."""
 
 
 @dataclass(frozen=True)

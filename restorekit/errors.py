@@ -21,9 +21,18 @@ also from a built-in, so ``except FileNotFoundError`` keeps working::
     ├── GraphError                     (ValueError)         not a graph, truncated, unusable
     │   └── GraphTooLargeError                              over the 2 GB protobuf limit
     └── MissingDependencyError         (ImportError)        an optional extra is not installed
+
+    RestoreKitWarning                  (UserWarning)        something worked, but not as asked
+
+Exceptions build their own messages from the facts callers pass: ``NoMatchError``
+computes its near misses from ``name`` and ``candidates``, ``OutputExistsError``
+carries ``path`` and ``is_source`` so the CLI can reword it without reading the text.
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Iterable
 
 __all__ = [
     "AssignmentMapError",
@@ -43,6 +52,7 @@ __all__ = [
     "OutputError",
     "OutputExistsError",
     "RestoreKitError",
+    "RestoreKitWarning",
     "VocabularyError",
 ]
 
@@ -75,10 +85,29 @@ class InvalidArgumentError(RestoreKitError, ValueError):
 
 
 class NoMatchError(InvalidArgumentError):
-    """A name, pattern or rule matched nothing. ``closest`` lists near misses."""
+    """A name, pattern or rule matched nothing. ``closest`` lists near misses.
 
-    def __init__(self, message: str, closest: tuple[str, ...] = ()):
+    Pass ``name`` and ``candidates`` and the error finds the near misses itself and
+    appends them to the message (``label``: ``'Closest: ...'`` by default)::
+
+        raise NoMatchError(f"no entry {name!r} in {prefix!r}.", name=name, candidates=entries)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        closest: tuple[str, ...] = (),
+        *,
+        name: str | None = None,
+        candidates: Iterable[str] | None = None,
+        label: str = "Closest",
+    ):
+        if candidates is not None and name is not None:
+            closest = closest_names(str(name), candidates)
+            if closest:
+                message = f"{message} {label}: {format_names(closest)}."
         super().__init__(message)
+        self.name = name
         self.closest = tuple(closest)
 
 
@@ -118,7 +147,21 @@ class OutputError(RestoreKitError, OSError):
 
 
 class OutputExistsError(OutputError, FileExistsError):
-    """The output would overwrite its own source (use save_in_place) or an existing file."""
+    """The output would overwrite its own source (use save_in_place) or an existing file.
+
+    ``path`` is the output; ``is_source`` says it is the checkpoint being read. Given
+    no message, the error words one from those fields.
+    """
+
+    def __init__(self, message: str | None = None, *, path=None, is_source: bool = False):
+        self.path = None if path is None else str(path)
+        self.is_source = bool(is_source)
+        if message is None:
+            if self.is_source:
+                message = f"{self.path!r} is the source checkpoint; save under a new name or use save_in_place()"
+            else:
+                message = f"{self.path!r} exists; pass overwrite=True to replace it"
+        Exception.__init__(self, message)
 
 
 class InsufficientSpaceError(OutputError):
@@ -144,3 +187,24 @@ def format_names(names, limit: int = 8, sep: str = ", ") -> str:
     if len(names) > limit:
         shown += f"{sep}... and {len(names) - limit} more"
     return shown
+
+
+def closest_names(name: str, candidates: Iterable[str], n: int = 5) -> tuple[str, ...]:
+    """Near misses for ``name``: by similarity of the whole name and of its last part."""
+    candidates = [str(c) for c in candidates]
+    found = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
+    if len(found) < n:
+        leaf = name.rstrip("/").rsplit("/", 1)[-1]
+        for c in candidates:
+            if c not in found and leaf and leaf in c:
+                found.append(c)
+                if len(found) >= n:
+                    break
+    return tuple(found)
+
+
+class RestoreKitWarning(UserWarning):
+    """restorekit did what was asked, but something deserves a look (a fallback, a loss).
+
+    Messages carry no ``restorekit:`` prefix: the category names the source.
+    """

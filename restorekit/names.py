@@ -17,11 +17,10 @@ Patterns (``include``, ``exclude``, group rules, ``delete``) all follow one rule
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Callable, Iterable, Mapping, Sequence
 
-from restorekit.errors import NameCollisionError, NoMatchError, InvalidArgumentError, format_names
+from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError, closest_names, format_names
 
 __all__ = [
     "closest_names",
@@ -109,20 +108,6 @@ class PatternSet:
                 near = closest_names(text, names)
                 hint = f" Closest names: {format_names(near)}." if near else ""
                 raise NoMatchError(f"{self.what} {text!r} matches no name among {len(names)}.{hint}", near)
-
-
-def closest_names(name: str, candidates: Iterable[str], n: int = 5) -> tuple[str, ...]:
-    """Near misses for ``name``: by similarity of the whole name and of its last part."""
-    candidates = list(candidates)
-    found = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
-    if len(found) < n:
-        leaf = name.rstrip("/").rsplit("/", 1)[-1]
-        for c in candidates:
-            if c not in found and leaf and leaf in c:
-                found.append(c)
-                if len(found) >= n:
-                    break
-    return tuple(found)
 
 
 # ---------------------------------------------------------------- optimizer slots
