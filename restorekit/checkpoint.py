@@ -17,7 +17,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from restorekit.bundle import files
+from restorekit.bundle import files, statefile
+from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
 from restorekit.bundle.format import decode_slice_key, decode_tensor, dtype_name, numpy_dtype
 from restorekit.bundle.protos import BundleEntry, BundleHeader, decode_entry, decode_header
 from restorekit.bundle.table import read_table
@@ -32,10 +33,8 @@ from restorekit.errors import (
 
 __all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "resolve_prefix"]
 
-OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _WARNED: set = set()
-_STATE_LINE = re.compile(r'^\s*model_checkpoint_path\s*:\s*"((?:[^"\\]|\\.)*)"\s*$', re.M)
 
 
 @dataclass(frozen=True)
@@ -54,16 +53,8 @@ class Entry:
 
 
 def _state_file_prefix(directory: str) -> str | None:
-    state = files.join(directory, "checkpoint")
-    if not files.exists(state):
-        return None
-    m = _STATE_LINE.search(files.read_bytes(state).decode("utf-8", "replace"))
-    if not m:
-        return None
-    named = m.group(1).encode().decode("unicode_escape")
-    if files.is_remote(named) or named.startswith("/"):
-        return named
-    return files.join(directory, named)
+    state = statefile.read(directory)
+    return None if state is None else statefile.resolve(directory, state.model_checkpoint_path)
 
 
 def _newest_index(directory: str) -> str | None:
@@ -235,7 +226,6 @@ class Checkpoint(Mapping):
         """
         if not self.is_object_based:
             return None
-        from restorekit.tf2 import decode_object_graph
 
         raw = self.read(OBJECT_GRAPH_KEY)
         if getattr(raw, "shape", None) != () or not isinstance(raw.item(), bytes):

@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 import google_crc32c
 import numpy as np
 
-from restorekit.bundle import atomic, files
+from restorekit.bundle import atomic, files, statefile
+from restorekit.bundle.objectgraph import rewrite_keys
 from restorekit.bundle.format import (
     decode_tensor,
     dtype_enum,
@@ -117,8 +118,8 @@ class CheckpointEditor:
     value *to the object it came from* (a rename does not move a value to another
     object; ``get`` it and ``set`` it on the other key for that). A rename that drops
     ``/.ATTRIBUTES/`` converts the output to a name-based checkpoint: the graph entry is
-    left out and a ``RestoreKitWarning`` says so. Rewriting the graph imports
-    TensorFlow's ``trackable_object_graph_pb2``.
+    left out and a ``RestoreKitWarning`` says so. The graph is rewritten by restorekit's
+    own codec (``restorekit.bundle.objectgraph``), without TensorFlow.
 
     Raises:
         CheckpointNotFoundError: no checkpoint at ``path``.
@@ -798,26 +799,9 @@ class CheckpointEditor:
         source_keys = set(ckpt)
 
         def rebuild():
-            # Lazy: only an edited TF2 checkpoint pays for importing TensorFlow's protos.
-            from tensorflow.core.protobuf import trackable_object_graph_pb2
-
-            proto = trackable_object_graph_pb2.TrackableObjectGraph()
-            try:
-                proto.ParseFromString(bytes(self._load(OBJECT_GRAPH_KEY).reshape(-1)[0]))
-            except Exception as e:  # protobuf raises its own DecodeError
-                raise CorruptCheckpointError(f"{OBJECT_GRAPH_KEY!r} does not parse: {e}") from None
-            for node in proto.nodes:
-                kept = []
-                for attribute in node.attributes:
-                    key = attribute.checkpoint_key
-                    if key in source_keys:
-                        if key not in key_map:
-                            continue
-                        attribute.checkpoint_key = key_map[key]
-                    kept.append(attribute)
-                del node.attributes[:]
-                node.attributes.extend(kept)
-            return np.array(proto.SerializeToString(), dtype=object)
+            raw = bytes(self._load(OBJECT_GRAPH_KEY).reshape(-1)[0])
+            dropped = {key for key in source_keys if key not in key_map}
+            return np.array(rewrite_keys(raw, key_map, dropped), dtype=object)
 
         plan[OBJECT_GRAPH_KEY] = _Item(OBJECT_GRAPH_KEY, STRING, (), base=rebuild)
         return plan
@@ -1005,39 +989,9 @@ class CheckpointEditor:
         return out
 
 
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def _update_state_file(prefix: str) -> None:
     """Point ``dir/checkpoint`` at ``prefix`` (written to a temporary file, then renamed)."""
-    import re
-
-    directory = files.dirname(prefix)
-    state = files.join(directory, "checkpoint")
-    name = files.basename(prefix)
-    paths = []
-    if files.exists(state):
-        text = files.read_bytes(state).decode("utf-8", "replace")
-        for m in re.finditer(r'^\s*all_model_checkpoint_paths\s*:\s*"((?:[^"\\]|\\.)*)"', text, re.M):
-            old = m.group(1).encode().decode("unicode_escape")
-            path = old if os.path.isabs(old) or files.is_remote(old) else files.join(directory, old)
-            if old != name and files.exists(path + ".index"):
-                paths.append(old)
-    paths.append(name)
-    body = f"model_checkpoint_path: {_quote(name)}\n" + "".join(
-        f"all_model_checkpoint_paths: {_quote(p)}\n" for p in paths
-    )
-    if not files.is_remote(state):
-        atomic.write_bytes(state, body.encode("utf-8"))
-        return
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="restorekit-upload-") as local_dir:
-        local = os.path.join(local_dir, "checkpoint")
-        with open(local, "wb") as f:
-            f.write(body.encode("utf-8"))
-        files.publish(local, state, overwrite=True)
+    statefile.write(prefix)
 
 
 def _cast_counting(array: np.ndarray, target: np.dtype) -> tuple[np.ndarray, int]:

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field, replace
 from restorekit.bundle.varint import put_varint, read_varint
 from restorekit.errors import CorruptCheckpointError
 
-__all__ = ["BundleEntry", "BundleHeader", "decode_entry", "decode_header", "encode_entry", "encode_header"]
+__all__ = [
+    "BundleEntry",
+    "BundleHeader",
+    "decode_entry",
+    "decode_header",
+    "encode_entry",
+    "encode_header",
+    "iter_fields",
+    "put_field",
+]
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class BundleHeader:
     bad_consumers: tuple = field(default_factory=tuple)
 
 
-def _fields(buf: bytes, pos: int = 0, end: int | None = None):
+def iter_fields(buf: bytes, pos: int = 0, end: int | None = None):
     """Yield (field_number, wire_type, value, start, stop) for each field of a message."""
     end = len(buf) if end is None else end
     while pos < end:
@@ -81,10 +90,10 @@ def _fields(buf: bytes, pos: int = 0, end: int | None = None):
 def _decode_shape(buf: bytes) -> tuple[tuple, bool]:
     dims = []
     unknown_rank = False
-    for number, wire, value, _, _ in _fields(buf):
+    for number, wire, value, _, _ in iter_fields(buf):
         if number == 2 and wire == 2:
             size = 0
-            for n2, w2, v2, _, _ in _fields(value):
+            for n2, w2, v2, _, _ in iter_fields(value):
                 if n2 == 1 and w2 == 0:
                     size = v2 - (1 << 64) if v2 >= 1 << 63 else v2
             dims.append(size)
@@ -167,7 +176,7 @@ def decode_entry(buf: bytes) -> BundleEntry:
     extra = bytearray()
     shape: tuple = ()
     unknown_rank = False
-    for number, wire, value, start, stop in _fields(buf):
+    for number, wire, value, start, stop in iter_fields(buf):
         if number == 2 and wire == 2:
             shape, unknown_rank = _decode_shape(value)
         elif number == 7 and wire == 2:
@@ -194,9 +203,9 @@ def decode_entry(buf: bytes) -> BundleEntry:
 def decode_header(buf: bytes) -> BundleHeader:
     values = {}
     version = {}
-    for number, wire, value, _, _ in _fields(buf):
+    for number, wire, value, _, _ in iter_fields(buf):
         if number == 3 and wire == 2:
-            for n2, w2, v2, _, _ in _fields(value):
+            for n2, w2, v2, _, _ in iter_fields(value):
                 if w2 == 0:
                     version.setdefault(n2, []).append(v2)
         elif wire == 0:
@@ -210,7 +219,7 @@ def decode_header(buf: bytes) -> BundleHeader:
     )
 
 
-def _put_field(out: bytearray, number: int, wire: int, value) -> None:
+def put_field(out: bytearray, number: int, wire: int, value) -> None:
     put_varint(out, (number << 3) | wire)
     if wire == 0:
         put_varint(out, value)
@@ -226,10 +235,10 @@ def _encode_shape(shape: tuple, unknown_rank: bool) -> bytes:
     for d in shape:
         dim = bytearray()
         if d:
-            _put_field(dim, 1, 0, d)
-        _put_field(out, 2, 2, bytes(dim))
+            put_field(dim, 1, 0, d)
+        put_field(out, 2, 2, bytes(dim))
     if unknown_rank:
-        _put_field(out, 3, 0, 1)
+        put_field(out, 3, 0, 1)
     return bytes(out)
 
 
@@ -237,20 +246,20 @@ def encode_entry(entry: BundleEntry) -> bytes:
     """Serialize a BundleEntry the way TF does (default-valued fields omitted)."""
     out = bytearray()
     if entry.dtype:
-        _put_field(out, 1, 0, entry.dtype)
+        put_field(out, 1, 0, entry.dtype)
     shape = _encode_shape(entry.shape, entry.unknown_rank)
     if shape or not entry.slices:
-        _put_field(out, 2, 2, shape)
+        put_field(out, 2, 2, shape)
     if entry.shard_id:
-        _put_field(out, 3, 0, entry.shard_id)
+        put_field(out, 3, 0, entry.shard_id)
     if entry.offset:
-        _put_field(out, 4, 0, entry.offset)
+        put_field(out, 4, 0, entry.offset)
     if entry.size:
-        _put_field(out, 5, 0, entry.size)
+        put_field(out, 5, 0, entry.size)
     if entry.crc32c:
-        _put_field(out, 6, 5, entry.crc32c)
+        put_field(out, 6, 5, entry.crc32c)
     for s in entry.slices:
-        _put_field(out, 7, 2, s)
+        put_field(out, 7, 2, s)
     out += entry.extra
     return bytes(out)
 
@@ -258,15 +267,15 @@ def encode_entry(entry: BundleEntry) -> bytes:
 def encode_header(header: BundleHeader) -> bytes:
     out = bytearray()
     if header.num_shards:
-        _put_field(out, 1, 0, header.num_shards)
+        put_field(out, 1, 0, header.num_shards)
     if header.endianness:
-        _put_field(out, 2, 0, header.endianness)
+        put_field(out, 2, 0, header.endianness)
     version = bytearray()
     if header.version_producer:
-        _put_field(version, 1, 0, header.version_producer)
+        put_field(version, 1, 0, header.version_producer)
     if header.version_min_consumer:
-        _put_field(version, 2, 0, header.version_min_consumer)
+        put_field(version, 2, 0, header.version_min_consumer)
     for b in header.bad_consumers:
-        _put_field(version, 3, 0, b)
-    _put_field(out, 3, 2, bytes(version))
+        put_field(version, 3, 0, b)
+    put_field(out, 3, 2, bytes(version))
     return bytes(out)

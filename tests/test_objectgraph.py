@@ -1,0 +1,64 @@
+"""restorekit/bundle/objectgraph.py: the TF2 object graph, decoded and re-encoded without TensorFlow."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+from restorekit import Checkpoint
+from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph, rewrite_keys
+from restorekit.errors import CorruptCheckpointError
+
+
+@pytest.fixture
+def keras_checkpoint(tmp_path):
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="enc"), keras.layers.Dense(2, name="head")])
+    optimizer = keras.optimizers.Adam()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0, epochs=1)
+    return tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "ckpt"))
+
+
+def _tf_graph(raw):
+    proto = trackable_object_graph_pb2.TrackableObjectGraph()
+    proto.ParseFromString(raw)
+    return proto
+
+
+def test_decode_names_every_saved_key(keras_checkpoint):
+    ckpt = Checkpoint(keras_checkpoint)
+    graph = decode_object_graph(ckpt.read(OBJECT_GRAPH_KEY).item())
+    saved = {k for k in ckpt.entries if k != OBJECT_GRAPH_KEY}
+    assert {v.key for v in graph.variables} == saved
+    assert {"sequential/enc/kernel", "sequential/head/bias"} <= set(graph.by_path)
+
+
+def test_rewrite_keys_equals_tf_proto_edit(keras_checkpoint):
+    raw = Checkpoint(keras_checkpoint).read(OBJECT_GRAPH_KEY).item()
+    keys = [a.checkpoint_key for n in _tf_graph(raw).nodes for a in n.attributes]
+    renamed, dropped = keys[0], keys[1]
+    new = rewrite_keys(raw, {renamed: "renamed/.ATTRIBUTES/VARIABLE_VALUE"}, {dropped})
+
+    expected = _tf_graph(raw)
+    for node in expected.nodes:
+        kept = [a for a in node.attributes if a.checkpoint_key != dropped]
+        for a in kept:
+            if a.checkpoint_key == renamed:
+                a.checkpoint_key = "renamed/.ATTRIBUTES/VARIABLE_VALUE"
+        del node.attributes[:]
+        node.attributes.extend(kept)
+    assert _tf_graph(new) == expected
+
+
+def test_rewrite_without_changes_is_byte_identical(keras_checkpoint):
+    raw = Checkpoint(keras_checkpoint).read(OBJECT_GRAPH_KEY).item()
+    assert rewrite_keys(raw, {}) == raw
+
+
+@pytest.mark.parametrize("raw", [b"\x0a\xff", b"\x0a\x02\x0a\x05", b"\x0a\x04\x0a\x02\x08\x09"],
+                         ids=["truncated-length", "child-past-end", "child-out-of-range"])
+def test_corrupt_graph_is_a_restorekit_error(raw):
+    with pytest.raises(CorruptCheckpointError):
+        rewrite_keys(raw, {})
