@@ -215,3 +215,14 @@ def live_handles(report) -> dict:
             "call restorekit.scan again in the process that builds the graph"
         )
     return report._handles
+
+
+def policy_of(report, variable_name: str):
+    """The shape policy, cast or VocabRemap ``scan`` chose for ``variable_name``; None for a plain copy."""
+    policies = report._policies if isinstance(report, RestoreReport) else None
+    return (policies or {}).get(variable_name)
+
+
+def plain_records(report) -> list:
+    """Matched records restored by a plain copy (a Saver can take them): no shape policy or vocabulary."""
+    return [r for r in report.matched if policy_of(report, r.variable_name) is None]

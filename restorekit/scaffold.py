@@ -7,11 +7,10 @@ restores, a ``variables_initializer`` over the rest initializes.
 from __future__ import annotations
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit import remap
-from restorekit.errors import AssignmentMapError
-from restorekit.tf1 import partial_saver, plain_records, warm_start
+from restorekit.report import live_handles
 from restorekit.scan import scan
 from restorekit.targets import collect, flat_variables
+from restorekit.tf1 import build_initializer, partial_saver, restore_ops
 
 __all__ = ["easy_going_scaffold"]
 
@@ -57,40 +56,12 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
     report = scan(checkpoint, variables, **scan_options)
     if strict:
         report.assert_complete()
-
-    scanned = flat_variables(collect(variables))
-    all_globals = list(tf1.global_variables())
-    known = {id(v) for v in all_globals}
-    everything = all_globals + [v for v in scanned if id(v) not in known]
-
-    # Only plain matches are restored by the Saver; policy and vocabulary matches
-    # get checkpoint-reading initializers and run in init_op with the rest.
-    plain = plain_records(report)
-    restored_ids = {id(v) for v in flat_variables(report._handles[r.variable_name] for r in plain)}
-
-    init_fn = None
+    ops = restore_ops(report)
     with tf1.name_scope("restorekit"):
-        for record in report.matched:
-            if remap.has_policy(report, record):
-                remap.tf1_initializer(report, record)
-        try:
-            restore_saver = partial_saver(report) if plain else None
-        except AssignmentMapError:
-            # One tensor feeds several variables: a Saver cannot, initializers can.
-            warm_start(report)
-            restore_saver = None
-            restored_ids = set()
-        if restore_saver is not None:
-            prefix = report.checkpoint
-
-            def init_fn(scaffold, session):
-                restore_saver.restore(session, prefix)
-
-        init_op = tf1.variables_initializer(
-            [v for v in everything if id(v) not in restored_ids], name="init_not_restored"
-        )
-        ready_op = tf1.report_uninitialized_variables(everything + list(tf1.local_variables()))
-        ready_for_local_init_op = tf1.report_uninitialized_variables(everything)
+        for record in ops.initialized:
+            build_initializer(report, record)
+        init_fn = _restore_fn(report, ops.saved)
+        init_op, ready_op, ready_for_local_init_op = _init_and_ready_ops(tf1, report, variables, ops.saved)
     scaffold = tf1.train.Scaffold(
         init_op=init_op,
         init_fn=init_fn,
@@ -100,3 +71,30 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
     )
     scaffold.restore_report = report
     return scaffold
+
+
+def _restore_fn(report, saved):
+    """The Scaffold's ``init_fn``: a Saver over exactly ``saved`` restores them; None when there are none."""
+    if not saved:
+        return None
+    restore_saver = partial_saver(report)
+    prefix = report.checkpoint
+
+    def init_fn(scaffold, session):
+        restore_saver.restore(session, prefix)
+
+    return init_fn
+
+
+def _init_and_ready_ops(tf1, report, variables, saved):
+    """Initialize every variable the Saver does not restore; ready when all scanned and global ones are."""
+    scanned = flat_variables(collect(variables))
+    all_globals = list(tf1.global_variables())
+    known = {id(v) for v in all_globals}
+    everything = all_globals + [v for v in scanned if id(v) not in known]
+    handles = live_handles(report)
+    restored = {id(v) for v in flat_variables(handles[r.variable_name] for r in saved)}
+    init_op = tf1.variables_initializer([v for v in everything if id(v) not in restored], name="init_not_restored")
+    ready_op = tf1.report_uninitialized_variables(everything + list(tf1.local_variables()))
+    ready_for_local_init_op = tf1.report_uninitialized_variables(everything)
+    return init_op, ready_op, ready_for_local_init_op

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError
 from restorekit.names import strip_output_index, strip_partition
+from restorekit.trackables import is_keras_variable, live_paths, tf_variable
 
 __all__ = [
     "Target",
@@ -47,16 +48,6 @@ def is_partitioned(obj) -> bool:
     """True for a TF1 ``PartitionedVariable`` (the whole, not one of its parts)."""
     # tf.compat.v1 exports no PartitionedVariable class to isinstance against.
     return type(obj).__name__ == "PartitionedVariable" and hasattr(obj, "_get_variable_list")
-
-
-def is_keras_variable(var) -> bool:
-    """True for a Keras 3 variable: not a tf.Variable, it holds one in ``value`` and is named by ``path``."""
-    return type(var).__module__.startswith("keras") and isinstance(getattr(var, "path", None), str)
-
-
-def tf_variable(var):
-    """The tf.Variable behind a Keras 3 variable; any other variable as given."""
-    return var.value if is_keras_variable(var) else var
 
 
 def variable_name(var) -> str:
@@ -190,7 +181,6 @@ def _unique_names(targets: list[Target], root) -> None:
         counts[t.variable_name] = counts.get(t.variable_name, 0) + 1
     if all(n == 1 for n in counts.values()):
         return
-    from restorekit.tf2 import live_paths
 
     paths = live_paths(root)
     for t in targets:

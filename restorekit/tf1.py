@@ -6,25 +6,67 @@ The eager (TF2, Keras 3) counterpart is ``restorekit.tf2.restore``.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from restorekit._tensorflow import import_tensorflow
 from restorekit import remap
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
-from restorekit.report import RestoreReport, live_handles
+from restorekit.report import RestoreReport, live_handles, plain_records, policy_of
 
-__all__ = ["assign_from_checkpoint_fn", "partial_saver", "plain_records", "warm_start"]
+__all__ = [
+    "RestoreOps",
+    "assign_from_checkpoint_fn",
+    "build_initializer",
+    "partial_saver",
+    "plain_records",
+    "restore_ops",
+    "warm_start",
+]
 
 
-def plain_records(report: RestoreReport) -> list:
-    """Matched records a Saver can restore (not through a shape policy or vocabulary remap)."""
-    return [r for r in report.matched if not remap.has_policy(report, r)]
+def _shared_tensors(records) -> list[str]:
+    """Checkpoint names that feed more than one of ``records`` (a Saver cannot restore those)."""
+    counts = Counter(r.checkpoint_name for r in records)
+    return sorted(name for name, n in counts.items() if n > 1)
+
+
+@dataclass(frozen=True)
+class RestoreOps:
+    """How a report is restored in a TF1 graph, decided once.
+
+    ``saved``: records a Saver restores (plain copies, one variable per tensor);
+    ``initialized``: records whose initializers read the checkpoint (shape policies,
+    vocabularies, casts, and every record when one tensor feeds several variables).
+    """
+
+    saved: tuple
+    initialized: tuple
+
+
+def restore_ops(report: RestoreReport) -> RestoreOps:
+    """Decide which matched records a Saver restores and which get checkpoint-reading initializers."""
+    plain = plain_records(report)
+    if _shared_tensors(plain):
+        return RestoreOps((), tuple(report.matched))
+    return RestoreOps(tuple(plain), tuple(r for r in report.matched if policy_of(report, r.variable_name) is not None))
+
+
+def build_initializer(report: RestoreReport, record) -> None:
+    """Make ``record``'s variable initializer read its value from the checkpoint (through its policy, if any)."""
+    tf = import_tensorflow()
+
+    if policy_of(report, record.variable_name) is not None:
+        remap.tf1_initializer(report, record)
+    else:
+        tf.compat.v1.train.init_from_checkpoint(
+            report.checkpoint, {record.checkpoint_name: live_handles(report)[record.variable_name]}
+        )
 
 
 def _saver_var_list(report: RestoreReport) -> dict:
     handles = live_handles(report)
     plain = plain_records(report)
-    counts = Counter(r.checkpoint_name for r in plain)
-    shared = sorted(name for name, n in counts.items() if n > 1)
+    shared = _shared_tensors(plain)
     if shared:
         feeding = [r.variable_name for r in plain if r.checkpoint_name == shared[0]]
         raise AssignmentMapError(
@@ -86,15 +128,8 @@ def warm_start(report: RestoreReport) -> None:
     op) loads the checkpoint values. One checkpoint tensor may feed several variables;
     shape policies and vocabulary remaps (``scan(shape_policy=..., vocab=...)``) apply.
     """
-    tf = import_tensorflow()
-
-    handles = live_handles(report)
+    live_handles(report)
     if not report.matched:
         raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to warm-start\n{report}")
     for record in report.matched:
-        if remap.has_policy(report, record):
-            remap.tf1_initializer(report, record)
-        else:
-            tf.compat.v1.train.init_from_checkpoint(
-                report.checkpoint, {record.checkpoint_name: handles[record.variable_name]}
-            )
+        build_initializer(report, record)

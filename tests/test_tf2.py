@@ -419,7 +419,9 @@ def test_one_entry_found_for_two_variables_restores_only_the_first_and_says_so(h
         keys = real(root, graph, variables)
         return {**keys, id(copy_kernel): body_key, id(tf2.tf_variable(copy_kernel)): body_key}
 
-    monkeypatch.setattr(tf2, "object_graph_keys", both_on_body)
+    import sys
+
+    monkeypatch.setattr(sys.modules["restorekit.scan"], "object_graph_keys", both_on_body)
     report = scan(prefix, new, match="object_graph")
     keys = [r.checkpoint_name for r in report.matched]
     assert len(keys) == len(set(keys))  # no entry feeds two variables

@@ -1,0 +1,69 @@
+"""Hints for near misses in a restore report: naming synonyms, shapes, dtypes."""
+
+from __future__ import annotations
+
+import re
+
+from restorekit.policies import CAST, dtype_cast_applies
+from restorekit.report import Record
+
+__all__ = ["UNIQUIFIED", "restore_hints", "shapes_fit"]
+
+_SYNONYMS = {"biases": "bias", "weights": "kernel", "gamma": "scale", "embeddings": "embedding"}
+UNIQUIFIED = re.compile(r"_\d+$")
+
+
+# batch norm scopes: tf-slim 'conv1/BatchNorm/...', Keras 'conv1_bn/...' or 'batch_normalization'
+_BATCH_NORM = re.compile(r"^(?:(?P<base>.+?)_)?(?:bn|batchnorm|batch_norm|batch_normalization)$", re.IGNORECASE)
+
+
+def _canonical(name: str) -> str:
+    parts = []
+    for part in name.split("/"):
+        part = UNIQUIFIED.sub("", part)
+        bn = _BATCH_NORM.match(part)
+        if bn:
+            parts += [bn.group("base"), "bn"] if bn.group("base") else ["bn"]
+            continue
+        parts.append(_SYNONYMS.get(part, part))
+    return "/".join(parts)
+
+
+def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[str, ...]:
+    hints = []
+    by_canonical: dict[str, list[Record]] = {}
+    for r in unused:
+        by_canonical.setdefault(_canonical(r.checkpoint_path or r.checkpoint_name), []).append(r)
+    for r in missing:
+        candidates = by_canonical.get(_canonical(r.checkpoint_name), [])
+        if len(candidates) == 1:
+            c = candidates[0]
+            fits = c.checkpoint_shape == r.shape or r.shape is None
+            hints.append(
+                f"{r.variable_name!r} is missing but checkpoint entry {c.checkpoint_path or c.checkpoint_name!r} "
+                f"differs only in naming"
+                + ("" if fits else f" (and shape: checkpoint {list(c.checkpoint_shape)}, model {list(r.shape)})")
+                + f"; pass assignment_map={{{c.checkpoint_path or c.checkpoint_name!r}: {r.variable_name!r}}}."
+            )
+    for r in shape_mismatched:
+        hints.append(
+            f"{r.variable_name!r} differs only in shape "
+            f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)}); "
+            f"shape_policy='slice_or_pad' keeps the overlapping block."
+        )
+    for r in dtype_mismatched:
+        if dtype_cast_applies(CAST, r.dtype, r.checkpoint_dtype) and shapes_fit(r.shape, r.checkpoint_shape):
+            hints.append(
+                f"{r.variable_name!r} differs only in dtype (checkpoint {r.checkpoint_dtype}, model {r.dtype}); "
+                f"dtype_policy='cast' restores it cast."
+            )
+    return tuple(hints)
+
+
+def shapes_fit(model_shape, checkpoint_shape) -> bool:
+    """True when a variable of ``model_shape`` (None dims are free) can take ``checkpoint_shape``."""
+    if model_shape is None:
+        return True
+    if len(model_shape) != len(checkpoint_shape):
+        return False
+    return all(m is None or m == c for m, c in zip(model_shape, checkpoint_shape))
