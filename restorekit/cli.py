@@ -245,6 +245,17 @@ def _editor(path):
     return CheckpointEditor(path)
 
 
+def _cli_exists_error(e, out):
+    """The library's OutputExistsError, reworded for the shell by its fields (never by its text)."""
+    from restorekit.errors import OutputExistsError
+
+    if e.is_source:
+        return OutputExistsError(f"{out!r} is the source checkpoint; name another output", path=out, is_source=True)
+    if e.path is None:
+        return e
+    return OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path)
+
+
 def _save(editor, args) -> int:
     from restorekit.errors import OutputExistsError
 
@@ -252,9 +263,7 @@ def _save(editor, args) -> int:
         prefix = editor.save(args.out, overwrite=args.overwrite, update_state_file=args.update_state_file,
                              progress=not _quiet(args))
     except OutputExistsError as e:
-        if "save_in_place" in str(e) or "is the source checkpoint" in str(e):
-            raise OutputExistsError(f"{args.out!r} is the source checkpoint; name another output") from None
-        raise OutputExistsError(f"{e.args[0].split(';')[0]}; pass --overwrite to replace it") from None
+        raise _cli_exists_error(e, args.out) from None
     if not _quiet(args):
         print(f"wrote {prefix!r}")
     return EXIT_OK
