@@ -306,7 +306,7 @@ def test_tf1_bfloat16_checkpoint_warm_starts_a_float32_graph_with_dtype_policy_c
     with tf.Graph().as_default():
         w = tf1.get_variable("net/w", shape=[3, 4], dtype=tf.float32)
         b = tf1.get_variable("net/b", shape=[4], dtype=tf.float32)
-        steps = tf1.get_variable("steps", shape=[], dtype=tf.int64)  # int32 in the checkpoint: never cast
+        tf1.get_variable("steps", shape=[], dtype=tf.int64)  # int32 in the checkpoint: never cast
         plain = scan(prefix)
         assert sorted(r.variable_name for r in plain.dtype_mismatched) == ["net/b", "net/w", "steps"]
         assert any("net/w" in h and "dtype_policy='cast'" in h for h in plain.hints)
