@@ -83,21 +83,15 @@ def checked_pairs(grads_and_vars) -> list[tuple]:
             pair, an item that is not a 2-tuple, or a pair whose second item is not a
             variable.
     """
-    if isinstance(grads_and_vars, (str, bytes, Mapping)) or not isinstance(grads_and_vars, Iterable):
+    if _is_single_value(grads_and_vars):
         raise InvalidArgumentError(f"grads_and_vars must be {_EXPECTED}, got {_describe(grads_and_vars)}")
     if _is_bare_pair(grads_and_vars):
         raise InvalidArgumentError(
             f"grads_and_vars must be {_EXPECTED}, got one pair ({_describe(grads_and_vars[0])}, "
             f"{_describe(grads_and_vars[1])}); wrap it in a list: [(gradient, variable)]"
         )
-    try:
-        items = list(grads_and_vars)
-    except TypeError as e:  # a graph-mode tensor refuses iteration
-        raise InvalidArgumentError(
-            f"grads_and_vars must be {_EXPECTED}, got {_describe(grads_and_vars)} ({e})"
-        ) from None
     pairs = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(grads_and_vars):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise InvalidArgumentError(
                 f"grads_and_vars[{i}] is {_describe(item)}, not a (gradient, variable) pair; "
@@ -110,6 +104,19 @@ def checked_pairs(grads_and_vars) -> list[tuple]:
             )
         pairs.append(tuple(item))
     return pairs
+
+
+def _is_single_value(value) -> bool:
+    # Tensors and variables iterate (eagerly) over their rows, strings over characters:
+    # none of them is a list of pairs.
+    tf = import_tensorflow()
+
+    return (
+        isinstance(value, (str, bytes, Mapping))
+        or not isinstance(value, Iterable)
+        or tf.is_tensor(value)
+        or _is_variable(value)
+    )
 
 
 def _is_variable(value) -> bool:
@@ -136,4 +143,6 @@ def _describe(value) -> str:
         return f"a {type(value).__name__} of {len(value)} item{'' if len(value) == 1 else 's'}"
     text = repr(value)
     # An eager tensor's repr holds its values; the head (name, shape, dtype) is what tells.
-    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+    text = text if len(text) <= 80 else text[:77] + "..."
+    # TF's reprs name their kind (<tf.Tensor ...>); others get their type in front.
+    return text if text.startswith("<") else f"{type(value).__name__} {text}"
