@@ -24,6 +24,7 @@ Modules: ``groups`` (the groups, ``layerwise_decay``), ``gradients``
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from restorekit.finetune.gradients import scale_gradients
@@ -63,8 +64,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
