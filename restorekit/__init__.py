@@ -4,7 +4,7 @@
 functions that need them.
 """
 
-from restorekit.checkpoint import Checkpoint, Entry, RestoreKitWarning
+from restorekit.checkpoint import Checkpoint, Entry
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import (
@@ -25,6 +25,8 @@ from restorekit.errors import (
     OutputError,
     OutputExistsError,
     RestoreKitError,
+    RestoreKitWarning,
+    UnknownVariableError,
     VocabularyError,
 )
 from restorekit.export import ExportResult, convert, export_checkpoint, import_checkpoint
@@ -51,10 +53,11 @@ from restorekit.initializers import initialize_uninitialized, uninitialized_init
 from restorekit.report import Record, RestoreReport
 from restorekit.scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
-from restorekit.remap import VocabRemap
+from restorekit.policies import VocabRemap
+from restorekit.rules import KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
 from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
-from restorekit.tf2 import KERAS_FROM_TF1, Rules, restore
+from restorekit.tf2 import restore
 
 __version__ = "0.1.0"
 
@@ -101,6 +104,7 @@ __all__ = [
     "RestoreReport",
     "Rules",
     "TensorSummary",
+    "UnknownVariableError",
     "UnfreezeResult",
     "VariableGroup",
     "VariableGroups",

@@ -13,6 +13,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working::
     │   ├── AssignmentMapError                              an assignment_map that cannot work
     │   ├── EditError                                       an edit that does not fit (shape, dtype)
     │   ├── GroupError                                      variable groups used wrongly
+    │   │   └── UnknownVariableError       (NoMatchError)       a variable the groups do not hold
     │   └── VocabularyError                                 a vocabulary file or size that does not fit
     ├── IncompleteRestoreError         (ValueError)         strict restore with gaps; has .report
     ├── OutputError                    (OSError)            an output that cannot be written safely
@@ -53,6 +54,7 @@ __all__ = [
     "OutputExistsError",
     "RestoreKitError",
     "RestoreKitWarning",
+    "UnknownVariableError",
     "VocabularyError",
 ]
 
@@ -125,6 +127,13 @@ class EditError(InvalidArgumentError):
 
 class GroupError(InvalidArgumentError):
     """Variable groups built wrongly or used with another graph."""
+
+
+class UnknownVariableError(GroupError, NoMatchError):
+    """A variable these groups do not hold: a ``GroupError`` that lists the closest names."""
+
+    def __init__(self, message: str, *, name: str, candidates):
+        NoMatchError.__init__(self, message, name=name, candidates=candidates, label="Closest names")
 
 
 class VocabularyError(InvalidArgumentError):

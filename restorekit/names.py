@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterable, Mapping, Sequence
 
-from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError, closest_names, format_names
+from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError, closest_names
 
 __all__ = [
     "closest_names",
@@ -31,6 +31,7 @@ __all__ = [
     "rename_rule",
     "strip_output_index",
     "strip_partition",
+    "suggest_pattern",
 ]
 
 _OUTPUT_INDEX = re.compile(r":\d+$")
@@ -62,6 +63,24 @@ def _compile(pattern) -> Callable[[str], bool]:
     except re.error as e:
         raise InvalidArgumentError(f"pattern {pattern!r} is not a valid regular expression: {e}") from None
     return lambda name: compiled.match(name) is not None
+
+
+def suggest_pattern(pattern: str, names: Iterable[str]) -> str | None:
+    """The pattern a user probably meant when ``pattern`` matches none of ``names``.
+
+    Patterns match from the start of a name and end at a scope boundary, so ``'Adam'``
+    misses ``dense/kernel/Adam`` (``'.*Adam'`` takes it) and ``'net/conv'`` misses
+    ``net/conv1/weights`` (``'net/conv.*'`` takes it).
+    """
+    names = list(names)
+    for candidate in (f".*{pattern}", f"{pattern}.*", f".*{pattern}.*"):
+        try:
+            test = _compile(candidate)
+        except InvalidArgumentError:
+            return None
+        if any(test(n) for n in names):
+            return candidate
+    return None
 
 
 def matches(pattern, name: str) -> bool:
@@ -100,14 +119,16 @@ class PatternSet:
         return None
 
     def check_all_used(self, names: Iterable[str]) -> None:
-        """Raise NoMatchError for the first pattern that took no name."""
+        """Raise NoMatchError for the first pattern that took no name, suggesting the pattern meant."""
         names = list(names)
         for pattern, used in zip(self.patterns, self.used):
             if not used:
                 text = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
-                near = closest_names(text, names)
-                hint = f" Closest names: {format_names(near)}." if near else ""
-                raise NoMatchError(f"{self.what} {text!r} matches no name among {len(names)}.{hint}", near)
+                message = f"{self.what} {text!r} matches no name among {len(names)}."
+                meant = suggest_pattern(text, names) if isinstance(pattern, str) else None
+                if meant is not None:
+                    message += f" Did you mean {meant!r}? (a pattern matches from the start of the name)"
+                raise NoMatchError(message, name=text, candidates=names, label="Closest names")
 
 
 # ---------------------------------------------------------------- optimizer slots

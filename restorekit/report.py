@@ -193,7 +193,8 @@ class RestoreReport:
         row("mismatched", tuple(self.shape_mismatched) + tuple(self.dtype_mismatched), text)
         # a name skipped on both sides (the variable and its checkpoint entry) counts once
         reasons = Counter(reason for reason, _ in {(r.reason, r.variable_name or r.checkpoint_name) for r in self.skipped})
-        row("skipped", range(sum(reasons.values())), ", ".join(f"{reason} ({n})" for reason, n in reasons.most_common()))
+        ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))  # ties in a fixed order
+        row("skipped", range(sum(reasons.values())), ", ".join(f"{reason} ({n})" for reason, n in ordered))
         row("unused", self.unused, listing(self.unused))
         lines.extend(f"  hint: {h}" for h in self.hints[:8])
         if len(self.hints) > 8:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.errors import GroupError, InvalidArgumentError, NoMatchError, format_names
+from restorekit.errors import GroupError, InvalidArgumentError, NoMatchError, UnknownVariableError, format_names
 from restorekit.names import PatternSet, matches, strip_output_index, strip_partition
 from restorekit.targets import is_keras_variable, is_partitioned, tf_variable, variable_name
 
@@ -246,14 +246,6 @@ class VariableGroups:
             name=name,
             candidates=self._by_name,
         )
-
-
-class UnknownVariableError(GroupError, NoMatchError):
-    """A variable these groups do not hold: a ``GroupError`` that lists the closest names."""
-
-    # GroupError has no fields; NoMatchError builds the near-miss text from name and candidates.
-    def __init__(self, message: str, *, name: str, candidates):
-        NoMatchError.__init__(self, message, name=name, candidates=candidates, label="Closest names")
 
 
 def check_groups(groups) -> VariableGroups:
