@@ -1,0 +1,127 @@
+"""The ``restorekit`` command: a thin layer over the Python API.
+
+Commands::
+
+    restorekit inspect CKPT [--stats] [--filter PATTERN] [--json]
+    restorekit diff A B [--atol X] [--json]
+    restorekit scan CKPT --meta-graph FILE.meta [--json]
+    restorekit rename CKPT OUT (--rule REGEX=REPL ... | --map FILE.json)
+    restorekit strip CKPT OUT
+    restorekit cast CKPT OUT --dtype DTYPE [--filter PATTERN]
+    restorekit convert SRC OUT [--to torch|safetensors|npz|tf] [--layout torch]
+    restorekit graph inspect FILE [--json]
+    restorekit freeze CKPT GRAPH --outputs a,b --out F.pb
+    restorekit unfreeze F.pb OUT_PREFIX [--weights auto|large|n1,n2] [--reference R] [--trainable-graph]
+    restorekit demo [--seeds N] [--steps N] [--out DIR]
+
+Exit codes:
+    0  success; ``diff``: the checkpoints are equal; ``scan``: every variable restores
+    1  ``diff``: the checkpoints differ; ``scan``: the restore would be incomplete
+    2  usage error (bad arguments)
+    3  restorekit error: missing or corrupt checkpoint, unsafe file, output exists, ...
+
+Errors print as one line, ``restorekit: error: ...``, without a traceback. Progress
+bars go to stderr, only when it is a terminal, and never with ``--quiet``.
+
+More commands plug in through :func:`register` (``graph inspect``, ``freeze``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Sequence
+
+from restorekit.cli import checkpoints, edits, graphs  # noqa: F401  (each registers its commands)
+from restorekit.cli.base import (  # noqa: F401
+    COMMANDS,
+    EXIT_DIFFERENT,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    Command,
+    Parser as _Parser,
+    Usage as _Usage,
+    _EPILOG,
+    register,
+)
+
+__all__ = ["COMMANDS", "Command", "main", "register"]
+
+
+# ------------------------------------------------------------------ demo
+
+@register("demo", help="run the transfer-learning demo (warm start vs from scratch on digits); "
+          "options: --seeds N --steps N --shots N --out DIR")
+def _demo(args) -> int:
+    from restorekit.demo import main as demo_main
+
+    return demo_main(list(args.extra))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered command."""
+    from restorekit import __version__
+
+    parser = _Parser(prog="restorekit", description="Inspect, compare, edit and convert TensorFlow checkpoints.",
+                     epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"restorekit {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summaries")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for command in COMMANDS.values():
+        p = sub.add_parser(command.name, help=command.help, description=command.help, epilog=_EPILOG)
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.configure(p)
+        if command.run is not None:
+            p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``restorekit`` command; return its exit code (see the module docstring)."""
+    parser = build_parser()
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
+    try:
+        return _run(parser, argv)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _run(parser: argparse.ArgumentParser, argv) -> int:
+    from restorekit.errors import RestoreKitError
+
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "demo":  # the demo parses its own options
+            raise _Usage(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra
+        if getattr(args, "run", None) is None:
+            raise _Usage(f"{args.command!r} needs a subcommand")
+        return int(args.run(args))
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else EXIT_OK if e.code is None else EXIT_USAGE
+    except _Usage as e:
+        print(f"restorekit: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `restorekit inspect ... | head`: the reader has what it wanted
+        try:  # no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout replaced (tests) or closed
+            pass
+        return EXIT_OK
+    except (RestoreKitError, OSError) as e:
+        message = str(e) or type(e).__name__
+        if isinstance(e, OSError) and not isinstance(e, RestoreKitError) and e.filename:
+            message = f"{e.strerror or e}: {e.filename!r}"
+        print(f"restorekit: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("restorekit: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"restorekit: warning: {message}\n"

@@ -1,0 +1,141 @@
+"""``restorekit inspect``, ``diff`` and ``scan``: read a checkpoint, compare two, plan a restore."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from restorekit._tensorflow import import_tensorflow
+from restorekit.compare import diff_checkpoints, tensor_stats
+from restorekit.report import format_bytes, format_shape
+from restorekit.cli.base import (  # noqa: F401
+    EXIT_DIFFERENT,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    Usage as _Usage,
+    _jsonable,
+    _num,
+    _print_json,
+    _quiet,
+    _table,
+    register,
+)
+
+
+# ------------------------------------------------------------------ inspect
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file or SavedModel")
+    p.add_argument("--filter", metavar="PATTERN", help="only names matching this pattern (a regex from the start)")
+    p.add_argument("--stats", action="store_true", help="read every tensor: min, max, mean, NaN count")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("inspect", help="list a checkpoint's tensors (names, shapes, dtypes, sizes)", configure=_inspect_args)
+def _inspect(args) -> int:
+    from restorekit.checkpoint import Checkpoint
+    from restorekit.names import PatternSet
+
+    ckpt = Checkpoint(args.checkpoint)
+    names = list(ckpt.entries)
+    if args.filter:
+        patterns = PatternSet([args.filter], what="--filter")
+        names = [n for n in names if patterns.first_match(n) is not None]
+        patterns.check_all_used(ckpt.entries)
+    rows = []
+    for name in names:
+        entry = ckpt.entries[name]
+        row = {"name": name, "shape": list(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes}
+        if args.stats:
+            row["stats"] = tensor_stats(ckpt.read(name))
+        rows.append(row)
+    total = sum(r["nbytes"] for r in rows)
+    if args.json:
+        _print_json({"checkpoint": ckpt.prefix, "count": len(rows), "nbytes": total, "entries": rows})
+        return EXIT_OK
+    header = ["NAME", "SHAPE", "DTYPE", "SIZE"] + (["MIN", "MAX", "MEAN", "NANS"] if args.stats else [])
+    lines = []
+    for r in rows:
+        line = [r["name"], format_shape(r["shape"]), r["dtype"], format_bytes(r["nbytes"])]
+        if args.stats:
+            s = r["stats"]
+            line += [_num(s["min"]), _num(s["max"]), _num(s["mean"]), str(s["nans"])]
+        lines.append(line)
+    print(_table(lines, header))
+    print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ diff
+
+def _diff_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="first checkpoint")
+    p.add_argument("b", help="second checkpoint")
+    p.add_argument("--atol", type=float, default=0.0, help="values within this max abs difference count as equal")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("diff", help="compare two checkpoints (exit 0 when equal, 1 when different)", configure=_diff_args)
+def _diff(args) -> int:
+    if not args.atol >= 0:
+        raise _Usage(f"--atol must be a number >= 0, got {args.atol}")
+    result = diff_checkpoints(args.a, args.b, atol=args.atol)
+    if args.json:
+        _print_json(result)
+    else:
+        for name in result["only_in_a"]:
+            print(f"only in A  {name}")
+        for name in result["only_in_b"]:
+            print(f"only in B  {name}")
+        for c in result["changed"]:
+            print(f"changed    {c['name']}: {c['a']['dtype']} {format_shape(c['a']['shape'])} -> "
+                  f"{c['b']['dtype']} {format_shape(c['b']['shape'])}")
+        for v in result["values"]:
+            diff = v["max_abs_diff"]
+            how = "NaNs in different places" if diff is not None and math.isnan(diff) else f"max abs diff {_num(diff)}"
+            print(f"values     {v['name']}: {how} ({v['differing']} elements differ)")
+        verdict = "equal" if result["equal"] else "different"
+        same = "identical" if args.atol == 0 else f"equal within {args.atol:g}"
+        print(f"{verdict}: {result['same']} tensors {same}, {len(result['only_in_a'])} only in A, "
+              f"{len(result['only_in_b'])} only in B, {len(result['changed'])} changed shape/dtype, "
+              f"{len(result['values'])} changed values")
+    return EXIT_OK if result["equal"] else EXIT_DIFFERENT
+
+
+# ------------------------------------------------------------------ scan
+
+def _scan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint to restore from")
+    p.add_argument("--meta-graph", required=True, metavar="FILE.meta", help="the model's MetaGraph (.meta)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+@register("scan", help="report what a restore into a graph's variables would do", configure=_scan_args)
+def _scan(args) -> int:
+
+    from restorekit.checkpoint import Checkpoint
+    from restorekit.errors import CheckpointNotFoundError, GraphError
+
+    checkpoint = Checkpoint(args.checkpoint)  # fail fast, before importing TensorFlow
+    if not os.path.isfile(args.meta_graph):
+        raise CheckpointNotFoundError(f"no MetaGraph file at {args.meta_graph!r}", args.meta_graph)
+    tf = import_tensorflow()
+
+    import restorekit
+
+    with tf.Graph().as_default():
+        try:
+            tf.compat.v1.train.import_meta_graph(args.meta_graph, clear_devices=True)
+        except Exception as e:  # TF raises DecodeError, IOError, ValueError, ... for bad files
+            raise GraphError(f"cannot import MetaGraph {args.meta_graph!r}: {e}") from None
+        report = restorekit.scan(checkpoint, variables=tf.compat.v1.global_variables())
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report)
+    return EXIT_OK if report.is_complete else EXIT_DIFFERENT
+
+

@@ -1,0 +1,136 @@
+"""``restorekit rename``, ``strip``, ``cast`` and ``convert``: write a new checkpoint or another format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from restorekit.cli.base import (  # noqa: F401
+    EXIT_DIFFERENT,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    Usage as _Usage,
+    _jsonable,
+    _num,
+    _print_json,
+    _quiet,
+    _table,
+    register,
+)
+
+
+# ------------------------------------------------------------------ edits
+
+def _edit_io(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="source checkpoint")
+    p.add_argument("out", help="output checkpoint prefix, or an existing directory (never the source)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output checkpoint")
+    p.add_argument("--update-state-file", action="store_true",
+                   help="point the output directory's 'checkpoint' file at the output (for tf.train.latest_checkpoint)")
+
+
+def _editor(path):
+    from restorekit.edit import CheckpointEditor
+
+    return CheckpointEditor(path)
+
+
+def _cli_exists_error(e, out):
+    """The library's OutputExistsError, reworded for the shell by its fields (never by its text)."""
+    from restorekit.errors import OutputExistsError
+
+    if e.is_source:
+        return OutputExistsError(f"{out!r} is the source checkpoint; name another output", path=out, is_source=True)
+    if e.path is None:
+        return e
+    return OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path)
+
+
+def _save(editor, args) -> int:
+    from restorekit.errors import OutputExistsError
+
+    try:
+        prefix = editor.save(args.out, overwrite=args.overwrite, update_state_file=args.update_state_file,
+                             progress=not _quiet(args))
+    except OutputExistsError as e:
+        raise _cli_exists_error(e, args.out) from None
+    if not _quiet(args):
+        print(f"wrote {prefix!r}")
+    return EXIT_OK
+
+
+def _rename_args(p: argparse.ArgumentParser) -> None:
+    _edit_io(p)
+    p.add_argument("--rule", action="append", default=[], metavar="REGEX=REPL",
+                   help="re.sub rule applied to every name, in order; split at the first '='")
+    p.add_argument("--map", metavar="FILE.json", help='JSON object {"old name": "new name", ...}')
+
+
+@register("rename", help="rename tensors by regex rules or a JSON map", configure=_rename_args)
+def _rename(args) -> int:
+    from restorekit.errors import InvalidArgumentError
+
+    if bool(args.rule) == bool(args.map):
+        raise _Usage("rename needs --rule REGEX=REPL (repeatable) or --map FILE.json, not both")
+    if args.map:
+        try:
+            with open(args.map, encoding="utf-8") as f:
+                rule = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InvalidArgumentError(f"--map {args.map!r} is not a readable JSON file: {e}") from None
+        if not isinstance(rule, dict) or not all(isinstance(v, str) for v in rule.values()):
+            raise InvalidArgumentError(f"--map {args.map!r} must hold a JSON object of name -> new name")
+    else:
+        rule = []
+        for text in args.rule:
+            pattern, sep, repl = text.partition("=")
+            if not sep or not pattern:
+                raise _Usage(f"--rule {text!r} is not REGEX=REPL")
+            rule.append((pattern, repl))
+    editor = _editor(args.checkpoint)
+    editor.rename_all(rule)
+    return _save(editor, args)
+
+
+@register("strip", help="drop optimizer slots (Momentum, Adam, ...)", configure=_edit_io)
+def _strip(args) -> int:
+    editor = _editor(args.checkpoint)
+    editor.strip_optimizer_slots()
+    return _save(editor, args)
+
+
+def _cast_args(p: argparse.ArgumentParser) -> None:
+    _edit_io(p)
+    p.add_argument("--dtype", required=True, help="target dtype: bfloat16, float16, float32, ...")
+    p.add_argument("--filter", metavar="PATTERN", default=".*", help="only names matching this pattern (default: all)")
+
+
+@register("cast", help="cast tensors to another dtype", configure=_cast_args)
+def _cast(args) -> int:
+    editor = _editor(args.checkpoint)
+    editor.cast(args.filter, args.dtype)
+    return _save(editor, args)
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    from restorekit.export import FORMATS
+
+    p.add_argument("src", help="TF checkpoint, .pt/.pth, .safetensors or .npz file")
+    p.add_argument("out", help="output file, or checkpoint prefix for --to tf")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
+    p.add_argument("--layout", choices=["torch"], help="PyTorch names and axes (reversed on the way back)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+@register("convert", help="convert between TF checkpoints, PyTorch, safetensors and npz", configure=_convert_args)
+def _convert(args) -> int:
+    from restorekit.export import convert
+
+    result = convert(args.src, args.out, to=args.to, layout=args.layout, overwrite=args.overwrite,
+                     progress=not _quiet(args))
+    if not _quiet(args):
+        print(result)
+    return EXIT_OK
+
+
