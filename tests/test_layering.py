@@ -18,13 +18,13 @@ LAYERS = [
     ["errors"],
     ["names", "_tensorflow"],
     ["bundle"],
-    ["checkpoint"],
+    ["checkpoint", "keras_files"],
     ["report", "ema"],
     ["trackables", "targets", "rules", "policies", "assignment", "hints"],
     ["scan"],
     ["remap", "tf1", "tf2", "initializers"],
-    ["scaffold", "finetune"],
-    ["compare", "export", "edit", "graph"],
+    ["scaffold", "finetune", "resume"],
+    ["compare", "export", "edit", "graph", "compress"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)
 ]
 
