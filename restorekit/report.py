@@ -144,6 +144,10 @@ class RestoreReport:
                 {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
                 for r in getattr(self, kind)
             ]
+        out["by_position"] = [
+            {"variable_name": r.variable_name, "checkpoint_name": r.checkpoint_name, "checkpoint_path": r.checkpoint_path}
+            for r in self.by_position
+        ]
         out["hints"] = list(self.hints)
         return out
 
@@ -161,6 +165,11 @@ class RestoreReport:
 
     # -- reading
     @property
+    def by_position(self) -> tuple:
+        """Matched records paired with an entry saved under another name, by the object graph's order."""
+        return tuple(r for r in self.matched if r.reason.startswith("by position"))
+
+    @property
     def matched_names(self) -> tuple:
         """Variable names that will be restored."""
         return tuple(r.variable_name for r in self.matched)
@@ -175,7 +184,7 @@ class RestoreReport:
             text = ", ".join(r.describe() for r in records[:limit])
             return text + (f", ... and {len(records) - limit} more" if len(records) > limit else "")
 
-        ema = Counter(r.reason.split(":")[0] for r in self.matched if r.reason)
+        ema = Counter(part.split(":")[0].strip() for r in self.matched if r.reason for part in r.reason.split(";"))
         row("matched", self.matched, ", ".join(f"{n} via {k}" for k, n in ema.items()))
         row("missing", self.missing, listing(self.missing))
         def source(r) -> str:  # the entry's name, when it is not the variable's own
@@ -196,6 +205,11 @@ class RestoreReport:
         ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))  # ties in a fixed order
         row("skipped", range(sum(reasons.values())), ", ".join(f"{reason} ({n})" for reason, n in ordered))
         row("unused", self.unused, listing(self.unused))
+        lines.extend(
+            f"  by position: {r.variable_name} <- {r.checkpoint_path or r.checkpoint_name}" for r in self.by_position[:20]
+        )
+        if len(self.by_position) > 20:
+            lines.append(f"  ... and {len(self.by_position) - 20} more by position")
         lines.extend(f"  hint: {h}" for h in self.hints[:8])
         if len(self.hints) > 8:
             lines.append(f"  ... and {len(self.hints) - 8} more hints")

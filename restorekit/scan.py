@@ -176,6 +176,8 @@ class _Scan:
     lookup: object = None
     rescope: object = _same
     graph_keys: dict = field(default_factory=dict)
+    positional: set = field(default_factory=set)  # variables paired with another name's entry, by position
+    dropped: dict = field(default_factory=dict)  # by-position pairings refused because names answer
     matched: list = field(default_factory=list)
     missing: list = field(default_factory=list)
     shape_mismatched: list = field(default_factory=list)
@@ -223,11 +225,36 @@ def _resolve_names(state: _Scan, variables, assignment_map, rules) -> None:
         state.graph_keys = {t.variable_name: by_id[id(t.handle)] for t in state.targets if id(t.handle) in by_id}
         if state.match == "auto":
             state.graph_keys = _names_beat_positions(state.graph_keys, names, state.by_path)
+        _positions_only_where_names_fail(state, names)
     if state.match == "object_graph" and not state.graph_keys:
         raise NoMatchError(
             f"match='object_graph' found none of the {len(state.targets)} variables in the object graph of "
             f"{ckpt.prefix!r}; pass a Keras model or tf.Module saved from the same architecture"
         )
+
+
+def _positions_only_where_names_fail(state: _Scan, names: list) -> None:
+    """Keep object-graph pairings across names only where names match nothing at all.
+
+    Keras saves layers as numbered lists, so the object graph pairs by position: a
+    new ``extra`` layer takes the entry saved as ``head``. When the model shares
+    names with the checkpoint, names are the evidence and such pairings are dropped
+    (a hint names them); when it shares none (every layer renamed or renumbered),
+    positions are all there is, and each such pairing is reported ``by position``.
+    ``match='object_graph'`` keeps them all, still reported.
+    """
+    cross = {}
+    for name, key in state.graph_keys.items():
+        path = state.ckpt.readable_name(key)
+        if path not in (name, state.rescope(name)) and state.by_path(name) != key:
+            cross[name] = key
+    if not cross:
+        return
+    if state.match == "auto" and any(state.by_path(n) for n in names):
+        state.dropped = cross
+        state.graph_keys = {n: k for n, k in state.graph_keys.items() if n not in cross}
+    else:
+        state.positional = set(cross)
 
 
 def _skip_reason(state: _Scan, name: str) -> str | None:
@@ -283,6 +310,8 @@ def _plan_target(state: _Scan, t: Target) -> None:
         state.skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
         return
     ckpt_name, reason = _ema_entry(state, ckpt_name)
+    if name in state.positional:
+        reason = f"by position; {reason}" if reason else "by position"
     entry = state.ckpt.entries.get(ckpt_name)
     if entry is None:
         state.missing.append(Record(name, ckpt_name, t.shape, t.dtype))
@@ -349,6 +378,13 @@ def _sort_leftover_entries(state: _Scan) -> None:
 
 def _report(state: _Scan) -> RestoreReport:
     ckpt = state.ckpt
+    dropped_hints = tuple(
+        f"{name!r} pairs by position with checkpoint entry {_readable(ckpt, key) or key!r} (the object graph's "
+        f"order), but names disagree and other variables match by name; pass match='object_graph' to restore by "
+        f"position, or assignment_map={{{_readable(ckpt, key) or key!r}: {name!r}}} for this one."
+        for name, key in state.dropped.items()
+        if name not in {r.variable_name for r in state.matched}
+    )
     shared_hints = tuple(
         f"{name!r} and {first!r} both match checkpoint entry {_readable(ckpt, key) or key!r}; {first!r} restores "
         f"from it and {name!r} is left to its initializer (an assignment_map can give one entry to both)."
@@ -363,7 +399,8 @@ def _report(state: _Scan) -> RestoreReport:
         dtype_mismatched=tuple(state.dtype_mismatched),
         skipped=tuple(state.skipped),
         unused=tuple(state.unused),
-        hints=restore_hints(state.missing, state.shape_mismatched, state.dtype_mismatched, state.unused) + shared_hints,
+        hints=restore_hints(state.missing, state.shape_mismatched, state.dtype_mismatched, state.unused)
+        + shared_hints + dropped_hints,
         _handles=state.handles,
         _policies=state.applied,
     )

@@ -407,6 +407,47 @@ def test_an_inserted_layer_is_missing_and_never_takes_the_heads_weights(head_che
         np.testing.assert_array_equal(got[name], fresh[name])  # its own initializer, not the old head
 
 
+def test_inserted_layer_before_a_renamed_head_restores_by_name_only(head_checkpoint):
+    prefix, saved = head_checkpoint
+    # body, head -> body, extra, new_head: positions would give head's weights to extra
+    new = functional((5, 5, 5), names=["body", "extra", "new_head"])
+    fresh = values_of(new.variables)
+    report = scan(prefix, new)
+    assert sorted(r.variable_name for r in report.matched) == ["body/bias", "body/kernel"]
+    assert sorted(r.variable_name for r in report.missing) == [
+        "extra/bias", "extra/kernel", "new_head/bias", "new_head/kernel"]
+    assert sorted(r.checkpoint_path for r in report.unused) == ["head/bias", "head/kernel"]
+    assert report.by_position == () and report.to_dict()["by_position"] == []
+    assert any("'extra/kernel' pairs by position with checkpoint entry 'head/kernel'" in h for h in report.hints)
+    tf2.restore(report)
+    got = values_of(new.variables)
+    np.testing.assert_array_equal(got["body/kernel"], saved["body/kernel"])
+    for name in ("extra/kernel", "extra/bias", "new_head/kernel", "new_head/bias"):
+        np.testing.assert_array_equal(got[name], fresh[name])
+
+
+def test_when_no_name_matches_positions_pair_and_every_pairing_is_printed(head_checkpoint):
+    prefix, saved = head_checkpoint
+    new = functional((5, 5), names=["trunk", "top"])  # every layer renamed: positions are all there is
+    report = scan(prefix, new)
+    assert report.is_complete
+    pairs = {r.variable_name: r.checkpoint_path for r in report.by_position}
+    assert pairs == {"trunk/kernel": "body/kernel", "trunk/bias": "body/bias",
+                     "top/kernel": "head/kernel", "top/bias": "head/bias"}
+    assert "  by position: top/kernel <- head/kernel" in str(report).splitlines()
+    assert len(report.to_dict()["by_position"]) == 4
+    tf2.restore(report)
+    np.testing.assert_array_equal(new.get_layer("top").kernel.numpy(), saved["head/kernel"])
+
+
+def test_match_object_graph_keeps_positional_pairings_and_reports_them(head_checkpoint):
+    prefix, saved = head_checkpoint
+    new = functional((5, 5, 5), names=["body", "extra", "new_head"])
+    report = scan(prefix, new, match="object_graph")
+    assert {r.variable_name: r.checkpoint_path for r in report.by_position} == {
+        "extra/kernel": "head/kernel", "extra/bias": "head/bias"}
+
+
 def test_one_entry_found_for_two_variables_restores_only_the_first_and_says_so(head_checkpoint, monkeypatch):
     prefix, saved = head_checkpoint
     new = functional((5, 5), names=["body", "copy"])
