@@ -75,6 +75,45 @@ def test_inspect_filter_matching_nothing_is_an_error(capsys, small_checkpoint):
 
 # ------------------------------------------------------------------ diff
 
+@pytest.fixture
+def keras_tf2_checkpoint(tmp_path):
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="enc1"), keras.layers.Dense(2, name="head")],
+                             name="net")
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "tf2" / "ckpt"))
+    return prefix, model
+
+
+def test_inspect_tf2_shows_readable_paths_and_filters_on_them(capsys, keras_tf2_checkpoint):
+    prefix, model = keras_tf2_checkpoint
+    code, out, _ = run(capsys, "inspect", prefix, "--filter", "net/enc1")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:2] == ["PATH", "NAME"]
+    assert sorted(line.split()[0] for line in lines[1:-1]) == ["net/enc1/bias", "net/enc1/kernel"]
+    assert all(".ATTRIBUTES/VARIABLE_VALUE" in line.split()[1] for line in lines[1:-1])
+    code, data = run_json(capsys, "inspect", prefix, "--filter", ".*enc1.*")
+    paths = {e["path"]: e["name"] for e in data["entries"]}
+    assert {"net/enc1/kernel", "net/enc1/bias"} <= set(paths)  # optimizer slots of enc1 too
+    assert all(name.endswith("/.ATTRIBUTES/VARIABLE_VALUE") for name in paths.values())
+
+
+def test_inspect_tensor_prints_values_by_name_or_path(capsys, keras_tf2_checkpoint, small_checkpoint):
+    prefix, model = keras_tf2_checkpoint
+    code, data = run_json(capsys, "inspect", prefix, "--tensor", "net/head/kernel")
+    assert code == 0 and data["shape"] == [4, 2]
+    np.testing.assert_array_equal(np.array(data["values"], np.float32), model.get_layer("head").kernel.numpy())
+    small, values = small_checkpoint
+    code, out, _ = run(capsys, "inspect", small, "--tensor", "dense/bias")
+    assert out.splitlines()[0] == "dense/bias [3] float32"
+    assert f"{values['dense/bias'][0]:.4f}"[:5] in out
+    code, out, err = run(capsys, "inspect", small, "--tensor", "dense/bais")
+    assert code == 3 and "Closest: 'dense/bias'" in err
+
+
 def test_diff_equal_exits_0(capsys, small_checkpoint, tmp_path):
     prefix, _ = small_checkpoint
     assert run(capsys, "convert", prefix, tmp_path / "copy", "--to", "tf")[0] == 0

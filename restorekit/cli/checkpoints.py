@@ -29,26 +29,66 @@ from restorekit.cli.base import (  # noqa: F401
 
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file or SavedModel")
-    p.add_argument("--filter", metavar="PATTERN", help="only names matching this pattern (a regex from the start)")
+    p.add_argument("--filter", metavar="PATTERN",
+                   help="only tensors whose name or readable path matches this pattern (a regex from the start)")
     p.add_argument("--stats", action="store_true", help="read every tensor: min, max, mean, NaN count")
+    p.add_argument("--tensor", metavar="NAME", help="print one tensor's values (a name or readable path)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-@register("inspect", help="list a checkpoint's tensors (names, shapes, dtypes, sizes)", configure=_inspect_args)
-def _inspect(args) -> int:
-    from restorekit.checkpoint import Checkpoint
+def _selected(ckpt, pattern) -> list[str]:
+    """Entry names whose key or readable path the --filter pattern takes (one pattern rule for both)."""
     from restorekit.names import PatternSet
 
-    ckpt = Checkpoint(args.checkpoint)
     names = list(ckpt.entries)
-    if args.filter:
-        patterns = PatternSet([args.filter], what="--filter")
-        names = [n for n in names if patterns.first_match(n) is not None]
-        patterns.check_all_used(ckpt.entries)
+    if not pattern:
+        return names
+    paths = ckpt.object_paths  # readable path -> key, for object-based (TF2) checkpoints
+    path_of = {key: path for path, key in paths.items()}
+    patterns = PatternSet([pattern], what="--filter")
+    chosen = [n for n in names if patterns.first_match(n) is not None or (
+        n in path_of and patterns.first_match(path_of[n]) is not None)]
+    patterns.check_all_used(names + list(paths))
+    return chosen
+
+
+def _print_tensor(ckpt, name: str, as_json: bool) -> int:
+    import numpy as np
+
+    from restorekit.errors import NoMatchError
+
+    key = name if name in ckpt.entries else ckpt.object_paths.get(name)
+    if key is None:
+        raise NoMatchError(f"no tensor {name!r} in {ckpt.prefix!r}.", name=name,
+                           candidates=list(ckpt.entries) + list(ckpt.object_paths))
+    value = ckpt.read(key)
+    entry = ckpt.entries[key]
+    if as_json:
+        data = value.tolist() if value.dtype != object else [v.decode("utf-8", "replace") for v in value.reshape(-1)]
+        _print_json({"name": key, "path": ckpt.readable_name(key), "shape": list(entry.shape), "dtype": entry.dtype,
+                     "values": data})
+        return EXIT_OK
+    print(f"{key} {format_shape(entry.shape)} {entry.dtype}")
+    with np.printoptions(threshold=1000, edgeitems=4, linewidth=100):
+        print(value)
+    return EXIT_OK
+
+
+@register("inspect", help="list a checkpoint's tensors (names, readable paths, shapes, dtypes, sizes)",
+          configure=_inspect_args)
+def _inspect(args) -> int:
+    from restorekit.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(args.checkpoint)
+    if args.tensor:
+        return _print_tensor(ckpt, args.tensor, args.json)
+    readable = ckpt.is_object_based
     rows = []
-    for name in names:
+    for name in _selected(ckpt, args.filter):
         entry = ckpt.entries[name]
         row = {"name": name, "shape": list(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes}
+        if readable:
+            row["path"] = ckpt.readable_name(name)
         if args.stats:
             row["stats"] = tensor_stats(ckpt.read(name))
         rows.append(row)
@@ -56,13 +96,15 @@ def _inspect(args) -> int:
     if args.json:
         _print_json({"checkpoint": ckpt.prefix, "count": len(rows), "nbytes": total, "entries": rows})
         return EXIT_OK
-    header = ["NAME", "SHAPE", "DTYPE", "SIZE"] + (["MIN", "MAX", "MEAN", "NANS"] if args.stats else [])
+    header = (["PATH"] if readable else []) + ["NAME", "SHAPE", "DTYPE", "SIZE"]
+    header += ["MIN", "MAX", "MEAN", "NANS"] if args.stats else []
     lines = []
     for r in rows:
-        line = [r["name"], format_shape(r["shape"]), r["dtype"], format_bytes(r["nbytes"])]
+        line = ([r["path"]] if readable else []) + [r["name"], format_shape(r["shape"]), r["dtype"],
+                                                   format_bytes(r["nbytes"])]
         if args.stats:
-            s = r["stats"]
-            line += [_num(s["min"]), _num(s["max"]), _num(s["mean"]), str(s["nans"])]
+            st = r["stats"]
+            line += [_num(st["min"]), _num(st["max"]), _num(st["mean"]), str(st["nans"])]
         lines.append(line)
     print(_table(lines, header))
     print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}")
