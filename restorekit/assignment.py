@@ -41,8 +41,12 @@ def mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
             return result
 
         return call
+    assignment_map = _from_pairs(assignment_map)
     if not isinstance(assignment_map, Mapping):
-        raise AssignmentMapError(f"assignment_map must be a dict or a callable, got {type(assignment_map).__name__}")
+        raise AssignmentMapError(
+            f"assignment_map must be a dict, a list of (checkpoint_name, variable) pairs or a callable, "
+            f"got {type(assignment_map).__name__}"
+        )
     exact, scopes = _map_entries(assignment_map, targets, checkpoint)
 
     def lookup(name: str):
@@ -54,6 +58,18 @@ def mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
         return None
 
     return lookup
+
+
+def _from_pairs(assignment_map):
+    """A list of ``(checkpoint_name, variable)`` pairs, as ``init_from_checkpoint`` takes, as a dict."""
+    if not isinstance(assignment_map, (list, tuple)):
+        return assignment_map
+    grouped: dict = {}
+    for pair in assignment_map:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise AssignmentMapError(f"an assignment_map list holds (checkpoint_name, variable) pairs, got {pair!r}")
+        grouped.setdefault(pair[0], []).append(pair[1])
+    return {key: values[0] if len(values) == 1 else values for key, values in grouped.items()}
 
 
 def _map_entries(assignment_map: Mapping, targets: list[Target], checkpoint: Checkpoint):

@@ -111,6 +111,10 @@ class VocabRemap:
             raise InvalidArgumentError(f"old_vocab_size must be >= 0, got {self.old_vocab_size}")
         if self.backup_initializer is not None and not callable(self.backup_initializer):
             raise InvalidArgumentError(f"backup_initializer must be callable, got {self.backup_initializer!r}")
+        # Word lists are checked now (a duplicate makes the remap ambiguous); files when first read.
+        for vocab, what in ((self.old_vocab, "old vocabulary"), (self.new_vocab, "new vocabulary")):
+            if isinstance(vocab, (list, tuple)):
+                _read_words(vocab, what)
 
     def words(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(old words in use, new words), read once.

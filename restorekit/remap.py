@@ -30,7 +30,7 @@ from restorekit.policies import (  # noqa: F401  (the names remap.* offered befo
 from restorekit.report import format_shape, live_handles, policy_of
 from restorekit.targets import slice_info
 
-__all__ = ["eager_value", "tf1_initializer"]
+__all__ = ["eager_value", "tf1_copy_initializer", "tf1_initializer"]
 
 
 def _overlap_mask(tf, checkpoint_shape, shape):
@@ -152,11 +152,9 @@ def tf1_initializer(report, record) -> None:
 
     if not has_policy(report, record):
         raise InvalidArgumentError(f"{record.variable_name!r} has no shape policy or vocabulary in this report")
-    if tf.executing_eagerly():
-        raise InvalidArgumentError("tf1_initializer builds graph initializers; in eager mode use restorekit.restore")
+    _check_graph_mode(tf)
     policy = policy_of(report, record.variable_name)
     handle = live_handles(report)[record.variable_name]
-    parts = list(handle) if isinstance(handle, (list, tuple)) else [handle]
     shape = tuple(record.shape)
     dtype = tf.as_dtype(record.dtype)
     with tf.compat.v1.name_scope("restorekit_remap"):
@@ -167,24 +165,55 @@ def tf1_initializer(report, record) -> None:
             _check_shape(raw.shape, shape, policy, record.variable_name)
             value = tf.constant(raw.astype(dtype.as_numpy_dtype))
         else:
-            with tf.device("/cpu:0"):
-                stored = tf.raw_ops.RestoreV2(
-                    prefix=report.checkpoint,
-                    tensor_names=[record.checkpoint_name],
-                    shape_and_slices=[""],
-                    dtypes=[tf.as_dtype(record.checkpoint_dtype)],
-                )[0]
-            stored.set_shape(record.checkpoint_shape)
+            stored = _read_op(tf, report.checkpoint, record)
             if isinstance(policy, VocabRemap):
                 value = _vocab(tf, policy, stored, shape, dtype)
             elif policy == CAST:
                 value = tf.cast(stored, dtype)
             else:
                 value, mask = _slice_or_pad(tf, stored, record.checkpoint_shape, shape)
-        for part in parts:
-            begin, size = _part_slices(part, shape)
-            piece = tf.slice(value, begin, size) if len(parts) > 1 else value
-            if mask is not None:
-                piece_mask = tf.slice(mask, begin, size) if len(parts) > 1 else mask
-                piece = tf.where(piece_mask, piece, part.initial_value)
-            _set_initial_value(tf, part, piece)
+        _initialize_parts(tf, handle, shape, value, mask)
+
+
+def tf1_copy_initializer(report, record) -> None:
+    """Make a plainly matched variable initialize from its checkpoint entry, read by ``RestoreV2``.
+
+    ``init_from_checkpoint`` does the same but takes a path that is also a directory
+    (``saver.save(sess, some_dir)``) for a directory and looks for a ``checkpoint``
+    file there; ``RestoreV2`` takes the prefix as it is.
+    """
+    tf = import_tensorflow()
+
+    _check_graph_mode(tf)
+    handle = live_handles(report)[record.variable_name]
+    with tf.compat.v1.name_scope("restorekit_restore"):
+        _initialize_parts(tf, handle, tuple(record.shape), _read_op(tf, report.checkpoint, record), None)
+
+
+def _check_graph_mode(tf) -> None:
+    if tf.executing_eagerly():
+        raise InvalidArgumentError("TF1 initializers are graph ops; in eager mode use restorekit.restore")
+
+
+def _read_op(tf, prefix: str, record):
+    with tf.device("/cpu:0"):
+        stored = tf.raw_ops.RestoreV2(
+            prefix=prefix,
+            tensor_names=[record.checkpoint_name],
+            shape_and_slices=[""],
+            dtypes=[tf.as_dtype(record.checkpoint_dtype)],
+        )[0]
+    stored.set_shape(record.checkpoint_shape)
+    return stored
+
+
+def _initialize_parts(tf, handle, shape, value, mask) -> None:
+    """Set each partition's initial value to its slice of ``value`` (``mask``: where the checkpoint counts)."""
+    parts = list(handle) if isinstance(handle, (list, tuple)) else [handle]
+    for part in parts:
+        begin, size = _part_slices(part, shape)
+        piece = tf.slice(value, begin, size) if len(parts) > 1 else value
+        if mask is not None:
+            piece_mask = tf.slice(mask, begin, size) if len(parts) > 1 else mask
+            piece = tf.where(piece_mask, piece, part.initial_value)
+        _set_initial_value(tf, part, piece)

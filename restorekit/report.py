@@ -210,6 +210,10 @@ class RestoreReport:
         )
         if len(self.by_position) > 20:
             lines.append(f"  ... and {len(self.by_position) - 20} more by position")
+        fallback = [r.variable_name for r in self.matched if "ema fallback" in r.reason]
+        if fallback:
+            shown = ", ".join(fallback[:6]) + (f", ... and {len(fallback) - 6} more" if len(fallback) > 6 else "")
+            lines.append(f"  ema fallback (no shadow entry, raw weights): {shown}")
         lines.extend(f"  hint: {h}" for h in self.hints[:8])
         if len(self.hints) > 8:
             lines.append(f"  ... and {len(self.hints) - 8} more hints")

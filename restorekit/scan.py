@@ -9,13 +9,14 @@ entries nothing took into skipped and unused.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 
 from restorekit import policies as policy_rules
 from restorekit.assignment import mapper
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
 from restorekit.ema import is_shadow_name, shadow_suffix
-from restorekit.errors import InvalidArgumentError, NoMatchError
+from restorekit.errors import InvalidArgumentError, NoMatchError, RestoreKitWarning
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit.names import PatternSet, is_global_step, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
@@ -169,6 +170,8 @@ class _Scan:
     includes: PatternSet = None
     excludes: PatternSet = None
     suffix: str | None = None
+    ema: object = None  # the ExponentialMovingAverage, when one was given (it knows its shadows' names)
+    scoped_shadows: dict = None  # variable name -> shadow entry saved under an extra scope, if unique
     policies: object = None
     dtype_policy: object = None
     vocabularies: dict = field(default_factory=dict)
@@ -198,6 +201,7 @@ class _Scan:
 
 def _resolve_options(state: _Scan, include, exclude, ema, shape_policy, dtype_policy, vocab) -> None:
     state.suffix = shadow_suffix(ema) if ema is not None and ema is not False else None
+    state.ema = ema if hasattr(ema, "average_name") else None
     state.includes = PatternSet(include, what="include pattern")
     state.excludes = PatternSet(exclude, what="exclude pattern")
     state.policies = policy_rules.resolve_shape_policy(shape_policy)
@@ -285,12 +289,41 @@ def _checkpoint_name(state: _Scan, t: Target) -> str | None:
     return ckpt_name
 
 
-def _ema_entry(state: _Scan, ckpt_name: str) -> tuple[str, str]:
+def _scoped_shadows(state: _Scan) -> dict:
+    """Shadows that ``ema.apply()`` inside a variable scope saved as ``scope/v/<suffix>``: tail name -> entry."""
+    if state.scoped_shadows is None:
+        found: dict[str, list] = {}
+        tail = "/" + state.suffix
+        for name in state.ckpt.entries:
+            if name.endswith(tail):
+                parts = name[: -len(tail)].split("/")
+                for i in range(1, len(parts)):
+                    found.setdefault("/".join(parts[i:]), []).append(name)
+        state.scoped_shadows = {base: names[0] for base, names in found.items() if len(names) == 1}
+    return state.scoped_shadows
+
+
+def _shadow_of(state: _Scan, t: Target, ckpt_name: str) -> str | None:
+    entries = state.ckpt.entries
+    if state.ema is not None and not t.partitioned:
+        try:  # the EMA object knows where it put a shadow it created (a variable scope included)
+            named = state.ema.average_name(t.handle)
+        except Exception:  # noqa: BLE001  (a Keras variable or another graph's: fall back to the rule)
+            named = None
+        if named in entries and named != ckpt_name:
+            return named
+    shadow = f"{ckpt_name}/{state.suffix}"
+    if shadow in entries:
+        return shadow
+    return _scoped_shadows(state).get(ckpt_name)
+
+
+def _ema_entry(state: _Scan, t: Target, ckpt_name: str) -> tuple[str, str]:
     """The shadow entry to restore instead of ``ckpt_name`` under ``ema=``, and the reason to record."""
     if state.suffix is None or is_shadow_name(ckpt_name, state.suffix):
         return ckpt_name, ""
-    shadow = f"{ckpt_name}/{state.suffix}"
-    if shadow in state.ckpt.entries:
+    shadow = _shadow_of(state, t, ckpt_name)
+    if shadow is not None:
         state.raw_replaced.add(ckpt_name)
         return shadow, "ema"
     return ckpt_name, "ema fallback: no shadow entry, raw weights used"
@@ -309,7 +342,7 @@ def _plan_target(state: _Scan, t: Target) -> None:
     if ckpt_name is None:
         state.skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
         return
-    ckpt_name, reason = _ema_entry(state, ckpt_name)
+    ckpt_name, reason = _ema_entry(state, t, ckpt_name)
     if name in state.positional:
         reason = f"by position; {reason}" if reason else "by position"
     entry = state.ckpt.entries.get(ckpt_name)
@@ -376,6 +409,18 @@ def _sort_leftover_entries(state: _Scan) -> None:
             state.unused.append(record)
 
 
+def _ema_hints(state: _Scan) -> tuple:
+    """ema= found no shadow at all: say so loudly, since the raw weights were matched instead."""
+    if state.suffix is None or not state.matched or any(r.reason.startswith("ema;") or r.reason == "ema"
+                                                         for r in state.matched):
+        return ()
+    text = (f"ema= was given but {state.ckpt.prefix!r} holds no shadow entries ('.../{state.suffix}'); "
+            f"all {len(state.matched)} matches restore the raw weights. Was the checkpoint saved without the "
+            "ExponentialMovingAverage variables?")
+    warnings.warn(text, RestoreKitWarning, stacklevel=3)
+    return (text,)
+
+
 def _report(state: _Scan) -> RestoreReport:
     ckpt = state.ckpt
     dropped_hints = tuple(
@@ -400,7 +445,7 @@ def _report(state: _Scan) -> RestoreReport:
         skipped=tuple(state.skipped),
         unused=tuple(state.unused),
         hints=restore_hints(state.missing, state.shape_mismatched, state.dtype_mismatched, state.unused)
-        + shared_hints + dropped_hints,
+        + shared_hints + dropped_hints + _ema_hints(state),
         _handles=state.handles,
         _policies=state.applied,
     )

@@ -5,6 +5,7 @@ The eager (TF2, Keras 3) counterpart is ``restorekit.tf2.restore``.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -57,14 +58,35 @@ def build_initializer(report: RestoreReport, record) -> None:
 
     if policy_of(report, record.variable_name) is not None:
         remap.tf1_initializer(report, record)
+    elif os.path.isdir(report.checkpoint):
+        # init_from_checkpoint would take this prefix for a directory holding a 'checkpoint' file
+        remap.tf1_copy_initializer(report, record)
     else:
         tf.compat.v1.train.init_from_checkpoint(
             report.checkpoint, {record.checkpoint_name: live_handles(report)[record.variable_name]}
         )
 
 
-def _saver_var_list(report: RestoreReport) -> dict:
+def _same_graph_handles(report: RestoreReport) -> dict:
+    """The report's variables, checked to live in the default graph (a Saver or initializer is built there)."""
+    tf = import_tensorflow()
+
     handles = live_handles(report)
+    if tf.executing_eagerly():
+        return handles
+    graph = tf.compat.v1.get_default_graph()
+    for name, handle in handles.items():
+        for variable in handle if isinstance(handle, (list, tuple)) else [handle]:
+            if getattr(variable, "graph", graph) is not graph:
+                raise InvalidArgumentError(
+                    f"the report's variable {name!r} belongs to another graph than the default one; call "
+                    "restorekit.scan and build the restore inside the same `with graph.as_default():` block"
+                )
+    return handles
+
+
+def _saver_var_list(report: RestoreReport) -> dict:
+    handles = _same_graph_handles(report)
     plain = plain_records(report)
     shared = _shared_tensors(plain)
     if shared:
@@ -128,7 +150,7 @@ def warm_start(report: RestoreReport) -> None:
     op) loads the checkpoint values. One checkpoint tensor may feed several variables;
     shape policies and vocabulary remaps (``scan(shape_policy=..., vocab=...)``) apply.
     """
-    live_handles(report)
+    _same_graph_handles(report)
     if not report.matched:
         raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to warm-start\n{report}")
     for record in report.matched:

@@ -1,5 +1,6 @@
 """scan(): the plan of a restore, checked exactly on real checkpoints."""
 
+import os
 import pickle
 
 import numpy as np
@@ -373,3 +374,105 @@ def test_a_single_layer_of_another_name_is_not_taken_for_a_renamed_model_scope(t
     prefix = tf.train.Checkpoint(model=one_layer("probe")).save(str(tmp_path / "k" / "ckpt"))
     report = scan(prefix, one_layer("head").variables)  # a list: matched by path, not by object graph
     assert not report.matched and len(report.missing) == 2
+
+
+# ------------------------------------------------------------------ upstream behaviours (issue 14)
+
+def _ema_checkpoint(tmp_path, scope):
+    """w and b; ema.apply() called inside variable_scope(scope) (TF saves the shadows under it)."""
+    with tf.Graph().as_default():
+        w = tf1.get_variable("w", initializer=np.float32([1.0, 2.0]))
+        b = tf1.get_variable("b", initializer=np.float32([3.0]))
+        ema = tf1.train.ExponentialMovingAverage(0.5)
+        with tf1.variable_scope(scope):
+            update = ema.apply([w, b])
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run([w.assign([5.0, 6.0]), b.assign([7.0])])
+            sess.run(update)
+            shadows = sess.run([ema.average(w), ema.average(b)])
+            prefix = tf1.train.Saver().save(sess, str(tmp_path / "ema" / "m"))
+    return prefix, shadows
+
+
+@pytest.mark.parametrize("with_apply", [True, False], ids=["ema-applied-in-new-graph", "ema-not-applied"])
+def test_ema_shadows_saved_under_a_variable_scope_are_found(tmp_path, with_apply):
+    prefix, shadows = _ema_checkpoint(tmp_path, "scope")
+    assert "scope/w/ExponentialMovingAverage" in Checkpoint(prefix).entries
+    with tf.Graph().as_default():
+        w = tf1.get_variable("w", shape=[2])
+        b = tf1.get_variable("b", shape=[1])
+        ema = tf1.train.ExponentialMovingAverage(0.5)
+        if with_apply:
+            with tf1.variable_scope("scope"):
+                ema.apply([w, b])
+        report = scan(prefix, [w, b], ema=ema)
+        assert {r.variable_name: r.checkpoint_name for r in report.matched} == {
+            "w": "scope/w/ExponentialMovingAverage", "b": "scope/b/ExponentialMovingAverage"}
+        restorekit.warm_start(report)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            np.testing.assert_allclose(sess.run(w), shadows[0])
+            np.testing.assert_allclose(sess.run(b), shadows[1])
+
+
+def test_ema_fallbacks_are_named_and_no_shadow_at_all_warns(tmp_path, small_checkpoint):
+    prefix, _ = _ema_checkpoint(tmp_path, "scope")
+    with tf.Graph().as_default():
+        tf1.get_variable("w", shape=[2])
+        tf1.get_variable("extra", shape=[1])
+        report = scan(prefix, ema=True, exclude=["extra"])
+    assert "ema fallback" not in str(report)
+    small, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", shape=[4, 3])
+        tf1.get_variable("dense/bias", shape=[3])
+        with pytest.warns(restorekit.RestoreKitWarning, match="holds no shadow entries"):
+            report = scan(small, ema=True)
+    assert "  ema fallback (no shadow entry, raw weights): dense/kernel, dense/bias" in str(report).splitlines()
+    assert any("holds no shadow entries" in h for h in report.hints)
+
+
+def test_assignment_map_as_a_list_of_pairs(small_checkpoint):
+    prefix, values = small_checkpoint
+    with tf.Graph().as_default():
+        a = tf1.get_variable("a", shape=[3])
+        b = tf1.get_variable("b", shape=[3])
+        report = scan(prefix, [a, b], assignment_map=[("dense/bias", a), ("dense/bias", "b")])
+        assert {r.variable_name: r.checkpoint_name for r in report.matched} == {"a": "dense/bias", "b": "dense/bias"}
+        with pytest.raises(restorekit.AssignmentMapError, match="holds \\(checkpoint_name, variable\\) pairs"):
+            scan(prefix, [a], assignment_map=[("dense/bias",)])
+
+
+def test_warm_start_when_the_prefix_is_also_a_directory(tmp_path):
+    directory = tmp_path / "run"
+    with tf.Graph().as_default():
+        v = tf1.get_variable("v", initializer=np.float32([1.5, 2.5]))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            prefix = tf1.train.Saver().save(sess, str(directory))  # writes run.index beside a 'run' directory
+    os.makedirs(directory, exist_ok=True)
+    assert os.path.isdir(prefix)
+    with tf.Graph().as_default():
+        v = tf1.get_variable("v", shape=[2])
+        restorekit.warm_start(scan(prefix))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            np.testing.assert_array_equal(sess.run(v), [1.5, 2.5])
+
+
+def test_partial_saver_for_a_report_of_another_graph_is_a_clear_error(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/bias", shape=[3])
+        report = scan(prefix)
+    with tf.Graph().as_default():
+        with pytest.raises(restorekit.InvalidArgumentError, match="belongs to another graph"):
+            restorekit.partial_saver(report)
+        with pytest.raises(restorekit.InvalidArgumentError, match="belongs to another graph"):
+            restorekit.warm_start(report)
+
+
+def test_a_vocabulary_list_with_duplicates_is_refused_at_construction():
+    with pytest.raises(restorekit.VocabularyError, match="lists 'a' twice"):
+        restorekit.VocabRemap(["a", "b", "a"], ["a", "b"])
