@@ -515,3 +515,50 @@ def test_diff_names_nans_in_different_places_and_says_within_tolerance(capsys, t
     assert code == 1
     assert "values     x: NaNs in different places (2 elements differ)" in out
     assert "1 tensors equal within 0.01" in out
+
+
+# ------------------------------------------------------------------ one line, whatever fails (issue 14 items 14, 15)
+
+def test_graph_without_a_subcommand_is_a_usage_error(capsys):
+    code, out, err = run(capsys, "graph")
+    assert code == 2 and "needs a subcommand" in err and "Traceback" not in err
+
+
+def _raising_command(exc):
+    register("raise-test", help="raise")(lambda args: (_ for _ in ()).throw(exc))
+
+
+@pytest.mark.parametrize("exc", [
+    tf.errors.FailedPreconditionError(None, None, "Error executing an HTTP request: could not resolve host"),
+    MemoryError("cannot allocate 4 TiB"),
+    UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+], ids=["tensorflow-op-error", "memory-error", "decode-error"])
+def test_bad_input_from_below_is_one_line_with_exit_3(capsys, exc):
+    try:
+        _raising_command(exc)
+        code, _, err = run(capsys, "raise-test")
+    finally:
+        COMMANDS.pop("raise-test", None)
+    assert code == 3
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"restorekit: error: {type(exc).__name__}: ")
+
+
+def test_a_bug_still_shows_its_traceback(capsys):
+    try:
+        _raising_command(KeyError("a bug"))
+        with pytest.raises(KeyError):
+            main(["raise-test"])
+    finally:
+        COMMANDS.pop("raise-test", None)
+
+
+def test_commands_that_load_tensorflow_print_no_native_log_lines(tmp_path):
+    prefix, meta, _, _ = _trained_graph(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "restorekit", "scan", prefix, "--meta-graph", meta],
+        capture_output=True, text=True, timeout=180, cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("restorekit: ")
+    assert done.stderr == ""

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
 import sys
+import zipfile
 import warnings
 from typing import Sequence
 
+from restorekit._tensorflow import quiet_logs
 from restorekit.cli import checkpoints, edits, graphs  # noqa: F401  (each registers its commands)
 from restorekit.cli.base import (  # noqa: F401
     COMMANDS,
@@ -82,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``restorekit`` command; return its exit code (see the module docstring)."""
+    quiet_logs()
     parser = build_parser()
     formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
@@ -121,6 +125,22 @@ def _run(parser: argparse.ArgumentParser, argv) -> int:
     except KeyboardInterrupt:
         print("restorekit: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _from_bad_input(e):
+            raise  # a bug in restorekit: the traceback is what a report needs
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"restorekit: error: {type(e).__name__}: {first}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+# Exceptions that bad input (a crafted file, a path TF cannot reach) raises from inside
+# numpy, TensorFlow or the standard library; the library turns the ones it knows into
+# restorekit errors, and the shell still owes the user one line for the rest.
+_BAD_INPUT = (MemoryError, OverflowError, RecursionError, UnicodeError, EOFError, struct.error, zipfile.BadZipFile)
+
+
+def _from_bad_input(e: BaseException) -> bool:
+    return isinstance(e, _BAD_INPUT) or type(e).__module__.startswith(("tensorflow", "google.protobuf"))
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

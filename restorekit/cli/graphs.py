@@ -31,6 +31,10 @@ def _graph_args(parser: argparse.ArgumentParser) -> None:
 
 
 @register("graph", help="inspect graph files (graph inspect FILE)", configure=_graph_args)
+def _graph(args) -> int:
+    raise _Usage("'graph' needs a subcommand: graph inspect FILE")
+
+
 def _graph_inspect(args) -> int:
     from restorekit.graph import inspect_graph
 
