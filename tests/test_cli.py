@@ -562,3 +562,22 @@ def test_commands_that_load_tensorflow_print_no_native_log_lines(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("restorekit: ")
     assert done.stderr == ""
+
+
+def test_strip_writes_only_what_is_kept_unless_link_is_asked(capsys, resnet_checkpoint, tmp_path):
+    source_bytes = sum(os.path.getsize(os.path.join(os.path.dirname(resnet_checkpoint), n))
+                       for n in os.listdir(os.path.dirname(resnet_checkpoint))
+                       if n.startswith(os.path.basename(resnet_checkpoint) + ".data-"))
+    code, out, _ = run(capsys, "strip", resnet_checkpoint, tmp_path / "small" / "model")
+    assert code == 0
+    shards = [n for n in os.listdir(tmp_path / "small") if ".data-" in n]
+    compact = sum(os.path.getsize(tmp_path / "small" / n) for n in shards)
+    assert compact < 0.6 * source_bytes  # Momentum slots are about half of the bytes
+    assert "on disk)" in out
+    kept = Checkpoint(str(tmp_path / "small" / "model"))
+    assert all("Momentum" not in n for n in kept.entries)
+    name = "resnet_v1_50/conv1/weights"
+    np.testing.assert_array_equal(kept.read(name), Checkpoint(resnet_checkpoint).read(name))
+    code, _, _ = run(capsys, "strip", resnet_checkpoint, tmp_path / "linked" / "model", "--link")
+    linked = sum(os.path.getsize(tmp_path / "linked" / n) for n in os.listdir(tmp_path / "linked") if ".data-" in n)
+    assert code == 0 and linked == source_bytes

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+
+from restorekit.report import format_bytes
 
 from restorekit.cli.base import (  # noqa: F401
     EXIT_DIFFERENT,
@@ -47,16 +50,31 @@ def _cli_exists_error(e, out):
     return OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path)
 
 
-def _save(editor, args) -> int:
+def _shrinking_io(p: argparse.ArgumentParser) -> None:
+    _edit_io(p)
+    p.add_argument("--link", action="store_true",
+                   help="fast: hard-link the source's data shards (the output then holds the dropped bytes too) "
+                        "instead of writing only what is kept")
+
+
+def _output_bytes(prefix: str) -> int:
+    """Bytes the output's own files hold on disk (a hard-linked shard counts whole)."""
+    directory, base = os.path.split(prefix)
+    names = [n for n in os.listdir(directory or ".") if n == base + ".index" or n.startswith(base + ".data-")]
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in names)
+
+
+def _save(editor, args, *, compact: bool = False) -> int:
     from restorekit.errors import OutputExistsError
 
     try:
-        prefix = editor.save(args.out, overwrite=args.overwrite, update_state_file=args.update_state_file,
-                             progress=not _quiet(args))
+        prefix = editor.save(args.out, compact=compact, overwrite=args.overwrite,
+                             update_state_file=args.update_state_file, progress=not _quiet(args))
     except OutputExistsError as e:
         raise _cli_exists_error(e, args.out) from None
     if not _quiet(args):
-        print(f"wrote {prefix!r}")
+        held = f" ({format_bytes(_output_bytes(prefix))} on disk)" if os.path.exists(prefix + ".index") else ""
+        print(f"wrote {prefix!r}{held}")
     return EXIT_OK
 
 
@@ -93,15 +111,16 @@ def _rename(args) -> int:
     return _save(editor, args)
 
 
-@register("strip", help="drop optimizer slots (Momentum, Adam, ...)", configure=_edit_io)
+@register("strip", help="drop optimizer slots (Momentum, Adam, ...); the output holds only what is kept",
+          configure=_shrinking_io)
 def _strip(args) -> int:
     editor = _editor(args.checkpoint)
     editor.strip_optimizer_slots()
-    return _save(editor, args)
+    return _save(editor, args, compact=not args.link)
 
 
 def _cast_args(p: argparse.ArgumentParser) -> None:
-    _edit_io(p)
+    _shrinking_io(p)
     p.add_argument("--dtype", required=True, help="target dtype: bfloat16, float16, float32, ...")
     p.add_argument("--filter", metavar="PATTERN", default=".*", help="only names matching this pattern (default: all)")
 
@@ -110,7 +129,7 @@ def _cast_args(p: argparse.ArgumentParser) -> None:
 def _cast(args) -> int:
     editor = _editor(args.checkpoint)
     editor.cast(args.filter, args.dtype)
-    return _save(editor, args)
+    return _save(editor, args, compact=not args.link)
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
