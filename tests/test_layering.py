@@ -22,7 +22,7 @@ LAYERS = [
     ["report", "ema"],
     ["trackables", "targets", "rules", "policies", "assignment", "hints"],
     ["scan"],
-    ["remap", "tf1", "tf2", "initializers"],
+    ["remap", "tf1", "tf2", "initializers", "distribute"],
     ["scaffold", "finetune", "resume"],
     ["compare", "export", "edit", "graph", "compress"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)
