@@ -9,16 +9,12 @@ import os
 from restorekit._tensorflow import import_tensorflow
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.report import format_bytes, format_shape
-from restorekit.cli.base import (  # noqa: F401
+from restorekit.cli.base import (
     EXIT_DIFFERENT,
-    EXIT_ERROR,
     EXIT_OK,
-    EXIT_USAGE,
     Usage as _Usage,
-    _jsonable,
     _num,
     _print_json,
-    _quiet,
     _table,
     register,
 )

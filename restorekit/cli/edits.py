@@ -8,17 +8,10 @@ import os
 
 from restorekit.report import format_bytes
 
-from restorekit.cli.base import (  # noqa: F401
-    EXIT_DIFFERENT,
-    EXIT_ERROR,
+from restorekit.cli.base import (
     EXIT_OK,
-    EXIT_USAGE,
     Usage as _Usage,
-    _jsonable,
-    _num,
-    _print_json,
     _quiet,
-    _table,
     register,
 )
 

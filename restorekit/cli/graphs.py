@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from restorekit.cli.base import (  # noqa: F401
-    EXIT_DIFFERENT,
-    EXIT_ERROR,
+from restorekit.cli.base import (
     EXIT_OK,
-    EXIT_USAGE,
     Parser as _Parser,
     Usage as _Usage,
-    _jsonable,
-    _num,
     _print_json,
     _quiet,
-    _table,
     register,
 )
 
