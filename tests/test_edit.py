@@ -1,4 +1,4 @@
-"""Tests for restorekit/edit.py: CheckpointEditor edits, streaming atomic saves, TF1/TF2 restores, bad input."""
+"""Tests for restorekit/edit/: CheckpointEditor edits, streaming atomic saves, TF1/TF2 restores, bad input."""
 
 import hashlib
 import os
@@ -16,6 +16,7 @@ import tensorflow as tf
 from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
 from restorekit.edit import CheckpointEditor
+from restorekit.edit.source import Source
 from conftest import write_bundle
 from restorekit.errors import (
     CheckpointNotFoundError,
@@ -70,7 +71,7 @@ def mixed(tmp_path):
 def test_editor_reads_nothing_until_needed(small_checkpoint):
     prefix, values = small_checkpoint
     ed = CheckpointEditor(prefix)
-    assert ed._checkpoint is None
+    assert ed._source is None
     assert [e.name for e in ed.list()] == sorted(values)
     assert np.array_equal(ed.get("dense/kernel"), values["dense/kernel"])
 
@@ -202,6 +203,17 @@ def test_delete_of_an_exact_name_keeps_its_slots(small_checkpoint):
     ed = CheckpointEditor(small_checkpoint[0])
     assert ed.delete("dense/kernel") == ["dense/kernel"]
     assert "dense/kernel/Momentum" in [e.name for e in ed.list()]
+
+
+def test_list_after_setting_a_string_tensor_reports_its_stored_bytes(mixed, tmp_path):
+    ed = CheckpointEditor(mixed)
+    ed.set("vocab", np.array([b"hello", b"", "\u00e9" * 100], dtype=object))
+    listed = {e.name: e for e in ed.list()}
+    out = ed.save(tmp_path / "out" / "m")
+    saved = Checkpoint(out).entries["vocab"]
+    # 3 varint lengths (1, 1, 2 bytes), a 4-byte crc, then 5 + 0 + 200 bytes of strings
+    assert listed["vocab"].nbytes == saved.nbytes == 213
+    assert listed["f32"].nbytes == 32
 
 
 def test_cast_pattern_casts_only_floats(small_checkpoint):
@@ -592,7 +604,7 @@ def tables(tmp_path):
 
 @pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
 def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tables, tmp_path, monkeypatch, compact):
-    import restorekit.edit as edit
+    import restorekit.edit.source as edit_source
 
     prefix, values = tables
     ed = CheckpointEditor(prefix)
@@ -601,7 +613,7 @@ def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tabl
     edited_b = values["emb/b"].copy()
     edited_b[[0, 5]] = 7.0
     expected = np.concatenate([values["emb/a"], edited_b, values["emb/a"]])
-    monkeypatch.setattr(edit, "CHUNK_SIZE", 100)  # many chunks per stored input
+    monkeypatch.setattr(edit_source, "CHUNK_SIZE", 100)  # many chunks per stored input
     monkeypatch.setattr(np, "concatenate", lambda *a, **k: pytest.fail("the concat result was built whole"))
     out = ed.save(tmp_path / "out" / "m", compact=compact)
     monkeypatch.undo()
@@ -611,13 +623,13 @@ def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tabl
 
 @pytest.mark.parametrize("chunk", [10_000, 40, 1], ids=["one-block", "several-rows", "row-by-row"])
 def test_concat_along_inner_axes_is_written_in_blocks_of_rows(tables, tmp_path, monkeypatch, chunk):
-    import restorekit.edit as edit
+    import restorekit.edit.source as edit_source
 
     prefix, values = tables
     ed = CheckpointEditor(prefix)
     ed.concat(["cube/a", "cube/b", "cube/a"], 1, "cube/mid")
     ed.concat(["cube/b", "cube/b"], -1, "cube/last")
-    monkeypatch.setattr(edit, "CHUNK_SIZE", chunk)
+    monkeypatch.setattr(edit_source, "CHUNK_SIZE", chunk)
     out = ed.save(tmp_path / "out" / "m")
     ckpt = Checkpoint(out)
     mid = np.concatenate([values["cube/a"], values["cube/b"], values["cube/a"]], axis=1)
@@ -801,7 +813,7 @@ def test_strip_and_rename_then_export_copies_raw_bytes_without_decoding(small_ch
     ed = CheckpointEditor(prefix)
     ed.strip_optimizer_slots()
     ed.rename("dense/kernel", "fc/kernel")
-    monkeypatch.setattr(CheckpointEditor, "_value", lambda self, item: pytest.fail("a tensor was decoded"))
+    monkeypatch.setattr(Source, "value", lambda self, item: pytest.fail("a tensor was decoded"))
     out = tmp_path / f"model.{'pt' if fmt == 'torch' else fmt}"
     ed.save(out, format=fmt)
     monkeypatch.undo()
