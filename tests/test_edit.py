@@ -562,7 +562,7 @@ def test_unedited_export_takes_the_raw_copy_path_with_the_same_result(small_chec
 
 
 def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkeypatch):
-    import restorekit.export as export
+    import restorekit.export.base as export_base
 
     totals = []
 
@@ -579,7 +579,7 @@ def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkey
         def update(self, n):
             totals[-1][1] += n
 
-    monkeypatch.setattr(export, "progress_bar", Bar)
+    monkeypatch.setattr(export_base, "progress_bar", Bar)
     prefix, values = small_checkpoint
     ed = CheckpointEditor(prefix)
     ed.set("dense/bias", np.zeros(3, np.float32))

@@ -11,10 +11,11 @@ from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix
 from restorekit.edit import renames, values
 from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
-from restorekit.edit.save_export import EXPORTERS, save_export
+from restorekit.edit.save_export import save_export
 from restorekit.edit.save_remote import save_remote
 from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
+from restorekit.export import formats
 from restorekit.errors import CorruptCheckpointError, EditError, InvalidArgumentError, NoMatchError, OutputError, OutputExistsError
 from restorekit.names import matches
 
@@ -293,7 +294,8 @@ class CheckpointEditor:
                 source's file name is used there), or a file for other formats. A
                 ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
                 first, then uploaded file by file, the ``.index`` last; it must not exist.
-            format: ``'tf'``, ``'torch'``, ``'safetensors'`` or ``'npz'``.
+            format: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
+                ``'safetensors'``, ``'npz'``).
             compact: write one new shard holding only the kept tensors (``'tf'``).
             overwrite: replace an existing output (never the source: use save_in_place).
                 Exactly the old output's files are replaced: its ``.index`` and its
@@ -311,8 +313,8 @@ class CheckpointEditor:
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
-        if format not in ("tf", *EXPORTERS):
-            raise InvalidArgumentError(f"format must be 'tf', 'torch', 'safetensors' or 'npz', got {format!r}")
+        if format != formats.TF:
+            formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
         out = os.fspath(out)
         if files.is_remote(out):
             return save_remote(out, source_prefix=self.prefix, format=format, overwrite=overwrite,

@@ -1,8 +1,7 @@
-"""Saving an edited checkpoint in another format (torch, safetensors, npz) through the export modules."""
+"""Saving an edited checkpoint in another format (torch, safetensors, npz, ...) through the export registry."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 from restorekit.bundle import atomic
@@ -10,35 +9,25 @@ from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import Item
 from restorekit.edit.save_tf import check_space
 from restorekit.edit.source import Source
-from restorekit.errors import MissingDependencyError, OutputError, OutputExistsError
-
-EXPORTERS = {
-    "torch": "restorekit.export.torch",
-    "safetensors": "restorekit.export.safetensors",
-    "npz": "restorekit.export.npz",
-}
+from restorekit.errors import OutputError, OutputExistsError
+from restorekit.export import formats
 
 
 def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *, overwrite: bool) -> str:
-    try:
-        module = importlib.import_module(EXPORTERS[format])
-    except ImportError as e:
-        raise MissingDependencyError(f"format={format!r} needs {EXPORTERS[format]!r}: {e}") from None
+    """Write ``plan`` to the file ``out`` in ``format``; see ``CheckpointEditor.save``."""
+    module = formats.module(format)
     if os.path.exists(out) and not overwrite:
         raise OutputExistsError(path=out)
     directory = os.path.dirname(out)
     check_space(directory, sum(source.nbytes(it) for it in plan.values()))
-    tensors = ((name, source.value(it)) for name, it in plan.items() if name != OBJECT_GRAPH_KEY)
-    # Only renames, deletions and subsets: the exporter copies raw shard bytes itself.
-    raw = OBJECT_GRAPH_KEY not in plan and all(it.stored for it in plan.values())
     with atomic.Staging(directory) as staging:
         tmp = staging.path(out)
-        if raw and hasattr(module, "write_checkpoint"):
+        if OBJECT_GRAPH_KEY not in plan and all(it.stored for it in plan.values()):
+            # Only renames, deletions and subsets: the format copies raw shard bytes itself.
             module.write_checkpoint(source.checkpoint, tmp, names={name: it.origin for name, it in plan.items()})
-        elif format == "npz":
-            module.write(tmp, tensors)
         else:
-            module.write(tmp, tensors, layout=None)
+            tensors = ((name, source.value(it)) for name, it in plan.items() if name != OBJECT_GRAPH_KEY)
+            module.write(tmp, tensors)
         if not os.path.exists(tmp):
             raise OutputError(f"the {format} exporter wrote nothing at {tmp!r}")
         staging.commit()

@@ -259,7 +259,7 @@ def _same_device(a: str, b: str) -> bool:
 def write_plan(source: Source, writer: BundleWriter, plan: dict[str, Item], *, reuse: bool,
                progress: bool = False) -> set[bytes]:
     """Stream every tensor of ``plan`` into ``writer``; return the index keys written."""
-    from restorekit.export import progress_bar
+    from restorekit.export.base import progress_bar
 
     keys = set()
     with progress_bar(sum(source.nbytes(item) for item in plan.values()), progress, "save") as bar:
