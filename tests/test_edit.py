@@ -342,8 +342,9 @@ def test_tf2_rename_and_strip_keep_the_object_graph_consistent(tf2_checkpoint, t
 def test_tf2_rename_out_of_the_object_layout_converts_with_a_warning(tf2_checkpoint, tmp_path):
     ed = CheckpointEditor(tf2_checkpoint)
     ed.rename(KERNEL_KEY, "dense/kernel")
-    with pytest.warns(RestoreKitWarning, match="name-based"):
+    with pytest.warns(RestoreKitWarning, match="name-based") as caught:
         out = ed.save(tmp_path / "out" / "ckpt")
+    assert not any(str(w.message).startswith("restorekit") for w in caught)  # the CLI adds the one prefix
     ckpt = Checkpoint(out)
     assert OBJECT_GRAPH_KEY not in ckpt
     assert ckpt.read("dense/kernel").tolist() == [[0, 1, 2], [3, 4, 5]]
@@ -476,6 +477,37 @@ def test_output_equal_to_source_or_existing(small_checkpoint, tmp_path):
     ed.rename("b", "bias2")
     ed.save(out, overwrite=True)
     assert "bias2" in Checkpoint(out)
+
+
+def test_output_errors_carry_the_path_and_whether_it_is_the_source(small_checkpoint, tmp_path):
+    prefix = small_checkpoint[0]
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/bias", "b")
+    with pytest.raises(OutputExistsError) as source:
+        ed.save(prefix)
+    assert source.value.is_source and source.value.path == prefix
+    out = ed.save(tmp_path / "o" / "m")
+    with pytest.raises(OutputExistsError) as existing:
+        ed.save(tmp_path / "o" / "m")
+    assert not existing.value.is_source and existing.value.path == out
+    with pytest.raises(OutputExistsError) as exported:
+        ed.save(prefix + ".index", format="npz")
+    assert not exported.value.is_source and exported.value.path == prefix + ".index"
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [(lambda ed: ed.get("dense/kernal"), "dense/kernal"),
+     (lambda ed: ed.delete("dense/kernal"), "dense/kernal"),
+     (lambda ed: ed.rename_all({"dense/kernal": "x"}), "dense/kernal"),
+     (lambda ed: ed.rename_all([("^dense/kernal$", "x")]), "^dense/kernal$")],
+    ids=["get", "delete", "rename-mapping", "rename-regex"],
+)
+def test_no_match_errors_name_the_closest_entries_once(small_checkpoint, call, name):
+    with pytest.raises(NoMatchError) as caught:
+        call(CheckpointEditor(small_checkpoint[0]))
+    assert caught.value.name == name and "dense/kernel" in caught.value.closest
+    assert str(caught.value).count("Closest:") == 1
 
 
 def test_too_little_disk_raises_before_writing(small_checkpoint, tmp_path, monkeypatch):

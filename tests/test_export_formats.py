@@ -118,3 +118,16 @@ def test_checkpoint_files_match_the_prefix_literally(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in checkpoint_files(str(tmp_path / "model[1].ckpt"))] == [
         "model[1].ckpt.index", "model[1].ckpt.data-00000-of-00001"]
     assert checkpoint_files(str(tmp_path / "ckpt-1?")) == []
+
+
+def test_output_errors_of_conversions_carry_the_path_and_whether_it_is_the_source(tmp_path):
+    from restorekit.errors import OutputExistsError
+
+    prefix = write_bundle(tmp_path / "src" / "m", {"a": np.ones(2, np.float32)})
+    with pytest.raises(OutputExistsError) as source:
+        convert(prefix, prefix, to="tf", overwrite=True)
+    assert source.value.is_source and source.value.path == prefix
+    export_checkpoint(prefix, tmp_path / "m.npz")
+    with pytest.raises(OutputExistsError) as existing:
+        export_checkpoint(prefix, tmp_path / "m.npz")
+    assert not existing.value.is_source and existing.value.path == str(tmp_path / "m.npz")

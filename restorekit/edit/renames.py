@@ -45,7 +45,8 @@ def _check_regex_rules(names: list[str], rule, prefix: str) -> None:
         except re.error as e:
             raise InvalidArgumentError(f"rename pattern {item[0]!r} is not a valid regex: {e}") from None
         if not any(pattern.search(n) for n in current):
-            raise NoMatchError(f"rename pattern {pattern.pattern!r} matches no entry of {prefix!r}")
+            raise NoMatchError(f"rename pattern {pattern.pattern!r} matches no entry of {prefix!r}.",
+                               name=pattern.pattern, candidates=current)
         current = [pattern.sub(item[1], n) for n in current]
 
 
