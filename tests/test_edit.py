@@ -915,3 +915,34 @@ def test_integer_to_float16_overflow_warns_too(tmp_path):
         out = ed.save(tmp_path / "out" / "m")
     assert [w.category for w in caught] == [RestoreKitWarning] and "2 finite values" in str(caught[0].message)
     assert Checkpoint(out).read("count").tolist() == [1.0, np.inf, -np.inf]
+
+
+# ------------------------------------------------------------------ overwrite removes exactly the old output
+
+
+@pytest.mark.parametrize(
+    "target, neighbour",
+    [("model[1].ckpt", "model1.ckpt"), ("ckpt-1?", "ckpt-10")],
+    ids=["brackets-in-the-prefix", "question-mark-in-the-prefix"],
+)
+@pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
+def test_overwrite_removes_only_the_old_outputs_files_never_a_neighbours(small_checkpoint, tmp_path, target,
+                                                                          neighbour, compact):
+    prefix = small_checkpoint[0]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    CheckpointEditor(prefix).save(out_dir / neighbour)  # a neighbour a glob of the target's name would match
+    old = CheckpointEditor(prefix)
+    old.add("extra", np.arange(3, dtype=np.float32))
+    old.save(out_dir / target)  # the output to replace: two shards
+    before = digest(str(out_dir / neighbour))
+    assert len(before) == 2
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/bias", "b")
+    ed.save(out_dir / target, overwrite=True, compact=compact)
+    assert digest(str(out_dir / neighbour)) == before  # byte-identical, nothing removed
+    assert "b" in Checkpoint(str(out_dir / target)) and "extra" not in Checkpoint(str(out_dir / target))
+    # the old output's two shards are gone (a rename alone reuses the source's one shard)
+    assert visible(out_dir) == sorted([f"{neighbour}.index", f"{neighbour}.data-00000-of-00001",
+                                       f"{target}.index", f"{target}.data-00000-of-00001"])
+    tf.train.load_checkpoint(str(out_dir / neighbour)).get_tensor("dense/bias")  # TF still reads the neighbour

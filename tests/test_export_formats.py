@@ -131,3 +131,21 @@ def test_output_errors_of_conversions_carry_the_path_and_whether_it_is_the_sourc
     with pytest.raises(OutputExistsError) as existing:
         export_checkpoint(prefix, tmp_path / "m.npz")
     assert not existing.value.is_source and existing.value.path == str(tmp_path / "m.npz")
+
+
+@pytest.mark.parametrize("target, neighbour", [("model[1].ckpt", "model1.ckpt"), ("ckpt-1?", "ckpt-10")],
+                         ids=["brackets-in-the-prefix", "question-mark-in-the-prefix"])
+def test_import_with_overwrite_replaces_exactly_the_old_checkpoints_files(tmp_path, target, neighbour):
+    src = write_bundle(tmp_path / "src" / "m", {"a": np.ones(2, np.float32)})
+    out = tmp_path / "out"
+    neighbour_prefix = write_bundle(out / neighbour, {"n": np.arange(4, dtype=np.int64)})
+    before = {p: open(p, "rb").read() for p in checkpoint_files(neighbour_prefix)}
+    old = CheckpointEditor(src)
+    old.add("extra", np.zeros(3, np.float32))
+    old.save(out / target)  # two shards: data-00000-of-00002, data-00001-of-00002
+    export_checkpoint(src, tmp_path / "m.npz")
+    import_checkpoint(tmp_path / "m.npz", out / target, overwrite=True)
+    assert {p: open(p, "rb").read() for p in checkpoint_files(neighbour_prefix)} == before
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        [f"{neighbour}.index", f"{neighbour}.data-00000-of-00001", f"{target}.index", f"{target}.data-00000-of-00001"])
+    assert list(Checkpoint(str(out / target)).entries) == ["a"]

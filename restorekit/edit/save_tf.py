@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from restorekit.bundle.writer import BundleWriter, copy_checked
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import ATTRIBUTES, STRING, Concat, Item
 from restorekit.edit.source import Source, check_readable
+from restorekit.export.base import checkpoint_files
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -40,23 +40,6 @@ class _Shards:
     link: bool  # the source's shards are hard-linked (or copied) under the output's names
 
 
-def checkpoint_files(prefix: str) -> list[str]:
-    """The files of the local checkpoint ``prefix``: its ``.index`` (if any) and its data shards.
-
-    Names are matched literally: a prefix like ``model[1].ckpt`` or ``ckpt-1?`` must
-    never take a neighbour's files (``model1.ckpt``, ``ckpt-10``) as a glob would.
-    """
-    directory, base = os.path.split(os.path.abspath(prefix))
-    shard = re.compile(re.escape(base) + r"\.data-\d{5}-of-\d{5}")
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    found = [os.path.join(directory, n) for n in sorted(names) if shard.fullmatch(n)]
-    index = os.path.join(directory, base + ".index")
-    return ([index] if base + ".index" in names else []) + found
-
-
 def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
             replacing: bool, update_state_file: bool, progress: bool = False) -> str:
     """Write ``plan`` as the checkpoint ``prefix``; see ``CheckpointEditor.save``."""
@@ -71,7 +54,9 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     remove_before: list[str] = []
     remove_after: list[str] = []
     if replacing and not in_place:
-        remove_before = [prefix + ".index"] + files.glob(directory, os.path.basename(prefix) + ".data-*")  # STEP4
+        # Exactly the old output's files, matched literally (a glob would take model1.ckpt's
+        # shards for model[1].ckpt's); its .index first, so it stops existing at once.
+        remove_before = checkpoint_files(prefix)
     elif in_place and shards.count != ckpt.header.num_shards:
         remove_after = [ckpt.data_file(i) for i in range(ckpt.header.num_shards)]
 
