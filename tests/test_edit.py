@@ -946,3 +946,66 @@ def test_overwrite_removes_only_the_old_outputs_files_never_a_neighbours(small_c
     assert visible(out_dir) == sorted([f"{neighbour}.index", f"{neighbour}.data-00000-of-00001",
                                        f"{target}.index", f"{target}.data-00000-of-00001"])
     tf.train.load_checkpoint(str(out_dir / neighbour)).get_tensor("dense/bias")  # TF still reads the neighbour
+
+
+# ------------------------------------------------------------------ every save checks the bytes it keeps
+
+
+def _flip_one_bit(prefix, name):
+    ckpt = Checkpoint(prefix)
+    entry = ckpt.bundle_entry(name)
+    with open(ckpt.data_file(entry.shard_id), "r+b") as f:
+        f.seek(entry.offset + 2)
+        byte = f.read(1)[0]
+        f.seek(entry.offset + 2)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda ed: ed.rename("dense/bias", "b"),
+     lambda ed: ed.strip_optimizer_slots(),
+     lambda ed: ed.set("dense/bias", np.zeros(3, np.float32)),
+     lambda ed: ed.cast("dense/kernel", "bfloat16")],
+    ids=["rename", "strip", "set-another-tensor", "cast-another-tensor"],
+)
+def test_a_flipped_bit_in_a_kept_tensor_fails_the_save_and_writes_nothing(small_checkpoint, tmp_path, edit):
+    prefix = small_checkpoint[0]
+    _flip_one_bit(prefix, "logits/kernel")  # TF wrote it; no edit touches it
+    before = digest(prefix)
+    ed = CheckpointEditor(prefix)
+    edit(ed)
+    out = tmp_path / "out"
+    with pytest.raises(ChecksumMismatchError, match="'logits/kernel'"):
+        ed.save(out / "m")
+    assert not out.exists() or os.listdir(out) == []  # not even a hidden staging directory
+    with pytest.raises(ChecksumMismatchError, match="'logits/kernel'"):
+        ed.save_in_place()
+    assert digest(prefix) == before  # the source is as it was
+    assert sorted(os.listdir(os.path.dirname(prefix))) == sorted([*before, "checkpoint"])
+
+
+def _bad_metadata(tmp_path, how):
+    """A checkpoint whose entry 'bad' has bytes that its index metadata cannot describe."""
+    prefix = str(tmp_path / "bad" / "m")
+    with BundleWriter(prefix) as writer:
+        entry = writer.add("good", np.arange(4, dtype=np.float32))
+        writer.add("other", np.ones(2, np.float32))
+        writer.add_entry_only("bad", entry.replace(dtype=0) if how == "dtype-0" else entry.replace(shape=(5,)))
+    return prefix
+
+
+@pytest.mark.parametrize("how", ["dtype-0", "size-off-its-shape"])
+@pytest.mark.parametrize(
+    "save",
+    [lambda ed, out: ed.save(out, compact=True),
+     lambda ed, out: (ed.cast("bad", "float64"), ed.save(out)),
+     lambda ed, out: (ed.rename("other", "o"), ed.save(out))],
+    ids=["compact", "cast-it", "rename-another"],
+)
+def test_an_entry_whose_metadata_cannot_be_right_is_never_copied(tmp_path, how, save):
+    ed = CheckpointEditor(_bad_metadata(tmp_path, how))
+    out = tmp_path / "out"
+    with pytest.raises(CorruptCheckpointError, match="'bad'.*the checkpoint index is corrupt"):
+        save(ed, out / "m")
+    assert not out.exists() or os.listdir(out) == []

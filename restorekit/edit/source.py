@@ -10,7 +10,7 @@ import google_crc32c
 import numpy as np
 
 from restorekit.bundle import files
-from restorekit.bundle.format import decode_tensor, dtype_name, numpy_dtype
+from restorekit.bundle.format import DTYPE_NAMES, decode_tensor, dtype_name, numpy_dtype
 from restorekit.bundle.table import mask_crc
 from restorekit.bundle.writer import CHUNK_SIZE, array_chunks
 from restorekit.edit.plan import STRING, Concat, Item, nbytes
@@ -149,13 +149,15 @@ def check_readable(name: str, entry) -> None:
     """
     if entry.dtype == STRING:
         return
-    try:
-        itemsize = numpy_dtype(entry.dtype).itemsize
-    except CorruptCheckpointError:
+    if entry.dtype not in DTYPE_NAMES:
         raise CorruptCheckpointError(
             f"{name!r}: the index gives it dtype {dtype_name(entry.dtype)}, which no tensor can have; "
             "the checkpoint index is corrupt"
-        ) from None
+        )
+    try:
+        itemsize = numpy_dtype(entry.dtype).itemsize
+    except CorruptCheckpointError:  # resource, variant: encoded with lengths, no fixed size to compare
+        return
     expected = math.prod(int(d) for d in entry.shape) * itemsize
     if expected != entry.size:
         raise CorruptCheckpointError(
