@@ -1,4 +1,4 @@
-"""Tests for restorekit/edit.py: CheckpointEditor edits, streaming atomic saves, TF1/TF2 restores, bad input."""
+"""Tests for restorekit/edit/: CheckpointEditor edits, streaming atomic saves, TF1/TF2 restores, bad input."""
 
 import hashlib
 import os
@@ -16,6 +16,7 @@ import tensorflow as tf
 from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
 from restorekit.edit import CheckpointEditor
+from restorekit.edit.source import Source
 from conftest import write_bundle
 from restorekit.errors import (
     CheckpointNotFoundError,
@@ -70,7 +71,7 @@ def mixed(tmp_path):
 def test_editor_reads_nothing_until_needed(small_checkpoint):
     prefix, values = small_checkpoint
     ed = CheckpointEditor(prefix)
-    assert ed._checkpoint is None
+    assert ed._source is None
     assert [e.name for e in ed.list()] == sorted(values)
     assert np.array_equal(ed.get("dense/kernel"), values["dense/kernel"])
 
@@ -204,6 +205,17 @@ def test_delete_of_an_exact_name_keeps_its_slots(small_checkpoint):
     assert "dense/kernel/Momentum" in [e.name for e in ed.list()]
 
 
+def test_list_after_setting_a_string_tensor_reports_its_stored_bytes(mixed, tmp_path):
+    ed = CheckpointEditor(mixed)
+    ed.set("vocab", np.array([b"hello", b"", "\u00e9" * 100], dtype=object))
+    listed = {e.name: e for e in ed.list()}
+    out = ed.save(tmp_path / "out" / "m")
+    saved = Checkpoint(out).entries["vocab"]
+    # 3 varint lengths (1, 1, 2 bytes), a 4-byte crc, then 5 + 0 + 200 bytes of strings
+    assert listed["vocab"].nbytes == saved.nbytes == 213
+    assert listed["f32"].nbytes == 32
+
+
 def test_cast_pattern_casts_only_floats(small_checkpoint):
     ed = CheckpointEditor(small_checkpoint[0])
     assert sorted(ed.cast(".*", "float16")) == ["dense/bias", "dense/kernel", "dense/kernel/Momentum",
@@ -330,8 +342,9 @@ def test_tf2_rename_and_strip_keep_the_object_graph_consistent(tf2_checkpoint, t
 def test_tf2_rename_out_of_the_object_layout_converts_with_a_warning(tf2_checkpoint, tmp_path):
     ed = CheckpointEditor(tf2_checkpoint)
     ed.rename(KERNEL_KEY, "dense/kernel")
-    with pytest.warns(RestoreKitWarning, match="name-based"):
+    with pytest.warns(RestoreKitWarning, match="name-based") as caught:
         out = ed.save(tmp_path / "out" / "ckpt")
+    assert not any(str(w.message).startswith("restorekit") for w in caught)  # the CLI adds the one prefix
     ckpt = Checkpoint(out)
     assert OBJECT_GRAPH_KEY not in ckpt
     assert ckpt.read("dense/kernel").tolist() == [[0, 1, 2], [3, 4, 5]]
@@ -466,6 +479,37 @@ def test_output_equal_to_source_or_existing(small_checkpoint, tmp_path):
     assert "bias2" in Checkpoint(out)
 
 
+def test_output_errors_carry_the_path_and_whether_it_is_the_source(small_checkpoint, tmp_path):
+    prefix = small_checkpoint[0]
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/bias", "b")
+    with pytest.raises(OutputExistsError) as source:
+        ed.save(prefix)
+    assert source.value.is_source and source.value.path == prefix
+    out = ed.save(tmp_path / "o" / "m")
+    with pytest.raises(OutputExistsError) as existing:
+        ed.save(tmp_path / "o" / "m")
+    assert not existing.value.is_source and existing.value.path == out
+    with pytest.raises(OutputExistsError) as exported:
+        ed.save(prefix + ".index", format="npz")
+    assert not exported.value.is_source and exported.value.path == prefix + ".index"
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [(lambda ed: ed.get("dense/kernal"), "dense/kernal"),
+     (lambda ed: ed.delete("dense/kernal"), "dense/kernal"),
+     (lambda ed: ed.rename_all({"dense/kernal": "x"}), "dense/kernal"),
+     (lambda ed: ed.rename_all([("^dense/kernal$", "x")]), "^dense/kernal$")],
+    ids=["get", "delete", "rename-mapping", "rename-regex"],
+)
+def test_no_match_errors_name_the_closest_entries_once(small_checkpoint, call, name):
+    with pytest.raises(NoMatchError) as caught:
+        call(CheckpointEditor(small_checkpoint[0]))
+    assert caught.value.name == name and "dense/kernel" in caught.value.closest
+    assert str(caught.value).count("Closest:") == 1
+
+
 def test_too_little_disk_raises_before_writing(small_checkpoint, tmp_path, monkeypatch):
     import shutil
 
@@ -550,7 +594,7 @@ def test_unedited_export_takes_the_raw_copy_path_with_the_same_result(small_chec
 
 
 def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkeypatch):
-    import restorekit.export as export
+    import restorekit.export.base as export_base
 
     totals = []
 
@@ -567,7 +611,7 @@ def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkey
         def update(self, n):
             totals[-1][1] += n
 
-    monkeypatch.setattr(export, "progress_bar", Bar)
+    monkeypatch.setattr(export_base, "progress_bar", Bar)
     prefix, values = small_checkpoint
     ed = CheckpointEditor(prefix)
     ed.set("dense/bias", np.zeros(3, np.float32))
@@ -592,7 +636,7 @@ def tables(tmp_path):
 
 @pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
 def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tables, tmp_path, monkeypatch, compact):
-    import restorekit.edit as edit
+    import restorekit.edit.source as edit_source
 
     prefix, values = tables
     ed = CheckpointEditor(prefix)
@@ -601,7 +645,7 @@ def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tabl
     edited_b = values["emb/b"].copy()
     edited_b[[0, 5]] = 7.0
     expected = np.concatenate([values["emb/a"], edited_b, values["emb/a"]])
-    monkeypatch.setattr(edit, "CHUNK_SIZE", 100)  # many chunks per stored input
+    monkeypatch.setattr(edit_source, "CHUNK_SIZE", 100)  # many chunks per stored input
     monkeypatch.setattr(np, "concatenate", lambda *a, **k: pytest.fail("the concat result was built whole"))
     out = ed.save(tmp_path / "out" / "m", compact=compact)
     monkeypatch.undo()
@@ -611,13 +655,13 @@ def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tabl
 
 @pytest.mark.parametrize("chunk", [10_000, 40, 1], ids=["one-block", "several-rows", "row-by-row"])
 def test_concat_along_inner_axes_is_written_in_blocks_of_rows(tables, tmp_path, monkeypatch, chunk):
-    import restorekit.edit as edit
+    import restorekit.edit.source as edit_source
 
     prefix, values = tables
     ed = CheckpointEditor(prefix)
     ed.concat(["cube/a", "cube/b", "cube/a"], 1, "cube/mid")
     ed.concat(["cube/b", "cube/b"], -1, "cube/last")
-    monkeypatch.setattr(edit, "CHUNK_SIZE", chunk)
+    monkeypatch.setattr(edit_source, "CHUNK_SIZE", chunk)
     out = ed.save(tmp_path / "out" / "m")
     ckpt = Checkpoint(out)
     mid = np.concatenate([values["cube/a"], values["cube/b"], values["cube/a"]], axis=1)
@@ -801,7 +845,7 @@ def test_strip_and_rename_then_export_copies_raw_bytes_without_decoding(small_ch
     ed = CheckpointEditor(prefix)
     ed.strip_optimizer_slots()
     ed.rename("dense/kernel", "fc/kernel")
-    monkeypatch.setattr(CheckpointEditor, "_value", lambda self, item: pytest.fail("a tensor was decoded"))
+    monkeypatch.setattr(Source, "value", lambda self, item: pytest.fail("a tensor was decoded"))
     out = tmp_path / f"model.{'pt' if fmt == 'torch' else fmt}"
     ed.save(out, format=fmt)
     monkeypatch.undo()
@@ -871,3 +915,97 @@ def test_integer_to_float16_overflow_warns_too(tmp_path):
         out = ed.save(tmp_path / "out" / "m")
     assert [w.category for w in caught] == [RestoreKitWarning] and "2 finite values" in str(caught[0].message)
     assert Checkpoint(out).read("count").tolist() == [1.0, np.inf, -np.inf]
+
+
+# ------------------------------------------------------------------ overwrite removes exactly the old output
+
+
+@pytest.mark.parametrize(
+    "target, neighbour",
+    [("model[1].ckpt", "model1.ckpt"), ("ckpt-1?", "ckpt-10")],
+    ids=["brackets-in-the-prefix", "question-mark-in-the-prefix"],
+)
+@pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
+def test_overwrite_removes_only_the_old_outputs_files_never_a_neighbours(small_checkpoint, tmp_path, target,
+                                                                          neighbour, compact):
+    prefix = small_checkpoint[0]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    CheckpointEditor(prefix).save(out_dir / neighbour)  # a neighbour a glob of the target's name would match
+    old = CheckpointEditor(prefix)
+    old.add("extra", np.arange(3, dtype=np.float32))
+    old.save(out_dir / target)  # the output to replace: two shards
+    before = digest(str(out_dir / neighbour))
+    assert len(before) == 2
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/bias", "b")
+    ed.save(out_dir / target, overwrite=True, compact=compact)
+    assert digest(str(out_dir / neighbour)) == before  # byte-identical, nothing removed
+    assert "b" in Checkpoint(str(out_dir / target)) and "extra" not in Checkpoint(str(out_dir / target))
+    # the old output's two shards are gone (a rename alone reuses the source's one shard)
+    assert visible(out_dir) == sorted([f"{neighbour}.index", f"{neighbour}.data-00000-of-00001",
+                                       f"{target}.index", f"{target}.data-00000-of-00001"])
+    tf.train.load_checkpoint(str(out_dir / neighbour)).get_tensor("dense/bias")  # TF still reads the neighbour
+
+
+# ------------------------------------------------------------------ every save checks the bytes it keeps
+
+
+def _flip_one_bit(prefix, name):
+    ckpt = Checkpoint(prefix)
+    entry = ckpt.bundle_entry(name)
+    with open(ckpt.data_file(entry.shard_id), "r+b") as f:
+        f.seek(entry.offset + 2)
+        byte = f.read(1)[0]
+        f.seek(entry.offset + 2)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [lambda ed: ed.rename("dense/bias", "b"),
+     lambda ed: ed.strip_optimizer_slots(),
+     lambda ed: ed.set("dense/bias", np.zeros(3, np.float32)),
+     lambda ed: ed.cast("dense/kernel", "bfloat16")],
+    ids=["rename", "strip", "set-another-tensor", "cast-another-tensor"],
+)
+def test_a_flipped_bit_in_a_kept_tensor_fails_the_save_and_writes_nothing(small_checkpoint, tmp_path, edit):
+    prefix = small_checkpoint[0]
+    _flip_one_bit(prefix, "logits/kernel")  # TF wrote it; no edit touches it
+    before = digest(prefix)
+    ed = CheckpointEditor(prefix)
+    edit(ed)
+    out = tmp_path / "out"
+    with pytest.raises(ChecksumMismatchError, match="'logits/kernel'"):
+        ed.save(out / "m")
+    assert not out.exists() or os.listdir(out) == []  # not even a hidden staging directory
+    with pytest.raises(ChecksumMismatchError, match="'logits/kernel'"):
+        ed.save_in_place()
+    assert digest(prefix) == before  # the source is as it was
+    assert sorted(os.listdir(os.path.dirname(prefix))) == sorted([*before, "checkpoint"])
+
+
+def _bad_metadata(tmp_path, how):
+    """A checkpoint whose entry 'bad' has bytes that its index metadata cannot describe."""
+    prefix = str(tmp_path / "bad" / "m")
+    with BundleWriter(prefix) as writer:
+        entry = writer.add("good", np.arange(4, dtype=np.float32))
+        writer.add("other", np.ones(2, np.float32))
+        writer.add_entry_only("bad", entry.replace(dtype=0) if how == "dtype-0" else entry.replace(shape=(5,)))
+    return prefix
+
+
+@pytest.mark.parametrize("how", ["dtype-0", "size-off-its-shape"])
+@pytest.mark.parametrize(
+    "save",
+    [lambda ed, out: ed.save(out, compact=True),
+     lambda ed, out: (ed.cast("bad", "float64"), ed.save(out)),
+     lambda ed, out: (ed.rename("other", "o"), ed.save(out))],
+    ids=["compact", "cast-it", "rename-another"],
+)
+def test_an_entry_whose_metadata_cannot_be_right_is_never_copied(tmp_path, how, save):
+    ed = CheckpointEditor(_bad_metadata(tmp_path, how))
+    out = tmp_path / "out"
+    with pytest.raises(CorruptCheckpointError, match="'bad'.*the checkpoint index is corrupt"):
+        save(ed, out / "m")
+    assert not out.exists() or os.listdir(out) == []

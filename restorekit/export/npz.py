@@ -15,9 +15,13 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError
-from restorekit.export import ExportResult, atomic_output, progress_bar, tf_dtype_of
+from restorekit.export.base import ExportResult, atomic_output, checkpoint_entries, progress_bar, refuse, tf_dtype_of
 
-__all__ = ["read", "read_shapes", "write"]
+__all__ = ["FORMAT", "SUFFIXES", "read", "read_record", "read_shapes", "recognizes", "write", "write_checkpoint"]
+
+FORMAT = "npz"
+SUFFIXES = (".npz",)
+LAYOUTS = (None,)  # the layout= values write and write_checkpoint accept
 
 _WIDENED = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
@@ -33,14 +37,19 @@ def _plain(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def write(path, tensors: Iterable, *, progress: bool = False) -> ExportResult:
+def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None, graph=None,
+          progress: bool = False) -> ExportResult:
     """Write ``(name, ndarray)`` pairs to an ``.npz`` file, holding one tensor at a time.
 
         write('weights.npz', ((n, ckpt.read(n)) for n in ckpt))
 
+    ``layout`` and ``metadata`` are refused (npz keeps TF names and axes and has no
+    metadata); ``graph`` only serves a layout and is ignored.
+
     Returns:
         An ExportResult. The file appears at ``path`` only once complete.
     """
+    refuse(FORMAT, layout=layout, metadata=metadata)
     path = os.fspath(path)
     count = nbytes = 0
     with atomic_output(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
@@ -53,6 +62,27 @@ def write(path, tensors: Iterable, *, progress: bool = False) -> ExportResult:
                 nbytes += array.nbytes
                 bar.update(array.nbytes)
     return ExportResult(path, "npz", count, nbytes)
+
+
+def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str | None = None,
+                     metadata: dict | None = None, progress: bool = False) -> ExportResult:
+    """Write every tensor of a TF checkpoint (or the renamed subset ``names``) to an ``.npz`` file.
+
+    Each tensor is read (crc32c checked) and written before the next is read.
+    """
+    refuse(FORMAT, layout=layout, metadata=metadata)
+    tensors = ((name, checkpoint.read(source)) for name, source in checkpoint_entries(checkpoint, names))
+    return write(path, tensors, progress=progress)
+
+
+def read_record(path) -> None:
+    """npz files carry no layout record: always None."""
+    return None
+
+
+def recognizes(head: bytes, suffix: str) -> bool:
+    """True for a zip archive named ``.npz``."""
+    return head.startswith(b"PK") and suffix == ".npz"
 
 
 def _open(path: str):

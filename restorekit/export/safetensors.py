@@ -18,24 +18,26 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from restorekit.bundle import files
-from restorekit.errors import (
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    InvalidArgumentError,
-    OutputError,
-)
-from restorekit.export import (
-    STRINGS_LIMIT,
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputError
+from restorekit.export.base import (
     ExportResult,
     atomic_output,
+    check_strings,
+    checkpoint_entries,
     layout_tensors,
     little_endian,
     progress_bar,
     raw_bytes_view,
 )
 from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
+from restorekit.export.rawcopy import _KernelCopy, copy_raw, copy_raw_run, write_all  # noqa: F401  (tests patch _KernelCopy here)
 
-__all__ = ["Header", "TensorInfo", "read", "read_header", "write", "write_checkpoint"]
+__all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "read", "read_header", "read_record", "read_shapes",
+           "recognizes", "write", "write_checkpoint"]
+
+FORMAT = "safetensors"
+SUFFIXES = (".safetensors",)
+LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
 # TF dtype name -> safetensors dtype. Others are stored as a stand-in (STORED_AS,
 # complex128 as float64 pairs) and named in the layout record.
@@ -144,16 +146,8 @@ def _encode_header(entries: list, meta: dict, size: int | None = None, start: in
     return struct.pack("<Q", target) + text + b" " * (target - len(text))
 
 
-def _check_strings(record: LayoutRecord) -> None:
-    size = sum(len(v) for item in record.strings.values() for v in item["values"])
-    if size > STRINGS_LIMIT:
-        raise InvalidArgumentError(
-            f"string tensors {', '.join(repr(n) for n in record.strings)} hold {size} bytes, too many to carry "
-            f"in file metadata; exclude them (CheckpointEditor.delete) before exporting"
-        )
-
-
-def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None, graph=None) -> ExportResult:
+def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None, graph=None,
+          progress: bool = False) -> ExportResult:
     """Write ``(name, ndarray)`` pairs to a ``.safetensors`` file, one tensor at a time.
 
     Only one tensor is held at a time. The file appears at ``path`` only once it is
@@ -169,6 +163,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
         metadata: extra ``__metadata__`` entries, str -> str.
         graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
             so that layout 'torch' names them from their readable paths.
+        progress: show a byte counter on stderr (when it is a terminal).
 
     Returns:
         An ExportResult. String tensors are carried in the metadata and listed there.
@@ -185,7 +180,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
     permuted = []
     offset = 0
     with atomic_output(path) as tmp:
-        with open(tmp, "w+b") as f:
+        with open(tmp, "w+b") as f, progress_bar(None, progress, "safetensors") as bar:
             f.seek(8 + _RESERVE)
             for name, out, array, tf_dtype, was_permuted in layout_tensors(tensors, record):
                 if was_permuted:
@@ -195,7 +190,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
                 f.write(raw_bytes_view(array))
                 entries.append((out, st_dtype, array.shape, offset, offset + array.nbytes))
                 offset += array.nbytes
-            _check_strings(record)
+                bar.update(array.nbytes)
+            check_strings(record, "file metadata")
             header = _encode_header(entries, _metadata(metadata, record))
             if len(header) - 8 <= _RESERVE and offset >= _COMPACT_BELOW:
                 f.seek(0)
@@ -222,8 +218,8 @@ def _rewrite(tmp: str, header: bytes, data_start: int, size: int) -> None:
             remaining -= len(chunk)
 
 
-def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: dict | None = None,
-                     progress: bool = False, names: dict | None = None) -> ExportResult:
+def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str | None = None,
+                     metadata: dict | None = None, progress: bool = False) -> ExportResult:
     """Write every tensor of a TF checkpoint to ``path``, copying raw shard bytes where possible.
 
     ``names`` (``{TF name in the output: checkpoint entry}``, in output order) exports
@@ -242,10 +238,51 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
     record = LayoutRecord.for_checkpoint(checkpoint, layout)
     _metadata(metadata, record)
     path = os.fspath(path)
-    plan = []  # (name, out, st_dtype, out_shape, perm, raw entry or None, nbytes)
-    local = not files.is_remote(checkpoint.prefix)  # remote shards are read through tf.io.gfile
+    plan = _checkpoint_plan(checkpoint, names, record)
     offset = 0
-    for name, source in names.items() if names is not None else ((n, n) for n in checkpoint.entries):
+    check_strings(record, "file metadata")
+    # The header lists tensors in name order; the data section holds them in the order
+    # of their bytes in the shards, so an unedited shard is one run that the kernel
+    # copies in one stream. Tensors that are decoded (permuted, partitioned) come last.
+    by_name = list(plan)
+    plan.sort(key=lambda step: (0, step[5].shard_id, step[5].offset) if step[5] is not None else (1,))
+    ranges = {}
+    for name, out, st_dtype, shape, perm, raw, nbytes in plan:
+        ranges[out] = (offset, offset + nbytes)
+        offset += nbytes
+    entries = [(out, st_dtype, shape, *ranges[out]) for name, out, st_dtype, shape, *_ in by_name]
+    groups = _groups(plan)
+    header = _encode_header(entries, _metadata(metadata, record), start=_copy_alignment(groups))
+    handles: dict[str, object] = {}
+    try:
+        with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
+            write_all(f, header)
+            for group in groups:
+                if group[0][5] is not None:
+                    copy_raw_run(checkpoint, [(step[0], step[5]) for step in group], f, handles, bar)
+                    continue
+                name, out, st_dtype, shape, perm, raw, nbytes = group[0]
+                array = checkpoint.read(name)
+                if perm is not None:
+                    array = np.transpose(array, perm)
+                _, array = _stored(array, checkpoint.entries[name].dtype, LayoutRecord(), out)
+                view = raw_bytes_view(little_endian(array))
+                write_all(f, view)
+                bar.update(len(view))
+    finally:
+        for handle in handles.values():
+            handle.close()
+    permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
+    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept)
+
+
+def _checkpoint_plan(checkpoint, names: dict | None, record: LayoutRecord) -> list[tuple]:
+    """One step per numeric tensor: (entry name, stored name, safetensors dtype, stored shape,
+    permutation, the raw entry when its bytes are copied as stored (else None), byte count).
+    String tensors go to ``record``."""
+    plan = []
+    local = not files.is_remote(checkpoint.prefix)  # remote shards are read through tf.io.gfile
+    for name, source in checkpoint_entries(checkpoint, names):
         entry = checkpoint.entries[source]
         if entry.dtype == "string":
             record.add_string(name, checkpoint.read(source))
@@ -264,40 +301,7 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, metadata: d
             record.note_dtype(out, entry.dtype)
         raw = None if perm is not None or not local or checkpoint.is_partitioned(source) else checkpoint.bundle_entry(source)
         plan.append((source, out, st_dtype, shape, perm, raw, entry.nbytes))
-    _check_strings(record)
-    # The header lists tensors in name order; the data section holds them in the order
-    # of their bytes in the shards, so an unedited shard is one run that the kernel
-    # copies in one stream. Tensors that are decoded (permuted, partitioned) come last.
-    by_name = list(plan)
-    plan.sort(key=lambda step: (0, step[5].shard_id, step[5].offset) if step[5] is not None else (1,))
-    ranges = {}
-    for name, out, st_dtype, shape, perm, raw, nbytes in plan:
-        ranges[out] = (offset, offset + nbytes)
-        offset += nbytes
-    entries = [(out, st_dtype, shape, *ranges[out]) for name, out, st_dtype, shape, *_ in by_name]
-    groups = _groups(plan)
-    header = _encode_header(entries, _metadata(metadata, record), start=_copy_alignment(groups))
-    handles: dict[str, object] = {}
-    try:
-        with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
-            _write_all(f, header)
-            for group in groups:
-                if group[0][5] is not None:
-                    copy_raw_run(checkpoint, [(step[0], step[5]) for step in group], f, handles, bar)
-                    continue
-                name, out, st_dtype, shape, perm, raw, nbytes = group[0]
-                array = checkpoint.read(name)
-                if perm is not None:
-                    array = np.transpose(array, perm)
-                _, array = _stored(array, checkpoint.entries[name].dtype, LayoutRecord(), out)
-                view = raw_bytes_view(little_endian(array))
-                _write_all(f, view)
-                bar.update(len(view))
-    finally:
-        for handle in handles.values():
-            handle.close()
-    permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept)
+    return plan
 
 
 def _groups(plan: list) -> list[list]:
@@ -335,131 +339,6 @@ def _follows(previous, entry) -> bool:
     return entry.shard_id == previous.shard_id and entry.offset == previous.offset + previous.size
 
 
-def _shard(checkpoint, name: str, entry, handles: dict):
-    path = checkpoint.data_file(entry.shard_id)
-    if path not in handles:
-        try:
-            handles[path] = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
-    return path, handles[path]
-
-
-def _check(crc, name: str, entry, path: str) -> None:
-    from restorekit.bundle.table import mask_crc
-
-    if crc is None:
-        raise CorruptCheckpointError(
-            f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
-        )
-    if mask_crc(crc) != entry.crc32c:
-        raise ChecksumMismatchError(f"{name!r}: tensor bytes in {path!r} fail their crc32c check; the data shard is corrupt")
-
-
-def copy_raw(checkpoint, name: str, entry, out, handles: dict, bar=None) -> None:
-    """Copy one tensor's bytes from its data shard to ``out`` (``.write``), checking crc32c.
-
-    One pass through a reused cache-sized buffer (``bundle.writer.copy_checked``): each
-    byte is read once, then checked and written from the CPU cache.
-    """
-    from restorekit.bundle.writer import copy_checked
-
-    path, shard = _shard(checkpoint, name, entry, handles)
-
-    def write(view) -> None:
-        _write_all(out, view)
-        if bar is not None:
-            bar.update(len(view))
-
-    _check(copy_checked(shard.fileno(), entry.offset, entry.size, write), name, entry, path)
-
-
-def copy_raw_run(checkpoint, run: list, out, handles: dict, bar=None) -> None:
-    """Copy stored tensors that lie back to back in one shard, the way ``cp`` copies a file.
-
-    The kernel copies the whole byte range (``os.copy_file_range``, in a thread: the
-    call releases the GIL) while this thread checks every tensor's crc32c from the page
-    cache, so the check costs no time beyond the copy on a machine with two cores. A
-    failed check stops the copy and raises; the caller's ``atomic_output`` then
-    discards the partial file. Where the kernel cannot copy (another filesystem), the
-    rest is copied through a buffer.
-    """
-    from restorekit.bundle.writer import copy_checked
-
-    first_name, first = run[0]
-    path, shard = _shard(checkpoint, first_name, first, handles)
-    start = first.offset
-    size = run[-1][1].offset + run[-1][1].size - start
-    copy = _KernelCopy(shard.fileno(), out.fileno(), start, size)
-    try:
-        for name, entry in run:
-            _check(copy_checked(shard.fileno(), entry.offset, entry.size, lambda view: None), name, entry, path)
-            if bar is not None:
-                bar.update(entry.size)
-        copy.wait()
-    except BaseException:  # a failed check, or Ctrl-C while waiting
-        copy.stop()  # the thread must be gone before the caller closes its file descriptors
-        raise
-    if copy.error is not None and not isinstance(copy.error, OSError):
-        raise copy.error
-    if copy.done < size:  # the kernel refused or stopped part way: finish through a buffer
-        if copy_checked(shard.fileno(), start + copy.done, size - copy.done, lambda view: _write_all(out, view)) is None:
-            raise CorruptCheckpointError(f"data shard {path!r} ended while copying")
-
-
-def _write_all(out, view) -> None:
-    """Write all of ``view`` to a raw (unbuffered) file, which may take several calls."""
-    view = memoryview(view).cast("B")
-    while view:
-        view = view[out.write(view) :]
-
-
-class _KernelCopy:
-    """``copy_file_range`` of a byte range to ``dst``'s file position, in a thread."""
-
-    _STEP = 64 << 20  # per call, so that a failed check stops the copy soon
-
-    def __init__(self, src: int, dst: int, start: int, size: int):
-        import threading
-
-        self.src, self.dst, self.start, self.size = src, dst, start, size
-        self.done = 0
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._finished = threading.Event()
-        threading.Thread(target=self._run, name="restorekit-copy", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            copy = getattr(os, "copy_file_range", None)  # absent off Linux: the buffered copy does it all
-            while copy is not None and self.done < self.size and not self._stop.is_set():
-                n = copy(self.src, self.dst, min(self._STEP, self.size - self.done), self.start + self.done)
-                if n == 0:
-                    break  # the shard ended early; the buffered copy reports it
-                self.done += n
-        except BaseException as e:  # handed to the caller's thread
-            self.error = e
-        finally:
-            self._finished.set()
-
-    def wait(self) -> None:
-        self._finished.wait()
-
-    def stop(self) -> None:
-        """End the copy after its current step and wait for that, even through another Ctrl-C.
-
-        (An Event, not ``Thread.join``: on CPython 3.11 an interrupted ``join`` marks the
-        thread finished while it still runs.)
-        """
-        self._stop.set()
-        while True:
-            try:
-                self._finished.wait()
-                return
-            except BaseException:  # noqa: BLE001 - the original exception is re-raised by the caller
-                continue
-
-
 def read_header(path) -> Header:
     """Parse and check the header of a ``.safetensors`` file (no tensor bytes are read).
 
@@ -469,55 +348,80 @@ def read_header(path) -> Header:
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        from restorekit.errors import CheckpointNotFoundError
-
         raise CheckpointNotFoundError(f"no safetensors file at {path!r}", path)
     size = os.path.getsize(path)
-
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path!r} is not a valid safetensors file: {why}")
-
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise bad("shorter than its 8-byte header length")
-        n = struct.unpack("<Q", head)[0]
-        if n > _MAX_HEADER or 8 + n > size:
-            raise bad(f"header length {n} does not fit a {size}-byte file")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise bad(f"header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
+    header, n = _read_json(path, size)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
-        raise bad("__metadata__ is not an object")
-    tensors = {}
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"entry {name!r} lacks dtype, shape or data_offsets") from None
-        if dtype not in _FROM_ST:
-            raise InvalidArgumentError(f"{path!r}: tensor {name!r} has dtype {dtype!r}, which restorekit cannot read")
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if min(shape, default=0) < 0 or end - begin != count * _numpy_dtype(dtype).itemsize:
-            raise bad(f"tensor {name!r}: byte range {begin}..{end} does not hold {dtype} {list(shape)}")
-        tensors[name] = TensorInfo(dtype, shape, int(begin), int(end))
-    data_size = size - 8 - n
-    cursor = 0
-    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if info.begin != cursor:
-            raise bad(f"tensor {name!r} starts at {info.begin}, expected {cursor} (overlap or gap)")
-        cursor = info.end
-    if cursor != data_size:
-        raise bad(f"tensors cover {cursor} bytes of a {data_size}-byte data section")
+        raise _bad(path, "__metadata__ is not an object")
+    tensors = {name: _tensor_info(path, name, info) for name, info in header.items()}
+    _check_coverage(path, tensors, size - 8 - n)
     record = None
     if METADATA_KEY in metadata:
         record = LayoutRecord.from_json(metadata[METADATA_KEY], where=path)
     ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
     return Header(ordered, metadata, 8 + n, record)
+
+
+def _bad(path: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path!r} is not a valid safetensors file: {why}")
+
+
+def _read_json(path: str, size: int) -> tuple[dict, int]:
+    """(the JSON header as a dict, its length in bytes)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _bad(path, "shorter than its 8-byte header length")
+        n = struct.unpack("<Q", head)[0]
+        if n > _MAX_HEADER or 8 + n > size:
+            raise _bad(path, f"header length {n} does not fit a {size}-byte file")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise _bad(path, f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "header is not a JSON object")
+    return header, n
+
+
+def _tensor_info(path: str, name: str, info) -> TensorInfo:
+    try:
+        dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise _bad(path, f"entry {name!r} lacks dtype, shape or data_offsets") from None
+    if dtype not in _FROM_ST:
+        raise InvalidArgumentError(f"{path!r}: tensor {name!r} has dtype {dtype!r}, which restorekit cannot read")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if min(shape, default=0) < 0 or end - begin != count * _numpy_dtype(dtype).itemsize:
+        raise _bad(path, f"tensor {name!r}: byte range {begin}..{end} does not hold {dtype} {list(shape)}")
+    return TensorInfo(dtype, shape, int(begin), int(end))
+
+
+def _check_coverage(path: str, tensors: dict, data_size: int) -> None:
+    """The tensors must tile the data section: no overlap, no gap, nothing after."""
+    cursor = 0
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != cursor:
+            raise _bad(path, f"tensor {name!r} starts at {info.begin}, expected {cursor} (overlap or gap)")
+        cursor = info.end
+    if cursor != data_size:
+        raise _bad(path, f"tensors cover {cursor} bytes of a {data_size}-byte data section")
+
+
+def read_shapes(path) -> dict:
+    """Stored name -> shape of every tensor of a ``.safetensors`` file (reads only the header)."""
+    return {name: info.shape for name, info in read_header(path).tensors.items()}
+
+
+def read_record(path) -> LayoutRecord | None:
+    """The restorekit layout record of a ``.safetensors`` file, or None (a file from elsewhere)."""
+    return read_header(path).record
+
+
+def recognizes(head: bytes, suffix: str) -> bool:
+    """True when a file's first bytes are a safetensors header length followed by its JSON."""
+    return len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20)
 
 
 def read(path) -> Iterator[tuple[str, np.ndarray]]:

@@ -19,18 +19,26 @@ import numpy as np
 
 from restorekit.bundle import files
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
-from restorekit.export import (
-    STRINGS_LIMIT,
+from restorekit.export.base import (
     ExportResult,
     atomic_output,
+    check_strings,
+    checkpoint_entries,
     contiguous,
     layout_tensors,
     progress_bar,
+    refuse,
     tf_dtype_of,
 )
 from restorekit.export.layout import STORED_AS, LayoutRecord, check_layout
+from restorekit.export.rawcopy import copy_raw
 
-__all__ = ["load", "read", "to_numpy", "write", "write_checkpoint"]
+__all__ = ["FORMAT", "SUFFIXES", "load", "read", "read_record", "read_shapes", "recognizes", "to_numpy", "write",
+           "write_checkpoint"]
+
+FORMAT = "torch"
+SUFFIXES = (".pt", ".pth", ".bin")
+LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
 RECORD_KEY = "__restorekit__"
 # TF dtype name -> torch dtype attribute. ml_dtypes arrays cross by a same-width int view.
@@ -100,18 +108,14 @@ def to_numpy(tensor) -> np.ndarray:
 
 def _save(path: str, state: dict, record: LayoutRecord) -> None:
     torch = _torch()
-    size = sum(len(v) for item in record.strings.values() for v in item["values"])
-    if size > STRINGS_LIMIT:
-        raise InvalidArgumentError(
-            f"string tensors {', '.join(repr(n) for n in record.strings)} hold {size} bytes, too many to carry "
-            f"in the state_dict metadata; delete them (CheckpointEditor.delete) before exporting"
-        )
+    check_strings(record, "the state_dict metadata")
     state._metadata = {RECORD_KEY: record.to_json()}
     with atomic_output(path) as tmp:
         torch.save(state, tmp)
 
 
-def write(path, tensors: Iterable, *, layout: str | None = None, graph=None) -> ExportResult:
+def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict | None = None, graph=None,
+          progress: bool = False) -> ExportResult:
     """Write ``(name, ndarray)`` pairs as a PyTorch ``state_dict`` file (``torch.save``).
 
     ``torch.save`` pickles one dict, so every tensor is held in memory until the file
@@ -123,33 +127,39 @@ def write(path, tensors: Iterable, *, layout: str | None = None, graph=None) -> 
         tensors: an iterable of ``(TF name, ndarray)``; a third item, a TF dtype
             name, keeps dtypes numpy cannot name (``'qint8'``).
         layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
+        metadata: refused (a state_dict has no place for free-form metadata).
         graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
             so that layout 'torch' names them from their readable paths.
+        progress: show a byte counter on stderr while tensors are gathered.
 
     Raises:
         MissingDependencyError: torch is not installed.
         NameCollisionError: the layout maps two names onto one (nothing is written).
+        InvalidArgumentError: ``metadata`` given.
     """
     check_layout(layout)
+    refuse(FORMAT, metadata=metadata)
     _torch()
     record = LayoutRecord(layout, graph=graph)
     state = collections.OrderedDict()
     permuted = []
     nbytes = 0
-    for name, out, array, tf_dtype, was_permuted in layout_tensors(tensors, record):
-        if was_permuted:
-            permuted.append(name)
-        if tf_dtype in STORED_AS:
-            record.note_dtype(out, tf_dtype)
-        state[out] = from_numpy(array, tf_dtype)
-        nbytes += array.nbytes
+    with progress_bar(None, progress, "torch") as bar:
+        for name, out, array, tf_dtype, was_permuted in layout_tensors(tensors, record):
+            if was_permuted:
+                permuted.append(name)
+            if tf_dtype in STORED_AS:
+                record.note_dtype(out, tf_dtype)
+            state[out] = from_numpy(array, tf_dtype)
+            nbytes += array.nbytes
+            bar.update(array.nbytes)
     path = os.fspath(path)
     _save(path, state, record)
     return ExportResult(path, "torch", len(state), nbytes, layout, tuple(permuted), tuple(record.strings), record.kept)
 
 
-def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: bool = False,
-                     names: dict | None = None) -> ExportResult:
+def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str | None = None,
+                     metadata: dict | None = None, progress: bool = False) -> ExportResult:
     """Write every tensor of a TF checkpoint as a ``state_dict`` file.
 
     ``names``: as in ``safetensors.write_checkpoint`` (a renamed subset, in order).
@@ -163,13 +173,12 @@ def write_checkpoint(checkpoint, path, *, layout: str | None = None, progress: b
         NameCollisionError, InvalidArgumentError: before anything is written.
         ChecksumMismatchError, CorruptCheckpointError: a bad shard (no output left).
     """
-    from restorekit.export.safetensors import copy_raw
-
     check_layout(layout)
+    refuse(FORMAT, metadata=metadata)
     _torch()
     record = LayoutRecord.for_checkpoint(checkpoint, layout)
     plan = []
-    for name, source in names.items() if names is not None else ((n, n) for n in checkpoint.entries):
+    for name, source in checkpoint_entries(checkpoint, names):
         entry = checkpoint.entries[source]
         if entry.dtype == "string":
             record.add_string(name, checkpoint.read(source))
@@ -289,3 +298,19 @@ def read(path) -> Iterator[tuple[str, np.ndarray]]:
     """
     state, _ = load(path)
     return ((name, to_numpy(t)) for name, t in state.items())
+
+
+def read_shapes(path) -> dict:
+    """Stored name -> shape of every tensor of a ``.pt`` state_dict."""
+    state, _ = load(path)
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def read_record(path) -> LayoutRecord | None:
+    """The restorekit layout record of a ``.pt`` file, or None (a file from elsewhere)."""
+    return load(path)[1]
+
+
+def recognizes(head: bytes, suffix: str) -> bool:
+    """True for torch.save's zip format (any suffix but ``.npz``) and its legacy bare pickle."""
+    return (head.startswith(b"PK") and suffix != ".npz") or head[:1] == b"\x80"

@@ -1,0 +1,367 @@
+"""CheckpointEditor: the one public class of restorekit.edit; each method checks its arguments and updates the plan."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from restorekit.bundle import files
+from restorekit.bundle.format import dtype_name
+from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix
+from restorekit.edit import renames, values
+from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
+from restorekit.edit.save_export import save_export
+from restorekit.edit.save_remote import save_remote
+from restorekit.edit.save_tf import save_tf
+from restorekit.edit.source import Source
+from restorekit.export import formats
+from restorekit.errors import CorruptCheckpointError, EditError, InvalidArgumentError, NoMatchError, OutputError, OutputExistsError
+from restorekit.names import matches
+
+
+class CheckpointEditor:
+    """Edit a TensorFlow checkpoint and save the result, streaming and atomically.
+
+        ed = CheckpointEditor('ckpt/model.ckpt-1000')
+        ed.rename_all([(r'^bert/', 'encoder/')])
+        ed.set('cls/bias', np.zeros(2, np.float32))
+        ed.strip_optimizer_slots()
+        ed.save('out/model.ckpt')
+
+    Nothing is read until needed: edits are checked against the index at once (a bad
+    argument raises at that call and queues nothing) and applied when saving.
+    ``get`` and ``list`` show the checkpoint as it would be saved.
+
+    Saving streams one tensor at a time: unchanged tensors are never decoded. Without
+    ``compact=True`` the source data shards are reused (hard-linked, or copied across
+    filesystems) and only the index plus one extra shard with the changed tensors is
+    written; ``compact=True`` writes one new shard with only the kept tensors' bytes.
+    Either way every byte taken from the source is crc32c checked before the output
+    is committed. Files are written under temporary names in the target directory and
+    renamed into place, the ``.index`` last; a crash leaves no output or a complete one.
+
+    Partitioned (sliced) variables keep their slices when renamed or copied; an edit of
+    their values (``set``, ``cast``, ...) stores them as one full tensor, which TF's
+    readers slice on restore.
+
+    TF2 object-based checkpoints: ``set``, ``add`` and ``cast`` leave the object graph
+    (``_CHECKPOINTABLE_OBJECT_GRAPH``) as it is. ``delete`` keeps it consistent (the
+    deleted tensor's attribute is removed from the graph). ``rename`` keeps it
+    consistent while new names keep their ``/.ATTRIBUTES/...`` part: the graph's
+    ``checkpoint_key`` is updated, so ``tf.train.Checkpoint.restore`` still restores each
+    value *to the object it came from* (a rename does not move a value to another
+    object; ``get`` it and ``set`` it on the other key for that). A rename that drops
+    ``/.ATTRIBUTES/`` converts the output to a name-based checkpoint: the graph entry is
+    left out and a ``RestoreKitWarning`` says so. The graph is rewritten by restorekit's
+    own codec (``restorekit.bundle.objectgraph``), without TensorFlow.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``path``.
+    """
+
+    def __init__(self, path):
+        self.prefix = resolve_prefix(path)
+        self._source: Source | None = None
+        self._items: dict[str, Item] | None = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointEditor({self.prefix!r})"
+
+    # ------------------------------------------------------------------ state
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The source checkpoint (its index is read on first use)."""
+        return self._reader.checkpoint
+
+    @property
+    def _reader(self) -> Source:
+        if self._source is None:
+            self._source = Source(Checkpoint(self.prefix))
+        return self._source
+
+    @property
+    def _plan(self) -> dict[str, Item]:
+        if self._items is None:
+            self._items = initial_plan(self.checkpoint)
+        return self._items
+
+    def _key(self, name):
+        """``name``, or in a TF2 checkpoint the key its readable path ``name`` is stored under.
+
+        Keras 3 keys often name no layer (``optimizer/_trainable_variables/0/.ATTRIBUTES/
+        VARIABLE_VALUE``); ``set('fc1/kernel', ...)`` means the entry ``Checkpoint.
+        object_paths`` gives for that path, as long as it has not been renamed.
+        """
+        if isinstance(name, str) and name not in self._plan:
+            try:
+                key = self.checkpoint.object_paths.get(name)
+            except CorruptCheckpointError:  # an unreadable object graph: raw keys only
+                return name
+            if key is not None and key in self._plan:
+                return key
+        return name
+
+    def _item(self, name) -> Item:
+        return lookup(self._plan, name, self.prefix)
+
+    def _select(self, pattern, *, what: str) -> list[str]:
+        return select(self._plan, pattern, what=what, prefix=self.prefix, key=self._key)
+
+    # ------------------------------------------------------------------ reading
+    def list(self, pattern=None) -> list[Entry]:
+        """Entries (name, shape, dtype, nbytes) as they would be saved, in entry order.
+
+        Args:
+            pattern: keep names containing this substring or matching it as a regex
+                (``names.matches`` rule); None keeps all.
+        """
+        out = []
+        for name, item in self._plan.items():
+            if pattern is not None and not _listed(pattern, name):
+                continue
+            out.append(Entry(name, tuple(item.shape), dtype_name(item.dtype), self._reader.nbytes(item)))
+        return out
+
+    def get(self, name: str) -> np.ndarray:
+        """The value of ``name`` as it would be saved (a new array; crc checked).
+
+        Raises:
+            NoMatchError: no such entry.
+            CorruptCheckpointError: the source bytes are truncated or fail their crc32c.
+        """
+        name = self._key(name)
+        item = self._item(name)
+        value = self._reader.value(item)
+        # A value given to set/add is returned as a copy, so editing it changes nothing queued.
+        return value.copy() if isinstance(item.base, np.ndarray) else value
+
+    # ------------------------------------------------------------------ edits
+    def rename(self, old: str, new: str) -> None:
+        """Rename one entry (partitioned slices follow).
+
+        Raises:
+            NoMatchError: ``old`` does not exist.
+            NameCollisionError: ``new`` already exists.
+        """
+        old = self._key(old)
+        self._item(old)
+        if new == old:
+            return
+        check_new_name(self._plan, new, self.prefix)
+        self._items = renames.renamed(self._plan, old, new)
+
+    def rename_all(self, rule) -> dict[str, str]:
+        """Rename every entry by ``rule``: a callable, a mapping, or a list of ``(regex, replacement)``.
+
+        Returns:
+            {old: new} for the names that changed.
+
+        Raises:
+            NameCollisionError: two names land on one (checked before anything changes).
+            NoMatchError: the rule changes nothing, a mapping key is not an entry, or a
+                regex of the list matches no name.
+        """
+        self._items, changed = renames.rename_all(self._plan, rule, self.prefix)
+        return changed
+
+    def set(self, name: str, value, *, index=None, allow_dtype_change: bool = False,
+            allow_shape_change: bool = False) -> None:
+        """Replace a tensor's value, whole or at ``index`` (``set(name, rows, index=[3, 7])``).
+
+        Args:
+            name: an existing entry.
+            value: the new value (copied now). Whole: same shape and dtype as the entry.
+                With ``index``: broadcastable to ``tensor[index]``. Python numbers and
+                lists take the entry's dtype.
+            index: anything numpy accepts as an index: an int, a list of rows, slices.
+            allow_dtype_change / allow_shape_change: store a whole value as given.
+
+        Raises:
+            NoMatchError: unknown name.
+            EditError: wrong shape, dtype or index.
+        """
+        name = self._key(name)
+        item = self._item(name)
+        if index is None:
+            self._plan[name] = values.set_whole(name, item, value, allow_dtype_change=allow_dtype_change,
+                                                allow_shape_change=allow_shape_change)
+            return
+        if allow_dtype_change or allow_shape_change:
+            raise EditError(f"{name!r}: a set with index= keeps the entry's shape and dtype")
+        self._plan[name] = values.set_indexed(name, item, value, index)
+
+    def copy_rows(self, name: str, src_rows, dst_rows) -> None:
+        """Copy rows (first axis) of ``name`` onto other rows: ``t[dst_rows] = t[src_rows]``.
+
+        Raises:
+            EditError: lengths differ, a row is out of range, or the tensor is a scalar.
+        """
+        name = self._key(name)
+        self._plan[name] = values.copy_rows(name, self._item(name), src_rows, dst_rows)
+
+    def add(self, name: str, value) -> None:
+        """Add a new tensor (numpy incl. bfloat16, bool, complex, or strings).
+
+        Raises:
+            NameCollisionError: ``name`` exists.
+            EditError: a value with no checkpoint dtype.
+        """
+        check_new_name(self._plan, name, self.prefix)
+        self._plan[name] = values.new_item(name, value)
+
+    def delete(self, pattern) -> list[str]:
+        """Delete an entry by exact name, or every entry a pattern (``names.matches`` rule) takes.
+
+        An exact name deletes only itself (``'dense/kernel'`` keeps ``'dense/kernel/Momentum'``).
+
+        Returns:
+            The deleted names.
+
+        Raises:
+            NoMatchError: nothing matches.
+        """
+        names = self._select(pattern, what="delete pattern")
+        self._items = renames.without(self._plan, names)
+        return names
+
+    def concat(self, names, axis: int, new_name: str) -> None:
+        """Add ``new_name`` holding the given entries concatenated along ``axis`` (inputs are kept).
+
+        Raises:
+            NoMatchError: an unknown name.
+            EditError: dtypes or shapes that do not concatenate.
+            NameCollisionError: ``new_name`` exists.
+        """
+        if isinstance(names, str) or not names:
+            raise EditError(f"concat takes a non-empty list of names, got {names!r}")
+        names = [self._key(n) for n in names]
+        items = [self._item(n) for n in names]
+        check_new_name(self._plan, new_name, self.prefix)
+        self._plan[new_name] = values.concat_item(names, items, axis)
+
+    def cast(self, pattern, dtype) -> list[str]:
+        """Cast entries to ``dtype`` (e.g. float32 to ``'bfloat16'`` or ``'float16'``).
+
+        An exact name is cast whatever its numeric dtype; a pattern casts only the
+        floating-point entries it matches (so ``'.*'`` leaves ``global_step`` alone).
+        Pure casts are streamed on save, one chunk at a time.
+
+        Returns:
+            The names cast.
+
+        Raises:
+            EditError: an unknown dtype, or an exact name that is a string or bool.
+            NoMatchError: nothing to cast.
+        """
+        code = values.cast_code(dtype)
+        plan = self._plan
+        exact = isinstance(pattern, str) and pattern in plan
+        names = self._select(pattern, what="cast pattern")
+        if exact:
+            values.check_cast(pattern, plan[pattern].dtype, code, exact=True)
+        else:
+            names = [n for n in names if plan[n].dtype in FLOATS]
+        names = [n for n in names if plan[n].dtype != code]
+        if not names:
+            raise NoMatchError(f"cast pattern {pattern!r} matches no entry that is not already {dtype_name(code)}")
+        for n in names:
+            values.check_cast(n, plan[n].dtype, code, exact=False)
+        ckpt = self.checkpoint
+        for n in names:
+            item = plan[n]
+            streamable = item.stored and not ckpt.is_partitioned(item.origin)
+            plan[n] = values.cast_item(n, item, code, streamable=streamable)
+        return names
+
+    def strip_optimizer_slots(self) -> list[str]:
+        """Delete optimizer slots and state (Adam m/v, Momentum, beta powers, TF2 optimizer objects).
+
+        Returns:
+            The deleted names (empty when there were none).
+        """
+        names = renames.optimizer_state(self._plan, self.checkpoint)
+        self._items = renames.without(self._plan, names)
+        return names
+
+    # ------------------------------------------------------------------ saving
+    def save(self, out, *, format: str = "tf", compact: bool = False, overwrite: bool = False,
+             update_state_file: bool = False, progress: bool = False) -> str:
+        """Write the edited checkpoint to ``out`` (created if needed), atomically.
+
+        Args:
+            out: a checkpoint prefix (``'out/model.ckpt'``), an existing directory (the
+                source's file name is used there), or a file for other formats. A
+                ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
+                first, then uploaded file by file, the ``.index`` last; it must not exist.
+            format: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
+                ``'safetensors'``, ``'npz'``).
+            compact: write one new shard holding only the kept tensors (``'tf'``).
+            overwrite: replace an existing output (never the source: use save_in_place).
+                Exactly the old output's files are replaced: its ``.index`` and its
+                ``.data-NNNNN-of-MMMMM`` shards, matched by name literally.
+            update_state_file: point the directory's ``checkpoint`` file at ``out``.
+            progress: show a byte counter on stderr while writing (when it is a terminal).
+
+        Returns:
+            The output prefix (or file).
+
+        Raises:
+            OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
+            InsufficientSpaceError: the disk cannot hold the output; nothing is written.
+            ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
+                nothing is written.
+            CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
+        """
+        if format != formats.TF:
+            formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
+        out = os.fspath(out)
+        if files.is_remote(out):
+            return save_remote(out, source_prefix=self.prefix, format=format, overwrite=overwrite,
+                               update_state_file=update_state_file,
+                               write_local=lambda path: self._save_local(path, format, compact=compact,
+                                                                         overwrite=False, progress=progress))
+        if format != "tf":
+            return self._save_local(os.path.abspath(out), format, compact=compact, overwrite=overwrite,
+                                    progress=progress)
+        prefix = out[: -len(".index")] if out.endswith(".index") else out
+        if os.path.isdir(prefix):
+            prefix = os.path.join(prefix, os.path.basename(self.prefix))
+        prefix = os.path.abspath(prefix)
+        if not files.is_remote(self.prefix) and os.path.realpath(prefix) == os.path.realpath(self.prefix):
+            raise OutputExistsError(path=out, is_source=True)
+        existing = os.path.exists(prefix + ".index")
+        if existing and not overwrite:
+            raise OutputExistsError(path=prefix)
+        return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False, replacing=existing,
+                       update_state_file=update_state_file, progress=progress)
+
+    def _save_local(self, path: str, format: str, *, compact: bool, overwrite: bool, progress: bool) -> str:
+        if format == "tf":
+            return save_tf(self._reader, self._plan, path, compact=compact, in_place=False, replacing=False,
+                           update_state_file=False, progress=progress)
+        return save_export(self._reader, self._plan, path, format, overwrite=overwrite)
+
+    def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
+                      progress: bool = False) -> str:
+        """Replace the source checkpoint with the edited one; the old one stays until the new one is complete."""
+        if files.is_remote(self.prefix):
+            raise OutputError(
+                f"{self.prefix!r}: a remote checkpoint cannot be replaced atomically (its files are separate "
+                "objects); save() it under a new name instead"
+            )
+        prefix = save_tf(self._reader, self._plan, os.path.abspath(self.prefix), compact=compact, in_place=True,
+                         replacing=True, update_state_file=update_state_file, progress=progress)
+        self._source = None
+        self._items = None
+        return prefix
+
+
+def _listed(pattern, name: str) -> bool:
+    """``list``'s filter: a substring, else the ``names.matches`` rule; a bad pattern lists nothing."""
+    if isinstance(pattern, str) and pattern in name:
+        return True
+    try:
+        return bool(matches(pattern, name))
+    except InvalidArgumentError:
+        return False

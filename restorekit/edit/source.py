@@ -1,0 +1,190 @@
+"""The editor's reads of its source checkpoint: stored bytes in checked chunks, values, streamed casts and concats."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterator
+
+import google_crc32c
+import numpy as np
+
+from restorekit.bundle import files
+from restorekit.bundle.format import DTYPE_NAMES, decode_tensor, dtype_name, numpy_dtype
+from restorekit.bundle.table import mask_crc
+from restorekit.bundle.writer import CHUNK_SIZE, array_chunks
+from restorekit.edit.plan import STRING, Concat, Item, nbytes
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, RestoreKitWarning
+from restorekit.report import format_shape
+
+
+class Source:
+    """Reads of one checkpoint on the editor's behalf; every byte read is crc checked."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+
+    def nbytes(self, item: Item) -> int:
+        return nbytes(item, self.checkpoint)
+
+    def value(self, item: Item) -> np.ndarray:
+        """The array ``item`` stands for (for a stored item, a fresh read)."""
+        if item.base is None:
+            value = self.load(item.origin)
+            if item.cast is not None:
+                value = value.astype(numpy_dtype(item.cast))
+        elif isinstance(item.base, np.ndarray):
+            value = item.base.copy() if item.ops else item.base
+        elif isinstance(item.base, Concat):
+            value = np.concatenate([self.value(it) for it in item.base.items], axis=item.base.axis)
+        else:
+            value = item.base()
+        for op in item.ops:
+            value = op(value)
+        return value
+
+    def load(self, name: str) -> np.ndarray:
+        """A source tensor, read straight into its array (one copy in memory), crc checked."""
+        ckpt = self.checkpoint
+        entry = ckpt.bundle_entry(name)
+        if ckpt.is_partitioned(name) or entry.dtype == STRING or files.is_remote(ckpt.prefix):
+            return ckpt.read(name)
+        check_readable(name, entry)
+        array = np.empty(entry.shape, numpy_dtype(entry.dtype))
+        flat = array.reshape(-1).view(np.uint8)
+        pos = 0
+        for chunk in self.checked_chunks(name):
+            flat[pos : pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            pos += len(chunk)
+        return array
+
+    def raw_chunks(self, entry, name: str) -> Iterator[bytes]:
+        """A stored tensor's bytes in chunks; string tensors are checked by decoding."""
+        ckpt = self.checkpoint
+        if entry.dtype == STRING:
+            raw = ckpt.read_raw(entry, name)
+            decode_tensor(raw, STRING, entry.shape, name=name, crc32c=entry.crc32c)
+            yield raw
+            return
+        path = ckpt.data_file(entry.shard_id)
+        if files.is_remote(path):
+            yield ckpt.read_raw(entry, name)
+            return
+        try:
+            f = open(path, "rb")
+        except OSError:
+            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing or unreadable") from None
+        with f:
+            f.seek(entry.offset)
+            remaining = entry.size
+            while remaining:
+                chunk = f.read(min(CHUNK_SIZE, remaining))
+                if not chunk:
+                    raise CorruptCheckpointError(
+                        f"data shard {path!r} is truncated: {name!r} needs bytes "
+                        f"{entry.offset}..{entry.offset + entry.size}"
+                    )
+                remaining -= len(chunk)
+                yield chunk
+
+    def checked_chunks(self, name: str) -> Iterator[bytes]:
+        """A stored numeric tensor's bytes in chunks; raises at the end if the crc32c fails."""
+        entry = self.checkpoint.bundle_entry(name)
+        crc = 0
+        for chunk in self.raw_chunks(entry, name):
+            crc = google_crc32c.extend(crc, chunk)
+            yield chunk
+        if mask_crc(crc) != entry.crc32c:
+            raise ChecksumMismatchError(f"{name!r}: tensor bytes fail their crc32c check; the data shard is corrupt")
+
+    def cast_chunks(self, item: Item) -> Iterator[bytes]:
+        """The bytes of a pure cast, converted chunk by chunk (memory: one chunk)."""
+        entry = self.checkpoint.bundle_entry(item.origin)
+        check_readable(item.origin, entry)
+        source, target = numpy_dtype(entry.dtype), numpy_dtype(item.cast)
+        pending = b""
+        overflow = 0
+        for chunk in self.checked_chunks(item.origin):
+            chunk = pending + chunk
+            usable = len(chunk) - len(chunk) % source.itemsize
+            pending = chunk[usable:]
+            values, lost = cast_counting(np.frombuffer(chunk[:usable], source), target)
+            overflow += lost
+            yield values.tobytes()
+        warn_overflow(item.origin, overflow, target)
+        if pending:
+            raise CorruptCheckpointError(f"{item.origin!r}: stored size is not a whole number of {source} values")
+
+    def concat_chunks(self, concat: Concat) -> Iterator[bytes]:
+        """The bytes of a ``concat`` result without building it.
+
+        Along axis 0 the result is its inputs' bytes one after another: stored inputs
+        are copied chunk by chunk (crc checked), others decoded one at a time, so the
+        peak is the largest input. Along another axis each output block interleaves
+        rows of every input; the inputs are held (together the result's size), and
+        the result is produced a chunk of rows at a time, never whole.
+        """
+        if concat.axis == 0:
+            for it in concat.items:
+                if it.stored and not self.checkpoint.is_partitioned(it.origin):
+                    check_readable(it.origin, self.checkpoint.bundle_entry(it.origin))
+                    yield from self.checked_chunks(it.origin)
+                else:
+                    yield from array_chunks(self.value(it))
+            return
+        values = [self.value(it) for it in concat.items]
+        outer = math.prod(values[0].shape[: concat.axis])
+        rows = [v.reshape(outer, -1) for v in values]
+        row_bytes = sum(r.shape[1] for r in rows) * values[0].itemsize
+        step = max(1, CHUNK_SIZE // max(row_bytes, 1))
+        for start in range(0, outer, step):
+            block = np.concatenate([r[start : start + step] for r in rows], axis=1)
+            yield from array_chunks(block)
+
+
+def check_readable(name: str, entry) -> None:
+    """Refuse a numeric entry whose metadata cannot describe its bytes (dtype 0, size off its shape).
+
+    Copying such an entry would produce an output that TensorFlow refuses to read.
+    """
+    if entry.dtype == STRING:
+        return
+    if entry.dtype not in DTYPE_NAMES:
+        raise CorruptCheckpointError(
+            f"{name!r}: the index gives it dtype {dtype_name(entry.dtype)}, which no tensor can have; "
+            "the checkpoint index is corrupt"
+        )
+    try:
+        itemsize = numpy_dtype(entry.dtype).itemsize
+    except CorruptCheckpointError:  # resource, variant: encoded with lengths, no fixed size to compare
+        return
+    expected = math.prod(int(d) for d in entry.shape) * itemsize
+    if expected != entry.size:
+        raise CorruptCheckpointError(
+            f"{name!r}: the index says {entry.size} bytes for a {dtype_name(entry.dtype)} tensor of shape "
+            f"{format_shape(entry.shape)} ({expected} expected); the checkpoint index is corrupt"
+        )
+
+
+def cast_counting(array: np.ndarray, target: np.dtype) -> tuple[np.ndarray, int]:
+    """``array.astype(target)`` and how many finite values it turned into inf or nan."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = array.astype(target)
+    if out.dtype.kind in "iub":
+        return out, 0
+    return out, int(np.count_nonzero(np.isfinite(array) & ~np.isfinite(out)))
+
+
+def warn_overflow(name: str, count: int, target: np.dtype) -> None:
+    if count:
+        warnings.warn(
+            f"{name!r}: {count} finite values are out of {np.dtype(target).name}'s range and became inf or nan",
+            RestoreKitWarning,
+            stacklevel=3,
+        )
+
+
+def cast_array(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
+    out, lost = cast_counting(np.asarray(array), target)
+    warn_overflow(name, lost, target)
+    return out
