@@ -14,7 +14,7 @@ from restorekit.errors import CorruptCheckpointError
 def keras_checkpoint(tmp_path):
     import keras
 
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="enc"), keras.layers.Dense(2, name="head")])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="enc"), keras.layers.Dense(2, name="head")], name="seq")
     optimizer = keras.optimizers.Adam()
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0, epochs=1)
@@ -32,7 +32,7 @@ def test_decode_names_every_saved_key(keras_checkpoint):
     graph = decode_object_graph(ckpt.read(OBJECT_GRAPH_KEY).item())
     saved = {k for k in ckpt.entries if k != OBJECT_GRAPH_KEY}
     assert {v.key for v in graph.variables} == saved
-    assert {"sequential/enc/kernel", "sequential/head/bias"} <= set(graph.by_path)
+    assert {"seq/enc/kernel", "seq/head/bias"} <= set(graph.by_path)
 
 
 def test_rewrite_keys_equals_tf_proto_edit(keras_checkpoint):
