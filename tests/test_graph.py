@@ -1,4 +1,4 @@
-"""Tests for restorekit/graph.py: inspect, freeze and unfreeze on real tf-slim networks."""
+"""Tests for restorekit/graph/: inspect, freeze and unfreeze on real tf-slim networks."""
 
 import json
 import os
@@ -583,7 +583,7 @@ def test_freeze_training_batch_norm_drops_the_updates_and_computes_one_run(train
 
 def test_frozen_graph_that_does_not_import_raises_and_writes_nothing(training_net, tmp_path, monkeypatch):
     # Keep the updates, as freeze did before it dropped them: a writer left on a constant.
-    monkeypatch.setattr(rkgraph, "_variable_writers", lambda graph_def, names: [])
+    monkeypatch.setattr(rkgraph.freezing, "_variable_writers", lambda graph_def, names: [])
     out = tmp_path / "frozen.pb"
 
     with pytest.raises(GraphError) as info:

@@ -1,0 +1,313 @@
+"""unfreeze: turn the weight constants of a frozen graph back into a checkpoint (and a trainable graph)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import numpy as np
+
+from restorekit.bundle import atomic
+from restorekit.errors import GraphError, InvalidArgumentError, NoMatchError, format_names
+from restorekit.graph.common import _VARIABLE_OPS, _dtype_name, _open_checkpoint, _protos, _tf
+from restorekit.graph.inspect import _const_nbytes, _graph_variables
+from restorekit.graph.loading import _load
+from restorekit.graph.repairs import _repair, _require_loadable
+from restorekit.graph.results import _UNKNOWN_RANK, Alignment, ConvertedConstant, UnfreezeResult
+from restorekit.graph.trainable import _trainable_meta_graph
+from restorekit.names import is_global_step, optimizer_slot_kind, strip_output_index
+from restorekit.report import format_shape
+
+# unfreeze(weights='large') takes floating constants of at least this many bytes.
+LARGE_CONSTANT_BYTES = 1024
+
+# The TF1 resource-variable read that convert_variables_to_constants turns into Identity.
+_READ_VARIABLE_LEAF = re.compile(r"(^|/)ReadVariableOp(_\d+)?$")
+
+
+def _const_consumers(gd) -> dict[str, list]:
+    consumers: dict[str, list] = {}
+    for node in gd.node:
+        for i in node.input:
+            if not i.startswith("^"):
+                consumers.setdefault(i.split(":")[0], []).append(node)
+    return consumers
+
+
+def _weight_pattern(node, consumers) -> str | None:
+    readers = [c for c in consumers.get(node.name, ()) if c.op == "Identity"]
+    if any(c.name == f"{node.name}/read" for c in readers):
+        return "variable"
+    if node.name.endswith("/resource") and any(c.name == node.name[: -len("/resource")] for c in readers):
+        # TF2 (convert_variables_to_constants_v2): the captured handle became
+        # '<op>/ReadVariableOp/resource'; the variable's own name is gone.
+        return "resource (TF2)"
+    if any(_READ_VARIABLE_LEAF.search(c.name) for c in readers):
+        return "resource"
+    for c in consumers.get(node.name, ()):
+        # A ResourceGather becomes GatherV2 on the constant with a new '<gather>/axis' input.
+        if c.op == "GatherV2" and len(c.input) == 3 and c.input[0] == node.name and c.input[2] == f"{c.name}/axis":
+            return "resource"
+    return None
+
+
+def _find_weights(gd, weights, min_bytes: int) -> list[tuple]:
+    """(Const node, pattern) pairs for the constants ``weights`` selects."""
+    tf = _tf()
+    consts = [n for n in gd.node if n.op == "Const"]
+    consumers = _const_consumers(gd)
+    numeric = [n for n in consts if tf.dtypes.as_dtype(n.attr["dtype"].type) != tf.string]
+    if isinstance(weights, str) and weights == "auto":
+        found = [(n, _weight_pattern(n, consumers)) for n in numeric]
+        return [(n, p) for n, p in found if p]
+    if isinstance(weights, str) and weights == "large":
+        return [
+            (n, _weight_pattern(n, consumers) or "large")
+            for n in numeric
+            if tf.dtypes.as_dtype(n.attr["dtype"].type).is_floating
+            and _const_nbytes(n.attr["value"].tensor) >= min_bytes
+        ]
+    if callable(weights):
+        return [(n, _weight_pattern(n, consumers) or "chosen") for n in numeric if weights(n)]
+    if isinstance(weights, (list, tuple, set, frozenset)):
+        by_name = {n.name: n for n in gd.node}
+        result = []
+        for name in weights:
+            name = strip_output_index(str(name))
+            if name not in by_name:
+                raise NoMatchError(
+                    f"weight {name!r} is not a node of the frozen graph.",
+                    name=name,
+                    candidates=[n.name for n in consts],
+                    label="Closest constants",
+                )
+            node = by_name[name]
+            if node.op != "Const" or node not in numeric:
+                raise InvalidArgumentError(f"weight {name!r} is a {node.op} node; only numeric Const nodes convert.")
+            result.append((node, _weight_pattern(node, consumers) or "chosen"))
+        return result
+    raise InvalidArgumentError(
+        f"weights is 'auto', 'large', a list of node names, or a callable on a NodeDef; got {weights!r}"
+    )
+
+
+def _reference_entries(reference) -> dict[str, tuple[tuple, str]]:
+    """name -> (shape, dtype) of a reference checkpoint or graph."""
+    from restorekit.checkpoint import Checkpoint
+
+    graph_pb2, meta_graph_pb2, saved_model_pb2 = _protos()
+    is_graph = isinstance(reference, (graph_pb2.GraphDef, meta_graph_pb2.MetaGraphDef, saved_model_pb2.SavedModel))
+    if isinstance(reference, (str, os.PathLike)):
+        path = os.fspath(reference)
+        is_graph = path.endswith((".meta", ".pb", ".pbtxt")) and os.path.isfile(path)
+    elif not is_graph and not isinstance(reference, Checkpoint):
+        is_graph = isinstance(reference, _tf().Graph)
+    if is_graph:
+        loaded = _load(reference)
+        variables = _graph_variables(loaded.graph_def, loaded.meta_graph)
+        return {(v.checkpoint_name or v.name): (v.shape, v.dtype) for v in variables}
+    ckpt = _open_checkpoint(reference)
+    return {name: (tuple(e.shape), e.dtype) for name, e in ckpt.entries.items()}
+
+
+def _align(units: list[tuple], reference: dict) -> list[Alignment]:
+    """New names for ``(name, shape, dtype)`` units: the same name and shape, else a unique shape and dtype match."""
+    new = [None] * len(units)
+    reasons = [""] * len(units)
+    taken = set()
+    for i, (name, shape, _) in enumerate(units):
+        if name in reference and tuple(reference[name][0] or ()) == shape:
+            new[i], reasons[i] = name, "same name and shape"
+            taken.add(name)
+    own_names = {u[0] for u in units}
+    open_refs: dict = {}
+    for name, (shape, dtype) in reference.items():
+        if name in taken or name in own_names or optimizer_slot_kind(name) or is_global_step(name):
+            continue
+        open_refs.setdefault((tuple(shape or ()), dtype), []).append(name)
+    open_units: dict = {}
+    for i, (_, shape, dtype) in enumerate(units):
+        if new[i] is None:
+            open_units.setdefault((shape, dtype), []).append(i)
+    for key, indexes in open_units.items():
+        refs = open_refs.get(key, [])
+        if len(indexes) == 1 and len(refs) == 1:
+            new[indexes[0]] = refs[0]
+            reasons[indexes[0]] = f"unique shape match {format_shape(key[0], _UNKNOWN_RANK)}"
+    for i, (name, _, _) in enumerate(units):
+        if new[i] is None:
+            new[i] = name
+            reasons[i] = "no same-name or unique-shape match in the reference; kept its name"
+    return [Alignment(u[0], n, r) for u, n, r in zip(units, new, reasons)]
+
+
+_PART = re.compile(r"^(?P<base>.+)/part_(?P<index>\d+)$")
+
+
+def _join_partitions(converted: list[ConvertedConstant]) -> list[ConvertedConstant]:
+    """Mark complete sets of ``X/part_0..N`` constants as slices of one variable ``X``."""
+    groups: dict[str, dict[int, int]] = {}
+    for i, c in enumerate(converted):
+        m = _PART.match(c.name)
+        if m:
+            groups.setdefault(m.group("base"), {})[int(m.group("index"))] = i
+    names = {c.name for c in converted}
+    result = list(converted)
+    for base, parts in groups.items():
+        if base in names or sorted(parts) != list(range(len(parts))):
+            continue
+        members = [converted[parts[k]] for k in range(len(parts))]
+        shapes = [m.shape for m in members]
+        if len({m.dtype for m in members}) != 1 or len({len(sh) for sh in shapes}) != 1 or not shapes[0]:
+            continue
+        differing = [d for d in range(len(shapes[0])) if len({sh[d] for sh in shapes}) > 1]
+        if len(differing) > 1:
+            continue
+        # TF's partitioners split one axis, axis 0 unless told otherwise.
+        axis = differing[0] if differing else 0
+        full_shape = list(shapes[0])
+        full_shape[axis] = sum(sh[axis] for sh in shapes)
+        start = 0
+        for k, member in enumerate(members):
+            offset = [0] * len(full_shape)
+            offset[axis] = start
+            start += member.shape[axis]
+            result[parts[k]] = dataclasses.replace(
+                member, full_name=base, full_shape=tuple(full_shape), offset=tuple(offset)
+            )
+    return result
+
+
+def _write_checkpoint(prefix: str, tensors: list[tuple[str, str, np.ndarray]]) -> None:
+    """Write ``(checkpoint name, slice spec or '', value)`` as a V2 checkpoint at ``prefix``, atomically."""
+    tf = _tf()
+    tf1 = tf.compat.v1
+    directory = os.path.dirname(os.path.abspath(prefix))
+    with atomic.Staging(directory) as staging:
+        tmp_prefix = os.path.join(staging.tmpdir, os.path.basename(prefix))
+        with tf.Graph().as_default():
+            # Placeholders keep the tensors out of the graph (no 2 GB GraphDef limit).
+            holders = [tf1.placeholder(tf.as_dtype(value.dtype), value.shape) for _, _, value in tensors]
+            save = tf.raw_ops.SaveV2(
+                prefix=tmp_prefix,
+                tensor_names=[name for name, _, _ in tensors],
+                shape_and_slices=[spec for _, spec, _ in tensors],
+                tensors=holders,
+            )
+            with tf1.Session() as sess:
+                sess.run(save, dict(zip(holders, (value for _, _, value in tensors))))
+        for f in os.listdir(staging.tmpdir):
+            if f == f"{os.path.basename(prefix)}.index" or f.startswith(f"{os.path.basename(prefix)}.data-"):
+                staging.path(os.path.join(directory, f))
+        # Data shards first, the index last: a reader never sees an index without its data.
+        staging.commit()
+
+
+def _slice_spec(c: ConvertedConstant) -> str:
+    """The Saver's slice spec of a partition: 'full dims offset,length:offset,length'."""
+    if c.full_name is None:
+        return ""
+    full = " ".join(str(d) for d in c.full_shape)
+    return f"{full} " + ":".join(f"{o},{n}" for o, n in zip(c.offset, c.shape))
+
+
+def unfreeze(
+    frozen,
+    out_prefix,
+    *,
+    weights="auto",
+    reference=None,
+    trainable_graph: bool = False,
+    min_bytes: int = LARGE_CONSTANT_BYTES,
+) -> UnfreezeResult:
+    """Turn the weight constants of a frozen graph back into a checkpoint (and a trainable graph).
+
+        result = restorekit.unfreeze('frozen.pb', 'restored/model.ckpt', trainable_graph=True)
+        saver = tf.compat.v1.train.import_meta_graph(result.meta_graph)
+        saver.restore(sess, result.checkpoint)
+
+    ``weights='auto'`` finds the constants ``convert_variables_to_constants`` made: a
+    ``Const`` read through ``<name>/read`` (VariableV2) or through an ``Identity`` named
+    ``.../ReadVariableOp`` (resource variables). Each is written under its node name,
+    which is the original variable name; the parts ``X/part_0..N`` of a partitioned
+    variable are saved, as a Saver saves them, as slices of ``X``. Graphs frozen by TF2's
+    ``convert_variables_to_constants_v2`` lose the variable names (the constants are
+    ``<op>/ReadVariableOp/resource``): pass ``reference`` to get them back.
+
+    Args:
+        frozen: a frozen GraphDef (``.pb`` path, GraphDef or ``tf.Graph``).
+        out_prefix: the checkpoint prefix to write (``dir/model.ckpt``).
+        weights: ``'auto'``; ``'large'`` (every floating constant of at least
+            ``min_bytes``); a list of Const node names; or a callable taking a Const
+            NodeDef and returning True for weights.
+        reference: a checkpoint or MetaGraph whose names to use: each constant takes the
+            reference name with its own name and shape, else the one reference entry
+            with its shape and dtype when both sides have exactly one.
+        trainable_graph: also write ``out_prefix + '.meta'``, the frozen graph with the
+            weights as trainable variables and a Saver for the checkpoint.
+        min_bytes: the size threshold of ``weights='large'``.
+
+    Returns:
+        An UnfreezeResult.
+
+    Raises:
+        GraphError: not a graph, or no weight constants found (nothing is written).
+        NoMatchError: a name in ``weights`` is not in the graph.
+        CheckpointNotFoundError: ``reference`` names no checkpoint.
+    """
+    tf = _tf()
+    loaded = _repair(_load(frozen))
+    gd = loaded.graph_def
+    if trainable_graph:
+        _require_loadable(loaded)
+    chosen = _find_weights(gd, weights, min_bytes)
+    if not chosen:
+        variables = [n.name for n in gd.node if n.op in _VARIABLE_OPS]
+        if variables:
+            hint = f" It still has {len(variables)} variables ({format_names(variables, 3)}): it is not frozen."
+        elif weights == "large":
+            hint = f" No floating constant reaches min_bytes={min_bytes}: lower it, or pass a list of node names."
+        else:
+            hint = " Pass weights='large' to take every large floating constant, or a list of names."
+        raise GraphError(f"{loaded.source!r}: no weight constants found with weights={weights!r}.{hint}")
+    converted = []
+    for node, pattern in chosen:
+        tensor = node.attr["value"].tensor
+        shape = tuple(d.size for d in tensor.tensor_shape.dim)
+        converted.append(ConvertedConstant(node.name, node.name, shape, _dtype_name(tensor.dtype), pattern))
+    converted = _join_partitions(converted)
+    aligned: list[Alignment] = []
+    if reference is not None:
+        # A partitioned variable aligns as one: its full name and full shape.
+        units = list({(c.checkpoint_name, c.full_shape or c.shape, c.dtype): None for c in converted})
+        aligned = _align(units, _reference_entries(reference))
+        rename = {a.old: a.new for a in aligned}
+        for i, c in enumerate(converted):
+            if c.full_name:
+                part = c.name[len(c.full_name) + 1 :]
+                new = rename[c.full_name]
+                converted[i] = dataclasses.replace(c, name=f"{new}/{part}", full_name=new)
+            else:
+                converted[i] = dataclasses.replace(c, name=rename[c.name])
+    seen: dict = {}
+    for c in converted:
+        if c.name in seen:
+            raise InvalidArgumentError(f"constants {seen[c.name]!r} and {c.node!r} would both be saved as {c.name!r}.")
+        seen[c.name] = c.node
+
+    out_prefix = os.fspath(out_prefix)
+    meta_bytes = None
+    if trainable_graph:
+        meta_bytes = _trainable_meta_graph(gd, converted).SerializeToString()
+    by_node = {n.name: n for n in gd.node}
+    tensors = [
+        (c.checkpoint_name, _slice_spec(c), tf.make_ndarray(by_node[c.node].attr["value"].tensor))
+        for c in sorted(converted, key=lambda c: (c.checkpoint_name, c.offset or ()))
+    ]
+    _write_checkpoint(out_prefix, tensors)
+    meta_path = None
+    if meta_bytes is not None:
+        meta_path = out_prefix + ".meta"
+        atomic.write_bytes(meta_path, meta_bytes)
+    return UnfreezeResult(out_prefix, meta_path, tuple(converted), tuple(aligned))
