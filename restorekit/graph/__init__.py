@@ -10,7 +10,8 @@ Three verbs, each over any accepted graph (a ``.pb`` binary or text GraphDef, a
   and, optionally, a trainable MetaGraph.
 
 The package, bottom up: ``results`` (the values returned), ``common`` (shared helpers),
-``loading``, ``repairs``, ``inspect``, ``freezing``, ``trainable`` and ``unfreezing``.
+``loading``, ``repairs``, ``inspect``, ``freezing``, ``constants`` (sizes and bytes of Const values),
+``trainable`` and ``unfreezing``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from restorekit.graph import common
 from restorekit.graph.common import MAX_PROTO_BYTES  # noqa: F401
 from restorekit.graph.freezing import freeze
 from restorekit.graph.inspect import inspect_graph
+from restorekit.graph.repairs import import_meta_graph, repair_graph
 from restorekit.graph.results import (
     Alignment,
     ConvertedConstant,
@@ -40,7 +42,9 @@ __all__ = [
     "UnfreezeResult",
     "VariableSummary",
     "freeze",
+    "import_meta_graph",
     "inspect_graph",
+    "repair_graph",
     "unfreeze",
 ]
 

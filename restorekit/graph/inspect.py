@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
-import numpy as np
 
 from restorekit.graph.common import (
     _PLACEHOLDER_OPS,
@@ -88,8 +88,8 @@ def _const_nbytes(tensor) -> int:
     dtype = tf.dtypes.as_dtype(tensor.dtype)
     if dtype == tf.string:
         return sum(len(s) for s in tensor.string_val)
-    count = int(np.prod([d.size for d in tensor.tensor_shape.dim], dtype=np.int64))
-    return count * dtype.size
+    # Exact integers: a crafted shape can overflow int64.
+    return math.prod(d.size for d in tensor.tensor_shape.dim) * dtype.size
 
 
 def _is_machinery(node) -> bool:

@@ -2,16 +2,81 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 
+from restorekit.bundle import atomic
 from restorekit.errors import GraphError, format_names
-from restorekit.graph.common import _all_node_lists, _op_def, _tf
-from restorekit.graph.loading import _Loaded
+from restorekit.graph.common import _all_node_lists, _check_output, _op_def, _protos, _serialize, _tf
+from restorekit.graph.loading import _load, _Loaded
+
+__all__ = ["import_meta_graph", "repair_graph"]
 
 _STALE_SHAPES = re.compile(r"Node '([^']+)' has an _output_shapes attribute inconsistent")
 # Strip stale shape hints node by node this many times, then all at once.
 _MAX_STALE_SHAPE_RETRIES = 10
+
+
+def repair_graph(source, out=None, *, overwrite: bool = False):
+    """The graph of ``source``, repaired so it loads in this TensorFlow (what inspect_graph and freeze load).
+
+        meta = restorekit.graph.repair_graph('old/model.ckpt-1000.meta', out='fixed.meta')
+
+    Repairs: attrs this TensorFlow's op registry does not define are dropped, colocation
+    with nodes not in the graph is dropped, and stale '_output_shapes' hints that import
+    rejects are stripped. ``inspect_graph(source).repaired`` says which applied.
+
+    Args:
+        source: a ``.pb`` / ``.pbtxt`` / ``.meta`` path, a SavedModel directory (its
+            'serve' MetaGraph, else its first), or a GraphDef, MetaGraphDef, SavedModel
+            proto or ``tf.Graph``. The caller's file or protos are never changed.
+        out: where to write the repaired graph, atomically (text for .pbtxt, .txt and
+            .metatxt, else binary). ``None`` writes nothing.
+        overwrite: replace an existing ``out`` (never the source file itself).
+
+    Returns:
+        A MetaGraphDef when ``source`` has one (a .meta or a SavedModel), else a GraphDef.
+
+    Raises:
+        GraphError: not a graph, truncated, ops this TensorFlow does not register, or
+            a graph no repair makes load.
+        OutputExistsError: ``out`` exists and ``overwrite`` is False, or ``out`` is the
+            source file (``is_source``); nothing is written.
+    """
+    _check_output(out, overwrite=overwrite, source=source, what="graph being repaired")
+    loaded = _repair(_load(source))
+    _require_loadable(loaded)
+    repaired = loaded.meta_graph if loaded.meta_graph is not None else loaded.graph_def
+    if out is not None:
+        out = os.fspath(out)
+        atomic.write_bytes(out, _serialize(repaired, out))
+    return repaired
+
+
+def import_meta_graph(path, **kwargs):
+    """``tf.compat.v1.train.import_meta_graph`` of the repaired graph: what it returns (a Saver, or None).
+
+        with tf.Graph().as_default():
+            saver = restorekit.graph.import_meta_graph('old/model.ckpt-1000.meta')
+            with tf.compat.v1.Session() as sess:
+                saver.restore(sess, 'old/model.ckpt-1000')
+
+    Args:
+        path: anything ``repair_graph`` takes; a GraphDef becomes a MetaGraphDef holding it.
+        **kwargs: passed to ``import_meta_graph`` (``clear_devices``, ``import_scope``, ...).
+
+    Raises:
+        GraphError: as ``repair_graph``.
+    """
+    tf = _tf()
+    repaired = repair_graph(path)
+    _, meta_graph_pb2, _ = _protos()
+    if not isinstance(repaired, meta_graph_pb2.MetaGraphDef):
+        meta = meta_graph_pb2.MetaGraphDef()
+        meta.graph_def.CopyFrom(repaired)
+        repaired = meta
+    return tf.compat.v1.train.import_meta_graph(repaired, **kwargs)
 
 
 def _repair(loaded: _Loaded) -> _Loaded:

@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+import re
+
+from restorekit.ema import is_shadow_name
 from restorekit.errors import GraphError
 from restorekit.graph.common import _node_of, _tf
 from restorekit.graph.results import ConvertedConstant
+from restorekit.names import is_global_step, optimizer_slot_kind, strip_partition
+
+# Statistics a layer or a training loop keeps beside the weights, named by their last
+# component: batch-norm (and renorm) moving statistics, the zero-debias state of
+# moving averages. Gradients never update them.
+_STATISTIC_LEAF = re.compile(
+    r"(^|/)(moving_mean|moving_variance|moving_stddev|moving_average|moving_avg|moving_var|"
+    r"renorm_mean|renorm_stddev|renorm_stddev_weight|renorm_mean_weight|biased|local_step|"
+    r"num_updates)(_\d+)?$"
+)
+_TF2_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _is_statistic(name: str) -> bool:
+    """True for a variable a model keeps but does not train (moving statistics, EMA shadows, global_step)."""
+    name = strip_partition(name.removesuffix(_TF2_VALUE))
+    return bool(
+        _STATISTIC_LEAF.search(name)
+        or is_shadow_name(name)
+        or is_global_step(name)
+        or optimizer_slot_kind(name)
+    )
+
+
+def _trainable(c: ConvertedConstant, dtype) -> bool:
+    # The node name is the frozen variable's own; the checkpoint name may come from a reference.
+    statistic = _is_statistic(c.node) or _is_statistic(c.checkpoint_name)
+    return (dtype.is_floating or dtype.is_complex) and not statistic
 
 
 def _add_slice_infos(meta, converted: list[ConvertedConstant]) -> None:
@@ -47,7 +78,7 @@ def _trainable_meta_graph(gd, converted: list[ConvertedConstant]):
                 dtype=dtype,
                 initializer=tf1.zeros_initializer(),
                 use_resource=c.pattern != "variable",
-                trainable=dtype.is_floating or dtype.is_complex,
+                trainable=_trainable(c, dtype),
             )
             if var.op.name != c.name:
                 raise GraphError(f"cannot name a variable {c.name!r} (TensorFlow made {var.op.name!r}).")

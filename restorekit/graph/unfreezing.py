@@ -3,24 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
-
-import numpy as np
+import shutil
 
 from restorekit.bundle import atomic
-from restorekit.errors import GraphError, InvalidArgumentError, NoMatchError, format_names
-from restorekit.graph.common import _VARIABLE_OPS, _dtype_name, _open_checkpoint, _protos, _tf
+from restorekit.bundle.format import dtype_name, encode_slice_key
+from restorekit.bundle.writer import BundleWriter, partitioned_entry
+from restorekit.errors import (
+    GraphError,
+    InsufficientSpaceError,
+    InvalidArgumentError,
+    NoMatchError,
+    OutputError,
+    OutputExistsError,
+    format_names,
+)
+from restorekit.graph.common import _VARIABLE_OPS, _check_output, _dtype_name, _open_checkpoint, _protos, _tf
+from restorekit.graph.constants import const_chunks, const_layout
 from restorekit.graph.inspect import _const_nbytes, _graph_variables
 from restorekit.graph.loading import _load
 from restorekit.graph.repairs import _repair, _require_loadable
 from restorekit.graph.results import _UNKNOWN_RANK, Alignment, ConvertedConstant, UnfreezeResult
 from restorekit.graph.trainable import _trainable_meta_graph
 from restorekit.names import is_global_step, optimizer_slot_kind, strip_output_index
-from restorekit.report import format_shape
+from restorekit.report import format_bytes, format_shape
 
 # unfreeze(weights='large') takes floating constants of at least this many bytes.
 LARGE_CONSTANT_BYTES = 1024
+# unfreeze(max_output_bytes=None) allows at least this much (see _default_max_output_bytes).
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 30
+# Room for the .index beside the data, in the free-space check.
+_INDEX_SLACK = 1 << 20
 
 # The TF1 resource-variable read that convert_variables_to_constants turns into Identity.
 _READ_VARIABLE_LEAF = re.compile(r"(^|/)ReadVariableOp(_\d+)?$")
@@ -179,98 +194,99 @@ def _join_partitions(converted: list[ConvertedConstant]) -> list[ConvertedConsta
     return result
 
 
-def _write_checkpoint(prefix: str, tensors: list[tuple[str, str, np.ndarray]]) -> None:
-    """Write ``(checkpoint name, slice spec or '', value)`` as a V2 checkpoint at ``prefix``, atomically."""
-    tf = _tf()
-    tf1 = tf.compat.v1
-    directory = os.path.dirname(os.path.abspath(prefix))
-    with atomic.Staging(directory) as staging:
-        tmp_prefix = os.path.join(staging.tmpdir, os.path.basename(prefix))
-        with tf.Graph().as_default():
-            # Placeholders keep the tensors out of the graph (no 2 GB GraphDef limit).
-            holders = [tf1.placeholder(tf.as_dtype(value.dtype), value.shape) for _, _, value in tensors]
-            save = tf.raw_ops.SaveV2(
-                prefix=tmp_prefix,
-                tensor_names=[name for name, _, _ in tensors],
-                shape_and_slices=[spec for _, spec, _ in tensors],
-                tensors=holders,
-            )
-            with tf1.Session() as sess:
-                sess.run(save, dict(zip(holders, (value for _, _, value in tensors))))
-        for f in os.listdir(staging.tmpdir):
-            if f == f"{os.path.basename(prefix)}.index" or f.startswith(f"{os.path.basename(prefix)}.data-"):
-                staging.path(os.path.join(directory, f))
-        # Data shards first, the index last: a reader never sees an index without its data.
-        staging.commit()
+def _write_outputs(prefix: str, gd, converted: list[ConvertedConstant], layouts: dict, meta_bytes) -> None:
+    """Write the checkpoint at ``prefix`` (and ``prefix.meta``) atomically, one constant at a time.
 
-
-def _slice_spec(c: ConvertedConstant) -> str:
-    """The Saver's slice spec of a partition: 'full dims offset,length:offset,length'."""
-    if c.full_name is None:
-        return ""
-    full = " ".join(str(d) for d in c.full_shape)
-    return f"{full} " + ":".join(f"{o},{n}" for o, n in zip(c.offset, c.shape))
-
-
-def unfreeze(
-    frozen,
-    out_prefix,
-    *,
-    weights="auto",
-    reference=None,
-    trainable_graph: bool = False,
-    min_bytes: int = LARGE_CONSTANT_BYTES,
-) -> UnfreezeResult:
-    """Turn the weight constants of a frozen graph back into a checkpoint (and a trainable graph).
-
-        result = restorekit.unfreeze('frozen.pb', 'restored/model.ckpt', trainable_graph=True)
-        saver = tf.compat.v1.train.import_meta_graph(result.meta_graph)
-        saver.restore(sess, result.checkpoint)
-
-    ``weights='auto'`` finds the constants ``convert_variables_to_constants`` made: a
-    ``Const`` read through ``<name>/read`` (VariableV2) or through an ``Identity`` named
-    ``.../ReadVariableOp`` (resource variables). Each is written under its node name,
-    which is the original variable name; the parts ``X/part_0..N`` of a partitioned
-    variable are saved, as a Saver saves them, as slices of ``X``. Graphs frozen by TF2's
-    ``convert_variables_to_constants_v2`` lose the variable names (the constants are
-    ``<op>/ReadVariableOp/resource``): pass ``reference`` to get them back.
-
-    Args:
-        frozen: a frozen GraphDef (``.pb`` path, GraphDef or ``tf.Graph``).
-        out_prefix: the checkpoint prefix to write (``dir/model.ckpt``).
-        weights: ``'auto'``; ``'large'`` (every floating constant of at least
-            ``min_bytes``); a list of Const node names; or a callable taking a Const
-            NodeDef and returning True for weights.
-        reference: a checkpoint or MetaGraph whose names to use: each constant takes the
-            reference name with its own name and shape, else the one reference entry
-            with its shape and dtype when both sides have exactly one.
-        trainable_graph: also write ``out_prefix + '.meta'``, the frozen graph with the
-            weights as trainable variables and a Saver for the checkpoint.
-        min_bytes: the size threshold of ``weights='large'``.
-
-    Returns:
-        An UnfreezeResult.
-
-    Raises:
-        GraphError: not a graph, or no weight constants found (nothing is written).
-        NoMatchError: a name in ``weights`` is not in the graph.
-        CheckpointNotFoundError: ``reference`` names no checkpoint.
+    Parts of a partitioned variable are written as a Saver writes them: each under its
+    slice key, and the full name as an entry listing the slices. Tensors go in order of
+    checkpoint name, then offset, as TF's SaveV2 wrote them before.
     """
-    tf = _tf()
-    loaded = _repair(_load(frozen))
-    gd = loaded.graph_def
+    directory = os.path.dirname(os.path.abspath(prefix))
+    by_node = {n.name: n for n in gd.node}
+    # Shards of a checkpoint being replaced that the new index no longer names.
+    stale = [f for f in glob.glob(glob.escape(os.path.abspath(prefix)) + ".data-*") if not f.endswith("-of-00001")]
+    parts: dict[str, list] = {}
+    with atomic.Staging(directory) as staging:
+        with BundleWriter(prefix, staging=staging) as writer:
+            for c in sorted(converted, key=lambda c: (c.checkpoint_name, c.offset or ())):
+                layout = layouts[c.node]
+                chunks = const_chunks(by_node[c.node], layout)
+                if c.full_name is None:
+                    writer.add_stream(c.name, layout.dtype, layout.shape, chunks)
+                    continue
+                extents = tuple(zip(c.offset, c.shape))
+                writer.add_stream(encode_slice_key(c.full_name, extents), layout.dtype, layout.shape, chunks)
+                parts.setdefault(c.full_name, []).append((layout.dtype, c.full_shape, extents))
+            for name, slices in parts.items():
+                dtype, full_shape, _ = slices[0]
+                writer.add_entry_only(name, partitioned_entry(dtype, full_shape, [e for _, _, e in slices]))
+        if meta_bytes is not None:
+            with open(staging.path(prefix + ".meta"), "wb") as f:
+                f.write(meta_bytes)
+        # Data shard and .meta first, the index last: a reader never sees an index without its data.
+        staging.commit(remove_after=stale)
+
+
+def _default_max_output_bytes(input_bytes: int) -> int:
+    """1 GiB, or 64 times the input graph when that is more.
+
+    A frozen graph stores each weight's bytes, so its checkpoint is about the graph's
+    size; only splat constants (one value standing for a whole tensor) make it larger.
+    64x leaves room for zero-filled buffers while refusing a tiny file that claims GBs.
+    """
+    return max(DEFAULT_MAX_OUTPUT_BYTES, 64 * input_bytes)
+
+
+def _check_output_size(layouts: dict, prefix: str, extra: int, max_output_bytes: int, input_bytes: int) -> None:
+    """Refuse, before anything is written, an output over ``max_output_bytes`` or over the free disk."""
+    total = sum(layout.nbytes for layout in layouts.values()) + extra
+    largest = max(layouts.values(), key=lambda layout: layout.nbytes)
+    largest_text = (
+        f"constant {largest.name!r} alone claims {format_bytes(largest.nbytes)} "
+        f"({dtype_name(largest.dtype)} of shape {format_shape(largest.shape)})"
+    )
+    if total > max_output_bytes:
+        raise OutputError(
+            f"unfreezing would write {format_bytes(total)} for {len(layouts)} constants, over "
+            f"max_output_bytes={max_output_bytes} ({format_bytes(max_output_bytes)}; the default is the larger of "
+            f"1 GiB and 64 times the {input_bytes}-byte graph): {largest_text}. Nothing was written; pass a larger "
+            f"max_output_bytes if the graph is trusted."
+        )
+    probe = os.path.dirname(os.path.abspath(prefix))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if total + _INDEX_SLACK > free:
+        raise InsufficientSpaceError(
+            f"unfreezing to {prefix!r} needs about {format_bytes(total + _INDEX_SLACK)} but only "
+            f"{format_bytes(free)} are free ({largest_text}); nothing was written."
+        )
+
+
+def _check_unfreeze_outputs(prefix: str, frozen, trainable_graph: bool, overwrite: bool) -> None:
+    """Refuse an existing checkpoint (its .index) or .meta at ``prefix`` unless ``overwrite``."""
+    index = prefix + ".index"
+    if os.path.lexists(index) and not overwrite:
+        raise OutputExistsError(
+            f"checkpoint {prefix!r} exists ({index!r}); pass overwrite=True to replace it", path=prefix
+        )
     if trainable_graph:
-        _require_loadable(loaded)
-    chosen = _find_weights(gd, weights, min_bytes)
-    if not chosen:
-        variables = [n.name for n in gd.node if n.op in _VARIABLE_OPS]
-        if variables:
-            hint = f" It still has {len(variables)} variables ({format_names(variables, 3)}): it is not frozen."
-        elif weights == "large":
-            hint = f" No floating constant reaches min_bytes={min_bytes}: lower it, or pass a list of node names."
-        else:
-            hint = " Pass weights='large' to take every large floating constant, or a list of names."
-        raise GraphError(f"{loaded.source!r}: no weight constants found with weights={weights!r}.{hint}")
+        _check_output(prefix + ".meta", overwrite=overwrite, source=frozen, what="frozen graph")
+
+
+def _no_weights_error(loaded, weights, min_bytes: int) -> GraphError:
+    variables = [n.name for n in loaded.graph_def.node if n.op in _VARIABLE_OPS]
+    if variables:
+        hint = f" It still has {len(variables)} variables ({format_names(variables, 3)}): it is not frozen."
+    elif weights == "large":
+        hint = f" No floating constant reaches min_bytes={min_bytes}: lower it, or pass a list of node names."
+    else:
+        hint = " Pass weights='large' to take every large floating constant, or a list of names."
+    return GraphError(f"{loaded.source!r}: no weight constants found with weights={weights!r}.{hint}")
+
+
+def _name_constants(chosen: list[tuple], reference) -> tuple[list[ConvertedConstant], list[Alignment]]:
+    """The converted constants under their checkpoint names (aligned to ``reference`` when given)."""
     converted = []
     for node, pattern in chosen:
         tensor = node.attr["value"].tensor
@@ -295,19 +311,90 @@ def unfreeze(
         if c.name in seen:
             raise InvalidArgumentError(f"constants {seen[c.name]!r} and {c.node!r} would both be saved as {c.name!r}.")
         seen[c.name] = c.node
+    return converted, aligned
 
+
+def unfreeze(
+    frozen,
+    out_prefix,
+    *,
+    weights="auto",
+    reference=None,
+    trainable_graph: bool = False,
+    min_bytes: int = LARGE_CONSTANT_BYTES,
+    max_output_bytes: int | None = None,
+    overwrite: bool = False,
+) -> UnfreezeResult:
+    """Turn the weight constants of a frozen graph back into a checkpoint (and a trainable graph).
+
+        result = restorekit.unfreeze('frozen.pb', 'restored/model.ckpt', trainable_graph=True)
+        saver = tf.compat.v1.train.import_meta_graph(result.meta_graph)
+        saver.restore(sess, result.checkpoint)
+
+    ``weights='auto'`` finds the constants ``convert_variables_to_constants`` made: a
+    ``Const`` read through ``<name>/read`` (VariableV2) or through an ``Identity`` named
+    ``.../ReadVariableOp`` (resource variables). Each is written under its node name,
+    which is the original variable name; the parts ``X/part_0..N`` of a partitioned
+    variable are saved, as a Saver saves them, as slices of ``X``. Graphs frozen by TF2's
+    ``convert_variables_to_constants_v2`` lose the variable names (the constants are
+    ``<op>/ReadVariableOp/resource``): pass ``reference`` to get them back.
+
+    The checkpoint is written by restorekit's bundle writer, one constant at a time,
+    and appears (with the ``.meta``) only once complete. In the trainable graph,
+    statistics (batch-norm moving mean and variance, moving-average shadows,
+    ``global_step``) are variables that are not trainable.
+
+    Args:
+        frozen: a frozen GraphDef (``.pb`` path, GraphDef or ``tf.Graph``).
+        out_prefix: the checkpoint prefix to write (``dir/model.ckpt``).
+        weights: ``'auto'``; ``'large'`` (every floating constant of at least
+            ``min_bytes``); a list of Const node names; or a callable taking a Const
+            NodeDef and returning True for weights.
+        reference: a checkpoint or MetaGraph whose names to use: each constant takes the
+            reference name with its own name and shape, else the one reference entry
+            with its shape and dtype when both sides have exactly one.
+        trainable_graph: also write ``out_prefix + '.meta'``, the frozen graph with the
+            weights as trainable variables and a Saver for the checkpoint.
+        min_bytes: the size threshold of ``weights='large'``.
+        max_output_bytes: refuse to write more than this many bytes. A constant may
+            list one value for a whole tensor, so a tiny graph can claim gigabytes; the
+            size of every constant is computed from its dtype and shape before any is
+            read. ``None`` (default): the larger of 1 GiB and 64 times the input graph's
+            serialized size.
+        overwrite: replace an existing checkpoint at ``out_prefix`` (and ``.meta``).
+
+    Returns:
+        An UnfreezeResult.
+
+    Raises:
+        GraphError: not a graph, or no weight constants found (nothing is written).
+        OutputError: the constants would take more than ``max_output_bytes``.
+        InsufficientSpaceError: they would not fit on the disk.
+        OutputExistsError: a checkpoint exists at ``out_prefix`` (``.index``) or, with
+            ``trainable_graph``, at ``out_prefix + '.meta'``, and ``overwrite`` is False.
+        NoMatchError: a name in ``weights`` is not in the graph.
+        CheckpointNotFoundError: ``reference`` names no checkpoint.
+    """
     out_prefix = os.fspath(out_prefix)
+    if max_output_bytes is not None and (isinstance(max_output_bytes, bool) or int(max_output_bytes) < 1):
+        raise InvalidArgumentError(f"max_output_bytes is a positive number of bytes; got {max_output_bytes!r}")
+    _check_unfreeze_outputs(out_prefix, frozen, trainable_graph, overwrite)
+    loaded = _repair(_load(frozen))
+    gd = loaded.graph_def
+    if trainable_graph:
+        _require_loadable(loaded)
+    chosen = _find_weights(gd, weights, min_bytes)
+    if not chosen:
+        raise _no_weights_error(loaded, weights, min_bytes)
+    converted, aligned = _name_constants(chosen, reference)
+    layouts = {node.name: const_layout(node) for node, _ in chosen}
+    input_bytes = gd.ByteSize()
+    limit = _default_max_output_bytes(input_bytes) if max_output_bytes is None else int(max_output_bytes)
+    _check_output_size(layouts, out_prefix, 0, limit, input_bytes)
     meta_bytes = None
     if trainable_graph:
         meta_bytes = _trainable_meta_graph(gd, converted).SerializeToString()
-    by_node = {n.name: n for n in gd.node}
-    tensors = [
-        (c.checkpoint_name, _slice_spec(c), tf.make_ndarray(by_node[c.node].attr["value"].tensor))
-        for c in sorted(converted, key=lambda c: (c.checkpoint_name, c.offset or ()))
-    ]
-    _write_checkpoint(out_prefix, tensors)
-    meta_path = None
-    if meta_bytes is not None:
-        meta_path = out_prefix + ".meta"
-        atomic.write_bytes(meta_path, meta_bytes)
+        _check_output_size(layouts, out_prefix, len(meta_bytes), limit, input_bytes)
+    _write_outputs(out_prefix, gd, converted, layouts, meta_bytes)
+    meta_path = out_prefix + ".meta" if trainable_graph else None
     return UnfreezeResult(out_prefix, meta_path, tuple(converted), tuple(aligned))
