@@ -18,6 +18,7 @@ from restorekit.errors import (
     GraphTooLargeError,
     IncompleteRestoreError,
     NoMatchError,
+    OutputExistsError,
 )
 from restorekit.graph import freeze, inspect_graph, unfreeze
 from conftest import save_variables
@@ -558,3 +559,27 @@ def test_missing_checkpoint_raises_checkpoint_not_found(net, tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         freeze(str(tmp_path / "nothing" / "model.ckpt"), net.meta, ["y"], out=str(out))
     assert not out.exists()
+
+
+def test_freeze_refuses_an_existing_out_unless_overwrite(net, tmp_path):
+    out = tmp_path / "frozen.pb"
+    out.write_bytes(b"keep me")
+
+    with pytest.raises(OutputExistsError) as info:
+        freeze(net.prefix, net.meta, ["y"], out=str(out))
+    assert info.value.path == str(out) and not info.value.is_source
+    assert out.read_bytes() == b"keep me"
+    assert _files(tmp_path) == ["frozen.pb"]
+
+    graph_def = freeze(net.prefix, net.meta, ["y"], out=str(out), overwrite=True)
+    assert tf1.GraphDef.FromString(out.read_bytes()) == graph_def
+
+
+def test_freeze_never_writes_over_the_graph_it_reads(net, tmp_path):
+    graph = tmp_path / "model.pb"
+    graph.write_bytes(net.graph_def.SerializeToString())
+
+    with pytest.raises(OutputExistsError) as info:
+        freeze(net.prefix, str(graph), ["y"], out=str(graph), overwrite=True)
+    assert info.value.is_source and info.value.path == str(graph)
+    assert graph.read_bytes() == net.graph_def.SerializeToString()
