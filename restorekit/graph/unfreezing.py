@@ -98,7 +98,7 @@ def _find_weights(gd, weights, min_bytes: int) -> list[tuple]:
                     label="Closest constants",
                 )
             node = by_name[name]
-            if node.op != "Const" or node not in numeric:
+            if node.op != "Const" or tf.dtypes.as_dtype(node.attr["dtype"].type) == tf.string:
                 raise InvalidArgumentError(f"weight {name!r} is a {node.op} node; only numeric Const nodes convert.")
             result.append((node, _weight_pattern(node, consumers) or "chosen"))
         return result
