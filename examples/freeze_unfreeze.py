@@ -51,12 +51,15 @@ def main(directory: str) -> None:
     print(inspect_graph(prefix + ".meta"), end="\n\n")
 
     # 2. Freeze: the checkpoint's weights become constants of a serving graph.
+    #    (overwrite=True: a second run into the same WORK_DIR replaces the first's files.)
     frozen_path = os.path.join(directory, "frozen.pb")
-    frozen = freeze(prefix, prefix + ".meta", ["probabilities"], out=frozen_path)
+    frozen = freeze(prefix, prefix + ".meta", ["probabilities"], out=frozen_path, overwrite=True)
     print(inspect_graph(frozen_path), end="\n\n")
 
     # 3. Unfreeze: the constants become a checkpoint again, plus a trainable graph.
-    result = unfreeze(frozen_path, os.path.join(directory, "unfrozen", "model.ckpt"), trainable_graph=True)
+    result = unfreeze(
+        frozen_path, os.path.join(directory, "unfrozen", "model.ckpt"), trainable_graph=True, overwrite=True
+    )
     print(result, end="\n\n")
 
     with tf.Graph().as_default():

@@ -1,4 +1,4 @@
-"""Tests for restorekit/graph.py: inspect, freeze and unfreeze on real tf-slim networks."""
+"""Tests for restorekit/graph/: inspect, freeze and unfreeze on real tf-slim networks."""
 
 import json
 import os
@@ -18,6 +18,7 @@ from restorekit.errors import (
     GraphTooLargeError,
     IncompleteRestoreError,
     NoMatchError,
+    OutputExistsError,
 )
 from restorekit.graph import freeze, inspect_graph, unfreeze
 from conftest import save_variables
@@ -47,11 +48,8 @@ def _build(use_resource: bool):
     return x, y, train_op
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["resource", "ref"])
-def net(request, tmp_path_factory):
+def make_net(use_resource: bool, directory):
     """A trained-for-one-step checkpoint with its .meta, plus the outputs on fixed inputs."""
-    use_resource = request.param
-    directory = tmp_path_factory.mktemp("resource" if use_resource else "ref")
     inputs = np.random.RandomState(0).randn(2, 8, 8, 3).astype(np.float32)
     with tf.Graph().as_default() as g:
         x, y, train_op = _build(use_resource)
@@ -77,12 +75,21 @@ def net(request, tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def frozen(net):
+def make_frozen(net):
     """The net frozen into a .pb."""
     path = str(net.dir / "frozen.pb")
     graph_def = freeze(net.prefix, net.meta, ["y"], out=path)
     return types.SimpleNamespace(path=path, graph_def=graph_def)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["resource", "ref"])
+def net(request, tmp_path_factory):
+    return make_net(request.param, tmp_path_factory.mktemp("resource" if request.param else "ref"))
+
+
+@pytest.fixture(scope="module")
+def frozen(net):
+    return make_frozen(net)
 
 
 def _run(graph_def, inputs, output="y:0"):
@@ -300,209 +307,6 @@ def test_freeze_accepts_every_graph_form(net, frozen, form, tmp_path):
     assert text_format.Parse(out.read_text(), tf1.GraphDef()) == graph_def  # .pbtxt: written as text
 
 
-def test_freeze_then_unfreeze_gives_back_the_variables_bit_for_bit(net, frozen, tmp_path):
-    result = unfreeze(frozen.path, str(tmp_path / "out" / "model.ckpt"))
-
-    pattern = "resource" if net.use_resource else "variable"
-    assert {(c.node, c.name, c.shape, c.dtype, c.pattern) for c in result.converted} == {
-        (name, name, SHAPES[name], "float32", pattern) for name in MODEL
-    }
-    assert result.meta_graph is None
-    assert result.aligned == ()
-    ckpt = Checkpoint(result.checkpoint)
-    assert sorted(ckpt.entries) == MODEL
-    for name in MODEL:
-        restored = ckpt.read(name)
-        assert restored.dtype == net.values[name].dtype
-        assert restored.tobytes() == net.values[name].tobytes()
-    assert _files(tmp_path / "out") == ["model.ckpt.data-00000-of-00001", "model.ckpt.index"]
-    assert "net/fc/weights" in str(result)
-
-
-def test_unfreeze_trainable_graph_restores_and_trains(net, frozen, tmp_path):
-    result = unfreeze(frozen.path, str(tmp_path / "model.ckpt"), trainable_graph=True)
-    assert result.meta_graph == str(tmp_path / "model.ckpt.meta")
-
-    with tf.Graph().as_default():
-        saver = tf1.train.import_meta_graph(result.meta_graph)
-        variables = {v.op.name: v for v in tf1.trainable_variables()}
-        assert sorted(variables) == MODEL
-        assert {v.op.type for v in variables.values()} == {net.variable_op}
-        y = tf1.get_default_graph().get_tensor_by_name("y:0")
-        loss = tf.reduce_sum(tf.square(y - 1.0))
-        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
-        with tf1.Session() as sess:
-            saver.restore(sess, result.checkpoint)
-            np.testing.assert_array_equal(sess.run(y, {"x:0": net.inputs}), _run(frozen.graph_def, net.inputs))
-            before = sess.run(variables)
-            sess.run(train_op, {"x:0": net.inputs})
-            after = sess.run(variables)
-    for name in MODEL:
-        np.testing.assert_array_equal(before[name], net.values[name])
-        assert not np.array_equal(after[name], before[name]), name
-
-
-def test_unfreeze_aligns_names_against_a_reference_checkpoint(net, frozen, tmp_path):
-    reference = {
-        "net/conv1/weights": np.zeros(SHAPES["net/conv1/weights"], np.float32),
-        "net/conv1/biases": np.zeros([4], np.float32),
-        "head/kernel": np.zeros([256, 5], np.float32),  # renamed: a unique shape
-        "net/fc/biases": np.zeros([6], np.float32),  # same name, another shape
-        "net/fc/biases/Momentum": np.zeros([5], np.float32),  # slots never take a name
-    }
-    reference_prefix = save_variables(tmp_path / "ref" / "model.ckpt", reference)
-
-    result = unfreeze(frozen.path, str(tmp_path / "out" / "model.ckpt"), reference=reference_prefix)
-
-    aligned = {a.old: (a.new, a.reason) for a in result.aligned}
-    assert aligned["net/conv1/weights"] == ("net/conv1/weights", "same name and shape")
-    assert aligned["net/fc/weights"] == ("head/kernel", "unique shape match [256, 5]")
-    assert aligned["net/fc/biases"][0] == "net/fc/biases"
-    assert "kept its name" in aligned["net/fc/biases"][1]
-    ckpt = Checkpoint(result.checkpoint)
-    assert sorted(ckpt.entries) == ["head/kernel", "net/conv1/biases", "net/conv1/weights", "net/fc/biases"]
-    assert ckpt.read("head/kernel").tobytes() == net.values["net/fc/weights"].tobytes()
-    assert "head/kernel" in str(result)
-
-
-def test_unfreeze_aligned_trainable_graph_uses_the_new_names(net, frozen, tmp_path):
-    reference = {"head/kernel": np.zeros([256, 5], np.float32)}
-    reference_prefix = save_variables(tmp_path / "ref" / "model.ckpt", reference)
-
-    result = unfreeze(
-        frozen.path, str(tmp_path / "model.ckpt"), reference=reference_prefix, trainable_graph=True
-    )
-
-    with tf.Graph().as_default():
-        saver = tf1.train.import_meta_graph(result.meta_graph)
-        names = sorted(v.op.name for v in tf1.global_variables())
-        with tf1.Session() as sess:
-            saver.restore(sess, result.checkpoint)
-            outputs = sess.run("y:0", {"x:0": net.inputs})
-    assert names == sorted(["head/kernel", "net/conv1/biases", "net/conv1/weights", "net/fc/biases"])
-    np.testing.assert_array_equal(outputs, _run(frozen.graph_def, net.inputs))
-
-
-@pytest.mark.parametrize(
-    "weights, expected",
-    [
-        ("large", ["net/fc/weights"]),
-        (lambda node: node.name.endswith("biases"), ["net/conv1/biases", "net/fc/biases"]),
-        (["net/conv1/weights"], ["net/conv1/weights"]),
-    ],
-    ids=["large-floats-only", "callable-on-node", "list-of-names"],
-)
-def test_unfreeze_weight_choices(net, frozen, tmp_path, weights, expected):
-    result = unfreeze(frozen.path, str(tmp_path / "model.ckpt"), weights=weights, trainable_graph=True)
-
-    assert sorted(c.name for c in result.converted) == expected
-    assert sorted(Checkpoint(result.checkpoint).entries) == expected
-    with tf.Graph().as_default():
-        saver = tf1.train.import_meta_graph(result.meta_graph)
-        assert sorted(v.op.name for v in tf1.global_variables()) == expected
-        with tf1.Session() as sess:
-            saver.restore(sess, result.checkpoint)
-            np.testing.assert_array_equal(sess.run("y:0", {"x:0": net.inputs}), net.outputs)
-
-
-def test_unfreeze_large_constants_of_a_graph_without_variable_patterns(tmp_path):
-    weights = np.random.RandomState(1).randn(64, 8).astype(np.float32)
-    with tf.Graph().as_default() as g:
-        x = tf1.placeholder(tf.float32, [None, 64], name="x")
-        w = tf.constant(weights, name="dense/w")
-        tf.matmul(x, w, name="out")
-    with pytest.raises(GraphError, match="no weight constants"):
-        unfreeze(g.as_graph_def(), str(tmp_path / "auto" / "model.ckpt"))
-    assert _files(tmp_path / "auto") == []
-
-    result = unfreeze(g.as_graph_def(), str(tmp_path / "model.ckpt"), weights="large", trainable_graph=True)
-
-    assert [(c.name, c.shape, c.pattern) for c in result.converted] == [("dense/w", (64, 8), "large")]
-    inputs = np.random.RandomState(2).randn(2, 64).astype(np.float32)
-    with tf.Graph().as_default():
-        saver = tf1.train.import_meta_graph(result.meta_graph)
-        with tf1.Session() as sess:
-            saver.restore(sess, result.checkpoint)
-            outputs = sess.run("out:0", {"x:0": inputs})
-    np.testing.assert_array_equal(outputs, _run(g.as_graph_def(), inputs, "out:0"))
-    np.testing.assert_allclose(outputs, inputs @ weights, rtol=1e-5, atol=1e-5)
-
-
-def test_unfreeze_tf2_frozen_function_recovers_names_from_a_reference(tmp_path):
-    # TF2 has no public freezing API; this is what TF's own converters and users call.
-    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
-
-    model = _Dense()
-    reference = tf.train.Checkpoint(model=model).write(str(tmp_path / "tf2" / "ckpt"))
-    function = convert_variables_to_constants_v2(model.__call__.get_concrete_function())
-    frozen_gd = function.graph.as_graph_def()
-    inputs = np.random.RandomState(3).randn(4, 3).astype(np.float32)
-
-    result = unfreeze(frozen_gd, str(tmp_path / "model.ckpt"), reference=reference, trainable_graph=True)
-
-    assert {c.pattern for c in result.converted} == {"resource (TF2)"}
-    assert {a.new: a.reason for a in result.aligned} == {
-        "model/kernel/.ATTRIBUTES/VARIABLE_VALUE": "unique shape match [3, 2]",
-        "model/bias/.ATTRIBUTES/VARIABLE_VALUE": "unique shape match [2]",
-    }
-    ckpt = Checkpoint(result.checkpoint)
-    np.testing.assert_array_equal(ckpt.read("model/kernel/.ATTRIBUTES/VARIABLE_VALUE"), model.kernel.numpy())
-    np.testing.assert_array_equal(ckpt.read("model/bias/.ATTRIBUTES/VARIABLE_VALUE"), model.bias.numpy())
-    output = [n.name for n in frozen_gd.node][-1]
-    with tf.Graph().as_default():
-        saver = tf1.train.import_meta_graph(result.meta_graph)
-        with tf1.Session() as sess:
-            saver.restore(sess, result.checkpoint)
-            outputs = sess.run(f"{output}:0", {"inp:0": inputs})
-    np.testing.assert_array_equal(outputs, model(inputs)["out"].numpy())
-
-
-@pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
-def test_partitioned_variable_round_trips_as_slices_of_one_entry(tmp_path, use_resource):
-    ids = np.array([0, 3, 9, 4], np.int32)
-    with tf.Graph().as_default():
-        x = tf1.placeholder(tf.int32, [None], name="ids")
-        emb = tf1.get_variable(
-            "emb", [10, 4], partitioner=tf1.fixed_size_partitioner(3), use_resource=use_resource
-        )
-        tf.identity(tf.nn.embedding_lookup(emb, x), name="y")
-        saver = tf1.train.Saver()
-        with tf1.Session() as sess:
-            sess.run(tf1.global_variables_initializer())
-            prefix = saver.save(sess, str(tmp_path / "train" / "model.ckpt"))
-            outputs = sess.run("y:0", {x: ids})
-    summary = inspect_graph(prefix + ".meta")
-    assert [(v.name, v.shape, v.checkpoint_name) for v in summary.variables] == [
-        ("emb/part_0", (4, 4), "emb"),
-        ("emb/part_1", (3, 4), "emb"),
-        ("emb/part_2", (3, 4), "emb"),
-    ]
-
-    frozen_gd = freeze(prefix, prefix + ".meta", ["y"])
-    result = unfreeze(frozen_gd, str(tmp_path / "out" / "model.ckpt"), trainable_graph=True)
-
-    with tf.Graph().as_default():
-        tf.import_graph_def(frozen_gd, name="")
-        with tf1.Session() as sess:
-            np.testing.assert_array_equal(sess.run("y:0", {"ids:0": ids}), outputs)
-    assert [(c.name, c.full_name, c.full_shape, c.offset) for c in result.converted] == [
-        ("emb/part_0", "emb", (10, 4), (0, 0)),
-        ("emb/part_1", "emb", (10, 4), (4, 0)),
-        ("emb/part_2", "emb", (10, 4), (7, 0)),
-    ]
-    original, unfrozen = Checkpoint(prefix), Checkpoint(result.checkpoint)
-    assert list(unfrozen.entries) == ["emb"]
-    assert unfrozen.read("emb").tobytes() == original.read("emb").tobytes()
-    with tf.Graph().as_default():
-        saver = tf1.train.import_meta_graph(result.meta_graph)
-        y = tf1.get_default_graph().get_tensor_by_name("y:0")
-        train_op = tf1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_sum(y))
-        with tf1.Session() as sess:
-            saver.restore(sess, result.checkpoint)
-            np.testing.assert_array_equal(sess.run(y, {"ids:0": ids}), outputs)
-            sess.run(train_op, {"ids:0": ids})
-            assert not np.array_equal(sess.run(y, {"ids:0": ids}), outputs)
-
 
 # ---------------------------------------------------------------- freeze a training graph
 
@@ -583,7 +387,7 @@ def test_freeze_training_batch_norm_drops_the_updates_and_computes_one_run(train
 
 def test_frozen_graph_that_does_not_import_raises_and_writes_nothing(training_net, tmp_path, monkeypatch):
     # Keep the updates, as freeze did before it dropped them: a writer left on a constant.
-    monkeypatch.setattr(rkgraph, "_variable_writers", lambda graph_def, names: [])
+    monkeypatch.setattr(rkgraph.freezing, "_variable_writers", lambda graph_def, names: [])
     out = tmp_path / "frozen.pb"
 
     with pytest.raises(GraphError) as info:
@@ -757,14 +561,25 @@ def test_missing_checkpoint_raises_checkpoint_not_found(net, tmp_path):
     assert not out.exists()
 
 
-def test_unfreeze_of_a_graph_that_is_not_frozen_says_so(net, tmp_path):
-    with pytest.raises(GraphError, match="not frozen"):
-        unfreeze(net.meta, str(tmp_path / "out" / "model.ckpt"))
-    assert _files(tmp_path / "out") == []
+def test_freeze_refuses_an_existing_out_unless_overwrite(net, tmp_path):
+    out = tmp_path / "frozen.pb"
+    out.write_bytes(b"keep me")
+
+    with pytest.raises(OutputExistsError) as info:
+        freeze(net.prefix, net.meta, ["y"], out=str(out))
+    assert info.value.path == str(out) and not info.value.is_source
+    assert out.read_bytes() == b"keep me"
+    assert _files(tmp_path) == ["frozen.pb"]
+
+    graph_def = freeze(net.prefix, net.meta, ["y"], out=str(out), overwrite=True)
+    assert tf1.GraphDef.FromString(out.read_bytes()) == graph_def
 
 
-def test_unfreeze_weight_name_not_in_graph(frozen, tmp_path):
-    with pytest.raises(NoMatchError) as info:
-        unfreeze(frozen.path, str(tmp_path / "out" / "model.ckpt"), weights=["net/fc/weight"])
-    assert "net/fc/weights" in info.value.closest
-    assert _files(tmp_path / "out") == []
+def test_freeze_never_writes_over_the_graph_it_reads(net, tmp_path):
+    graph = tmp_path / "model.pb"
+    graph.write_bytes(net.graph_def.SerializeToString())
+
+    with pytest.raises(OutputExistsError) as info:
+        freeze(net.prefix, str(graph), ["y"], out=str(graph), overwrite=True)
+    assert info.value.is_source and info.value.path == str(graph)
+    assert graph.read_bytes() == net.graph_def.SerializeToString()

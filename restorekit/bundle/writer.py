@@ -18,9 +18,10 @@ from restorekit.bundle import atomic
 from restorekit.bundle.format import decode_tensor, dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
 from restorekit.bundle.protos import BundleEntry, BundleHeader, encode_entry, encode_header
 from restorekit.bundle.table import mask_crc, write_table
+from restorekit.bundle.varint import put_varint
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, EditError, NameCollisionError
 
-__all__ = ["BundleWriter", "CHUNK_SIZE", "array_chunks", "copy_checked"]
+__all__ = ["BundleWriter", "CHUNK_SIZE", "array_chunks", "copy_checked", "partitioned_entry"]
 
 CHUNK_SIZE = 8 << 20
 # Copies go through one reused buffer about the size of a core's L2 cache: the crc
@@ -79,6 +80,32 @@ def array_chunks(array: np.ndarray, chunk_size: int = CHUNK_SIZE):
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     for start in range(0, flat.size, chunk_size):
         yield flat[start : start + chunk_size].tobytes()
+
+
+def partitioned_entry(dtype, full_shape, extents) -> BundleEntry:
+    """The index entry of a partitioned tensor: no bytes of its own, one TensorSliceProto per part.
+
+    ``extents`` lists each part's ``((start, length), ...)`` in the order the parts were
+    added (their bytes go under ``format.encode_slice_key`` keys); length -1 means the
+    whole dimension, recorded, as TF's ``TensorSlice::AsProto`` does, as an empty extent.
+    """
+    slices = []
+    for part in extents:
+        proto = bytearray()
+        for start, length in part:
+            extent = bytearray()
+            if length != -1:
+                if start:
+                    put_varint(extent, 0x08)  # field 1 (start), varint
+                    put_varint(extent, start)
+                put_varint(extent, 0x10)  # field 2 (length), varint; a oneof, so 0 is written too
+                put_varint(extent, length)
+            put_varint(proto, 0x0A)  # field 1 (extent), length-delimited
+            put_varint(proto, len(extent))
+            proto += extent
+        slices.append(bytes(proto))
+    code = dtype if isinstance(dtype, int) else dtype_enum(dtype)
+    return BundleEntry(dtype=code, shape=tuple(full_shape), slices=tuple(slices))
 
 
 class BundleWriter:
