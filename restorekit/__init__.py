@@ -46,7 +46,9 @@ from restorekit.graph import (
     UnfreezeResult,
     VariableSummary,
     freeze,
+    import_meta_graph,
     inspect_graph,
+    repair_graph,
     unfreeze,
 )
 from restorekit.initializers import initialize_uninitialized, uninitialized_initializer
@@ -121,9 +123,11 @@ __all__ = [
     "grouped_keras_optimizer",
     "import_checkpoint",
     "initialize_uninitialized",
+    "import_meta_graph",
     "inspect_graph",
     "layerwise_decay",
     "partial_saver",
+    "repair_graph",
     "restore",
     "scale_gradients",
     "scan",

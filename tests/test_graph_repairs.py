@@ -97,3 +97,31 @@ def test_import_meta_graph_repairs_then_imports_and_returns_the_saver(net, old_m
             saver.restore(sess, net.prefix)
             outputs = sess.run("old/y:0", {"old/x:0": net.inputs})
     np.testing.assert_array_equal(outputs, net.outputs)
+
+
+# ------------------------------------------------------------------ the CLI over repairs (issue 14 item 7)
+
+def test_cli_scan_and_graph_repair_handle_an_old_tf1_meta(net, old_meta, tmp_path, capsys):
+    from restorekit.checkpoint import Checkpoint
+    from restorekit.cli import main
+
+    prefix = Checkpoint(net.prefix).prefix
+    assert main(["scan", prefix, "--meta-graph", str(old_meta)]) == 0  # every variable restores
+    out, _ = capsys.readouterr()
+    assert out.startswith("restorekit: ") and "missing        0" in out
+    assert main(["graph", "repair", str(old_meta), str(tmp_path / "fixed.meta")]) == 0
+    with tf.Graph().as_default():
+        tf1.train.import_meta_graph(str(tmp_path / "fixed.meta"))  # loads as it is now
+    assert main(["graph", "repair", str(old_meta), str(tmp_path / "fixed.meta")]) == 3  # exists
+    _, err = capsys.readouterr()
+    assert "pass --overwrite to replace it" in err
+
+
+def test_cli_scan_with_an_index_file_as_meta_graph_says_what_to_pass(net, capsys):
+    from restorekit.checkpoint import Checkpoint
+    from restorekit.cli import main
+
+    prefix = Checkpoint(net.prefix).prefix
+    assert main(["scan", prefix, "--meta-graph", prefix + ".index"]) == 3
+    _, err = capsys.readouterr()
+    assert "is a checkpoint file; pass the '.meta'" in err and "Traceback" not in err

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["COMMANDS", "Command", "EXIT_DIFFERENT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "Parser", "Usage", "register"]
+__all__ = ["COMMANDS", "Command", "EXIT_DIFFERENT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "Parser", "Usage", "cli_exists_error", "register", "reworded_exists_error"]
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 _EPILOG = """exit codes: 0 ok (equal, complete); 1 differences found (diff) or incomplete
@@ -91,3 +92,25 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as argparse does, but through main()
         self.print_usage(sys.stderr)
         raise Usage(message)
+
+
+def cli_exists_error(e, out):
+    """The library's OutputExistsError, reworded for the shell by its fields (never by its text)."""
+    from restorekit.errors import OutputExistsError
+
+    if e.is_source:
+        return OutputExistsError(f"{out!r} is the source checkpoint; name another output", path=out, is_source=True)
+    if e.path is None:
+        return e
+    return OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path)
+
+
+@contextlib.contextmanager
+def reworded_exists_error(out):
+    """An OutputExistsError from the library leaves this block reworded for the shell."""
+    from restorekit.errors import OutputExistsError
+
+    try:
+        yield
+    except OutputExistsError as e:
+        raise cli_exists_error(e, out) from None

@@ -160,15 +160,15 @@ def _scan(args) -> int:
     checkpoint = Checkpoint(args.checkpoint)  # fail fast, before importing TensorFlow
     if not os.path.isfile(args.meta_graph):
         raise CheckpointNotFoundError(f"no MetaGraph file at {args.meta_graph!r}", args.meta_graph)
+    if args.meta_graph.endswith((".index", ".data-00000-of-00001")) or ".data-" in os.path.basename(args.meta_graph):
+        raise GraphError(f"--meta-graph {args.meta_graph!r} is a checkpoint file; pass the '.meta' saved beside it")
     tf = import_tensorflow()
 
     import restorekit
+    from restorekit.graph import import_meta_graph
 
     with tf.Graph().as_default():
-        try:
-            tf.compat.v1.train.import_meta_graph(args.meta_graph, clear_devices=True)
-        except Exception as e:  # TF raises DecodeError, IOError, ValueError, ... for bad files
-            raise GraphError(f"cannot import MetaGraph {args.meta_graph!r}: {e}") from None
+        import_meta_graph(args.meta_graph, clear_devices=True)  # repairs old TF 1.x graphs first
         report = restorekit.scan(checkpoint, variables=tf.compat.v1.global_variables())
     if args.json:
         _print_json(report.to_dict())

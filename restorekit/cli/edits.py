@@ -9,6 +9,7 @@ import os
 from restorekit.report import format_bytes
 
 from restorekit.cli.base import (
+    cli_exists_error,
     EXIT_OK,
     Usage as _Usage,
     _quiet,
@@ -32,17 +33,6 @@ def _editor(path):
     return CheckpointEditor(path)
 
 
-def _cli_exists_error(e, out):
-    """The library's OutputExistsError, reworded for the shell by its fields (never by its text)."""
-    from restorekit.errors import OutputExistsError
-
-    if e.is_source:
-        return OutputExistsError(f"{out!r} is the source checkpoint; name another output", path=out, is_source=True)
-    if e.path is None:
-        return e
-    return OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path)
-
-
 def _shrinking_io(p: argparse.ArgumentParser) -> None:
     _edit_io(p)
     p.add_argument("--link", action="store_true",
@@ -64,7 +54,7 @@ def _save(editor, args, *, compact: bool = False) -> int:
         prefix = editor.save(args.out, compact=compact, overwrite=args.overwrite,
                              update_state_file=args.update_state_file, progress=not _quiet(args))
     except OutputExistsError as e:
-        raise _cli_exists_error(e, args.out) from None
+        raise cli_exists_error(e, args.out) from None
     if not _quiet(args):
         held = f" ({format_bytes(_output_bytes(prefix))} on disk)" if os.path.exists(prefix + ".index") else ""
         print(f"wrote {prefix!r}{held}")
