@@ -260,9 +260,7 @@ class Checkpoint(Mapping):
         return tracked.path if tracked is not None else name
 
     def _unknown(self, name: str) -> NoMatchError:
-        near = closest_names(name, self._entries)
-        hint = f" Closest: {format_names(near)}." if near else ""
-        return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.{hint}", near)
+        return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name, candidates=self._entries)
 
     # -- low-level access for the editor and the exporters
     def data_file(self, shard_id: int) -> str:

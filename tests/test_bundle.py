@@ -10,7 +10,14 @@ import pytest
 import tensorflow as tf
 
 from restorekit.bundle import atomic
-from restorekit.bundle.format import decode_slice_key, decode_tensor, encode_slice_key, encode_string_tensor, tensor_crc
+from restorekit.bundle.format import (
+    decode_slice_key,
+    decode_tensor,
+    dtype_enum,
+    encode_slice_key,
+    encode_string_tensor,
+    tensor_crc,
+)
 from restorekit.bundle.protos import BundleEntry, decode_entry, encode_entry
 from restorekit.bundle.table import read_table, write_table
 from restorekit.bundle.varint import put_varint, read_varint
@@ -19,6 +26,7 @@ from restorekit.checkpoint import Checkpoint
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     NameCollisionError,
     OutputError,
     RestoreKitError,
@@ -58,8 +66,40 @@ def test_write_table_round_trips_through_our_reader(count):
 
 
 def test_write_table_rejects_unsorted_keys():
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(InvalidArgumentError, match="strictly increasing"):
         write_table([(b"b", b""), (b"a", b"")])
+
+
+# ------------------------------------------------------------------ bundle/ raises only restorekit errors
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: dtype_enum("no-such-dtype"), "is not a dtype"),
+        (lambda: dtype_enum(np.dtype([("a", "f4")])), "no TensorFlow checkpoint equivalent"),
+        (lambda: encode_slice_key("v", ((2**60, 1),)), "too large for a slice key"),
+        (lambda: encode_string_tensor(np.array([b"a", 3], dtype=object)), "str or bytes; got int"),
+    ],
+    ids=["unknown dtype name", "structured dtype", "slice bound over 56 bits", "an int in a string tensor"],
+)
+def test_bad_arguments_to_the_format_are_invalid_argument_errors(call, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        call()
+
+
+def test_staging_refuses_a_path_outside_its_directory(tmp_path):
+    with atomic.Staging(str(tmp_path / "out")) as staging:
+        with pytest.raises(InvalidArgumentError, match="not in the staging directory"):
+            staging.path(str(tmp_path / "elsewhere" / "m.index"))
+    assert files_in(tmp_path / "out") == []
+
+
+def test_writer_refuses_an_object_array_that_is_not_strings(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="str or bytes"):
+        with BundleWriter(str(tmp_path / "m")) as w:
+            w.add("words", np.array([b"ok", 7], dtype=object))
+    assert files_in(tmp_path) == []
 
 
 # ------------------------------------------------------------------ varints

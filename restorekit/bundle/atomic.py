@@ -15,7 +15,7 @@ import shutil
 import time
 import uuid
 
-from restorekit.errors import OutputError
+from restorekit.errors import InvalidArgumentError, OutputError
 
 __all__ = ["Staging", "atomic_output", "crash_point", "fsync_directory", "link_or_copy", "write_bytes"]
 
@@ -152,7 +152,7 @@ class Staging:
         """The temporary path that becomes ``final`` on commit (same directory only)."""
         final = os.path.abspath(final)
         if os.path.dirname(final) != self.directory:
-            raise ValueError(f"{final!r} is not in the staging directory {self.directory!r}")
+            raise InvalidArgumentError(f"{final!r} is not in the staging directory {self.directory!r}")
         tmp = os.path.join(self.tmpdir, os.path.basename(final))
         self._finals[tmp] = final
         return tmp

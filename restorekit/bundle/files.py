@@ -114,7 +114,7 @@ def publish(local: str, remote: str, *, overwrite: bool) -> None:
         except Exception:  # noqa: BLE001 - best effort; the original error matters
             pass
         if type(e).__name__ == "AlreadyExistsError":
-            raise OutputExistsError(f"{remote!r} exists; pass overwrite=True to replace it") from None
+            raise OutputExistsError(path=remote) from None
         raise OutputError(f"could not write {remote!r}: {e}") from None
 
 

@@ -14,7 +14,12 @@ import numpy as np
 
 from restorekit.bundle.table import mask_crc
 from restorekit.bundle.varint import put_varint, read_varint
-from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, MissingDependencyError
+from restorekit.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    MissingDependencyError,
+)
 
 __all__ = [
     "DTYPE_NAMES",
@@ -71,7 +76,7 @@ def dtype_enum(dtype) -> int:
     """A dtype name, numpy dtype or tf.DType -> the TF DataType enum.
 
     Raises:
-        ValueError: a dtype the checkpoint format has no code for.
+        InvalidArgumentError: a dtype the checkpoint format has no code for.
     """
     if hasattr(dtype, "as_datatype_enum"):
         return int(dtype.as_datatype_enum)
@@ -79,14 +84,14 @@ def dtype_enum(dtype) -> int:
         return _BY_NAME[dtype]
     try:
         np_dtype = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"dtype {dtype!r} is not a dtype") from None
     if np_dtype.kind in "SUO":
         return 7
     name = np_dtype.name
     if name in _BY_NAME:
         return _BY_NAME[name]
-    raise ValueError(f"dtype {dtype!r} has no TensorFlow checkpoint equivalent")
+    raise InvalidArgumentError(f"dtype {dtype!r} has no TensorFlow checkpoint equivalent")
 
 
 def numpy_dtype(code: int) -> np.dtype:
@@ -138,9 +143,22 @@ def _decode_strings(raw: bytes, count: int, name: str, expected_crc: int | None)
     return out
 
 
+def _string_bytes(value) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    # bytes(3) would be three zero bytes: refuse anything that is not text or bytes.
+    raise InvalidArgumentError(f"a string tensor holds str or bytes; got {type(value).__name__} {value!r:.60}")
+
+
 def encode_string_tensor(values) -> tuple[bytes, int]:
-    """Serialize a string tensor for a data shard; return (bytes, masked entry crc)."""
-    flat = [v.encode() if isinstance(v, str) else bytes(v) for v in np.asarray(values, dtype=object).ravel()]
+    """Serialize a string tensor for a data shard; return (bytes, masked entry crc).
+
+    Raises:
+        InvalidArgumentError: an element that is neither ``str`` nor bytes.
+    """
+    flat = [_string_bytes(v) for v in np.asarray(values, dtype=object).ravel()]
     out = bytearray()
     for v in flat:
         put_varint(out, len(v))
@@ -276,7 +294,7 @@ def _put_ordered_signed(out: bytearray, value: int) -> None:
     while x >= 1 << (7 * n - 1):
         n += 1
     if n >= 8:
-        raise ValueError(f"slice bound {value} is too large for a slice key")
+        raise InvalidArgumentError(f"slice bound {value} is too large for a slice key")
     body = bytearray((value & ((1 << (8 * n)) - 1)).to_bytes(n, "big"))
     body[0] ^= (0xFF << (8 - n)) & 0xFF
     out += body
