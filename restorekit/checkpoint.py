@@ -6,7 +6,6 @@ tensor is read. TensorFlow is never imported for local paths.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import warnings
@@ -18,6 +17,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from restorekit.bundle import files, statefile
+from restorekit.bundle.checks import check_header, check_shape, check_size, slice_layout
 from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
 from restorekit.bundle.format import decode_slice_key, decode_tensor, dtype_name, numpy_dtype
 from restorekit.bundle.protos import BundleEntry, BundleHeader, decode_entry, decode_header
@@ -149,6 +149,7 @@ class Checkpoint(Mapping):
         if not records or records[0][0] != b"":
             raise CorruptCheckpointError("index has no header record")
         self.header: BundleHeader = decode_header(records[0][1])
+        check_header(self.header)
         if self.header.endianness != 0:
             raise CorruptCheckpointError("big-endian checkpoints are not supported")
         if not 1 <= self.header.num_shards <= 1_000_000:
@@ -159,17 +160,17 @@ class Checkpoint(Mapping):
             entry = decode_entry(value)
             if key[:1] == b"\x00":
                 full_name, extents = decode_slice_key(key)
+                name = f"{full_name} {list(extents)}"
                 slices.setdefault(full_name, []).append((extents, entry))
-                continue
-            try:
-                name = key.decode("utf-8")
-            except UnicodeDecodeError:
-                raise CorruptCheckpointError(f"entry name {key[:60]!r} is not UTF-8") from None
-            if not entry.slices and entry.shard_id >= self.header.num_shards:
-                raise CorruptCheckpointError(
-                    f"entry {name!r} lives in shard {entry.shard_id} of {self.header.num_shards}"
-                )
-            bundle[name] = entry
+            else:
+                try:
+                    name = key.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise CorruptCheckpointError(f"entry name {key[:60]!r} is not UTF-8") from None
+                bundle[name] = entry
+            check_shape(name, entry)
+            if (not entry.slices or key[:1] == b"\x00") and entry.shard_id >= self.header.num_shards:
+                raise CorruptCheckpointError(f"entry {name!r} lives in shard {entry.shard_id} of {self.header.num_shards}")
         for name, parts in slices.items():
             if name not in bundle:
                 raise CorruptCheckpointError(f"slices of {name!r} without a full entry")
@@ -303,45 +304,17 @@ class Checkpoint(Mapping):
         """
         entry = self.bundle_entry(name)
         if name not in self._slices:
+            check_size(name, entry)
             return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
-        # Slices must lie inside the full shape and tile it; a corrupt index would
-        # otherwise allocate an arbitrary amount of memory or write out of bounds.
-        full_size = math.prod(entry.shape)
-        stored = 0
-        indexes = []
-        for extents, part in self._slices[name]:
-            index, part_shape = _slice_index(name, entry.shape, extents)
-            if tuple(part.shape) != part_shape:
-                raise CorruptCheckpointError(
-                    f"partitioned entry {name!r}: a slice of shape {list(part.shape)} is stored for extents {extents}"
-                )
-            stored += math.prod(part_shape)
-            indexes.append((index, part))
-        if stored != full_size:
-            raise CorruptCheckpointError(
-                f"partitioned entry {name!r}: its slices hold {stored} elements but its shape "
-                f"{list(entry.shape)} needs {full_size}"
-            )
+        # Check the slices against TF's rules before allocating the full tensor: a
+        # corrupt index would otherwise allocate an arbitrary amount of memory, write
+        # out of bounds, or leave zeros where a slice is missing.
+        layout = slice_layout(name, entry, self._slices[name])
+        for _, part in layout:
+            check_size(name, part)
         full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
-        for index, part in indexes:
+        for index, part in layout:
             full[index] = decode_tensor(
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
             )
         return full
-
-
-def _slice_index(name: str, shape: tuple, extents: tuple) -> tuple[tuple, tuple]:
-    """numpy index and shape of one slice; (start, -1) means the whole dimension."""
-    if len(extents) != len(shape):
-        raise CorruptCheckpointError(f"partitioned entry {name!r}: a slice has {len(extents)} extents for rank {len(shape)}")
-    index, part_shape = [], []
-    for dim, (start, length) in zip(shape, extents):
-        if length < 0:
-            start, length = 0, dim
-        if start < 0 or start + length > dim:
-            raise CorruptCheckpointError(
-                f"partitioned entry {name!r}: slice [{start}, {start + length}) lies outside dimension {dim}"
-            )
-        index.append(slice(start, start + length))
-        part_shape.append(length)
-    return tuple(index), tuple(part_shape)

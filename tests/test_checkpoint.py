@@ -254,3 +254,126 @@ def test_fallback_warns_once_however_often_the_directory_is_opened(small_checkpo
         for _ in range(3):
             assert Checkpoint(directory).prefix == prefix
     assert [str(w.message).count("does not exist") for w in caught] == [1]
+
+
+# ---------------------------------------------------------------- TensorFlow's reader rules
+
+
+def _rewrite_index(prefix, change):
+    """Apply ``change`` to the (key, value) records of ``prefix``'s index and write it back."""
+    from restorekit.bundle.table import read_table, write_table
+
+    with open(prefix + ".index", "rb") as f:
+        records = read_table(f.read())
+    with open(prefix + ".index", "wb") as f:
+        f.write(write_table(sorted(change(records))))
+
+
+def _tf_refuses(prefix, name):
+    try:
+        tf.train.load_checkpoint(prefix).get_tensor(name)
+    except (tf.errors.OpError, ValueError, RuntimeError):
+        return True
+    return False
+
+
+@pytest.fixture
+def partitioned(tmp_path):
+    """'emb' [10, 2] saved by TF in two slices, rows 0-5 and 5-10."""
+    with tf.Graph().as_default():
+        var = tf1.get_variable("emb", shape=[10, 2], partitioner=tf1.fixed_size_partitioner(2))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            full = sess.run(tf.concat(list(var), axis=0))
+            return saver.save(sess, str(tmp_path / "p"), write_meta_graph=False), full
+
+
+def test_overlapping_slices_that_leave_rows_uncovered_are_refused(partitioned):
+    from restorekit.bundle.format import encode_slice_key
+
+    prefix, full = partitioned
+    np.testing.assert_array_equal(Checkpoint(prefix).read("emb"), full)
+
+    def second_slice_covers_rows_0_to_5(records):
+        # The same element count as before, so only an overlap check finds it.
+        return [(encode_slice_key("emb", ((0, 5), (0, -1))) if key[:1] == b"\x00" and decode_slice_key(key)[1][0][0] == 5
+                 else key, value) for key, value in records]
+
+    _rewrite_index(prefix, second_slice_covers_rows_0_to_5)
+    with pytest.raises(CorruptCheckpointError, match=r"'emb': slices \[0:5, 0:2\] and \[0:5, 0:2\] overlap"):
+        Checkpoint(prefix).read("emb")
+    assert _tf_refuses(prefix, "emb")
+
+
+def test_a_slice_whose_dtype_differs_from_its_tensor_is_refused(partitioned):
+    from restorekit.bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = partitioned
+
+    def first_slice_int32(records):
+        return [(k, encode_entry(decode_entry(v).replace(dtype=3)) if k[:1] == b"\x00" else v) for k, v in records]
+
+    _rewrite_index(prefix, first_slice_int32)
+    with pytest.raises(CorruptCheckpointError, match="'emb' is float32; its slice .* is int32"):
+        Checkpoint(prefix).read("emb")
+
+
+def test_an_entry_with_two_shape_fields_is_refused(small_checkpoint):
+    prefix, _ = small_checkpoint
+
+    def second_shape(records):
+        # BundleEntryProto field 2 (shape) again: TensorShapeProto with one dim of size 3.
+        return [(k, v + b"\x12\x04\x12\x02\x08\x03" if k == b"dense/bias" else v) for k, v in records]
+
+    _rewrite_index(prefix, second_shape)
+    with pytest.raises(CorruptCheckpointError, match="more than one shape field"):
+        Checkpoint(prefix)
+    assert _tf_refuses(prefix, "dense/bias")
+
+
+def _set_version(producer=1, min_consumer=0, bad_consumers=()):
+    from restorekit.bundle.protos import BundleHeader, encode_header
+
+    header = encode_header(BundleHeader(num_shards=1, version_producer=producer, version_min_consumer=min_consumer,
+                                        bad_consumers=tuple(bad_consumers)))
+    return lambda records: [(k, header if k == b"" else v) for k, v in records]
+
+
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        ({"min_consumer": 2}, "needs a reader of format version 2 or newer"),
+        ({"producer": 2, "bad_consumers": (1,)}, r"disallows readers of format version 1 \(bad_consumers \[1\]\)"),
+        ({"producer": -1}, "older than the oldest"),
+    ],
+    ids=["min_consumer above ours", "our version listed as bad", "negative producer"],
+)
+def test_header_versions_tensorflow_refuses_are_refused(small_checkpoint, version, message):
+    prefix, _ = small_checkpoint
+    _rewrite_index(prefix, _set_version(**version))
+    with pytest.raises(CorruptCheckpointError, match=message):
+        Checkpoint(prefix)
+    assert _tf_refuses(prefix, "global_step")
+
+
+def test_header_versions_tensorflow_accepts_are_accepted(small_checkpoint):
+    prefix, values = small_checkpoint
+    _rewrite_index(prefix, _set_version(producer=5, min_consumer=1, bad_consumers=(0, 2)))
+    assert not _tf_refuses(prefix, "global_step")
+    assert Checkpoint(prefix).read("global_step") == values["global_step"]
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [((1,) * 255, "rank 255; TensorFlow allows at most 254"), ((2**40, 2**40), "more elements than an int64 counts")],
+    ids=["rank 255", "2**80 elements"],
+)
+def test_shapes_tensorflow_refuses_are_refused_when_listing(small_checkpoint, shape, message):
+    from restorekit.bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = small_checkpoint
+    _rewrite_index(prefix, lambda records: [
+        (k, encode_entry(decode_entry(v).replace(shape=shape)) if k == b"dense/bias" else v) for k, v in records])
+    with pytest.raises(CorruptCheckpointError, match=message):
+        Checkpoint(prefix)

@@ -23,6 +23,18 @@ from restorekit.errors import (
 
 __all__ = [
     "DTYPE_NAMES",
+    "DT_BFLOAT16",
+    "DT_BOOL",
+    "DT_COMPLEX128",
+    "DT_COMPLEX64",
+    "DT_DOUBLE",
+    "DT_FLOAT",
+    "DT_HALF",
+    "DT_INT32",
+    "DT_INT64",
+    "DT_INT8",
+    "DT_STRING",
+    "itemsize",
     "decode_slice_key",
     "decode_tensor",
     "dtype_enum",
@@ -33,29 +45,47 @@ __all__ = [
     "tensor_crc",
 ]
 
+# TF DataType enum values (tensorflow/core/framework/types.proto) that code tests for.
+DT_INVALID = 0
+DT_FLOAT = 1
+DT_DOUBLE = 2
+DT_INT32 = 3
+DT_UINT8 = 4
+DT_INT16 = 5
+DT_INT8 = 6
+DT_STRING = 7
+DT_COMPLEX64 = 8
+DT_INT64 = 9
+DT_BOOL = 10
+DT_BFLOAT16 = 14
+DT_COMPLEX128 = 18
+DT_HALF = 19
+DT_RESOURCE = 20
+DT_VARIANT = 21
+
 # TF DataType enum -> (name, numpy dtype string or None when not a plain buffer).
 _DTYPES = {
-    1: ("float32", "<f4"),
-    2: ("float64", "<f8"),
-    3: ("int32", "<i4"),
-    4: ("uint8", "u1"),
-    5: ("int16", "<i2"),
-    6: ("int8", "i1"),
-    7: ("string", None),
-    8: ("complex64", "<c8"),
-    9: ("int64", "<i8"),
-    10: ("bool", "?"),
+    DT_FLOAT: ("float32", "<f4"),
+    DT_DOUBLE: ("float64", "<f8"),
+    DT_INT32: ("int32", "<i4"),
+    DT_UINT8: ("uint8", "u1"),
+    DT_INT16: ("int16", "<i2"),
+    DT_INT8: ("int8", "i1"),
+    DT_STRING: ("string", None),
+    DT_COMPLEX64: ("complex64", "<c8"),
+    DT_INT64: ("int64", "<i8"),
+    DT_BOOL: ("bool", "?"),
     11: ("qint8", "i1"),
     12: ("quint8", "u1"),
     13: ("qint32", "<i4"),
-    14: ("bfloat16", "bfloat16"),
+    DT_BFLOAT16: ("bfloat16", "bfloat16"),
     15: ("qint16", "<i2"),
     16: ("quint16", "<u2"),
     17: ("uint16", "<u2"),
-    18: ("complex128", "<c16"),
-    19: ("float16", "<f2"),
-    20: ("resource", None),
-    21: ("variant", None),
+    DT_COMPLEX128: ("complex128", "<c16"),
+    DT_HALF: ("float16", "<f2"),
+    DT_RESOURCE: ("resource", None),
+    DT_VARIANT: ("variant", None),
     22: ("uint32", "<u4"),
     23: ("uint64", "<u8"),
     24: ("float8_e5m2", "float8_e5m2"),
@@ -63,7 +93,8 @@ _DTYPES = {
 }
 DTYPE_NAMES = {code: name for code, (name, _) in _DTYPES.items()}
 _BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
-_BY_NAME.update({"float": 1, "double": 2, "half": 19, "bytes": 7, "str": 7, "object": 7})
+_BY_NAME.update({"float": DT_FLOAT, "double": DT_DOUBLE, "half": DT_HALF, "bytes": DT_STRING, "str": DT_STRING,
+                 "object": DT_STRING})
 _ML_DTYPES = ("bfloat16", "float8_e5m2", "float8_e4m3fn")
 
 
@@ -87,7 +118,7 @@ def dtype_enum(dtype) -> int:
     except (TypeError, ValueError):
         raise InvalidArgumentError(f"dtype {dtype!r} is not a dtype") from None
     if np_dtype.kind in "SUO":
-        return 7
+        return DT_STRING
     name = np_dtype.name
     if name in _BY_NAME:
         return _BY_NAME[name]
@@ -100,7 +131,7 @@ def numpy_dtype(code: int) -> np.dtype:
         raise CorruptCheckpointError(f"unknown TensorFlow dtype code {code}")
     name, np_name = _DTYPES[code]
     if np_name is None:
-        if code == 7:
+        if code == DT_STRING:
             return np.dtype(object)
         raise CorruptCheckpointError(f"dtype {name!r} tensors cannot be read as numpy arrays")
     if np_name in _ML_DTYPES:
@@ -110,6 +141,18 @@ def numpy_dtype(code: int) -> np.dtype:
             raise MissingDependencyError(f"reading {name} needs ml_dtypes: pip install ml_dtypes") from None
         return np.dtype(getattr(ml_dtypes, np_name))
     return np.dtype(np_name)
+
+
+def itemsize(code: int) -> int:
+    """Bytes per element of a fixed-size TF dtype (its numpy itemsize).
+
+    Raises:
+        CorruptCheckpointError: an unknown dtype, or one (string, resource, variant)
+            without fixed-size elements.
+    """
+    if code == DT_STRING:
+        raise CorruptCheckpointError("string tensors have no fixed element size")
+    return numpy_dtype(code).itemsize
 
 
 def tensor_crc(raw: bytes) -> int:
@@ -181,7 +224,7 @@ def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32
         CorruptCheckpointError: the byte count does not fit the dtype and shape.
     """
     count = math.prod(int(d) for d in shape)  # Python ints: a corrupt shape must not wrap around
-    if dtype == 7:
+    if dtype == DT_STRING:
         strings = _decode_strings(raw, count, name, crc32c)
         try:
             return strings.reshape(shape)
