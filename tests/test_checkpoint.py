@@ -377,3 +377,56 @@ def test_shapes_tensorflow_refuses_are_refused_when_listing(small_checkpoint, sh
         (k, encode_entry(decode_entry(v).replace(shape=shape)) if k == b"dense/bias" else v) for k, v in records])
     with pytest.raises(CorruptCheckpointError, match=message):
         Checkpoint(prefix)
+
+
+# ---------------------------------------------------------------- every dtype TF 2.21 writes
+
+_ML_VALUES = {
+    "float8_e5m2": [0.0, -1.5, 3.0, 57344.0],
+    "float8_e4m3fn": [0.0, -1.5, 3.0, 448.0],
+    "float8_e4m3fnuz": [0.0, -1.5, 3.0, 240.0],
+    "float8_e4m3b11fnuz": [0.0, -1.5, 3.0, 30.0],
+    "float8_e5m2fnuz": [0.0, -1.5, 3.0, 57344.0],
+    "float4_e2m1fn": [0.0, -0.5, 1.5, 6.0],
+    "int4": [-8, -1, 0, 7],
+    "uint4": [0, 1, 9, 15],
+    "int2": [-2, -1, 0, 1],
+    "uint2": [0, 1, 2, 3],
+}
+
+
+@pytest.mark.parametrize("dtype_name", list(_ML_VALUES), ids=list(_ML_VALUES))
+def test_every_narrow_dtype_tensorflow_writes_reads_back_equal(tmp_path, dtype_name):
+    import ml_dtypes
+
+    from restorekit.bundle.writer import BundleWriter
+
+    value = np.array(_ML_VALUES[dtype_name], dtype=np.float32).astype(getattr(ml_dtypes, dtype_name)).reshape(2, 2)
+    prefix = str(tmp_path / "tf")
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=["x"], shape_and_slices=[""], tensors=[tf.constant(value)])
+    ckpt = Checkpoint(prefix)
+    assert ckpt.entries["x"].dtype == dtype_name and ckpt.entries["x"].nbytes == 4
+    got = ckpt.read("x")
+    assert got.dtype == value.dtype and got.tobytes() == value.tobytes()
+    # ... and what restorekit writes, TensorFlow reads.
+    ours = str(tmp_path / "ours")
+    with BundleWriter(ours) as w:
+        w.add("x", value)
+    back = tf.train.load_checkpoint(ours).get_tensor("x")
+    assert np.asarray(back).tobytes() == value.tobytes()
+
+
+def test_a_rank_65_tensor_lists_and_explains_why_numpy_cannot_hold_it(tmp_path):
+    from restorekit.errors import InvalidArgumentError
+
+    prefix = str(tmp_path / "deep")
+    shape = [2] + [1] * 64
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=["deep", "flat"], shape_and_slices=["", ""],
+                      tensors=[tf.reshape(tf.constant([1.5, -2.0]), shape), tf.constant([3.0])])
+    ckpt = Checkpoint(prefix)
+    assert ckpt.entries["deep"].shape == tuple(shape) and ckpt.entries["deep"].nbytes == 8
+    with pytest.raises(InvalidArgumentError, match="'deep' has 65 dimensions; numpy arrays hold at most 64"):
+        ckpt.read("deep")
+    raw = ckpt.read_raw(ckpt.bundle_entry("deep"), "deep")
+    assert np.frombuffer(raw, np.float32).tolist() == [1.5, -2.0]
+    assert ckpt.read("flat").tolist() == [3.0]

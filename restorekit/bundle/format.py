@@ -6,6 +6,7 @@ checksums use google-crc32c.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -23,25 +24,42 @@ from restorekit.errors import (
 
 __all__ = [
     "DTYPE_NAMES",
+    "FLOAT_DTYPES",
     "DT_BFLOAT16",
     "DT_BOOL",
     "DT_COMPLEX128",
     "DT_COMPLEX64",
     "DT_DOUBLE",
     "DT_FLOAT",
+    "DT_FLOAT4_E2M1FN",
+    "DT_FLOAT8_E4M3B11FNUZ",
+    "DT_FLOAT8_E4M3FN",
+    "DT_FLOAT8_E4M3FNUZ",
+    "DT_FLOAT8_E5M2",
+    "DT_FLOAT8_E5M2FNUZ",
     "DT_HALF",
+    "DT_INT16",
+    "DT_INT2",
     "DT_INT32",
+    "DT_INT4",
     "DT_INT64",
     "DT_INT8",
+    "DT_INVALID",
+    "DT_RESOURCE",
     "DT_STRING",
-    "itemsize",
+    "DT_UINT2",
+    "DT_UINT4",
+    "DT_UINT8",
+    "DT_VARIANT",
     "decode_slice_key",
     "decode_tensor",
     "dtype_enum",
     "dtype_name",
     "encode_slice_key",
     "encode_string_tensor",
+    "itemsize",
     "numpy_dtype",
+    "numpy_max_rank",
     "tensor_crc",
 ]
 
@@ -62,6 +80,18 @@ DT_COMPLEX128 = 18
 DT_HALF = 19
 DT_RESOURCE = 20
 DT_VARIANT = 21
+DT_FLOAT8_E5M2 = 24
+DT_FLOAT8_E4M3FN = 25
+DT_FLOAT8_E4M3FNUZ = 26
+DT_FLOAT8_E4M3B11FNUZ = 27
+DT_FLOAT8_E5M2FNUZ = 28
+DT_INT4 = 29
+DT_UINT4 = 30
+DT_INT2 = 31
+DT_UINT2 = 32
+DT_FLOAT4_E2M1FN = 33
+# The floating-point dtypes a cast between checkpoints' usual float types keeps among.
+FLOAT_DTYPES = frozenset({DT_FLOAT, DT_DOUBLE, DT_BFLOAT16, DT_HALF})
 
 # TF DataType enum -> (name, numpy dtype string or None when not a plain buffer).
 _DTYPES = {
@@ -88,14 +118,23 @@ _DTYPES = {
     DT_VARIANT: ("variant", None),
     22: ("uint32", "<u4"),
     23: ("uint64", "<u8"),
-    24: ("float8_e5m2", "float8_e5m2"),
-    25: ("float8_e4m3fn", "float8_e4m3fn"),
+    # ml_dtypes types, one byte per element in a shard (TF stores int4/int2 unpacked).
+    DT_FLOAT8_E5M2: ("float8_e5m2", "float8_e5m2"),
+    DT_FLOAT8_E4M3FN: ("float8_e4m3fn", "float8_e4m3fn"),
+    DT_FLOAT8_E4M3FNUZ: ("float8_e4m3fnuz", "float8_e4m3fnuz"),
+    DT_FLOAT8_E4M3B11FNUZ: ("float8_e4m3b11fnuz", "float8_e4m3b11fnuz"),
+    DT_FLOAT8_E5M2FNUZ: ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+    DT_INT4: ("int4", "int4"),
+    DT_UINT4: ("uint4", "uint4"),
+    DT_INT2: ("int2", "int2"),
+    DT_UINT2: ("uint2", "uint2"),
+    DT_FLOAT4_E2M1FN: ("float4_e2m1fn", "float4_e2m1fn"),
 }
 DTYPE_NAMES = {code: name for code, (name, _) in _DTYPES.items()}
 _BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
 _BY_NAME.update({"float": DT_FLOAT, "double": DT_DOUBLE, "half": DT_HALF, "bytes": DT_STRING, "str": DT_STRING,
                  "object": DT_STRING})
-_ML_DTYPES = ("bfloat16", "float8_e5m2", "float8_e4m3fn")
+_ML_DTYPES = frozenset({"bfloat16"} | {np_name for code, (_, np_name) in _DTYPES.items() if code >= DT_FLOAT8_E5M2})
 
 
 def dtype_name(code: int) -> str:
@@ -139,6 +178,8 @@ def numpy_dtype(code: int) -> np.dtype:
             import ml_dtypes
         except ImportError:  # pragma: no cover - ml_dtypes ships with TensorFlow
             raise MissingDependencyError(f"reading {name} needs ml_dtypes: pip install ml_dtypes") from None
+        if not hasattr(ml_dtypes, np_name):  # pragma: no cover - an old ml_dtypes
+            raise MissingDependencyError(f"reading {name} needs a newer ml_dtypes: pip install -U ml_dtypes")
         return np.dtype(getattr(ml_dtypes, np_name))
     return np.dtype(np_name)
 
@@ -216,16 +257,37 @@ def encode_string_tensor(values) -> tuple[bytes, int]:
     return bytes(out), mask_crc(crc)
 
 
+@functools.cache
+def numpy_max_rank() -> int:
+    """The most dimensions a numpy array may have (64 in numpy 2, 32 before)."""
+    try:
+        np.empty((1,) * 64)
+    except ValueError:  # pragma: no cover - numpy 1.x
+        return 32
+    return 64
+
+
+def _check_numpy_rank(name: str, shape) -> None:
+    # TF allows 254 dimensions, numpy fewer: such a tensor is valid, just not a numpy array.
+    if len(shape) > numpy_max_rank():
+        raise InvalidArgumentError(
+            f"{name!r} has {len(shape)} dimensions; numpy arrays hold at most {numpy_max_rank()}, so it "
+            "cannot be read as one (its bytes can be copied, renamed and verified)"
+        )
+
+
 def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32c: int | None = None) -> np.ndarray:
     """Tensor bytes from a shard -> numpy array, checking the crc when one is given.
 
     Raises:
         ChecksumMismatchError: the bytes do not match ``crc32c``.
         CorruptCheckpointError: the byte count does not fit the dtype and shape.
+        InvalidArgumentError: more dimensions than a numpy array can have.
     """
     count = math.prod(int(d) for d in shape)  # Python ints: a corrupt shape must not wrap around
     if dtype == DT_STRING:
         strings = _decode_strings(raw, count, name, crc32c)
+        _check_numpy_rank(name, shape)
         try:
             return strings.reshape(shape)
         except ValueError:
@@ -240,6 +302,7 @@ def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32
             f"{name!r}: tensor bytes fail their crc32c check (stored {crc32c:#010x}, "
             f"computed {tensor_crc(raw):#010x}); the data shard is corrupt"
         )
+    _check_numpy_rank(name, shape)
     try:
         return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
     except ValueError:  # dimensions numpy cannot index, e.g. (0, 2**40, 2**40)
