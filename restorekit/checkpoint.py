@@ -6,7 +6,6 @@ tensor is read. TensorFlow is never imported for local paths.
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -276,18 +275,36 @@ class Checkpoint(Mapping):
     def is_partitioned(self, name: str) -> bool:
         return name in self._slices
 
-    def read_raw(self, entry: BundleEntry, name: str = "") -> bytes:
-        """The exact bytes of one stored tensor, length-checked."""
+    def _shard_for(self, entry: BundleEntry, name: str) -> str:
+        """The data shard holding ``entry``, checked to be a regular file long enough for it.
+
+        Checked before anything is read or allocated: a corrupt offset or size must not
+        seek or allocate past the file (OverflowError, MemoryError), and a FIFO or device
+        in a shard's place must not block or read without end.
+        """
         path = self.data_file(entry.shard_id)
-        if not files.exists(path):
-            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing")
-        # Check against the file's length first: a corrupt offset or size must not seek
-        # or allocate past it (OverflowError, MemoryError).
-        length = os.path.getsize(path) if not files.is_remote(path) else None
-        if length is not None and entry.offset + entry.size > length:
+        try:
+            length = files.size(path)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"data shard for {name!r}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - OSError locally, tf.errors.OpError on remote paths
+            if files.exists(path):
+                raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is unreadable: {e}") from None
+            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
+        if entry.offset + entry.size > length:
             raise CorruptCheckpointError(
-                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size} "
+                f"of its {length}"
             )
+        return path
+
+    def read_raw(self, entry: BundleEntry, name: str = "") -> bytes:
+        """The exact bytes of one stored tensor, length-checked.
+
+        Raises:
+            CorruptCheckpointError: the shard is missing, not a regular file, or too short.
+        """
+        path = self._shard_for(entry, name)
         raw = files.read_range(path, entry.offset, entry.size)
         if len(raw) != entry.size:
             raise CorruptCheckpointError(
@@ -312,6 +329,14 @@ class Checkpoint(Mapping):
         layout = slice_layout(name, entry, self._slices[name])
         for _, part in layout:
             check_size(name, part)
+            try:
+                self._shard_for(part, name)
+            except CorruptCheckpointError as e:
+                need = sum(p.size for _, p in layout)
+                raise CorruptCheckpointError(
+                    f"partitioned entry {name!r} of shape {list(entry.shape)} claims {need} bytes in its slices, "
+                    f"more than its shards hold: {e}"
+                ) from None
         full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
         for index, part in layout:
             full[index] = decode_tensor(

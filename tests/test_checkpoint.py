@@ -430,3 +430,50 @@ def test_a_rank_65_tensor_lists_and_explains_why_numpy_cannot_hold_it(tmp_path):
     raw = ckpt.read_raw(ckpt.bundle_entry("deep"), "deep")
     assert np.frombuffer(raw, np.float32).tolist() == [1.5, -2.0]
     assert ckpt.read("flat").tolist() == [3.0]
+
+
+# ---------------------------------------------------------------- special files
+
+
+@pytest.fixture
+def no_hang():
+    """Fail (instead of hanging the suite) when a read blocks: SIGALRM after a few seconds."""
+    import signal
+
+    def timeout(signum, frame):
+        raise TimeoutError("blocked on a special file")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(5)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_in_place_of_the_index_is_refused_without_blocking(small_checkpoint, tmp_path, no_hang):
+    os.mkfifo(tmp_path / "piped.index")
+    with pytest.raises(CorruptCheckpointError, match=r"piped.index' is a FIFO \(named pipe\), not a regular file"):
+        Checkpoint(tmp_path / "piped")
+
+
+def test_a_device_in_place_of_the_index_is_refused(tmp_path, no_hang):
+    # /dev/null, not /dev/zero: a regression must fail here, not read without end.
+    os.symlink("/dev/null", tmp_path / "null.index")
+    with pytest.raises(CorruptCheckpointError, match="is a character device, not a regular file"):
+        Checkpoint(tmp_path / "null")
+
+
+def test_a_fifo_in_place_of_a_data_shard_is_refused_when_read_or_copied(small_checkpoint, tmp_path, no_hang):
+    from restorekit.bundle.writer import BundleWriter
+
+    prefix, values = small_checkpoint
+    copy = str(tmp_path / "c")
+    shutil.copy(prefix + ".index", copy + ".index")
+    os.mkfifo(copy + ".data-00000-of-00001")
+    ckpt = Checkpoint(copy)
+    assert dict(ckpt.entries)["dense/bias"].shape == (3,)  # listing needs only the index
+    with pytest.raises(CorruptCheckpointError, match="'dense/bias'.* is a FIFO"):
+        ckpt.read("dense/bias")
+    with pytest.raises(CorruptCheckpointError, match="is a FIFO"):
+        with BundleWriter(str(tmp_path / "out" / "m")) as w:
+            w.add_copy("dense/bias", ckpt.bundle_entry("dense/bias"), ckpt.data_file(0))

@@ -14,7 +14,7 @@ import threading
 import google_crc32c
 import numpy as np
 
-from restorekit.bundle import atomic
+from restorekit.bundle import atomic, files
 from restorekit.bundle.format import DT_STRING, decode_tensor, dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
 from restorekit.bundle.protos import BundleEntry, BundleHeader, encode_entry, encode_header
 from restorekit.bundle.table import mask_crc, write_table
@@ -201,7 +201,7 @@ class BundleWriter:
         atomic.crash_point(f"tensor-{len(self._entries)}")
         shown = key.decode("utf-8", "replace")
         try:
-            src = open(path, "rb", buffering=0)
+            src = files.open_regular(path)
         except OSError:
             raise CorruptCheckpointError(f"data shard {path!r} for {shown!r} is missing or unreadable") from None
         truncated = CorruptCheckpointError(
