@@ -123,3 +123,76 @@ def test_remove_checkpoint_files_matches_the_prefix_literally(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(names[3:])
     assert atomic.remove_checkpoint_files(tmp_path / "m[1]") == []
     assert atomic.remove_checkpoint_files(tmp_path / "no-such-dir" / "m") == []
+
+
+# ------------------------------------------------------------------ one writer per output
+
+
+def _hold(prefix, held, release):
+    with atomic.output_lock(prefix):
+        held.set()
+        release.wait(60)
+
+
+def _queue(prefix, got):
+    with atomic.output_lock(prefix, wait=True):
+        got.set()
+
+
+def _die_holding(prefix, held):
+    import os as _os
+
+    with atomic.output_lock(prefix):
+        held.set()
+        _os._exit(3)  # killed while holding: no release runs
+
+
+def test_a_second_writer_of_one_output_is_refused_or_waits(tmp_path):
+    import multiprocessing
+
+    from restorekit.errors import OutputExistsError
+
+    ctx = multiprocessing.get_context("fork")  # the children use only restorekit.bundle.atomic
+    prefix = str(tmp_path / "out" / "model.ckpt")
+    held, release, got = ctx.Event(), ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(prefix, held, release))
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert os.path.exists(tmp_path / "out" / ".model.ckpt.restorekit-lock")
+        with pytest.raises(OutputExistsError, match=f"another restorekit process \\(pid {holder.pid}\\) is writing") as info:
+            with atomic.output_lock(prefix):
+                pytest.fail("two writers hold one output")
+        assert info.value.path == prefix
+        waiter = ctx.Process(target=_queue, args=(prefix, got))
+        waiter.start()
+        assert not got.wait(0.5)  # queued behind the holder
+        release.set()
+        assert got.wait(30)
+        waiter.join(30)
+        assert waiter.exitcode == 0
+    finally:
+        release.set()
+        holder.join(30)
+    assert os.listdir(tmp_path / "out") == []  # the lock file goes with its last holder
+    with atomic.output_lock(prefix) as lock:
+        assert open(lock).read() == f"{os.getpid()}\n"
+
+
+def test_a_lock_whose_holder_was_killed_is_free_and_swept(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    prefix = str(tmp_path / "model.ckpt")
+    held = ctx.Event()
+    dying = ctx.Process(target=_die_holding, args=(prefix, held))
+    dying.start()
+    dying.join(30)
+    assert dying.exitcode == 3 and held.is_set()
+    assert os.listdir(tmp_path) == [".model.ckpt.restorekit-lock"]
+    with atomic.output_lock(prefix):  # the kernel released the dead holder's lock
+        atomic.sweep_stale(str(tmp_path))  # a held lock stays
+        assert os.listdir(tmp_path) == [".model.ckpt.restorekit-lock"]
+    open(atomic.lock_path(prefix), "w").write("999999999\n")  # left by a killed holder
+    atomic.sweep_stale(str(tmp_path))
+    assert os.listdir(tmp_path) == []

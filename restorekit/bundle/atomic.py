@@ -10,7 +10,6 @@ does it for one file (an exported ``.safetensors``, a frozen ``.pb``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import os
 import re
@@ -20,7 +19,13 @@ import time
 import uuid
 import zlib
 
-from restorekit.errors import InvalidArgumentError, OutputError
+from restorekit.bundle.files import is_remote
+from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks
+    fcntl = None
 
 __all__ = [
     "Staging",
@@ -28,6 +33,8 @@ __all__ = [
     "crash_point",
     "fsync_directory",
     "link_or_copy",
+    "lock_path",
+    "output_lock",
     "remove_checkpoint_files",
     "sweep_stale",
     "temp_name",
@@ -143,6 +150,8 @@ def sweep_stale(directory: str) -> None:
 
 def _remove_unheld_lock(path: str) -> None:
     """Remove a lock file no process holds (its holder died); one that is held stays."""
+    if fcntl is None:  # pragma: no cover
+        return
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -170,6 +179,88 @@ def _same_file(fd: int, path: str) -> bool:
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def lock_path(prefix) -> str:
+    """The hidden lock file beside an output: ``dir/.model.ckpt.restorekit-lock``."""
+    prefix = os.path.abspath(os.fspath(prefix))
+    return os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}{_LOCK_SUFFIX}")
+
+
+def _holder(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:  # pragma: no cover
+        pid = ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def _acquire(path: str, prefix: str, wait: bool) -> int:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise OutputExistsError(
+                f"another restorekit process{holder} is writing {prefix!r}; wait for it to finish "
+                "(or pass wait=True to queue behind it)",
+                path=prefix,
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The file may have been removed (its holder finished, or a sweep found it
+        # stale) between our open and our lock: then lock whatever the name means now.
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def output_lock(prefix, *, wait: bool = False):
+    """Hold the one-writer-at-a-time lock of an output (a checkpoint prefix or a file).
+
+        with output_lock('out/model.ckpt'):
+            ...write out/model.ckpt.index and its shards...
+
+    An advisory ``flock`` on a hidden file beside the output
+    (``.model.ckpt.restorekit-lock``, holding the holder's pid), removed on release.
+    The kernel releases the lock when its holder dies, however it dies; the file it
+    leaves is removed by the next ``sweep_stale``. Not reentrant: a second
+    ``output_lock`` of the same output, even in the same process, waits or raises.
+    Remote (``gs://``...) outputs are not locked: object stores have no such locks.
+
+    Args:
+        wait: block until the other writer finishes instead of raising.
+
+    Yields:
+        The lock file's path (None for a remote output).
+
+    Raises:
+        OutputExistsError: another process holds the lock and ``wait`` is False;
+            ``.path`` is the output.
+    """
+    prefix = os.fspath(prefix)
+    if fcntl is None or is_remote(prefix):  # pragma: no cover - no advisory locks there
+        yield None
+        return
+    path = lock_path(prefix)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = _acquire(path, prefix, wait)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        try:
+            if _same_file(fd, path):
+                os.remove(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def remove_checkpoint_files(prefix) -> list[str]:
