@@ -477,3 +477,86 @@ def test_a_fifo_in_place_of_a_data_shard_is_refused_when_read_or_copied(small_ch
     with pytest.raises(CorruptCheckpointError, match="is a FIFO"):
         with BundleWriter(str(tmp_path / "out" / "m")) as w:
             w.add_copy("dense/bias", ckpt.bundle_entry("dense/bias"), ckpt.data_file(0))
+
+
+# ---------------------------------------------------------------- verify
+
+
+@pytest.fixture
+def assorted(tmp_path):
+    """A TF-written checkpoint: floats, strings, a variant, a rank-65 tensor, bfloat16."""
+    import ml_dtypes
+
+    prefix = str(tmp_path / "assorted")
+    tensors = {
+        "w": tf.constant(np.arange(300, dtype=np.float32).reshape(30, 10)),
+        "words": tf.constant([b"alpha", b"", b"gamma" * 50]),
+        "ds": tf.data.experimental.to_variant(tf.data.Dataset.range(3)),
+        "deep": tf.ones([2] + [1] * 64),
+        "half": tf.constant(np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)),
+    }
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=list(tensors), shape_and_slices=[""] * len(tensors),
+                      tensors=list(tensors.values()))
+    return prefix
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_verify_checks_every_tensor_tensorflow_wrote(assorted, capsys):
+    ckpt = Checkpoint(assorted)
+    result = ckpt.verify(progress=True)
+    assert result.ok and result.problems == ()
+    assert result.tensors == 5 and result.nbytes == sum(ckpt.bundle_entry(n).size for n in ckpt)
+    assert str(result).endswith(": 5 tensors, %d bytes checked: ok" % result.nbytes)
+    assert Checkpoint(assorted).verify() == result  # a value: equal results compare equal
+
+
+@pytest.mark.parametrize("name", ["w", "words", "ds", "deep"], ids=["float32", "string", "variant", "rank 65"])
+def test_verify_finds_one_flipped_byte_in_any_tensor(assorted, name):
+    ckpt = Checkpoint(assorted)
+    entry = ckpt.bundle_entry(name)
+    _flip(ckpt.data_file(0), entry.offset + entry.size - 1)
+    result = ckpt.verify()
+    assert not result.ok
+    assert [(p.name, p.kind) for p in result.problems] == [(name, "checksum")]
+    assert "crc32c" in result.problems[0].message and name in str(result)
+
+
+def test_verify_finds_a_truncated_shard_and_overlapping_slices(partitioned, tmp_path):
+    from restorekit.bundle.format import encode_slice_key
+
+    prefix, _ = partitioned
+    shard = prefix + ".data-00000-of-00001"
+    os.truncate(shard, os.path.getsize(shard) - 4)  # the last slice loses its last element
+
+    def second_slice_covers_rows_0_to_5(records):
+        return [(encode_slice_key("emb", ((0, 5), (0, -1))) if key[:1] == b"\x00" and decode_slice_key(key)[1][0][0] == 5
+                 else key, value) for key, value in records]
+
+    assert [p.name for p in Checkpoint(prefix).verify().problems] == ["emb"]
+    _rewrite_index(prefix, second_slice_covers_rows_0_to_5)
+    result = Checkpoint(prefix).verify()
+    assert [(p.name, p.kind) for p in result.problems] == [("emb", "corrupt")]
+    assert "overlap" in result.problems[0].message
+
+
+def test_verify_reports_a_missing_shard_and_an_entry_whose_size_does_not_fit(small_checkpoint):
+    from restorekit.bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = small_checkpoint
+    _rewrite_index(prefix, lambda records: [
+        (k, encode_entry(decode_entry(v).replace(size=decode_entry(v).size + 4)) if k == b"dense/bias" else v)
+        for k, v in records])
+    result = Checkpoint(prefix).verify()
+    assert [(p.name, p.kind) for p in result.problems] == [("dense/bias", "corrupt")]
+    assert "16 bytes stored for a float32 tensor of shape [3], which takes 12" in result.problems[0].message
+    os.remove(prefix + ".data-00000-of-00001")
+    result = Checkpoint(prefix).verify()
+    assert len(result.problems) == len(Checkpoint(prefix)) and result.nbytes == 0
+    assert all("missing" in p.message for p in result.problems if p.name != "dense/bias")

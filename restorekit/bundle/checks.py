@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from restorekit.bundle.format import DT_STRING, dtype_name, itemsize
+from restorekit.bundle.format import DT_STRING, DT_VARIANT, dtype_name, itemsize
 from restorekit.bundle.protos import BundleEntry, BundleHeader
-from restorekit.errors import CorruptCheckpointError
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
 
 __all__ = [
     "BUNDLE_VERSION",
@@ -82,12 +82,13 @@ def check_shape(name: str, entry: BundleEntry) -> None:
 
 
 def stored_size(dtype: int, shape) -> int | None:
-    """Bytes a tensor of ``dtype`` and ``shape`` takes in a shard; None for strings (variable length).
+    """Bytes a tensor of ``dtype`` and ``shape`` takes in a shard; None for strings and variants
+    (variable length).
 
     Raises:
-        CorruptCheckpointError: a dtype with no fixed-size numpy equivalent.
+        CorruptCheckpointError: a dtype TensorFlow does not have.
     """
-    if dtype == DT_STRING:
+    if dtype in (DT_STRING, DT_VARIANT):
         return None
     return element_count(shape) * itemsize(dtype)
 
@@ -95,15 +96,21 @@ def stored_size(dtype: int, shape) -> int | None:
 def check_size(name: str, entry: BundleEntry) -> None:
     """Refuse an entry whose byte size cannot hold its shape (TF's ``GetValue`` rule).
 
-    A fixed-size dtype needs exactly elements x itemsize bytes; a string tensor at
-    least one byte per element (each length takes at least one varint byte).
+    A fixed-size dtype needs exactly elements x itemsize bytes; a string or variant
+    tensor at least one byte per element (each length takes at least one varint byte).
+
+    Raises:
+        CorruptCheckpointError: the size does not fit, or the dtype is not TensorFlow's.
     """
     count = element_count(entry.shape)
-    expected = stored_size(entry.dtype, entry.shape)
+    try:
+        expected = stored_size(entry.dtype, entry.shape)
+    except InvalidArgumentError:  # resource handles: never saved by TensorFlow
+        raise CorruptCheckpointError(f"entry {name!r} is a {dtype_name(entry.dtype)} tensor, which checkpoints do not hold") from None
     if expected is None:
         if entry.size < count:
             raise CorruptCheckpointError(
-                f"entry {name!r}: {entry.size} bytes cannot hold a string tensor of {count} elements "
+                f"entry {name!r}: {entry.size} bytes cannot hold a {dtype_name(entry.dtype)} tensor of {count} elements "
                 f"(shape {list(entry.shape)})"
             )
     elif entry.size != expected:

@@ -25,6 +25,7 @@ from restorekit.errors import (
 __all__ = [
     "DTYPE_NAMES",
     "FLOAT_DTYPES",
+    "check_tensor_bytes",
     "DT_BFLOAT16",
     "DT_BOOL",
     "DT_COMPLEX128",
@@ -165,14 +166,19 @@ def dtype_enum(dtype) -> int:
 
 
 def numpy_dtype(code: int) -> np.dtype:
-    """The numpy dtype holding a TF dtype's values (object for strings)."""
+    """The numpy dtype holding a TF dtype's values (object for strings).
+
+    Raises:
+        CorruptCheckpointError: a dtype code TensorFlow does not have.
+        InvalidArgumentError: a dtype (resource, variant) that has no numpy form.
+    """
     if code not in _DTYPES:
         raise CorruptCheckpointError(f"unknown TensorFlow dtype code {code}")
     name, np_name = _DTYPES[code]
     if np_name is None:
         if code == DT_STRING:
             return np.dtype(object)
-        raise CorruptCheckpointError(f"dtype {name!r} tensors cannot be read as numpy arrays")
+        raise InvalidArgumentError(f"dtype {name!r} tensors cannot be read as numpy arrays")
     if np_name in _ML_DTYPES:
         try:
             import ml_dtypes
@@ -188,11 +194,11 @@ def itemsize(code: int) -> int:
     """Bytes per element of a fixed-size TF dtype (its numpy itemsize).
 
     Raises:
-        CorruptCheckpointError: an unknown dtype, or one (string, resource, variant)
-            without fixed-size elements.
+        CorruptCheckpointError: an unknown dtype.
+        InvalidArgumentError: a dtype (string, resource, variant) without fixed-size elements.
     """
-    if code == DT_STRING:
-        raise CorruptCheckpointError("string tensors have no fixed element size")
+    if code in (DT_STRING, DT_VARIANT, DT_RESOURCE):
+        raise InvalidArgumentError(f"{dtype_name(code)} tensors have no fixed element size")
     return numpy_dtype(code).itemsize
 
 
@@ -234,6 +240,53 @@ def _string_bytes(value) -> bytes:
         return bytes(value)
     # bytes(3) would be three zero bytes: refuse anything that is not text or bytes.
     raise InvalidArgumentError(f"a string tensor holds str or bytes; got {type(value).__name__} {value!r:.60}")
+
+
+def _check_variant(raw: bytes, count: int, name: str, expected_crc: int) -> None:
+    # Layout per element: varint64 length, the serialized variant, then a masked crc32c
+    # of everything so far, where the length counts as a little-endian uint64. The
+    # entry's crc covers the same stream, the per-element checksums included.
+    pos, crc = 0, 0
+    where = f"variant tensor {name!r}"
+    for i in range(count):
+        n, pos = read_varint(raw, pos, len(raw), where)
+        if pos + n + 4 > len(raw):
+            raise CorruptCheckpointError(f"{name!r}: variant element {i} runs past the tensor's {len(raw)} bytes")
+        crc = google_crc32c.extend(crc, struct.pack("<Q", n))
+        crc = google_crc32c.extend(crc, raw[pos : pos + n])
+        pos += n
+        stored = raw[pos : pos + 4]
+        if struct.unpack("<I", stored)[0] != mask_crc(crc):
+            raise ChecksumMismatchError(f"{name!r}: variant element {i} fails its crc32c check; the shard is corrupt")
+        crc = google_crc32c.extend(crc, stored)
+        pos += 4
+    if pos != len(raw):
+        raise CorruptCheckpointError(f"{name!r}: {len(raw) - pos} bytes left over after {count} variant elements")
+    if mask_crc(crc) != expected_crc:
+        raise ChecksumMismatchError(f"{name!r}: variant tensor fails its crc32c check; the shard is corrupt")
+
+
+def check_tensor_bytes(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32c: int) -> None:
+    """Check a stored tensor's bytes against its dtype, shape and crc32c without making an array.
+
+    Works for every dtype TF stores, variants and shapes numpy cannot hold included.
+
+    Raises:
+        ChecksumMismatchError: the bytes fail their crc32c.
+        CorruptCheckpointError: the bytes do not fit the dtype and shape.
+    """
+    count = math.prod(int(d) for d in shape)
+    if dtype == DT_STRING:
+        _decode_strings(raw, count, name, crc32c)
+    elif dtype == DT_VARIANT:
+        _check_variant(raw, count, name, crc32c)
+    else:
+        if len(raw) != count * itemsize(dtype):
+            raise CorruptCheckpointError(
+                f"{name!r}: {len(raw)} bytes do not hold a {dtype_name(dtype)} tensor of shape {list(shape)}"
+            )
+        if tensor_crc(raw) != crc32c:
+            raise ChecksumMismatchError(f"{name!r}: tensor bytes fail their crc32c check; the data shard is corrupt")
 
 
 def encode_string_tensor(values) -> tuple[bytes, int]:
