@@ -244,8 +244,10 @@ def object_graph(tmp_path_factory):
     """The serialized object graph of a tf.train.Checkpoint holding a Keras model and an Adam optimizer."""
     import keras
 
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
-    optimizer = keras.optimizers.Adam()
+    # Named explicitly: automatic names would take Keras's global counters from other tests.
+    model = keras.Sequential([keras.Input((3,), name="fuzz_in"), keras.layers.Dense(4, name="fuzz_a"),
+                              keras.layers.Dense(2, name="fuzz_b")], name="fuzz_model")
+    optimizer = keras.optimizers.Adam(name="fuzz_adam")
     optimizer.apply_gradients(zip([tf.ones_like(v) for v in model.trainable_variables], model.trainable_variables))
     prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path_factory.mktemp("graph") / "ckpt"))
     raw = Checkpoint(prefix).read(OBJECT_GRAPH_KEY).item()
