@@ -6,9 +6,8 @@ tensor is read. TensorFlow is never imported for local paths.
 
 from __future__ import annotations
 
-import math
-import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,12 +17,24 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from restorekit.bundle import files, statefile
+from restorekit.bundle.checks import check_header, check_shape, check_size, slice_layout
 from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
-from restorekit.bundle.format import decode_slice_key, decode_tensor, dtype_name, numpy_dtype
+from restorekit.bundle.format import (
+    DT_STRING,
+    DT_VARIANT,
+    DTYPE_NAMES,
+    check_tensor_bytes,
+    decode_slice_key,
+    decode_tensor,
+    dtype_name,
+    numpy_dtype,
+)
 from restorekit.bundle.protos import BundleEntry, BundleHeader, decode_entry, decode_header
-from restorekit.bundle.table import read_table
+from restorekit.bundle.table import mask_crc, read_table
+from restorekit.bundle.writer import copy_checked
 from restorekit.errors import (
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     NoMatchError,
     RestoreKitWarning,
@@ -31,7 +42,7 @@ from restorekit.errors import (
     format_names,
 )
 
-__all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "resolve_prefix"]
+__all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "Problem", "VerifyResult", "resolve_prefix"]
 
 _DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _WARNED: set = set()
@@ -121,6 +132,39 @@ def resolve_prefix(path) -> str:
     raise CheckpointNotFoundError(f"no checkpoint at {path!r} (looked for {path + '.index'!r}).{hint}", path)
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One entry that fails verification: ``kind`` is 'checksum' (bytes changed) or 'corrupt'."""
+
+    name: str
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What ``Checkpoint.verify`` checked and found. ``ok`` when ``problems`` is empty."""
+
+    prefix: str
+    tensors: int
+    nbytes: int
+    problems: tuple = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        head = f"{self.prefix!r}: {self.tensors} tensors, {self.nbytes} bytes checked"
+        if self.ok:
+            return f"{head}: ok"
+        lines = [f"{head}: {len(self.problems)} with problems"]
+        lines += [f"  {p.kind:<9} {p.name}: {p.message}" for p in self.problems[:20]]
+        if len(self.problems) > 20:
+            lines.append(f"  ... and {len(self.problems) - 20} more")
+        return "\n".join(lines)
+
+
 class Checkpoint(Mapping):
     """A read-only view of a TensorFlow (V2) checkpoint.
 
@@ -149,6 +193,7 @@ class Checkpoint(Mapping):
         if not records or records[0][0] != b"":
             raise CorruptCheckpointError("index has no header record")
         self.header: BundleHeader = decode_header(records[0][1])
+        check_header(self.header)
         if self.header.endianness != 0:
             raise CorruptCheckpointError("big-endian checkpoints are not supported")
         if not 1 <= self.header.num_shards <= 1_000_000:
@@ -159,17 +204,17 @@ class Checkpoint(Mapping):
             entry = decode_entry(value)
             if key[:1] == b"\x00":
                 full_name, extents = decode_slice_key(key)
+                name = f"{full_name} {list(extents)}"
                 slices.setdefault(full_name, []).append((extents, entry))
-                continue
-            try:
-                name = key.decode("utf-8")
-            except UnicodeDecodeError:
-                raise CorruptCheckpointError(f"entry name {key[:60]!r} is not UTF-8") from None
-            if not entry.slices and entry.shard_id >= self.header.num_shards:
-                raise CorruptCheckpointError(
-                    f"entry {name!r} lives in shard {entry.shard_id} of {self.header.num_shards}"
-                )
-            bundle[name] = entry
+            else:
+                try:
+                    name = key.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise CorruptCheckpointError(f"entry name {key[:60]!r} is not UTF-8") from None
+                bundle[name] = entry
+            check_shape(name, entry)
+            if (not entry.slices or key[:1] == b"\x00") and entry.shard_id >= self.header.num_shards:
+                raise CorruptCheckpointError(f"entry {name!r} lives in shard {entry.shard_id} of {self.header.num_shards}")
         for name, parts in slices.items():
             if name not in bundle:
                 raise CorruptCheckpointError(f"slices of {name!r} without a full entry")
@@ -260,9 +305,7 @@ class Checkpoint(Mapping):
         return tracked.path if tracked is not None else name
 
     def _unknown(self, name: str) -> NoMatchError:
-        near = closest_names(name, self._entries)
-        hint = f" Closest: {format_names(near)}." if near else ""
-        return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.{hint}", near)
+        return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name, candidates=self._entries)
 
     # -- low-level access for the editor and the exporters
     def data_file(self, shard_id: int) -> str:
@@ -277,18 +320,36 @@ class Checkpoint(Mapping):
     def is_partitioned(self, name: str) -> bool:
         return name in self._slices
 
-    def read_raw(self, entry: BundleEntry, name: str = "") -> bytes:
-        """The exact bytes of one stored tensor, length-checked."""
+    def _shard_for(self, entry: BundleEntry, name: str) -> str:
+        """The data shard holding ``entry``, checked to be a regular file long enough for it.
+
+        Checked before anything is read or allocated: a corrupt offset or size must not
+        seek or allocate past the file (OverflowError, MemoryError), and a FIFO or device
+        in a shard's place must not block or read without end.
+        """
         path = self.data_file(entry.shard_id)
-        if not files.exists(path):
-            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing")
-        # Check against the file's length first: a corrupt offset or size must not seek
-        # or allocate past it (OverflowError, MemoryError).
-        length = os.path.getsize(path) if not files.is_remote(path) else None
-        if length is not None and entry.offset + entry.size > length:
+        try:
+            length = files.size(path)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"data shard for {name!r}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - OSError locally, tf.errors.OpError on remote paths
+            if files.exists(path):
+                raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is unreadable: {e}") from None
+            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
+        if entry.offset + entry.size > length:
             raise CorruptCheckpointError(
-                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size} "
+                f"of its {length}"
             )
+        return path
+
+    def read_raw(self, entry: BundleEntry, name: str = "") -> bytes:
+        """The exact bytes of one stored tensor, length-checked.
+
+        Raises:
+            CorruptCheckpointError: the shard is missing, not a regular file, or too short.
+        """
+        path = self._shard_for(entry, name)
         raw = files.read_range(path, entry.offset, entry.size)
         if len(raw) != entry.size:
             raise CorruptCheckpointError(
@@ -305,45 +366,96 @@ class Checkpoint(Mapping):
         """
         entry = self.bundle_entry(name)
         if name not in self._slices:
+            check_size(name, entry)
             return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
-        # Slices must lie inside the full shape and tile it; a corrupt index would
-        # otherwise allocate an arbitrary amount of memory or write out of bounds.
-        full_size = math.prod(entry.shape)
-        stored = 0
-        indexes = []
-        for extents, part in self._slices[name]:
-            index, part_shape = _slice_index(name, entry.shape, extents)
-            if tuple(part.shape) != part_shape:
+        # Check the slices against TF's rules before allocating the full tensor: a
+        # corrupt index would otherwise allocate an arbitrary amount of memory, write
+        # out of bounds, or leave zeros where a slice is missing.
+        layout = slice_layout(name, entry, self._slices[name])
+        for _, part in layout:
+            check_size(name, part)
+            try:
+                self._shard_for(part, name)
+            except CorruptCheckpointError as e:
+                need = sum(p.size for _, p in layout)
                 raise CorruptCheckpointError(
-                    f"partitioned entry {name!r}: a slice of shape {list(part.shape)} is stored for extents {extents}"
-                )
-            stored += math.prod(part_shape)
-            indexes.append((index, part))
-        if stored != full_size:
-            raise CorruptCheckpointError(
-                f"partitioned entry {name!r}: its slices hold {stored} elements but its shape "
-                f"{list(entry.shape)} needs {full_size}"
-            )
+                    f"partitioned entry {name!r} of shape {list(entry.shape)} claims {need} bytes in its slices, "
+                    f"more than its shards hold: {e}"
+                ) from None
         full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
-        for index, part in indexes:
+        for index, part in layout:
             full[index] = decode_tensor(
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
             )
         return full
 
+    # -- verification
+    def verify(self, *, progress: bool = False) -> VerifyResult:
+        """Check every tensor against TF's rules and its bytes against their crc32c.
 
-def _slice_index(name: str, shape: tuple, extents: tuple) -> tuple[tuple, tuple]:
-    """numpy index and shape of one slice; (start, -1) means the whole dimension."""
-    if len(extents) != len(shape):
-        raise CorruptCheckpointError(f"partitioned entry {name!r}: a slice has {len(extents)} extents for rank {len(shape)}")
-    index, part_shape = [], []
-    for dim, (start, length) in zip(shape, extents):
-        if length < 0:
-            start, length = 0, dim
-        if start < 0 or start + length > dim:
-            raise CorruptCheckpointError(
-                f"partitioned entry {name!r}: slice [{start}, {start + length}) lies outside dimension {dim}"
+        Reads each tensor's bytes once, in chunks (memory stays small however big the
+        checkpoint), and makes no arrays, so every dtype and rank TF stores is checked.
+        Per entry: a dtype TF has, a byte size that fits shape x dtype, slices that
+        tile their tensor exactly, shards that exist, are regular files and are long
+        enough, and the crc32c. The index itself was checked when the Checkpoint was made.
+
+        Every entry is checked, whatever the earlier ones showed: the result lists all
+        problems rather than raising on the first, so one run shows all the damage.
+
+        Args:
+            progress: show a tqdm byte counter on stderr (when it is a terminal).
+
+        Returns:
+            A ``VerifyResult``: tensors and bytes checked, and the problems found
+            (``result.ok`` when there are none).
+        """
+        from tqdm import tqdm
+
+        total = sum(e.size for e in self._bundle.values()) + sum(p.size for ps in self._slices.values() for _, p in ps)
+        problems, checked = [], 0
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
+                  disable=None if progress else True, leave=False) as bar:
+            for name, entry in self._bundle.items():
+                try:
+                    checked += self._verify_entry(name, entry, bar.update)
+                except CorruptCheckpointError as e:
+                    kind = "checksum" if isinstance(e, ChecksumMismatchError) else "corrupt"
+                    problems.append(Problem(name, kind, str(e)))
+        return VerifyResult(self.prefix, len(self._bundle), checked, tuple(problems))
+
+    def _verify_entry(self, name: str, entry: BundleEntry, advance) -> int:
+        if entry.dtype not in DTYPE_NAMES:
+            raise CorruptCheckpointError(f"unknown TensorFlow dtype code {entry.dtype}")
+        parts = self._slices.get(name)
+        if parts is None:
+            if entry.slices:
+                raise CorruptCheckpointError(f"the entry lists {len(entry.slices)} slices; the index holds none")
+            pieces = [entry]
+        else:
+            if len(entry.slices) != len(parts):
+                raise CorruptCheckpointError(
+                    f"the entry lists {len(entry.slices)} slices; the index holds {len(parts)}"
+                )
+            pieces = [part for _, part in slice_layout(name, entry, parts)]
+        for piece in pieces:
+            check_size(name, piece)
+            self._shard_for(piece, name)
+        for piece in pieces:
+            self._check_bytes(name, piece, advance)
+        return sum(p.size for p in pieces)
+
+    def _check_bytes(self, name: str, entry: BundleEntry, advance) -> None:
+        path = self.data_file(entry.shard_id)
+        if entry.dtype in (DT_STRING, DT_VARIANT) or files.is_remote(path):
+            check_tensor_bytes(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
+            advance(entry.size)
+            return
+        with files.open_regular(path) as f:
+            crc = copy_checked(f.fileno(), entry.offset, entry.size, lambda chunk: advance(len(chunk)))
+        if crc is None:
+            raise CorruptCheckpointError(f"data shard {path!r} is truncated: {name!r} runs past its end")
+        if mask_crc(crc) != entry.crc32c:
+            raise ChecksumMismatchError(
+                f"tensor bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed {mask_crc(crc):#010x}); "
+                f"the data shard {path!r} is corrupt"
             )
-        index.append(slice(start, start + length))
-        part_shape.append(length)
-    return tuple(index), tuple(part_shape)

@@ -254,3 +254,309 @@ def test_fallback_warns_once_however_often_the_directory_is_opened(small_checkpo
         for _ in range(3):
             assert Checkpoint(directory).prefix == prefix
     assert [str(w.message).count("does not exist") for w in caught] == [1]
+
+
+# ---------------------------------------------------------------- TensorFlow's reader rules
+
+
+def _rewrite_index(prefix, change):
+    """Apply ``change`` to the (key, value) records of ``prefix``'s index and write it back."""
+    from restorekit.bundle.table import read_table, write_table
+
+    with open(prefix + ".index", "rb") as f:
+        records = read_table(f.read())
+    with open(prefix + ".index", "wb") as f:
+        f.write(write_table(sorted(change(records))))
+
+
+def _tf_refuses(prefix, name):
+    try:
+        tf.train.load_checkpoint(prefix).get_tensor(name)
+    except (tf.errors.OpError, ValueError, RuntimeError):
+        return True
+    return False
+
+
+@pytest.fixture
+def partitioned(tmp_path):
+    """'emb' [10, 2] saved by TF in two slices, rows 0-5 and 5-10."""
+    with tf.Graph().as_default():
+        var = tf1.get_variable("emb", shape=[10, 2], partitioner=tf1.fixed_size_partitioner(2))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            full = sess.run(tf.concat(list(var), axis=0))
+            return saver.save(sess, str(tmp_path / "p"), write_meta_graph=False), full
+
+
+def test_overlapping_slices_that_leave_rows_uncovered_are_refused(partitioned):
+    from restorekit.bundle.format import encode_slice_key
+
+    prefix, full = partitioned
+    np.testing.assert_array_equal(Checkpoint(prefix).read("emb"), full)
+
+    def second_slice_covers_rows_0_to_5(records):
+        # The same element count as before, so only an overlap check finds it.
+        return [(encode_slice_key("emb", ((0, 5), (0, -1))) if key[:1] == b"\x00" and decode_slice_key(key)[1][0][0] == 5
+                 else key, value) for key, value in records]
+
+    _rewrite_index(prefix, second_slice_covers_rows_0_to_5)
+    with pytest.raises(CorruptCheckpointError, match=r"'emb': slices \[0:5, 0:2\] and \[0:5, 0:2\] overlap"):
+        Checkpoint(prefix).read("emb")
+    assert _tf_refuses(prefix, "emb")
+
+
+def test_a_slice_whose_dtype_differs_from_its_tensor_is_refused(partitioned):
+    from restorekit.bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = partitioned
+
+    def first_slice_int32(records):
+        return [(k, encode_entry(decode_entry(v).replace(dtype=3)) if k[:1] == b"\x00" else v) for k, v in records]
+
+    _rewrite_index(prefix, first_slice_int32)
+    with pytest.raises(CorruptCheckpointError, match="'emb' is float32; its slice .* is int32"):
+        Checkpoint(prefix).read("emb")
+
+
+def test_an_entry_with_two_shape_fields_is_refused(small_checkpoint):
+    prefix, _ = small_checkpoint
+
+    def second_shape(records):
+        # BundleEntryProto field 2 (shape) again: TensorShapeProto with one dim of size 3.
+        return [(k, v + b"\x12\x04\x12\x02\x08\x03" if k == b"dense/bias" else v) for k, v in records]
+
+    _rewrite_index(prefix, second_shape)
+    with pytest.raises(CorruptCheckpointError, match="more than one shape field"):
+        Checkpoint(prefix)
+    assert _tf_refuses(prefix, "dense/bias")
+
+
+def _set_version(producer=1, min_consumer=0, bad_consumers=()):
+    from restorekit.bundle.protos import BundleHeader, encode_header
+
+    header = encode_header(BundleHeader(num_shards=1, version_producer=producer, version_min_consumer=min_consumer,
+                                        bad_consumers=tuple(bad_consumers)))
+    return lambda records: [(k, header if k == b"" else v) for k, v in records]
+
+
+@pytest.mark.parametrize(
+    "version, message",
+    [
+        ({"min_consumer": 2}, "needs a reader of format version 2 or newer"),
+        ({"producer": 2, "bad_consumers": (1,)}, r"disallows readers of format version 1 \(bad_consumers \[1\]\)"),
+        ({"producer": -1}, "older than the oldest"),
+    ],
+    ids=["min_consumer above ours", "our version listed as bad", "negative producer"],
+)
+def test_header_versions_tensorflow_refuses_are_refused(small_checkpoint, version, message):
+    prefix, _ = small_checkpoint
+    _rewrite_index(prefix, _set_version(**version))
+    with pytest.raises(CorruptCheckpointError, match=message):
+        Checkpoint(prefix)
+    assert _tf_refuses(prefix, "global_step")
+
+
+def test_header_versions_tensorflow_accepts_are_accepted(small_checkpoint):
+    prefix, values = small_checkpoint
+    _rewrite_index(prefix, _set_version(producer=5, min_consumer=1, bad_consumers=(0, 2)))
+    assert not _tf_refuses(prefix, "global_step")
+    assert Checkpoint(prefix).read("global_step") == values["global_step"]
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [((1,) * 255, "rank 255; TensorFlow allows at most 254"), ((2**40, 2**40), "more elements than an int64 counts")],
+    ids=["rank 255", "2**80 elements"],
+)
+def test_shapes_tensorflow_refuses_are_refused_when_listing(small_checkpoint, shape, message):
+    from restorekit.bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = small_checkpoint
+    _rewrite_index(prefix, lambda records: [
+        (k, encode_entry(decode_entry(v).replace(shape=shape)) if k == b"dense/bias" else v) for k, v in records])
+    with pytest.raises(CorruptCheckpointError, match=message):
+        Checkpoint(prefix)
+
+
+# ---------------------------------------------------------------- every dtype TF 2.21 writes
+
+_ML_VALUES = {
+    "float8_e5m2": [0.0, -1.5, 3.0, 57344.0],
+    "float8_e4m3fn": [0.0, -1.5, 3.0, 448.0],
+    "float8_e4m3fnuz": [0.0, -1.5, 3.0, 240.0],
+    "float8_e4m3b11fnuz": [0.0, -1.5, 3.0, 30.0],
+    "float8_e5m2fnuz": [0.0, -1.5, 3.0, 57344.0],
+    "float4_e2m1fn": [0.0, -0.5, 1.5, 6.0],
+    "int4": [-8, -1, 0, 7],
+    "uint4": [0, 1, 9, 15],
+    "int2": [-2, -1, 0, 1],
+    "uint2": [0, 1, 2, 3],
+}
+
+
+@pytest.mark.parametrize("dtype_name", list(_ML_VALUES), ids=list(_ML_VALUES))
+def test_every_narrow_dtype_tensorflow_writes_reads_back_equal(tmp_path, dtype_name):
+    import ml_dtypes
+
+    from restorekit.bundle.writer import BundleWriter
+
+    value = np.array(_ML_VALUES[dtype_name], dtype=np.float32).astype(getattr(ml_dtypes, dtype_name)).reshape(2, 2)
+    prefix = str(tmp_path / "tf")
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=["x"], shape_and_slices=[""], tensors=[tf.constant(value)])
+    ckpt = Checkpoint(prefix)
+    assert ckpt.entries["x"].dtype == dtype_name and ckpt.entries["x"].nbytes == 4
+    got = ckpt.read("x")
+    assert got.dtype == value.dtype and got.tobytes() == value.tobytes()
+    # ... and what restorekit writes, TensorFlow reads.
+    ours = str(tmp_path / "ours")
+    with BundleWriter(ours) as w:
+        w.add("x", value)
+    back = tf.train.load_checkpoint(ours).get_tensor("x")
+    assert np.asarray(back).tobytes() == value.tobytes()
+
+
+def test_a_rank_65_tensor_lists_and_explains_why_numpy_cannot_hold_it(tmp_path):
+    from restorekit.errors import InvalidArgumentError
+
+    prefix = str(tmp_path / "deep")
+    shape = [2] + [1] * 64
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=["deep", "flat"], shape_and_slices=["", ""],
+                      tensors=[tf.reshape(tf.constant([1.5, -2.0]), shape), tf.constant([3.0])])
+    ckpt = Checkpoint(prefix)
+    assert ckpt.entries["deep"].shape == tuple(shape) and ckpt.entries["deep"].nbytes == 8
+    with pytest.raises(InvalidArgumentError, match="'deep' has 65 dimensions; numpy arrays hold at most 64"):
+        ckpt.read("deep")
+    raw = ckpt.read_raw(ckpt.bundle_entry("deep"), "deep")
+    assert np.frombuffer(raw, np.float32).tolist() == [1.5, -2.0]
+    assert ckpt.read("flat").tolist() == [3.0]
+
+
+# ---------------------------------------------------------------- special files
+
+
+@pytest.fixture
+def no_hang():
+    """Fail (instead of hanging the suite) when a read blocks: SIGALRM after a few seconds."""
+    import signal
+
+    def timeout(signum, frame):
+        raise TimeoutError("blocked on a special file")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(5)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_in_place_of_the_index_is_refused_without_blocking(small_checkpoint, tmp_path, no_hang):
+    os.mkfifo(tmp_path / "piped.index")
+    with pytest.raises(CorruptCheckpointError, match=r"piped.index' is a FIFO \(named pipe\), not a regular file"):
+        Checkpoint(tmp_path / "piped")
+
+
+def test_a_device_in_place_of_the_index_is_refused(tmp_path, no_hang):
+    # /dev/null, not /dev/zero: a regression must fail here, not read without end.
+    os.symlink("/dev/null", tmp_path / "null.index")
+    with pytest.raises(CorruptCheckpointError, match="is a character device, not a regular file"):
+        Checkpoint(tmp_path / "null")
+
+
+def test_a_fifo_in_place_of_a_data_shard_is_refused_when_read_or_copied(small_checkpoint, tmp_path, no_hang):
+    from restorekit.bundle.writer import BundleWriter
+
+    prefix, values = small_checkpoint
+    copy = str(tmp_path / "c")
+    shutil.copy(prefix + ".index", copy + ".index")
+    os.mkfifo(copy + ".data-00000-of-00001")
+    ckpt = Checkpoint(copy)
+    assert dict(ckpt.entries)["dense/bias"].shape == (3,)  # listing needs only the index
+    with pytest.raises(CorruptCheckpointError, match="'dense/bias'.* is a FIFO"):
+        ckpt.read("dense/bias")
+    with pytest.raises(CorruptCheckpointError, match="is a FIFO"):
+        with BundleWriter(str(tmp_path / "out" / "m")) as w:
+            w.add_copy("dense/bias", ckpt.bundle_entry("dense/bias"), ckpt.data_file(0))
+
+
+# ---------------------------------------------------------------- verify
+
+
+@pytest.fixture
+def assorted(tmp_path):
+    """A TF-written checkpoint: floats, strings, a variant, a rank-65 tensor, bfloat16."""
+    import ml_dtypes
+
+    prefix = str(tmp_path / "assorted")
+    tensors = {
+        "w": tf.constant(np.arange(300, dtype=np.float32).reshape(30, 10)),
+        "words": tf.constant([b"alpha", b"", b"gamma" * 50]),
+        "ds": tf.data.experimental.to_variant(tf.data.Dataset.range(3)),
+        "deep": tf.ones([2] + [1] * 64),
+        "half": tf.constant(np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)),
+    }
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=list(tensors), shape_and_slices=[""] * len(tensors),
+                      tensors=list(tensors.values()))
+    return prefix
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_verify_checks_every_tensor_tensorflow_wrote(assorted, capsys):
+    ckpt = Checkpoint(assorted)
+    result = ckpt.verify(progress=True)
+    assert result.ok and result.problems == ()
+    assert result.tensors == 5 and result.nbytes == sum(ckpt.bundle_entry(n).size for n in ckpt)
+    assert str(result).endswith(": 5 tensors, %d bytes checked: ok" % result.nbytes)
+    assert Checkpoint(assorted).verify() == result  # a value: equal results compare equal
+
+
+@pytest.mark.parametrize("name", ["w", "words", "ds", "deep"], ids=["float32", "string", "variant", "rank 65"])
+def test_verify_finds_one_flipped_byte_in_any_tensor(assorted, name):
+    ckpt = Checkpoint(assorted)
+    entry = ckpt.bundle_entry(name)
+    _flip(ckpt.data_file(0), entry.offset + entry.size - 1)
+    result = ckpt.verify()
+    assert not result.ok
+    assert [(p.name, p.kind) for p in result.problems] == [(name, "checksum")]
+    assert "crc32c" in result.problems[0].message and name in str(result)
+
+
+def test_verify_finds_a_truncated_shard_and_overlapping_slices(partitioned, tmp_path):
+    from restorekit.bundle.format import encode_slice_key
+
+    prefix, _ = partitioned
+    shard = prefix + ".data-00000-of-00001"
+    os.truncate(shard, os.path.getsize(shard) - 4)  # the last slice loses its last element
+
+    def second_slice_covers_rows_0_to_5(records):
+        return [(encode_slice_key("emb", ((0, 5), (0, -1))) if key[:1] == b"\x00" and decode_slice_key(key)[1][0][0] == 5
+                 else key, value) for key, value in records]
+
+    assert [p.name for p in Checkpoint(prefix).verify().problems] == ["emb"]
+    _rewrite_index(prefix, second_slice_covers_rows_0_to_5)
+    result = Checkpoint(prefix).verify()
+    assert [(p.name, p.kind) for p in result.problems] == [("emb", "corrupt")]
+    assert "overlap" in result.problems[0].message
+
+
+def test_verify_reports_a_missing_shard_and_an_entry_whose_size_does_not_fit(small_checkpoint):
+    from restorekit.bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = small_checkpoint
+    _rewrite_index(prefix, lambda records: [
+        (k, encode_entry(decode_entry(v).replace(size=decode_entry(v).size + 4)) if k == b"dense/bias" else v)
+        for k, v in records])
+    result = Checkpoint(prefix).verify()
+    assert [(p.name, p.kind) for p in result.problems] == [("dense/bias", "corrupt")]
+    assert "16 bytes stored for a float32 tensor of shape [3], which takes 12" in result.problems[0].message
+    os.remove(prefix + ".data-00000-of-00001")
+    result = Checkpoint(prefix).verify()
+    assert len(result.problems) == len(Checkpoint(prefix)) and result.nbytes == 0
+    assert all("missing" in p.message for p in result.problems if p.name != "dense/bias")

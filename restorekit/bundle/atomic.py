@@ -10,16 +10,39 @@ does it for one file (an exported ``.safetensors``, a frozen ``.pb``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import shutil
+import socket
 import time
 import uuid
+import zlib
 
-from restorekit.errors import OutputError
+from restorekit.bundle.files import is_remote
+from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
 
-__all__ = ["Staging", "atomic_output", "crash_point", "fsync_directory", "link_or_copy", "write_bytes"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks
+    fcntl = None
+
+__all__ = [
+    "Staging",
+    "atomic_output",
+    "crash_point",
+    "fsync_directory",
+    "link_or_copy",
+    "lock_path",
+    "output_lock",
+    "remove_checkpoint_files",
+    "sweep_stale",
+    "temp_name",
+    "write_bytes",
+]
 
 _TMP_PREFIX = ".restorekit-tmp-"
+_LOCK_SUFFIX = ".restorekit-lock"
 # Tests set this to a point name; the process then pauses there so it can be killed.
 CRASH_HOOK_ENV = "RESTOREKIT_CRASH_HOOK"
 
@@ -61,24 +84,217 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # pragma: no cover - someone else's live process
         return True
+    except (OverflowError, ValueError):  # not a pid this system can have
+        return False
     return True
 
 
+@functools.cache
+def _host_tag() -> str:
+    # A directory shared between machines (NFS) holds other hosts' temporaries: their
+    # pids mean nothing here, so each name carries a short tag of its host.
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+# .restorekit-tmp-PID-HOST-RANDOM[.name]; names written before the host tag lack it.
+_TMP_NAME = re.compile(r"\.restorekit-tmp-(\d+)-(?:([0-9a-f]{8})-)?[0-9a-f]{8}(?:\..*)?", re.S)
+
+
+def _tmp_base() -> str:
+    return f"{_TMP_PREFIX}{os.getpid()}-{_host_tag()}-{uuid.uuid4().hex[:8]}"
+
+
+def temp_name(final) -> str:
+    """A hidden temporary path beside ``final`` carrying this process's pid, for ``sweep_stale``.
+
+    ``dir/model.pb`` -> ``dir/.restorekit-tmp-4242-1a2b3c4d-9f8e7d6c.model.pb``. The file
+    is not created. Write there, then ``os.replace`` it onto ``final``; if the process
+    dies first, the next writer in the directory removes it.
+    """
+    final = os.path.abspath(os.fspath(final))
+    name = os.path.basename(final)
+    # Keep the whole name within the 255 bytes most filesystems allow.
+    while len(name.encode("utf-8", "surrogateescape")) > 200:
+        name = name[:-1]
+    return os.path.join(os.path.dirname(final), f"{_tmp_base()}.{name}")
+
+
+def _is_stale_temporary(name: str) -> bool:
+    match = _TMP_NAME.fullmatch(name)
+    if match is None:
+        return False
+    pid, host = int(match.group(1)), match.group(2)
+    if host is not None and host != _host_tag():
+        return False
+    return pid != os.getpid() and not _pid_alive(pid)
+
+
 def sweep_stale(directory: str) -> None:
-    """Remove temporary directories left by killed writers (their pid is gone)."""
+    """Remove what killed writers left in ``directory``: temporary files and staging
+    directories whose process is gone (on this host), and lock files no one holds."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
-        if not name.startswith(_TMP_PREFIX):
-            continue
+        path = os.path.join(directory, name)
+        if name.endswith(_LOCK_SUFFIX) and name.startswith("."):
+            _remove_unheld_lock(path)
+        elif name.startswith(_TMP_PREFIX) and _is_stale_temporary(name):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+
+
+def _remove_unheld_lock(path: str) -> None:
+    """Remove a lock file no process holds (its holder died); one that is held stays."""
+    if fcntl is None:  # pragma: no cover
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    try:
+        # Unlink only while holding it, and only if the name still means this file:
+        # lockers re-check the name after locking, so none is left on an orphan.
+        if _same_file(fd, path):
+            os.remove(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def lock_path(prefix) -> str:
+    """The hidden lock file beside an output: ``dir/.model.ckpt.restorekit-lock``."""
+    prefix = os.path.abspath(os.fspath(prefix))
+    return os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}{_LOCK_SUFFIX}")
+
+
+def _holder(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:  # pragma: no cover
+        pid = ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def _acquire(path: str, prefix: str, wait: bool) -> int:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            pid = int(name[len(_TMP_PREFIX) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise OutputExistsError(
+                f"another restorekit process{holder} is writing {prefix!r}; wait for it to finish "
+                "(or pass wait=True to queue behind it)",
+                path=prefix,
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The file may have been removed (its holder finished, or a sweep found it
+        # stale) between our open and our lock: then lock whatever the name means now.
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def output_lock(prefix, *, wait: bool = False):
+    """Hold the one-writer-at-a-time lock of an output (a checkpoint prefix or a file).
+
+        with output_lock('out/model.ckpt'):
+            ...write out/model.ckpt.index and its shards...
+
+    An advisory ``flock`` on a hidden file beside the output
+    (``.model.ckpt.restorekit-lock``, holding the holder's pid), removed on release.
+    The kernel releases the lock when its holder dies, however it dies; the file it
+    leaves is removed by the next ``sweep_stale``. Not reentrant: a second
+    ``output_lock`` of the same output, even in the same process, waits or raises.
+    Remote (``gs://``...) outputs are not locked: object stores have no such locks.
+
+    Args:
+        wait: block until the other writer finishes instead of raising.
+
+    Yields:
+        The lock file's path (None for a remote output).
+
+    Raises:
+        OutputExistsError: another process holds the lock and ``wait`` is False;
+            ``.path`` is the output.
+    """
+    prefix = os.fspath(prefix)
+    if fcntl is None or is_remote(prefix):  # pragma: no cover - no advisory locks there
+        yield None
+        return
+    path = lock_path(prefix)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = _acquire(path, prefix, wait)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        try:
+            if _same_file(fd, path):
+                os.remove(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def remove_checkpoint_files(prefix) -> list[str]:
+    """Delete the checkpoint at ``prefix``: ``prefix.index`` first, then its data shards.
+
+    Only ``prefix.index`` and ``prefix.data-NNNNN-of-MMMMM`` are removed, the name
+    matched literally (never a glob: ``model[1]`` or ``model*`` are names, not patterns).
+    The index goes first, so an interrupted removal leaves no checkpoint, not half of one.
+
+    Returns:
+        The paths removed, the index first.
+
+    Raises:
+        OutputError: a file could not be removed.
+    """
+    prefix = os.path.abspath(os.fspath(prefix))
+    directory, base = os.path.split(prefix)
+    shard = re.compile(re.escape(base) + r"\.data-\d{5}-of-\d{5}")
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    doomed = [prefix + ".index"] if base + ".index" in names else []
+    doomed += sorted(os.path.join(directory, n) for n in names if shard.fullmatch(n))
+    for path in doomed:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise OutputError(f"could not remove {path!r}: {e.strerror}") from None
+    if doomed:
+        fsync_directory(directory)
+    return doomed
 
 
 def link_or_copy(src: str, dst: str) -> bool:
@@ -110,7 +326,9 @@ def atomic_output(path):
     # 0600 (the output gets the permissions any new file gets), and not pre-created,
     # because open(tmp, 'wb') on an existing file truncates it, and ext4 then flushes
     # the whole file when it is closed (auto_da_alloc), which made exports ~3x slower.
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    # The name carries our pid, so a writer killed here leaves nothing sweep_stale keeps.
+    sweep_stale(directory)
+    tmp = temp_name(path)
     try:
         yield tmp
         os.replace(tmp, path)
@@ -143,7 +361,7 @@ class Staging:
         self.directory = os.path.abspath(directory or ".")
         os.makedirs(self.directory, exist_ok=True)
         sweep_stale(self.directory)
-        self.tmpdir = os.path.join(self.directory, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.tmpdir = os.path.join(self.directory, _tmp_base())
         os.mkdir(self.tmpdir)
         self._finals: dict[str, str] = {}
         self.committed = False
@@ -152,13 +370,16 @@ class Staging:
         """The temporary path that becomes ``final`` on commit (same directory only)."""
         final = os.path.abspath(final)
         if os.path.dirname(final) != self.directory:
-            raise ValueError(f"{final!r} is not in the staging directory {self.directory!r}")
+            raise InvalidArgumentError(f"{final!r} is not in the staging directory {self.directory!r}")
         tmp = os.path.join(self.tmpdir, os.path.basename(final))
         self._finals[tmp] = final
         return tmp
 
     def commit(self, *, remove_before=(), remove_after=()) -> None:
-        """Rename staged files into place, ``.index`` files last.
+        """Rename staged files into place: data shards first, ``.index`` files last.
+
+        A checkpoint appears when its index does, so a crash at any point leaves the old
+        checkpoint, the new one, or none, never an index over shards it did not write.
 
         Args:
             remove_before: files of a checkpoint being overwritten, its ``.index`` first;
@@ -172,9 +393,19 @@ class Staging:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         finals = set(self._finals.values())
+        indexes = [self._finals[t] for t in staged if t.endswith(".index")]
+        if any(os.path.exists(self._finals[t]) for t in staged if not t.endswith(".index")):
+            # A shard is about to replace one an existing index points at: that index
+            # goes first, or a crash before the new index lands would show the old
+            # index over new shards, a checkpoint that is neither.
+            remove_before = [*[i for i in indexes if i not in remove_before], *remove_before]
+        removed = False
         for old in remove_before:
             if os.path.exists(old):
                 os.remove(old)
+                removed = True
+        if removed:
+            fsync_directory(self.directory)
         for tmp in sorted(staged, key=lambda t: t.endswith(".index")):
             if tmp.endswith(".index"):
                 crash_point("before-index-rename")

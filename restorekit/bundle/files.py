@@ -9,9 +9,27 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from restorekit._tensorflow import import_tensorflow
+import stat
 
-__all__ = ["basename", "dirname", "exists", "glob", "isdir", "join", "mtime", "publish", "read_bytes", "read_range", "is_remote"]
+from restorekit._tensorflow import import_tensorflow
+from restorekit.errors import CorruptCheckpointError, OutputError, OutputExistsError
+
+__all__ = [
+    "basename",
+    "dirname",
+    "exists",
+    "glob",
+    "is_remote",
+    "isdir",
+    "join",
+    "mtime",
+    "open_regular",
+    "publish",
+    "read_bytes",
+    "read_range",
+    "remove",
+    "size",
+]
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -67,23 +85,90 @@ def mtime(path: str) -> float:
     return os.path.getmtime(path)
 
 
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def _refuse_special(path: str, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _KINDS if test(mode)), "special file")
+    raise CorruptCheckpointError(f"{path!r} is a {kind}, not a regular file; refusing to read it")
+
+
+def open_regular(path: str):
+    """Open a local file for reading (unbuffered binary), refusing anything but a regular file.
+
+    A FIFO in place of an index or shard would block ``open`` forever and a device
+    would read without end, so the path is checked with ``os.stat`` before it is
+    opened, and the descriptor again after (O_NONBLOCK keeps a FIFO swapped in
+    between from blocking the open).
+
+    Raises:
+        CorruptCheckpointError: ``path`` is a FIFO, device, socket or directory.
+        OSError: ``path`` does not exist or cannot be opened.
+    """
+    _refuse_special(path, os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _refuse_special(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def size(path: str) -> int:
+    """Length of a file in bytes (a local one must be a regular file).
+
+    Raises:
+        CorruptCheckpointError: a local ``path`` that is not a regular file.
+    """
+    if is_remote(path):
+        return int(_gfile().stat(path).length)
+    st = os.stat(path)
+    _refuse_special(path, st.st_mode)
+    return st.st_size
+
+
 def read_bytes(path: str) -> bytes:
+    """The whole file.
+
+    Raises:
+        CorruptCheckpointError: a local ``path`` that is not a regular file.
+    """
     if is_remote(path):
         with _gfile().GFile(path, "rb") as f:
             return f.read()
-    with open(path, "rb") as f:
-        return f.read()
+    with open_regular(path) as f:
+        return f.readall()
 
 
 def read_range(path: str, offset: int, size: int) -> bytes:
-    """``size`` bytes at ``offset``; fewer when the file is shorter (callers check)."""
+    """``size`` bytes at ``offset``; fewer when the file is shorter (callers check).
+
+    Raises:
+        CorruptCheckpointError: a local ``path`` that is not a regular file.
+    """
     if is_remote(path):
         with _gfile().GFile(path, "rb") as f:
             f.seek(offset)
             return f.read(size)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
+    with open_regular(path) as f:
+        chunks = []
+        while size > 0:
+            chunk = os.pread(f.fileno(), min(size, 1 << 30), offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
 
 
 def publish(local: str, remote: str, *, overwrite: bool) -> None:
@@ -97,8 +182,6 @@ def publish(local: str, remote: str, *, overwrite: bool) -> None:
         OutputError: the copy or the rename failed (the temporary object is removed).
     """
     import uuid
-
-    from restorekit.errors import OutputError, OutputExistsError
 
     gfile = _gfile()
     directory, name = dirname(remote), basename(remote)
@@ -114,7 +197,7 @@ def publish(local: str, remote: str, *, overwrite: bool) -> None:
         except Exception:  # noqa: BLE001 - best effort; the original error matters
             pass
         if type(e).__name__ == "AlreadyExistsError":
-            raise OutputExistsError(f"{remote!r} exists; pass overwrite=True to replace it") from None
+            raise OutputExistsError(path=remote) from None
         raise OutputError(f"could not write {remote!r}: {e}") from None
 
 

@@ -6,6 +6,7 @@ checksums use google-crc32c.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -14,52 +15,127 @@ import numpy as np
 
 from restorekit.bundle.table import mask_crc
 from restorekit.bundle.varint import put_varint, read_varint
-from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, MissingDependencyError
+from restorekit.errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    MissingDependencyError,
+)
 
 __all__ = [
     "DTYPE_NAMES",
+    "FLOAT_DTYPES",
+    "check_tensor_bytes",
+    "DT_BFLOAT16",
+    "DT_BOOL",
+    "DT_COMPLEX128",
+    "DT_COMPLEX64",
+    "DT_DOUBLE",
+    "DT_FLOAT",
+    "DT_FLOAT4_E2M1FN",
+    "DT_FLOAT8_E4M3B11FNUZ",
+    "DT_FLOAT8_E4M3FN",
+    "DT_FLOAT8_E4M3FNUZ",
+    "DT_FLOAT8_E5M2",
+    "DT_FLOAT8_E5M2FNUZ",
+    "DT_HALF",
+    "DT_INT16",
+    "DT_INT2",
+    "DT_INT32",
+    "DT_INT4",
+    "DT_INT64",
+    "DT_INT8",
+    "DT_INVALID",
+    "DT_RESOURCE",
+    "DT_STRING",
+    "DT_UINT2",
+    "DT_UINT4",
+    "DT_UINT8",
+    "DT_VARIANT",
     "decode_slice_key",
     "decode_tensor",
     "dtype_enum",
     "dtype_name",
     "encode_slice_key",
     "encode_string_tensor",
+    "itemsize",
     "numpy_dtype",
+    "numpy_max_rank",
     "tensor_crc",
 ]
 
+# TF DataType enum values (tensorflow/core/framework/types.proto) that code tests for.
+DT_INVALID = 0
+DT_FLOAT = 1
+DT_DOUBLE = 2
+DT_INT32 = 3
+DT_UINT8 = 4
+DT_INT16 = 5
+DT_INT8 = 6
+DT_STRING = 7
+DT_COMPLEX64 = 8
+DT_INT64 = 9
+DT_BOOL = 10
+DT_BFLOAT16 = 14
+DT_COMPLEX128 = 18
+DT_HALF = 19
+DT_RESOURCE = 20
+DT_VARIANT = 21
+DT_FLOAT8_E5M2 = 24
+DT_FLOAT8_E4M3FN = 25
+DT_FLOAT8_E4M3FNUZ = 26
+DT_FLOAT8_E4M3B11FNUZ = 27
+DT_FLOAT8_E5M2FNUZ = 28
+DT_INT4 = 29
+DT_UINT4 = 30
+DT_INT2 = 31
+DT_UINT2 = 32
+DT_FLOAT4_E2M1FN = 33
+# The floating-point dtypes a cast between checkpoints' usual float types keeps among.
+FLOAT_DTYPES = frozenset({DT_FLOAT, DT_DOUBLE, DT_BFLOAT16, DT_HALF})
+
 # TF DataType enum -> (name, numpy dtype string or None when not a plain buffer).
 _DTYPES = {
-    1: ("float32", "<f4"),
-    2: ("float64", "<f8"),
-    3: ("int32", "<i4"),
-    4: ("uint8", "u1"),
-    5: ("int16", "<i2"),
-    6: ("int8", "i1"),
-    7: ("string", None),
-    8: ("complex64", "<c8"),
-    9: ("int64", "<i8"),
-    10: ("bool", "?"),
+    DT_FLOAT: ("float32", "<f4"),
+    DT_DOUBLE: ("float64", "<f8"),
+    DT_INT32: ("int32", "<i4"),
+    DT_UINT8: ("uint8", "u1"),
+    DT_INT16: ("int16", "<i2"),
+    DT_INT8: ("int8", "i1"),
+    DT_STRING: ("string", None),
+    DT_COMPLEX64: ("complex64", "<c8"),
+    DT_INT64: ("int64", "<i8"),
+    DT_BOOL: ("bool", "?"),
     11: ("qint8", "i1"),
     12: ("quint8", "u1"),
     13: ("qint32", "<i4"),
-    14: ("bfloat16", "bfloat16"),
+    DT_BFLOAT16: ("bfloat16", "bfloat16"),
     15: ("qint16", "<i2"),
     16: ("quint16", "<u2"),
     17: ("uint16", "<u2"),
-    18: ("complex128", "<c16"),
-    19: ("float16", "<f2"),
-    20: ("resource", None),
-    21: ("variant", None),
+    DT_COMPLEX128: ("complex128", "<c16"),
+    DT_HALF: ("float16", "<f2"),
+    DT_RESOURCE: ("resource", None),
+    DT_VARIANT: ("variant", None),
     22: ("uint32", "<u4"),
     23: ("uint64", "<u8"),
-    24: ("float8_e5m2", "float8_e5m2"),
-    25: ("float8_e4m3fn", "float8_e4m3fn"),
+    # ml_dtypes types, one byte per element in a shard (TF stores int4/int2 unpacked).
+    DT_FLOAT8_E5M2: ("float8_e5m2", "float8_e5m2"),
+    DT_FLOAT8_E4M3FN: ("float8_e4m3fn", "float8_e4m3fn"),
+    DT_FLOAT8_E4M3FNUZ: ("float8_e4m3fnuz", "float8_e4m3fnuz"),
+    DT_FLOAT8_E4M3B11FNUZ: ("float8_e4m3b11fnuz", "float8_e4m3b11fnuz"),
+    DT_FLOAT8_E5M2FNUZ: ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+    DT_INT4: ("int4", "int4"),
+    DT_UINT4: ("uint4", "uint4"),
+    DT_INT2: ("int2", "int2"),
+    DT_UINT2: ("uint2", "uint2"),
+    DT_FLOAT4_E2M1FN: ("float4_e2m1fn", "float4_e2m1fn"),
 }
 DTYPE_NAMES = {code: name for code, (name, _) in _DTYPES.items()}
 _BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
-_BY_NAME.update({"float": 1, "double": 2, "half": 19, "bytes": 7, "str": 7, "object": 7})
-_ML_DTYPES = ("bfloat16", "float8_e5m2", "float8_e4m3fn")
+_BY_NAME.update({"float": DT_FLOAT, "double": DT_DOUBLE, "half": DT_HALF, "bytes": DT_STRING, "str": DT_STRING,
+                 "object": DT_STRING})
+_ML_DTYPES = frozenset({"bfloat16"} | {np_name for code, (_, np_name) in _DTYPES.items() if code >= DT_FLOAT8_E5M2})
 
 
 def dtype_name(code: int) -> str:
@@ -71,7 +147,7 @@ def dtype_enum(dtype) -> int:
     """A dtype name, numpy dtype or tf.DType -> the TF DataType enum.
 
     Raises:
-        ValueError: a dtype the checkpoint format has no code for.
+        InvalidArgumentError: a dtype the checkpoint format has no code for.
     """
     if hasattr(dtype, "as_datatype_enum"):
         return int(dtype.as_datatype_enum)
@@ -79,32 +155,51 @@ def dtype_enum(dtype) -> int:
         return _BY_NAME[dtype]
     try:
         np_dtype = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"dtype {dtype!r} is not a dtype") from None
     if np_dtype.kind in "SUO":
-        return 7
+        return DT_STRING
     name = np_dtype.name
     if name in _BY_NAME:
         return _BY_NAME[name]
-    raise ValueError(f"dtype {dtype!r} has no TensorFlow checkpoint equivalent")
+    raise InvalidArgumentError(f"dtype {dtype!r} has no TensorFlow checkpoint equivalent")
 
 
 def numpy_dtype(code: int) -> np.dtype:
-    """The numpy dtype holding a TF dtype's values (object for strings)."""
+    """The numpy dtype holding a TF dtype's values (object for strings).
+
+    Raises:
+        CorruptCheckpointError: a dtype code TensorFlow does not have.
+        InvalidArgumentError: a dtype (resource, variant) that has no numpy form.
+    """
     if code not in _DTYPES:
         raise CorruptCheckpointError(f"unknown TensorFlow dtype code {code}")
     name, np_name = _DTYPES[code]
     if np_name is None:
-        if code == 7:
+        if code == DT_STRING:
             return np.dtype(object)
-        raise CorruptCheckpointError(f"dtype {name!r} tensors cannot be read as numpy arrays")
+        raise InvalidArgumentError(f"dtype {name!r} tensors cannot be read as numpy arrays")
     if np_name in _ML_DTYPES:
         try:
             import ml_dtypes
         except ImportError:  # pragma: no cover - ml_dtypes ships with TensorFlow
             raise MissingDependencyError(f"reading {name} needs ml_dtypes: pip install ml_dtypes") from None
+        if not hasattr(ml_dtypes, np_name):  # pragma: no cover - an old ml_dtypes
+            raise MissingDependencyError(f"reading {name} needs a newer ml_dtypes: pip install -U ml_dtypes")
         return np.dtype(getattr(ml_dtypes, np_name))
     return np.dtype(np_name)
+
+
+def itemsize(code: int) -> int:
+    """Bytes per element of a fixed-size TF dtype (its numpy itemsize).
+
+    Raises:
+        CorruptCheckpointError: an unknown dtype.
+        InvalidArgumentError: a dtype (string, resource, variant) without fixed-size elements.
+    """
+    if code in (DT_STRING, DT_VARIANT, DT_RESOURCE):
+        raise InvalidArgumentError(f"{dtype_name(code)} tensors have no fixed element size")
+    return numpy_dtype(code).itemsize
 
 
 def tensor_crc(raw: bytes) -> int:
@@ -138,9 +233,69 @@ def _decode_strings(raw: bytes, count: int, name: str, expected_crc: int | None)
     return out
 
 
+def _string_bytes(value) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    # bytes(3) would be three zero bytes: refuse anything that is not text or bytes.
+    raise InvalidArgumentError(f"a string tensor holds str or bytes; got {type(value).__name__} {value!r:.60}")
+
+
+def _check_variant(raw: bytes, count: int, name: str, expected_crc: int) -> None:
+    # Layout per element: varint64 length, the serialized variant, then a masked crc32c
+    # of everything so far, where the length counts as a little-endian uint64. The
+    # entry's crc covers the same stream, the per-element checksums included.
+    pos, crc = 0, 0
+    where = f"variant tensor {name!r}"
+    for i in range(count):
+        n, pos = read_varint(raw, pos, len(raw), where)
+        if pos + n + 4 > len(raw):
+            raise CorruptCheckpointError(f"{name!r}: variant element {i} runs past the tensor's {len(raw)} bytes")
+        crc = google_crc32c.extend(crc, struct.pack("<Q", n))
+        crc = google_crc32c.extend(crc, raw[pos : pos + n])
+        pos += n
+        stored = raw[pos : pos + 4]
+        if struct.unpack("<I", stored)[0] != mask_crc(crc):
+            raise ChecksumMismatchError(f"{name!r}: variant element {i} fails its crc32c check; the shard is corrupt")
+        crc = google_crc32c.extend(crc, stored)
+        pos += 4
+    if pos != len(raw):
+        raise CorruptCheckpointError(f"{name!r}: {len(raw) - pos} bytes left over after {count} variant elements")
+    if mask_crc(crc) != expected_crc:
+        raise ChecksumMismatchError(f"{name!r}: variant tensor fails its crc32c check; the shard is corrupt")
+
+
+def check_tensor_bytes(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32c: int) -> None:
+    """Check a stored tensor's bytes against its dtype, shape and crc32c without making an array.
+
+    Works for every dtype TF stores, variants and shapes numpy cannot hold included.
+
+    Raises:
+        ChecksumMismatchError: the bytes fail their crc32c.
+        CorruptCheckpointError: the bytes do not fit the dtype and shape.
+    """
+    count = math.prod(int(d) for d in shape)
+    if dtype == DT_STRING:
+        _decode_strings(raw, count, name, crc32c)
+    elif dtype == DT_VARIANT:
+        _check_variant(raw, count, name, crc32c)
+    else:
+        if len(raw) != count * itemsize(dtype):
+            raise CorruptCheckpointError(
+                f"{name!r}: {len(raw)} bytes do not hold a {dtype_name(dtype)} tensor of shape {list(shape)}"
+            )
+        if tensor_crc(raw) != crc32c:
+            raise ChecksumMismatchError(f"{name!r}: tensor bytes fail their crc32c check; the data shard is corrupt")
+
+
 def encode_string_tensor(values) -> tuple[bytes, int]:
-    """Serialize a string tensor for a data shard; return (bytes, masked entry crc)."""
-    flat = [v.encode() if isinstance(v, str) else bytes(v) for v in np.asarray(values, dtype=object).ravel()]
+    """Serialize a string tensor for a data shard; return (bytes, masked entry crc).
+
+    Raises:
+        InvalidArgumentError: an element that is neither ``str`` nor bytes.
+    """
+    flat = [_string_bytes(v) for v in np.asarray(values, dtype=object).ravel()]
     out = bytearray()
     for v in flat:
         put_varint(out, len(v))
@@ -155,16 +310,37 @@ def encode_string_tensor(values) -> tuple[bytes, int]:
     return bytes(out), mask_crc(crc)
 
 
+@functools.cache
+def numpy_max_rank() -> int:
+    """The most dimensions a numpy array may have (64 in numpy 2, 32 before)."""
+    try:
+        np.empty((1,) * 64)
+    except ValueError:  # pragma: no cover - numpy 1.x
+        return 32
+    return 64
+
+
+def _check_numpy_rank(name: str, shape) -> None:
+    # TF allows 254 dimensions, numpy fewer: such a tensor is valid, just not a numpy array.
+    if len(shape) > numpy_max_rank():
+        raise InvalidArgumentError(
+            f"{name!r} has {len(shape)} dimensions; numpy arrays hold at most {numpy_max_rank()}, so it "
+            "cannot be read as one (its bytes can be copied, renamed and verified)"
+        )
+
+
 def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32c: int | None = None) -> np.ndarray:
     """Tensor bytes from a shard -> numpy array, checking the crc when one is given.
 
     Raises:
         ChecksumMismatchError: the bytes do not match ``crc32c``.
         CorruptCheckpointError: the byte count does not fit the dtype and shape.
+        InvalidArgumentError: more dimensions than a numpy array can have.
     """
     count = math.prod(int(d) for d in shape)  # Python ints: a corrupt shape must not wrap around
-    if dtype == 7:
+    if dtype == DT_STRING:
         strings = _decode_strings(raw, count, name, crc32c)
+        _check_numpy_rank(name, shape)
         try:
             return strings.reshape(shape)
         except ValueError:
@@ -179,6 +355,7 @@ def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32
             f"{name!r}: tensor bytes fail their crc32c check (stored {crc32c:#010x}, "
             f"computed {tensor_crc(raw):#010x}); the data shard is corrupt"
         )
+    _check_numpy_rank(name, shape)
     try:
         return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
     except ValueError:  # dimensions numpy cannot index, e.g. (0, 2**40, 2**40)
@@ -276,7 +453,7 @@ def _put_ordered_signed(out: bytearray, value: int) -> None:
     while x >= 1 << (7 * n - 1):
         n += 1
     if n >= 8:
-        raise ValueError(f"slice bound {value} is too large for a slice key")
+        raise InvalidArgumentError(f"slice bound {value} is too large for a slice key")
     body = bytearray((value & ((1 << (8 * n)) - 1)).to_bytes(n, "big"))
     body[0] ^= (0xFF << (8 - n)) & 0xFF
     out += body

@@ -109,6 +109,31 @@ def _fast_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     return read_varint(buf, pos, end, "index entry")
 
 
+def _fast_shape(buf: bytes, pos: int, end: int) -> tuple[list[int], int] | None:
+    """The dims of a plain TensorShapeProto at ``pos`` and the position after it; None otherwise."""
+    length, pos = _fast_varint(buf, pos, end)
+    stop = pos + length
+    if stop > end:
+        return None
+    dims = []
+    while pos < stop:
+        if buf[pos] != 0x12:
+            return None
+        dim_len, pos = _fast_varint(buf, pos + 1, stop)
+        dim_stop = pos + dim_len
+        if dim_stop > stop:
+            return None
+        value = 0
+        while pos < dim_stop:
+            if buf[pos] != 0x08:
+                return None
+            value, pos = _fast_varint(buf, pos + 1, dim_stop)
+        if value >= 1 << 63:
+            return None
+        dims.append(value)
+    return dims, pos
+
+
 def _decode_entry_fast(buf: bytes) -> BundleEntry | None:
     """The common entry (dtype, plain shape, shard, offset, size, crc) in one pass; None otherwise.
 
@@ -117,49 +142,26 @@ def _decode_entry_fast(buf: bytes) -> BundleEntry | None:
     """
     end = len(buf)
     pos = 0
-    dtype = shard_id = offset = size = crc = 0
-    dims: list[int] = []
+    crc = 0
+    # dtype, shard_id, offset, size by their field keys
+    scalars = {0x08: 0, 0x18: 0, 0x20: 0, 0x28: 0}
+    shape = None
     while pos < end:
         key = buf[pos]
         pos += 1
-        if key == 0x12:  # shape
-            length, pos = _fast_varint(buf, pos, end)
-            stop = pos + length
-            if stop > end:
+        if key in scalars:
+            scalars[key], pos = _fast_varint(buf, pos, end)
+        elif key == 0x12 and shape is None:  # shape; a second one goes to the general decoder
+            parsed = _fast_shape(buf, pos, end)
+            if parsed is None:
                 return None
-            while pos < stop:
-                if buf[pos] != 0x12:
-                    return None
-                dim_len, pos = _fast_varint(buf, pos + 1, stop)
-                dim_stop = pos + dim_len
-                if dim_stop > stop:
-                    return None
-                value = 0
-                while pos < dim_stop:
-                    if buf[pos] != 0x08:
-                        return None
-                    value, pos = _fast_varint(buf, pos + 1, dim_stop)
-                if value >= 1 << 63:
-                    return None
-                dims.append(value)
-        elif key == 0x35:  # crc32c, fixed32
-            if pos + 4 > end:
-                return None
+            shape, pos = parsed
+        elif key == 0x35 and pos + 4 <= end:  # crc32c, fixed32
             crc = struct.unpack_from("<I", buf, pos)[0]
             pos += 4
-        elif key in (0x08, 0x18, 0x20, 0x28):
-            value, pos = _fast_varint(buf, pos, end)
-            if key == 0x08:
-                dtype = value
-            elif key == 0x18:
-                shard_id = value
-            elif key == 0x20:
-                offset = value
-            else:
-                size = value
         else:
             return None
-    return BundleEntry(dtype, tuple(dims), shard_id, offset, size, crc)
+    return BundleEntry(scalars[0x08], tuple(shape or ()), scalars[0x18], scalars[0x20], scalars[0x28], crc)
 
 
 def decode_entry(buf: bytes) -> BundleEntry:
@@ -176,8 +178,14 @@ def decode_entry(buf: bytes) -> BundleEntry:
     extra = bytearray()
     shape: tuple = ()
     unknown_rank = False
+    shapes = 0
     for number, wire, value, start, stop in iter_fields(buf):
         if number == 2 and wire == 2:
+            # protobuf would merge a repeated message field (the dims of both shapes
+            # in one list); TF's writer writes one shape, so two mean a damaged entry.
+            shapes += 1
+            if shapes > 1:
+                raise CorruptCheckpointError("index entry has more than one shape field")
             shape, unknown_rank = _decode_shape(value)
         elif number == 7 and wire == 2:
             slices.append(value)
@@ -200,21 +208,44 @@ def decode_entry(buf: bytes) -> BundleEntry:
     )
 
 
+def _int32(value: int) -> int:
+    # int32 fields carry negative values as 64-bit two's complement varints.
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _packed_varints(value: bytes) -> list[int]:
+    out, pos = [], 0
+    while pos < len(value):
+        v, pos = read_varint(value, pos, len(value), "index header")
+        out.append(v)
+    return out
+
+
 def decode_header(buf: bytes) -> BundleHeader:
+    """Parse a serialized BundleHeaderProto (scalars: the last value wins, as in protobuf).
+
+    Raises:
+        CorruptCheckpointError: the bytes are not a well-formed header.
+    """
     values = {}
-    version = {}
+    version: dict[int, list[int]] = {}
     for number, wire, value, _, _ in iter_fields(buf):
         if number == 3 and wire == 2:
+            # VersionDef: producer = 1, min_consumer = 2, repeated bad_consumers = 3
+            # (packed or not). A repeated version message merges, as protobuf does.
             for n2, w2, v2, _, _ in iter_fields(value):
                 if w2 == 0:
-                    version.setdefault(n2, []).append(v2)
+                    version.setdefault(n2, []).append(_int32(v2))
+                elif n2 == 3 and w2 == 2:
+                    version.setdefault(3, []).extend(_int32(v) for v in _packed_varints(v2))
         elif wire == 0:
             values[number] = value
     return BundleHeader(
         num_shards=values.get(1, 1),
         endianness=values.get(2, 0),
-        version_producer=version.get(1, [1])[0],
-        version_min_consumer=version.get(2, [0])[0],
+        version_producer=version.get(1, [0])[-1],
+        version_min_consumer=version.get(2, [0])[-1],
         bad_consumers=tuple(version.get(3, [])),
     )
 

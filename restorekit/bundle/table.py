@@ -21,7 +21,7 @@ import struct
 import google_crc32c
 
 from restorekit.bundle.varint import put_varint, read_varint
-from restorekit.errors import CorruptCheckpointError, ChecksumMismatchError
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError
 
 __all__ = ["FOOTER_SIZE", "MAGIC", "mask_crc", "read_table", "unmask_crc", "write_table"]
 
@@ -163,7 +163,7 @@ def write_table(records) -> bytes:
     """Serialize sorted (key, value) byte records as an uncompressed table (an ``.index`` file).
 
     Raises:
-        ValueError: keys that are not strictly increasing.
+        InvalidArgumentError: keys that are not strictly increasing.
     """
     out = bytearray()
     index = []
@@ -186,7 +186,7 @@ def write_table(records) -> bytes:
     for key, value in records:
         key, value = bytes(key), bytes(value)
         if previous is not None and key <= previous:
-            raise ValueError(f"table keys must be strictly increasing: {key[:80]!r} after {previous[:80]!r}")
+            raise InvalidArgumentError(f"table keys must be strictly increasing: {key[:80]!r} after {previous[:80]!r}")
         previous = key
         block.append((key, value))
         block_bytes += len(key) + len(value) + 8

@@ -14,8 +14,8 @@ import threading
 import google_crc32c
 import numpy as np
 
-from restorekit.bundle import atomic
-from restorekit.bundle.format import decode_tensor, dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
+from restorekit.bundle import atomic, files
+from restorekit.bundle.format import DT_STRING, decode_tensor, dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
 from restorekit.bundle.protos import BundleEntry, BundleHeader, encode_entry, encode_header
 from restorekit.bundle.table import mask_crc, write_table
 from restorekit.bundle.varint import put_varint
@@ -28,7 +28,7 @@ CHUNK_SIZE = 8 << 20
 # then reads bytes the read just brought into the cache, and the write sends them on
 # from there. Measured on BERT-base: 1-2 MiB beat both 256 KiB and 4-32 MiB.
 COPY_CHUNK = 1 << 20
-STRING = 7
+STRING = DT_STRING  # the name other modules import
 _scratch = threading.local()
 
 
@@ -228,7 +228,7 @@ class BundleWriter:
         atomic.crash_point(f"tensor-{len(self._entries)}")
         shown = key.decode("utf-8", "replace")
         try:
-            src = open(path, "rb", buffering=0)
+            src = files.open_regular(path)
         except OSError:
             raise CorruptCheckpointError(f"data shard {path!r} for {shown!r} is missing or unreadable") from None
         truncated = CorruptCheckpointError(

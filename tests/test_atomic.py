@@ -1,0 +1,198 @@
+"""bundle/atomic: temporary names that carry their pid, sweeping what killed writers left,
+shards before the index, removing a checkpoint by its literal name, one writer per output."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from conftest import write_bundle
+from restorekit.bundle import atomic
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import CheckpointNotFoundError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _run(code: str, **env) -> subprocess.Popen:
+    """Start a Python child in the worktree (so it imports this restorekit)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT, **env})
+
+
+def _wait_for(path, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _dead_pid() -> int:
+    child = _run("pass")
+    child.wait()
+    return child.pid
+
+
+# ------------------------------------------------------------------ temporary names
+
+
+def test_temp_name_is_hidden_beside_its_output_and_carries_our_pid(tmp_path):
+    tmp = atomic.temp_name(tmp_path / "model.pb")
+    directory, name = os.path.split(tmp)
+    assert directory == str(tmp_path)
+    assert name.startswith(f".restorekit-tmp-{os.getpid()}-") and name.endswith(".model.pb")
+    assert atomic.temp_name(tmp_path / "model.pb") != tmp
+    assert len(os.path.basename(atomic.temp_name(tmp_path / ("x" * 255)))) <= 255
+
+
+def test_a_killed_exporters_temporary_file_is_swept_by_the_next_write(tmp_path):
+    child = _run(f"""
+        import os
+        from restorekit.bundle import atomic
+        with atomic.atomic_output({str(tmp_path / 'big.safetensors')!r}) as tmp:
+            open(tmp, 'wb').write(b'half')
+            os._exit(9)  # killed mid-export: no cleanup runs
+    """)
+    assert child.wait() == 9
+    left = [n for n in os.listdir(tmp_path) if n.startswith(".restorekit-tmp-")]
+    assert len(left) == 1 and left[0].endswith(".big.safetensors")
+    atomic.write_bytes(str(tmp_path / "other.pb"), b"graph")
+    assert sorted(os.listdir(tmp_path)) == ["other.pb"]
+
+
+def test_temporaries_of_live_processes_and_other_hosts_are_kept(tmp_path):
+    mine = atomic.temp_name(tmp_path / "a.pb")
+    parent = os.path.join(tmp_path, f".restorekit-tmp-{os.getppid()}-{atomic._host_tag()}-0badf00d.b.pb")
+    dead = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00d.c.pb")
+    other_host = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-{'0' * 8}-0badf00d.d.pb")
+    other_host = other_host if atomic._host_tag() != "0" * 8 else other_host.replace("-00000000-", "-00000001-")
+    legacy_dir = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-deadbeef")
+    for path in (mine, parent, dead, other_host):
+        open(path, "w").close()
+    os.mkdir(legacy_dir)
+    atomic.sweep_stale(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (mine, parent, other_host))
+
+
+# ------------------------------------------------------------------ shards first, the index last
+
+
+def test_a_writer_killed_before_its_index_lands_leaves_the_old_checkpoint_or_none(tmp_path):
+    prefix = write_bundle(tmp_path / "m", {"w": np.zeros(1000, np.float32)})
+    marker = tmp_path / "reached"
+    child = _run(f"""
+        import numpy as np
+        from restorekit.bundle.writer import BundleWriter
+        with BundleWriter({prefix!r}) as w:
+            w.add("w", np.ones(1000, np.float32))
+    """, RESTOREKIT_CRASH_HOOK=f"before-index-rename:{marker}")
+    try:
+        _wait_for(marker)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    # Never the old index over the new shard (a checkpoint that fails its checksums).
+    try:
+        values = Checkpoint(prefix).read("w")
+    except CheckpointNotFoundError:
+        pass
+    else:
+        assert values.tolist() == [0.0] * 1000
+    write_bundle(prefix, {"w": np.full(1000, 2, np.float32)})  # the next writer sweeps the dead one's files
+    assert sorted(os.listdir(tmp_path)) == ["m.data-00000-of-00001", "m.index", "reached"]
+    assert Checkpoint(prefix).read("w").tolist() == [2.0] * 1000
+
+
+# ------------------------------------------------------------------ removing a checkpoint
+
+
+def test_remove_checkpoint_files_matches_the_prefix_literally(tmp_path):
+    names = ["m[1].index", "m[1].data-00000-of-00002", "m[1].data-00001-of-00002",
+             "m1.index", "m1.data-00000-of-00001", "m[1].data-00000-of-00002.bak", "m[1].data-0-of-1",
+             "m[1]x.index", "checkpoint"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    removed = atomic.remove_checkpoint_files(tmp_path / "m[1]")
+    assert [os.path.basename(p) for p in removed] == ["m[1].index", "m[1].data-00000-of-00002", "m[1].data-00001-of-00002"]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[3:])
+    assert atomic.remove_checkpoint_files(tmp_path / "m[1]") == []
+    assert atomic.remove_checkpoint_files(tmp_path / "no-such-dir" / "m") == []
+
+
+# ------------------------------------------------------------------ one writer per output
+
+
+def _hold(prefix, held, release):
+    with atomic.output_lock(prefix):
+        held.set()
+        release.wait(60)
+
+
+def _queue(prefix, got):
+    with atomic.output_lock(prefix, wait=True):
+        got.set()
+
+
+def _die_holding(prefix, held):
+    import os as _os
+
+    with atomic.output_lock(prefix):
+        held.set()
+        _os._exit(3)  # killed while holding: no release runs
+
+
+def test_a_second_writer_of_one_output_is_refused_or_waits(tmp_path):
+    import multiprocessing
+
+    from restorekit.errors import OutputExistsError
+
+    ctx = multiprocessing.get_context("fork")  # the children use only restorekit.bundle.atomic
+    prefix = str(tmp_path / "out" / "model.ckpt")
+    held, release, got = ctx.Event(), ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(prefix, held, release))
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert os.path.exists(tmp_path / "out" / ".model.ckpt.restorekit-lock")
+        with pytest.raises(OutputExistsError, match=f"another restorekit process \\(pid {holder.pid}\\) is writing") as info:
+            with atomic.output_lock(prefix):
+                pytest.fail("two writers hold one output")
+        assert info.value.path == prefix
+        waiter = ctx.Process(target=_queue, args=(prefix, got))
+        waiter.start()
+        assert not got.wait(0.5)  # queued behind the holder
+        release.set()
+        assert got.wait(30)
+        waiter.join(30)
+        assert waiter.exitcode == 0
+    finally:
+        release.set()
+        holder.join(30)
+    assert os.listdir(tmp_path / "out") == []  # the lock file goes with its last holder
+    with atomic.output_lock(prefix) as lock:
+        assert open(lock).read() == f"{os.getpid()}\n"
+
+
+def test_a_lock_whose_holder_was_killed_is_free_and_swept(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    prefix = str(tmp_path / "model.ckpt")
+    held = ctx.Event()
+    dying = ctx.Process(target=_die_holding, args=(prefix, held))
+    dying.start()
+    dying.join(30)
+    assert dying.exitcode == 3 and held.is_set()
+    assert os.listdir(tmp_path) == [".model.ckpt.restorekit-lock"]
+    with atomic.output_lock(prefix):  # the kernel released the dead holder's lock
+        atomic.sweep_stale(str(tmp_path))  # a held lock stays
+        assert os.listdir(tmp_path) == [".model.ckpt.restorekit-lock"]
+    open(atomic.lock_path(prefix), "w").write("999999999\n")  # left by a killed holder
+    atomic.sweep_stale(str(tmp_path))
+    assert os.listdir(tmp_path) == []
