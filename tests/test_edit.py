@@ -1009,3 +1009,63 @@ def test_an_entry_whose_metadata_cannot_be_right_is_never_copied(tmp_path, how, 
     with pytest.raises(CorruptCheckpointError, match="'bad'.*the checkpoint index is corrupt"):
         save(ed, out / "m")
     assert not out.exists() or os.listdir(out) == []
+
+
+# ------------------------------------------------------------------ one writer at a time (issue 11 item 3)
+
+def test_save_waits_for_no_one_a_second_writer_gets_output_exists(small_checkpoint, tmp_path):
+    from restorekit.bundle import atomic
+
+    prefix, _ = small_checkpoint
+    out = str(tmp_path / "out" / "model")
+    os.makedirs(os.path.dirname(out))
+    with atomic.output_lock(out):  # another writer is between its exists-check and its rename
+        with pytest.raises(OutputExistsError, match="another restorekit process") as info:
+            CheckpointEditor(prefix).save(out)
+    assert info.value.path == out
+    assert not os.path.exists(out + ".index")
+    CheckpointEditor(prefix).save(out)  # free again
+    assert Checkpoint(out).verify().ok
+
+
+def test_two_saves_to_one_new_output_from_two_processes_leave_one_whole_checkpoint(small_checkpoint, tmp_path):
+    import multiprocessing
+
+    prefix, values = small_checkpoint
+    out = str(tmp_path / "race" / "model")
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.starmap(_save_or_exists, [(prefix, out, 1.0), (prefix, out, 2.0)])
+    assert sorted(r[0] for r in results) == ["exists", "saved"]
+    saved = next(r[1] for r in results if r[0] == "saved")
+    ckpt = Checkpoint(out)
+    assert ckpt.verify().ok
+    np.testing.assert_array_equal(ckpt.read("dense/bias"), np.full(3, saved, np.float32))
+
+
+def _save_or_exists(prefix, out, value):
+    import numpy as np
+
+    from restorekit import CheckpointEditor, OutputExistsError
+
+    editor = CheckpointEditor(prefix)
+    editor.set("dense/bias", np.full(3, value, np.float32))
+    try:
+        editor.save(out)
+        return "saved", value
+    except OutputExistsError:
+        return "exists", value
+
+
+def test_save_in_place_refuses_to_drop_an_edit_saved_since_it_opened(small_checkpoint):
+    prefix, values = small_checkpoint
+    first, second = CheckpointEditor(prefix), CheckpointEditor(prefix)
+    first.set("dense/bias", np.zeros(3, np.float32))
+    second.set("logits/bias", np.zeros(5, np.float32))
+    second.list()  # both have read the source
+    first.save_in_place()
+    with pytest.raises(OutputError, match="changed since this editor read it"):
+        second.save_in_place()
+    after = Checkpoint(prefix)
+    np.testing.assert_array_equal(after.read("dense/bias"), np.zeros(3, np.float32))  # the first edit stands
+    np.testing.assert_array_equal(after.read("logits/bias"), values["logits/bias"])

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from restorekit.bundle import files
+from restorekit.bundle import atomic, files
 from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix
 from restorekit.edit import renames, values
@@ -63,6 +63,7 @@ class CheckpointEditor:
     def __init__(self, path):
         self.prefix = resolve_prefix(path)
         self._source: Source | None = None
+        self._opened: tuple | None = None
         self._items: dict[str, Item] | None = None
 
     def __repr__(self) -> str:
@@ -77,6 +78,7 @@ class CheckpointEditor:
     @property
     def _reader(self) -> Source:
         if self._source is None:
+            self._opened = _fingerprint(self.prefix)  # what save_in_place must still find
             self._source = Source(Checkpoint(self.prefix))
         return self._source
 
@@ -330,11 +332,13 @@ class CheckpointEditor:
         prefix = os.path.abspath(prefix)
         if not files.is_remote(self.prefix) and os.path.realpath(prefix) == os.path.realpath(self.prefix):
             raise OutputExistsError(path=out, is_source=True)
-        existing = os.path.exists(prefix + ".index")
-        if existing and not overwrite:
-            raise OutputExistsError(path=prefix)
-        return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False, replacing=existing,
-                       update_state_file=update_state_file, progress=progress)
+        # One writer per output: the lock is taken before the exists-check and held to the final rename.
+        with atomic.output_lock(prefix):
+            existing = os.path.exists(prefix + ".index")
+            if existing and not overwrite:
+                raise OutputExistsError(path=prefix)
+            return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False, replacing=existing,
+                           update_state_file=update_state_file, progress=progress)
 
     def _save_local(self, path: str, format: str, *, compact: bool, overwrite: bool, progress: bool) -> str:
         if format == "tf":
@@ -350,11 +354,26 @@ class CheckpointEditor:
                 f"{self.prefix!r}: a remote checkpoint cannot be replaced atomically (its files are separate "
                 "objects); save() it under a new name instead"
             )
-        prefix = save_tf(self._reader, self._plan, os.path.abspath(self.prefix), compact=compact, in_place=True,
-                         replacing=True, update_state_file=update_state_file, progress=progress)
+        reader, plan = self._reader, self._plan
+        with atomic.output_lock(self.prefix):
+            if _fingerprint(self.prefix) != self._opened:
+                # Another writer replaced the source since this editor read it: saving now
+                # would silently drop that writer's edit.
+                raise OutputError(
+                    f"{self.prefix!r} changed since this editor read it (another save_in_place or save?); "
+                    "open a new CheckpointEditor and apply the edits again"
+                )
+            prefix = save_tf(reader, plan, os.path.abspath(self.prefix), compact=compact, in_place=True,
+                             replacing=True, update_state_file=update_state_file, progress=progress)
         self._source = None
         self._items = None
         return prefix
+
+
+def _fingerprint(prefix: str) -> tuple:
+    """Identity of the checkpoint's index file: replaced or rewritten, it changes."""
+    st = os.stat(prefix + ".index")
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _listed(pattern, name: str) -> bool:
