@@ -34,7 +34,7 @@ import sys
 import warnings
 from typing import Sequence
 
-from restorekit.cli import checkpoints, edits, graphs  # noqa: F401  (each registers its commands)
+from restorekit.cli import checkpoints, compress, edits, graphs  # noqa: F401  (each registers its commands)
 from restorekit.cli.base import (  # noqa: F401
     COMMANDS,
     EXIT_DIFFERENT,
