@@ -290,15 +290,19 @@ def _graph_tensors(graph_def, names, where: str, what: str) -> list[str]:
     return result
 
 
-def _frozen_graph(graph_def, where: str, inputs, outputs) -> _FrozenGraph:
+def _require_frozen(summary, where: str) -> None:
+    if summary.variables or summary.kind != "GraphDef":
+        raise GraphError(
+            f"{where!r} is a {summary.kind} with {len(summary.variables)} variables, so it is not frozen. Pass "
+            f"its checkpoint as the source with graph={where!r}, or freeze it first (restorekit.freeze)."
+        )
+
+
+def _frozen_graph(graph_def, where: str, inputs, outputs, summary=None) -> _FrozenGraph:
     from restorekit.graph import inspect_graph
 
-    summary = inspect_graph(graph_def)
-    if summary.variables:
-        raise GraphError(
-            f"{where!r} still has {len(summary.variables)} variables, so it is not frozen. Pass the checkpoint "
-            f"with graph=, or freeze it first (restorekit.freeze)."
-        )
+    summary = summary or inspect_graph(graph_def)
+    _require_frozen(summary, where)
     if outputs is None:
         outputs = [t.name for t in summary.outputs]
     output_names = _graph_tensors(graph_def, outputs, repr(where), "output")
@@ -368,9 +372,10 @@ def _open_source(source, graph, inputs, outputs, signature):
     if prefix is None:
         from restorekit.graph import inspect_graph
 
-        inspect_graph(path)  # the graph module's errors for missing, truncated or foreign files
+        summary = inspect_graph(path)  # the graph module's errors for missing, truncated or foreign files
+        _require_frozen(summary, path)
         graph_def = _read_graph_def(path)
-        return _frozen_graph(graph_def, path, inputs, outputs), path, os.path.getsize(path)
+        return _frozen_graph(graph_def, path, inputs, outputs, summary), path, os.path.getsize(path)
     from restorekit.graph import freeze, inspect_graph
 
     graph = graph if graph is not None else prefix + ".meta"
