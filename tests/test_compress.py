@@ -344,7 +344,7 @@ def test_cli_json_and_errors(convnet, tmp_path):
     assert code == 0 and json.loads(stdout)["outputs"] == ["probs:0"]
 
     code, _, stderr = _cli("compress", convnet.frozen, str(out))
-    assert code == 3 and stderr.startswith("restorekit: error: ") and "exists" in stderr
+    assert code == 3 and stderr.startswith("restorekit: error: ") and "--overwrite" in stderr
 
     code, _, stderr = _cli("compress", convnet.frozen, str(tmp_path / "n.tflite"), "--precision", "int4")
     assert code == 2 and "int4" in stderr

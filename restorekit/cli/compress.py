@@ -29,10 +29,17 @@ def _compress_args(p: argparse.ArgumentParser) -> None:
           configure=_compress_args)
 def _compress(args) -> int:
     from restorekit.compress import compress
+    from restorekit.errors import OutputExistsError
 
-    result = compress(args.src, args.out, outputs=args.outputs, inputs=args.inputs, precision=args.precision,
-                      representative_data=args.representative, backend=args.backend, max_error=args.max_error,
-                      overwrite=args.overwrite, graph=args.graph)
+    try:
+        result = compress(args.src, args.out, outputs=args.outputs, inputs=args.inputs, precision=args.precision,
+                          representative_data=args.representative, backend=args.backend,
+                          max_error=args.max_error, overwrite=args.overwrite, graph=args.graph)
+    except OutputExistsError as e:
+        if e.is_source or e.path is None:
+            raise
+        # The library's advice is a keyword; in the shell it is a flag (decided by the fields, not the text).
+        raise OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path) from None
     if args.json:
         _print_json(result.to_dict())
     elif not _quiet(args):
