@@ -1,4 +1,4 @@
-"""Tests for restorekit/compress.py: real TF1 nets, frozen with restorekit.freeze, compressed and run by LiteRT."""
+"""Tests for restorekit/compress/: real TF1 nets, frozen with restorekit.freeze, compressed and run by LiteRT."""
 
 import contextlib
 import io
