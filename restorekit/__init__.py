@@ -11,6 +11,7 @@ from restorekit.errors import (
     AssignmentMapError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
+    CompressionError,
     CorruptCheckpointError,
     EditError,
     GraphError,
@@ -29,6 +30,9 @@ from restorekit.errors import (
     UnknownVariableError,
     VocabularyError,
 )
+# compress imports TensorFlow and LiteRT only inside its functions, so this import stays cheap;
+# importing it here (not on first use) keeps `restorekit.compress` the function, never the module.
+from restorekit.compress import CompressResult, compress
 from restorekit.export import ExportResult, convert, export_checkpoint, import_checkpoint
 from restorekit.finetune import (
     VariableGroup,
@@ -82,6 +86,8 @@ __all__ = [
     "CheckpointEditor",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "CompressResult",
+    "CompressionError",
     "ConvertedConstant",
     "CorruptCheckpointError",
     "EditError",
@@ -114,6 +120,7 @@ __all__ = [
     "VocabRemap",
     "VocabularyError",
     "assign_from_checkpoint_fn",
+    "compress",
     "convert",
     "diff_checkpoints",
     "easy_going_scaffold",

@@ -20,7 +20,8 @@ also from a built-in, so ``except FileNotFoundError`` keeps working::
     │   ├── OutputExistsError          (FileExistsError)    output would overwrite the source
     │   └── InsufficientSpaceError                          not enough free disk
     ├── GraphError                     (ValueError)         not a graph, truncated, unusable
-    │   └── GraphTooLargeError                              over the 2 GB protobuf limit
+    │   ├── GraphTooLargeError                              over the 2 GB protobuf limit
+    │   └── CompressionError                                a converter refuses the model, or it moved too far
     └── MissingDependencyError         (ImportError)        an optional extra is not installed
 
     RestoreKitWarning                  (UserWarning)        something worked, but not as asked
@@ -39,6 +40,7 @@ __all__ = [
     "AssignmentMapError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "CompressionError",
     "CorruptCheckpointError",
     "EditError",
     "GraphError",
@@ -183,6 +185,21 @@ class GraphError(RestoreKitError, ValueError):
 
 class GraphTooLargeError(GraphError):
     """A graph over protobuf's 2 GB limit."""
+
+
+class CompressionError(GraphError):
+    """A model the converter refuses (``ops`` names the ops it has no kernel for), or whose
+    compressed outputs moved further than ``max_error`` (``result`` has the numbers).
+
+    Given ``ops``, the error lists them after the message itself.
+    """
+
+    def __init__(self, message: str, *, ops=(), result=None):
+        self.ops = tuple(ops)
+        self.result = result
+        if self.ops:
+            message = f"{message} Unsupported ops: {format_names(self.ops)}."
+        super().__init__(message)
 
 
 class MissingDependencyError(RestoreKitError, ImportError):

@@ -12,6 +12,7 @@ Commands::
     restorekit graph inspect FILE [--json]
     restorekit freeze CKPT GRAPH --outputs a,b --out F.pb
     restorekit unfreeze F.pb OUT_PREFIX [--weights auto|large|n1,n2] [--reference R] [--trainable-graph]
+    restorekit compress SRC OUT [--precision fp16|int8|dynamic-int8|fp32] [--representative N.npz] [--max-error X]
     restorekit demo [--seeds N] [--steps N] [--out DIR]
 
 Exit codes:
@@ -37,7 +38,7 @@ import warnings
 from typing import Sequence
 
 from restorekit._tensorflow import quiet_logs
-from restorekit.cli import checkpoints, edits, graphs  # noqa: F401  (each registers its commands)
+from restorekit.cli import checkpoints, compress, edits, graphs  # noqa: F401  (each registers its commands)
 from restorekit.cli.base import (  # noqa: F401
     COMMANDS,
     EXIT_DIFFERENT,
