@@ -15,7 +15,7 @@ import numpy as np
 
 from restorekit.bundle.format import dtype_name, numpy_dtype
 from restorekit.bundle.writer import CHUNK_SIZE, array_chunks
-from restorekit.errors import CorruptCheckpointError, GraphError
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, GraphError
 from restorekit.graph.common import _tf
 
 # TensorProto fields listing values; complex ones hold (real, imaginary) pairs.
@@ -46,7 +46,7 @@ def const_layout(node) -> ConstLayout:
         raise GraphError(f"constant {node.name!r} has a negative dimension in its shape {list(shape)}.")
     try:
         itemsize = numpy_dtype(tensor.dtype).itemsize
-    except CorruptCheckpointError:
+    except (CorruptCheckpointError, InvalidArgumentError):  # unknown, or no numpy form (variant, resource)
         raise GraphError(
             f"constant {node.name!r} has dtype {dtype_name(tensor.dtype)!r}, which a checkpoint cannot hold."
         ) from None
