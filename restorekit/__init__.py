@@ -4,7 +4,7 @@
 functions that need them.
 """
 
-from restorekit.checkpoint import Checkpoint, Entry
+from restorekit.checkpoint import Checkpoint, Entry, Problem, VerifyResult
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import (
@@ -106,6 +106,7 @@ __all__ = [
     "NoMatchError",
     "OutputError",
     "OutputExistsError",
+    "Problem",
     "Record",
     "RestoreKitError",
     "RestoreKitWarning",
@@ -117,6 +118,7 @@ __all__ = [
     "VariableGroup",
     "VariableGroups",
     "VariableSummary",
+    "VerifyResult",
     "VocabRemap",
     "VocabularyError",
     "assign_from_checkpoint_fn",

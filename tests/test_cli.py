@@ -581,3 +581,24 @@ def test_strip_writes_only_what_is_kept_unless_link_is_asked(capsys, resnet_chec
     code, _, _ = run(capsys, "strip", resnet_checkpoint, tmp_path / "linked" / "model", "--link")
     linked = sum(os.path.getsize(tmp_path / "linked" / n) for n in os.listdir(tmp_path / "linked") if ".data-" in n)
     assert code == 0 and linked == source_bytes
+
+
+def test_verify_exits_0_when_sound_and_1_naming_a_flipped_tensor(capsys, small_checkpoint, tmp_path):
+    import shutil
+
+    prefix, _ = small_checkpoint
+    code, data = run_json(capsys, "verify", prefix)
+    assert code == 0 and data["ok"] and data["tensors"] == 6
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(prefix), copy)
+    bad = str(copy / os.path.basename(prefix))
+    entry = Checkpoint(bad).bundle_entry("logits/kernel")
+    with open(bad + ".data-00000-of-00001", "r+b") as f:
+        f.seek(entry.offset + 3)
+        byte = f.read(1)
+        f.seek(entry.offset + 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    code, out, _ = run(capsys, "verify", bad)
+    assert code == 1 and "logits/kernel" in out
+    code, data = run_json(capsys, "verify", bad)
+    assert [(p["name"], p["kind"]) for p in data["problems"]] == [("logits/kernel", "checksum")]

@@ -2,7 +2,8 @@
 
 Commands::
 
-    restorekit inspect CKPT [--stats] [--filter PATTERN] [--json]
+    restorekit inspect CKPT [--stats] [--filter PATTERN] [--tensor NAME] [--json]
+    restorekit verify CKPT [--json]
     restorekit diff A B [--atol X] [--json]
     restorekit scan CKPT --meta-graph FILE.meta [--json]
     restorekit rename CKPT OUT (--rule REGEX=REPL ... | --map FILE.json)
@@ -16,8 +17,8 @@ Commands::
     restorekit demo [--seeds N] [--steps N] [--out DIR]
 
 Exit codes:
-    0  success; ``diff``: the checkpoints are equal; ``scan``: every variable restores
-    1  ``diff``: the checkpoints differ; ``scan``: the restore would be incomplete
+    0  success; ``diff``: the checkpoints are equal; ``scan``: every variable restores; ``verify``: sound
+    1  ``diff``: the checkpoints differ; ``scan``: the restore would be incomplete; ``verify``: problems found
     2  usage error (bad arguments)
     3  restorekit error: missing or corrupt checkpoint, unsafe file, output exists, ...
 

@@ -10,6 +10,7 @@ from restorekit._tensorflow import import_tensorflow
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.report import format_bytes, format_shape
 from restorekit.cli.base import (
+    _quiet,
     EXIT_DIFFERENT,
     EXIT_OK,
     Usage as _Usage,
@@ -105,6 +106,27 @@ def _inspect(args) -> int:
     print(_table(lines, header))
     print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}")
     return EXIT_OK
+
+
+# ------------------------------------------------------------------ verify
+
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file or SavedModel")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("verify", help="check every tensor's bytes against its crc32c and every entry against TF's rules "
+          "(exit 0 when sound, 1 when not)", configure=_verify_args)
+def _verify(args) -> int:
+    from restorekit.checkpoint import Checkpoint
+
+    result = Checkpoint(args.checkpoint).verify(progress=not _quiet(args) and not args.json)
+    if args.json:
+        _print_json({"checkpoint": result.prefix, "ok": result.ok, "tensors": result.tensors, "nbytes": result.nbytes,
+                     "problems": [{"name": p.name, "kind": p.kind, "message": p.message} for p in result.problems]})
+    else:
+        print(result)
+    return EXIT_OK if result.ok else EXIT_DIFFERENT
 
 
 # ------------------------------------------------------------------ diff

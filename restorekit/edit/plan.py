@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from restorekit.bundle.format import numpy_dtype
+from restorekit.bundle.format import DT_BOOL, DT_COMPLEX64, DT_COMPLEX128, DT_STRING, FLOAT_DTYPES, numpy_dtype
 from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError
 from restorekit.names import matches
 
-STRING = 7
-BOOL = 10
-FLOATS = {1, 2, 14, 19}  # float32, float64, bfloat16, float16
-COMPLEX = {8, 18}  # complex64, complex128
+STRING = DT_STRING
+BOOL = DT_BOOL
+FLOATS = FLOAT_DTYPES
+COMPLEX = frozenset({DT_COMPLEX64, DT_COMPLEX128})
 ATTRIBUTES = "/.ATTRIBUTES/"
 
 
