@@ -6,6 +6,7 @@ tensor is read. TensorFlow is never imported for local paths.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import warnings
@@ -75,6 +76,30 @@ def _newest_index(directory: str) -> str | None:
     return max(indexes, key=lambda p: (files.mtime(p), p))[: -len(".index")]
 
 
+def _warn_once(path: str, choice: str, message: str) -> None:
+    if (path, choice) not in _WARNED:  # once per directory and choice, however often it is opened
+        _WARNED.add((path, choice))
+        warnings.warn(message, RestoreKitWarning, stacklevel=4)
+
+
+def state_file_points_outside(directory) -> str | None:
+    """The prefix ``directory``'s state file names when that prefix lies outside ``directory``, else None.
+
+    TF's Saver writes absolute paths, so a copied checkpoint directory still names the
+    original; reading through it reads the original, and editing through it in place
+    would edit the original.
+    """
+    directory = str(directory)
+    if files.is_remote(directory) or not files.isdir(directory):
+        return None
+    named = _state_file_prefix(directory)
+    if named is None or files.is_remote(named):
+        return None
+    inside = os.path.realpath(directory)
+    where = os.path.realpath(os.path.dirname(named))
+    return named if os.path.commonpath([inside, where]) != inside else None
+
+
 def resolve_prefix(path) -> str:
     """Turn any accepted path into a checkpoint prefix whose ``.index`` exists.
 
@@ -90,6 +115,9 @@ def resolve_prefix(path) -> str:
         path = path[: -len(".index")]
     path = _DATA_SUFFIX.sub("", path)
     if files.exists(path + ".index"):
+        if files.isdir(path) and not path.endswith("/"):
+            _warn_once(path, path, f"{path!r} is both a checkpoint prefix and a directory; using the prefix "
+                                   f"(write {path + '/'!r} for the directory)")
         return path
     if files.isdir(path):
         saved_model = files.join(path, "variables", "variables")
@@ -97,6 +125,10 @@ def resolve_prefix(path) -> str:
             return saved_model
         named = _state_file_prefix(path)
         if named is not None and files.exists(named + ".index"):
+            if state_file_points_outside(path) is not None:
+                _warn_once(path, named, f"the 'checkpoint' state file in {path!r} names {named!r}, outside that "
+                                        f"directory (a copied checkpoint directory?); using {named!r} as TF does. "
+                                        "Pass the exact prefix to read another")
             return named
         fallback = None
         if named is not None:
@@ -118,9 +150,7 @@ def resolve_prefix(path) -> str:
             reason = f"the 'checkpoint' state file in {path!r} names no checkpoint (it does not parse)"
         else:
             reason = f"{path!r} has no 'checkpoint' state file"
-        if (path, fallback) not in _WARNED:  # once per directory and choice, however often it is opened
-            _WARNED.add((path, fallback))
-            warnings.warn(f"{reason}; using {fallback!r}", RestoreKitWarning, stacklevel=3)
+        _warn_once(path, fallback, f"{reason}; using {fallback!r}")
         return fallback
     hint = ""
     parent = path.rsplit("/", 1)[0] if "/" in path else "."

@@ -560,3 +560,18 @@ def test_verify_reports_a_missing_shard_and_an_entry_whose_size_does_not_fit(sma
     result = Checkpoint(prefix).verify()
     assert len(result.problems) == len(Checkpoint(prefix)) and result.nbytes == 0
     assert all("missing" in p.message for p in result.problems if p.name != "dense/bias")
+
+
+def test_a_path_that_is_both_a_prefix_and_a_directory_says_which_it_used(tmp_path):
+    import warnings as _warnings
+
+    from restorekit.errors import RestoreKitWarning
+
+    prefix = save_variables(tmp_path / "run", {"v": np.float32(1)})
+    os.makedirs(tmp_path / "run")
+    with pytest.warns(RestoreKitWarning, match="both a checkpoint prefix and a directory; using the prefix"):
+        assert Checkpoint(prefix).prefix == prefix
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        with pytest.raises(CheckpointNotFoundError):
+            Checkpoint(prefix + "/")  # the directory, which holds no checkpoint

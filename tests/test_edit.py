@@ -1069,3 +1069,26 @@ def test_save_in_place_refuses_to_drop_an_edit_saved_since_it_opened(small_check
     after = Checkpoint(prefix)
     np.testing.assert_array_equal(after.read("dense/bias"), np.zeros(3, np.float32))  # the first edit stands
     np.testing.assert_array_equal(after.read("logits/bias"), values["logits/bias"])
+
+
+def test_a_copied_directory_whose_state_file_names_the_original_warns_and_refuses_in_place_edits(tmp_path):
+    import shutil
+
+    from conftest import save_variables
+
+    original = tmp_path / "original"
+    prefix = save_variables(original / "model.ckpt", {"v": np.float32([1, 2])})  # state file: absolute paths
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    with pytest.warns(RestoreKitWarning, match="outside that directory"):
+        editor = CheckpointEditor(str(copy))
+    assert editor.prefix == prefix  # as TF's latest_checkpoint resolves it
+    editor.set("v", np.float32([9, 9]))
+    with pytest.raises(OutputError, match="opened through a 'checkpoint' state file"):
+        editor.save_in_place()
+    np.testing.assert_array_equal(Checkpoint(prefix).read("v"), [1, 2])  # the original is untouched
+    exact = CheckpointEditor(str(copy / "model.ckpt"))  # the exact prefix edits the copy
+    exact.set("v", np.float32([9, 9]))
+    exact.save_in_place()
+    np.testing.assert_array_equal(Checkpoint(str(copy / "model.ckpt")).read("v"), [9, 9])
+    np.testing.assert_array_equal(Checkpoint(prefix).read("v"), [1, 2])

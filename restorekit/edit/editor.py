@@ -8,7 +8,7 @@ import numpy as np
 
 from restorekit.bundle import atomic, files
 from restorekit.bundle.format import dtype_name
-from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix
+from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix, state_file_points_outside
 from restorekit.edit import renames, values
 from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
 from restorekit.edit.save_export import save_export
@@ -62,6 +62,7 @@ class CheckpointEditor:
 
     def __init__(self, path):
         self.prefix = resolve_prefix(path)
+        self._through_outside_state = state_file_points_outside(path)
         self._source: Source | None = None
         self._opened: tuple | None = None
         self._items: dict[str, Item] | None = None
@@ -353,6 +354,12 @@ class CheckpointEditor:
             raise OutputError(
                 f"{self.prefix!r}: a remote checkpoint cannot be replaced atomically (its files are separate "
                 "objects); save() it under a new name instead"
+            )
+        if self._through_outside_state is not None:
+            raise OutputError(
+                f"this editor was opened through a 'checkpoint' state file naming {self.prefix!r}, outside the "
+                "directory given; an in-place edit would change that checkpoint. Open CheckpointEditor with the "
+                "exact prefix to edit it in place, or save() the copy under a new name"
             )
         reader, plan = self._reader, self._plan
         with atomic.output_lock(self.prefix):
