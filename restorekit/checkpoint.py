@@ -337,6 +337,33 @@ class Checkpoint(Mapping):
     def _unknown(self, name: str) -> NoMatchError:
         return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name, candidates=self._entries)
 
+    def check_shards(self) -> None:
+        """Check that every data shard exists and is long enough for what the index places in it.
+
+        Costs one ``stat`` per shard, no reads: a truncated or missing shard is named
+        here instead of surfacing as TensorFlow's ``OutOfRangeError`` from a restore.
+
+        Raises:
+            CorruptCheckpointError: a shard is missing, not a regular file, or shorter
+                than the index says.
+        """
+        needed: dict[int, int] = {}
+        pieces = list(self._bundle.values()) + [p for parts in self._slices.values() for _, p in parts]
+        for entry in pieces:
+            if entry.size:
+                needed[entry.shard_id] = max(needed.get(entry.shard_id, 0), entry.offset + entry.size)
+        for shard_id, end in sorted(needed.items()):
+            path = self.data_file(shard_id)
+            try:
+                length = files.size(path)
+            except OSError:
+                raise CorruptCheckpointError(f"data shard {path!r} of {self.prefix!r} is missing") from None
+            if length < end:
+                raise CorruptCheckpointError(
+                    f"data shard {path!r} is truncated: {length} bytes, but the index places tensors up to byte "
+                    f"{end}; the checkpoint was cut short (an interrupted copy or save?)"
+                )
+
     # -- low-level access for the editor and the exporters
     def data_file(self, shard_id: int) -> str:
         return f"{self.prefix}.data-{shard_id:05d}-of-{self.header.num_shards:05d}"

@@ -143,6 +143,7 @@ def scan(
         >>> print(report)
     """
     ckpt = as_checkpoint(checkpoint)
+    ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):
         raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")
     state = _Scan(ckpt, collect(variables), match, skip_optimizer_slots, include_global_step)

@@ -476,3 +476,20 @@ def test_partial_saver_for_a_report_of_another_graph_is_a_clear_error(small_chec
 def test_a_vocabulary_list_with_duplicates_is_refused_at_construction():
     with pytest.raises(restorekit.VocabularyError, match="lists 'a' twice"):
         restorekit.VocabRemap(["a", "b", "a"], ["a", "b"])
+
+
+def test_a_truncated_shard_is_named_by_scan_before_any_restore(small_checkpoint, tmp_path):
+    import shutil
+
+    prefix, _ = small_checkpoint
+    copy = tmp_path / "cut"
+    shutil.copytree(os.path.dirname(prefix), copy)
+    cut = str(copy / os.path.basename(prefix))
+    shard = cut + ".data-00000-of-00001"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 8)
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/bias", shape=[3])
+        with pytest.raises(restorekit.CorruptCheckpointError, match="is truncated") as info:
+            scan(cut)
+    assert shard in str(info.value)
