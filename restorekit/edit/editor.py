@@ -334,12 +334,18 @@ class CheckpointEditor:
         if not files.is_remote(self.prefix) and os.path.realpath(prefix) == os.path.realpath(self.prefix):
             raise OutputExistsError(path=out, is_source=True)
         # One writer per output: the lock is taken before the exists-check and held to the final rename.
-        with atomic.output_lock(prefix):
-            existing = os.path.exists(prefix + ".index")
-            if existing and not overwrite:
-                raise OutputExistsError(path=prefix)
-            return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False, replacing=existing,
-                           update_state_file=update_state_file, progress=progress)
+        directory = os.path.dirname(prefix)
+        made = _missing_directories(directory)
+        try:
+            with atomic.output_lock(prefix):
+                existing = os.path.exists(prefix + ".index")
+                if existing and not overwrite:
+                    raise OutputExistsError(path=prefix)
+                return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False,
+                               replacing=existing, update_state_file=update_state_file, progress=progress)
+        except BaseException:
+            _remove_if_empty(made)  # a refused or failed save leaves no directory behind either
+            raise
 
     def _save_local(self, path: str, format: str, *, compact: bool, overwrite: bool, progress: bool) -> str:
         if format == "tf":
@@ -377,8 +383,27 @@ class CheckpointEditor:
         return prefix
 
 
-def _fingerprint(prefix: str) -> tuple:
-    """Identity of the checkpoint's index file: replaced or rewritten, it changes."""
+def _missing_directories(directory: str) -> list[str]:
+    """The directories on the way to ``directory`` that do not exist yet, deepest first."""
+    missing = []
+    while directory and not os.path.exists(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    return missing
+
+
+def _remove_if_empty(directories: list[str]) -> None:
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (another writer's files) or already gone
+            return
+
+
+def _fingerprint(prefix: str) -> tuple | None:
+    """Identity of the checkpoint's index file: replaced or rewritten, it changes (None for remote files)."""
+    if files.is_remote(prefix):
+        return None
     st = os.stat(prefix + ".index")
     return st.st_ino, st.st_size, st.st_mtime_ns
 
