@@ -406,3 +406,19 @@ def test_trainable_graph_keeps_moving_statistics_and_shadows_non_trainable(tmp_p
         "conv1/BatchNorm/moving_variance",
         "scale/ExponentialMovingAverage",
     ]
+
+
+@pytest.mark.parametrize("weights", ["auto", "large"])
+def test_unfreeze_of_a_frozen_graph_without_weight_constants_is_an_error(tmp_path, weights):
+    with tf.Graph().as_default() as graph:
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        tf.identity(x * 2.0 + 1.0, name="y")
+        path = tmp_path / "no_weights.pb"
+        path.write_bytes(graph.as_graph_def().SerializeToString())
+    out = tmp_path / "out"
+    with pytest.raises(GraphError, match="no weight constants found") as info:
+        unfreeze(str(path), str(out / "model.ckpt"), weights=weights, trainable_graph=True)
+    assert "no_weights.pb" in str(info.value)
+    hint = "lower it, or pass a list of node names" if weights == "large" else "Pass weights='large'"
+    assert hint in str(info.value)
+    assert not out.exists() or os.listdir(out) == []

@@ -62,3 +62,25 @@ def test_rewrite_without_changes_is_byte_identical(keras_checkpoint):
 def test_corrupt_graph_is_a_restorekit_error(raw):
     with pytest.raises(CorruptCheckpointError):
         rewrite_keys(raw, {})
+
+
+def _keras_checkpoint_with_its_optimizer(tmp_path):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, name="head")(keras.layers.Dense(3, name="body")(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(np.ones((4, 4), np.float32), np.ones((4, 2), np.float32), verbose=0)
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "tf2" / "ckpt"))
+    return prefix, model
+
+
+def test_keras_checkpoint_stores_model_weights_under_optimizer_keys(tmp_path):
+    """TF saves each Keras 3 weight once, at its shortest path: under the optimizer's list."""
+    prefix, model = _keras_checkpoint_with_its_optimizer(tmp_path)
+    graph = Checkpoint(prefix).object_graph
+    weights = [t for t in graph.variables if t.kind == "variable"]
+    assert sorted(t.path for t in weights) == sorted(v.path for v in model.weights)
+    assert all(t.key.startswith("optimizer/_trainable_variables/") for t in weights)

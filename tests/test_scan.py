@@ -493,3 +493,59 @@ def test_a_truncated_shard_is_named_by_scan_before_any_restore(small_checkpoint,
         with pytest.raises(restorekit.CorruptCheckpointError, match="is truncated") as info:
             scan(cut)
     assert shard in str(info.value)
+
+
+# ------------------------------------------------------------------ optimizer state of every TF1 optimizer is a slot
+
+TF1_OPTIMIZERS = {
+    "Momentum": lambda: tf1.train.MomentumOptimizer(0.1, 0.9),
+    "Adam": lambda: tf1.train.AdamOptimizer(0.1),
+    "RMSProp": lambda: tf1.train.RMSPropOptimizer(0.1, momentum=0.5),
+    "Adagrad": lambda: tf1.train.AdagradOptimizer(0.1),
+    "Adadelta": lambda: tf1.train.AdadeltaOptimizer(0.1),
+    "Ftrl": lambda: tf1.train.FtrlOptimizer(0.1),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(TF1_OPTIMIZERS), ids=list(TF1_OPTIMIZERS))
+def test_tf1_optimizer_state_in_a_real_checkpoint_is_skipped_as_slots(tmp_path, optimizer):
+    prefix = str(tmp_path / "ckpt" / "model.ckpt")
+    with tf.Graph().as_default():
+        w = tf1.get_variable("net/w", [3, 2])
+        b = tf1.get_variable("net/b", [2])
+        loss = tf.reduce_sum(tf.square(tf.matmul(tf.ones([1, 3]), w) + b))
+        step = tf1.train.get_or_create_global_step()
+        train = TF1_OPTIMIZERS[optimizer]().minimize(loss, global_step=step)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(train)
+            tf1.train.Saver().save(sess, prefix)
+    ckpt = Checkpoint(prefix)
+    optimizer_entries = set(ckpt) - {"net/w", "net/b", "global_step"}
+    assert optimizer_entries  # the optimizer saved state of its own
+    with tf.Graph().as_default():
+        tf1.get_variable("net/w", [3, 2])
+        tf1.get_variable("net/b", [2])
+        report = restorekit.scan(prefix)
+    assert {r.variable_name for r in report.matched} == {"net/w", "net/b"}
+    assert report.unused == () and report.missing == () and report.is_complete
+    slots = {r.checkpoint_name for r in report.skipped if r.reason.startswith("optimizer slot")}
+    assert slots == optimizer_entries
+
+
+def test_bert_style_adam_m_and_adam_v_are_slots(tmp_path):
+    values = {
+        "bert/encoder/layer_0/kernel": np.ones([2, 2], np.float32),
+        "bert/encoder/layer_0/kernel/adam_m": np.ones([2, 2], np.float32),
+        "bert/encoder/layer_0/kernel/adam_v": np.ones([2, 2], np.float32),
+    }
+    prefix = save_variables(tmp_path / "bert" / "model.ckpt", values)
+    with tf.Graph().as_default():
+        tf1.get_variable("bert/encoder/layer_0/kernel", [2, 2])
+        report = restorekit.scan(prefix)
+    assert [r.variable_name for r in report.matched] == ["bert/encoder/layer_0/kernel"]
+    assert report.unused == ()
+    assert {r.checkpoint_name: r.reason for r in report.skipped} == {
+        "bert/encoder/layer_0/kernel/adam_m": "optimizer slot (Adam (BERT))",
+        "bert/encoder/layer_0/kernel/adam_v": "optimizer slot (Adam (BERT))",
+    }

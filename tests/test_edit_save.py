@@ -1,0 +1,109 @@
+"""restorekit/edit/save_tf.py: shards linked or copied, memory while saving, TF2 checkpoints stripped."""
+
+import errno
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from restorekit.bundle.writer import BundleWriter
+from restorekit.checkpoint import Checkpoint
+from restorekit.edit import CheckpointEditor
+
+
+def test_shards_are_copied_when_hard_links_fail_across_filesystems(small_checkpoint, tmp_path, monkeypatch):
+    prefix, values = small_checkpoint
+
+    def no_link(src, dst, *args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+
+    monkeypatch.setattr(os, "link", no_link)
+    ed = CheckpointEditor(prefix)
+    ed.rename("dense/kernel", "encoder/kernel")
+    out = ed.save(tmp_path / "out" / "m")
+    src_data = os.stat(prefix + ".data-00000-of-00001")
+    out_data = os.stat(out + ".data-00000-of-00001")
+    assert out_data.st_ino != src_data.st_ino and out_data.st_size == src_data.st_size  # a copy, not a link
+    reader = tf.train.load_checkpoint(out)
+    np.testing.assert_array_equal(reader.get_tensor("encoder/kernel"), values["dense/kernel"])
+    np.testing.assert_array_equal(Checkpoint(prefix).read("dense/kernel"), values["dense/kernel"])
+
+
+MIB = 1 << 20
+TENSOR_MIB = 4  # every tensor; the checkpoint holds 12 of them (48 MiB)
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("big") / "m")
+    rng = np.random.RandomState(0)
+    with BundleWriter(prefix) as w:
+        for i in range(12):
+            w.add(f"layer_{i:02d}/kernel", rng.rand(TENSOR_MIB * MIB // 4).astype(np.float32))
+    return prefix
+
+
+def _peak_mib(action):
+    tracemalloc.start()
+    try:
+        action()
+        return tracemalloc.get_traced_memory()[1] / MIB
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["set-one", "cast-all", "rename-all", "strip-half"],
+)
+def test_peak_memory_while_saving_is_near_the_largest_tensor_not_the_checkpoint(big_checkpoint, tmp_path, edit):
+    """Issue 4: peak memory is at most the largest tensor plus a small constant.
+
+    tracemalloc sees numpy and bytes allocations; the bound (3 tensors + 4 MiB = 16 MiB)
+    is a third of the 48 MiB checkpoint, so reading everything at once would fail it.
+    """
+    ed = CheckpointEditor(big_checkpoint)
+    if edit == "set-one":
+        ed.set("layer_03/kernel", np.zeros(TENSOR_MIB * MIB // 4, np.float32))
+    elif edit == "cast-all":
+        ed.cast(".*", "bfloat16")
+    elif edit == "rename-all":
+        ed.rename_all([(r"^layer_", "block_")])
+    else:
+        ed.delete(r"layer_0[0-5]")
+    for compact in (False, True):
+        out = tmp_path / f"out_{compact}" / "m"
+        peak = _peak_mib(lambda: ed.save(out, compact=compact))
+        assert peak < 3 * TENSOR_MIB + 4, f"compact={compact}: peak {peak:.1f} MiB for a 48 MiB checkpoint"
+    assert len(Checkpoint(str(out))) == (6 if edit == "strip-half" else 12)
+
+
+def _keras_checkpoint_with_its_optimizer(tmp_path):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2, name="head")(keras.layers.Dense(3, name="body")(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(np.ones((4, 4), np.float32), np.ones((4, 2), np.float32), verbose=0)
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "tf2" / "ckpt"))
+    return prefix, model
+
+
+def test_strip_optimizer_slots_keeps_keras_model_weights(tmp_path):
+    prefix, model = _keras_checkpoint_with_its_optimizer(tmp_path)
+    graph = Checkpoint(prefix).object_graph
+    weight_keys = {t.key for t in graph.variables if t.kind == "variable"}
+    optimizer_keys = {t.key for t in graph.variables if t.kind == "optimizer"}
+    ed = CheckpointEditor(prefix)
+    stripped = set(ed.strip_optimizer_slots())
+    assert stripped == optimizer_keys
+    out = ed.save(tmp_path / "stripped" / "ckpt")
+    kept = set(tf.train.load_checkpoint(out).get_variable_to_shape_map())
+    assert weight_keys <= kept
+    restored = Checkpoint(out)
+    for v in model.weights:
+        np.testing.assert_array_equal(restored.read(restored.object_paths[v.path]), v.numpy())
