@@ -235,6 +235,45 @@ def test_keras_model_with_a_new_head_restores_the_body_only(ps):
     assert new_head["body_equal"] and new_head["head_untouched"]
 
 
+# ====================================================================== MultiWorkerMirroredStrategy (2 worker processes)
+
+def run_workers(pretrained: str, train_dir: str) -> list[dict]:
+    ports = free_ports(2)
+    procs = [run_child(["mwms", str(i), json.dumps(ports), pretrained, train_dir]) for i in range(2)]
+    try:
+        return [child_json(p, timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.slow
+def test_multi_worker_mirrored_workers_restore_alike_only_the_chief_writes_and_a_restart_resumes(tmp_path):
+    import keras
+
+    source = keras_net(keras)
+    pretrained = tf.train.Checkpoint(model=source).write(str(tmp_path / "pretrained" / "ckpt"))
+    expected = {v.path: v.numpy().tolist() for v in source.trainable_variables}
+    train_dir = str(tmp_path / "train")
+
+    first = run_workers(pretrained, train_dir)
+    assert [w["how"] for w in first] == ["warm-started"] * 2
+    assert [w["chief"] for w in first] == [True, False]
+    assert first[0]["started"] == first[1]["started"] == expected
+    assert first[0]["trained"] == first[1]["trained"] != expected
+    # the chief's checkpoint is the only thing written
+    assert sorted(os.listdir(train_dir)) == ["checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+
+    second = run_workers(pretrained, train_dir)
+    assert [w["how"] for w in second] == ["resumed"] * 2
+    assert second[0]["started"] == second[1]["started"] == first[0]["trained"]
+    assert [w["iterations"] for w in second] == [2, 2]
+    assert sorted(os.listdir(train_dir)) == ["checkpoint", "ckpt-1.data-00000-of-00001", "ckpt-1.index",
+                                             "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+    assert second[0]["saved"] == "ckpt-2" and tf.train.latest_checkpoint(train_dir).endswith("ckpt-2")
+
+
 # ====================================================================== child: parameter-server cluster
 
 class SwitchablePartitioner:
@@ -414,6 +453,50 @@ def keras_case(tf, keras, restorekit, strategy, src) -> dict:
     return out
 
 
+# ====================================================================== child: one MultiWorkerMirroredStrategy worker
+
+def mwms_worker(index: int, ports: list, pretrained: str, train_dir: str) -> dict:
+    """Resume from ``train_dir`` or warm-start from ``pretrained``, train one step, save (only the chief's files stay)."""
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import keras
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = keras_net(keras)
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    latest = tf.train.latest_checkpoint(train_dir)
+    if latest:
+        checkpoint.restore(latest).assert_existing_objects_matched()
+        how = "resumed"
+    else:
+        report = restorekit.scan(pretrained, model)
+        restorekit.restore(report, strict=True)
+        how = "warm-started"
+    started = {v.path: np.asarray(v.numpy()).tolist() for v in model.trainable_variables}
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    # each worker feeds its own batch; the all-reduce makes the update the same everywhere
+    strategy.run(step, args=(tf.constant(np.random.RandomState(index).randn(4, 4).astype(np.float32)),))
+    trained = {v.path: np.asarray(v.numpy()).tolist() for v in model.trainable_variables}
+    directory = distribute.write_directory(train_dir, strategy)
+    saved = checkpoint.save(os.path.join(directory, "ckpt"))
+    if not distribute.is_chief(strategy):
+        tf.io.gfile.rmtree(directory)
+    return {"how": how, "chief": distribute.is_chief(strategy), "started": started, "trained": trained,
+            "saved": os.path.relpath(saved, train_dir), "iterations": int(optimizer.iterations.numpy())}
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "ps":
         print(json.dumps(ps_main(sys.argv[2])))
+    elif sys.argv[1] == "mwms":
+        print(json.dumps(mwms_worker(int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5])))
