@@ -130,6 +130,21 @@ def test_a_checkpoint_saved_in_three_shards_restores_into_two(source, tmp_path):
     np.testing.assert_array_equal(tf.convert_to_tensor(two.emb).numpy(), values["emb"])
 
 
+def test_shards_saved_as_separate_variables_restore_shard_for_shard_through_a_dict(tmp_path):
+    # Not how TF saves a ShardedVariable (see above), but how a list of its shards saves:
+    # one key per shard. A {checkpoint_name: shard} dict restores each shard as itself.
+    saved = sharded("emb", np.zeros((7, 4)), [4, 3])
+    rows = np.arange(28, dtype=np.float32).reshape(7, 4)
+    distribute.assign(saved, rows)
+    prefix = tf.train.Checkpoint(shards=list(saved.variables)).write(str(tmp_path / "shards" / "ckpt"))
+    live = sharded("emb", np.zeros((7, 4)), [4, 3])
+    keys = {f"shards/{i}/.ATTRIBUTES/VARIABLE_VALUE": part for i, part in enumerate(live.variables)}
+    report = restorekit.scan(prefix, keys)
+    restorekit.restore(report)
+    assert sorted(r.variable_name for r in report.matched) == ["emb/part_0", "emb/part_1"]
+    np.testing.assert_array_equal(tf.convert_to_tensor(live).numpy(), rows)
+
+
 def test_a_grown_embedding_keeps_the_saved_rows_across_shards(source):
     prefix, values = source
     net = tf.Module()
