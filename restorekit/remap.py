@@ -100,7 +100,8 @@ def eager_value(policy, record, checkpoint_value, handle):
         return tf.cast(checkpoint_value, dtype)
     if policy == SLICE_OR_PAD:
         value, mask = _slice_or_pad(tf, checkpoint_value, record.checkpoint_shape, shape)
-        return tf.where(mask, value, primary.read_value())
+        # convert_to_tensor, not read_value(): a ShardedVariable reads whole only this way
+        return tf.where(mask, value, tf.convert_to_tensor(primary))
     value = policy(checkpoint_value.numpy(), handle)
     value = tf.cast(tf.convert_to_tensor(value), dtype)
     _check_shape(value.shape, shape, policy, record.variable_name)

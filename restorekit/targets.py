@@ -1,9 +1,10 @@
 """Targets: the variables a restore writes into, normalized to name, full shape, dtype, handle.
 
 TF1 ref and resource variables, partitioned variables (grouped under their full name,
-with the full shape from their save-slice info), Saver-style dicts, Keras 3 variables
-and ``tf.Module``s all become the same ``Target`` records, so ``scan`` never needs to
-know where a variable came from.
+with the full shape from their save-slice info), TF2 ``ShardedVariable``s (one logical
+variable, its shards as parts), Saver-style dicts, Keras 3 variables and ``tf.Module``s
+all become the same ``Target`` records, so ``scan`` never needs to know where a
+variable came from.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ __all__ = [
     "flat_variables",
     "is_keras_variable",
     "is_partitioned",
+    "is_sharded",
+    "sharded_container",
+    "shards",
     "slice_info",
     "tf_variable",
     "variable_name",
@@ -29,7 +33,11 @@ __all__ = [
 
 @dataclass
 class Target:
-    """One restorable thing: a variable, or all partitions of a partitioned variable."""
+    """One restorable thing: a variable, all partitions of a partitioned variable, or a sharded one.
+
+    A ``ShardedVariable`` (ParameterServerStrategy) is one Target named by its logical
+    name, with the ShardedVariable as ``handle`` and its shards as ``parts``.
+    """
 
     variable_name: str
     shape: tuple
@@ -48,6 +56,45 @@ def is_partitioned(obj) -> bool:
     """True for a TF1 ``PartitionedVariable`` (the whole, not one of its parts)."""
     # tf.compat.v1 exports no PartitionedVariable class to isinstance against.
     return type(obj).__name__ == "PartitionedVariable" and hasattr(obj, "_get_variable_list")
+
+
+# ------------------------------------------------------------------ sharded variables (TF2)
+
+def is_sharded(obj) -> bool:
+    """True for a TF2 ``ShardedVariable`` (ParameterServerStrategy with a ``variable_partitioner``)."""
+    # The class is exported only under tf.__internal__; its public marker is this property.
+    # Read it on the type: shard wrappers forward unknown attributes to the variable they hold.
+    return getattr(type(obj), "is_sharded_variable", None) is not None and getattr(obj, "is_sharded_variable", False) is True
+
+
+def shards(obj) -> list:
+    """The shard variables of a ShardedVariable, in order along axis 0; [] for anything else."""
+    return list(obj.variables) if is_sharded(obj) else []
+
+
+def sharded_container(var):
+    """The ShardedVariable that shard ``var`` belongs to, or None."""
+    # TF keeps the container only in the shard's private weakref '_sharded_container'
+    # (set by ShardedVariable itself); tf.Module.variables lists the shards, not the container.
+    ref = vars(var).get("_sharded_container") if hasattr(var, "__dict__") else None
+    container = ref() if callable(ref) else None
+    return container if is_sharded(container) else None
+
+
+def _sharded_target(container, checkpoint_name=None, name=None) -> Target:
+    parts = shards(container)
+    logical = name or strip_partition(variable_name(parts[0]))
+    return Target(logical, _shape(container), _dtype(container), container, checkpoint_name, parts=parts)
+
+
+def _check_all_shards(container, given: list) -> None:
+    missing = [variable_name(p) for p in shards(container) if all(p is not g for g in given)]
+    if missing:
+        raise InvalidArgumentError(
+            f"{strip_partition(variable_name(given[0]))!r} is a ShardedVariable of {len(shards(container))} shards "
+            f"but {missing} {'is' if len(missing) == 1 else 'are'} not among the variables; pass the model, the "
+            "ShardedVariable or all its shards"
+        )
 
 
 def variable_name(var) -> str:
@@ -93,12 +140,16 @@ def _partition_target(name: str, parts: list, checkpoint_name=None) -> Target:
 
 
 def _from_object(obj, checkpoint_name=None) -> list[Target]:
+    if is_sharded(obj):
+        return [_sharded_target(obj, checkpoint_name)]
     if is_partitioned(obj):
         parts = list(obj)
         return [_partition_target(strip_output_index(obj.name), parts, checkpoint_name)]
     if isinstance(obj, (list, tuple)) and obj and all(slice_info(v) is not None for v in obj):
         return [_partition_target(None, list(obj), checkpoint_name)]
     if is_keras_variable(obj):
+        if is_sharded(obj.value):
+            return [_sharded_target(obj.value, checkpoint_name, name=obj.path)]
         return [Target(obj.path, _shape(obj), _dtype(obj), obj.value, checkpoint_name)]
     if not hasattr(obj, "dtype") or not hasattr(obj, "shape") or not hasattr(obj, "name"):
         raise InvalidArgumentError(f"expected a variable, got {type(obj).__name__}: {obj!r}")
@@ -139,7 +190,9 @@ def collect(variables=None) -> list[Target]:
             targets.extend(_from_object(value, checkpoint_name=key))
         return targets
     root = None
-    if not isinstance(variables, (list, tuple)) and hasattr(variables, "variables"):
+    if is_sharded(variables):  # one variable, like a PartitionedVariable (it also has a 'variables' list)
+        variables = [variables]
+    elif not isinstance(variables, (list, tuple)) and hasattr(variables, "variables"):
         root = variables
         variables = list(variables.variables)
     if is_partitioned(variables):
@@ -150,13 +203,26 @@ def collect(variables=None) -> list[Target]:
             f"variables is a list of variables, a {{checkpoint_name: variable}} dict, a Keras model or a tf.Module; "
             f"got {type(variables).__name__}: {variables!r}" + ("; pass [variable]" if _is_single_variable(variables) else "")
         )
+    targets = _gather(variables)
+    if root is not None:
+        _unique_names(targets, root)
+    return targets
+
+
+def _gather(variables) -> list[Target]:
+    """Targets for a list of variables: partitions and shards grouped into one target each, in first-seen order."""
     targets: list[Target] = []
     groups: dict[str, list] = {}
+    sharded: dict[int, list] = {}
     seen: set[int] = set()
     for obj in variables:
         if id(obj) in seen:
             continue
         seen.add(id(obj))
+        container = sharded_container(obj)
+        if container is not None:
+            _add_shard(container, obj, sharded, targets)
+            continue
         info = slice_info(obj) if not is_partitioned(obj) else None
         if info is not None:
             if info.full_name not in groups:
@@ -165,13 +231,26 @@ def collect(variables=None) -> list[Target]:
             groups[info.full_name].append(obj)
             continue
         targets.extend(_from_object(obj))
-    targets = [
-        _partition_target(t, groups[t]) if isinstance(t, str) else t
-        for t in targets
-    ]
-    if root is not None:
-        _unique_names(targets, root)
-    return targets
+    return [_placed(t, groups, sharded) for t in targets]
+
+
+def _add_shard(container, shard, sharded: dict, targets: list) -> None:
+    """Group a shard under its ShardedVariable (listed once, where its first shard was)."""
+    if id(container) not in sharded:
+        sharded[id(container)] = [container]
+        targets.append(id(container))  # placeholder keeps order
+    sharded[id(container)].append(shard)
+
+
+def _placed(t, groups: dict, sharded: dict) -> Target:
+    """A Target for each ordering placeholder left by ``collect``."""
+    if isinstance(t, str):
+        return _partition_target(t, groups[t])
+    if isinstance(t, int):
+        container, *given = sharded[t]
+        _check_all_shards(container, given)
+        return _sharded_target(container)
+    return t
 
 
 def _unique_names(targets: list[Target], root) -> None:
@@ -194,5 +273,7 @@ def flat_variables(handles) -> list:
     for h in handles:
         if isinstance(h, Target):
             h = h.parts or [h.handle]
+        elif is_sharded(h):
+            h = shards(h)
         out.extend(h if isinstance(h, list) else [h])
     return out

@@ -7,7 +7,7 @@ importable from here.
 
 from __future__ import annotations
 
-from restorekit import remap
+from restorekit import distribute, remap
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
@@ -31,14 +31,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ eager restore
-
-def _components(handle) -> list:
-    """Every copy of a variable: the replicas of a distributed variable, else itself."""
-    values = getattr(handle, "values", None)
-    if isinstance(values, tuple) and values:
-        return list(values)
-    return [handle]
-
 
 def read_tensors(prefix: str, names: list[str], dtypes: list[str], *, batch_bytes: int = 1 << 30, sizes=None):
     """Read checkpoint tensors with ``tf.raw_ops.RestoreV2``, many per call (eager).
@@ -84,7 +76,7 @@ def restore(report, *, strict: bool = False):
     Reads every plain match with batched ``RestoreV2`` calls, computes the values of
     records restored through a shape policy or a ``VocabRemap``, checks them all,
     and only then assigns. Distributed (MirroredStrategy) variables are assigned on
-    every replica.
+    every replica, a ShardedVariable (ParameterServerStrategy) shard by shard.
 
     Args:
         report: from ``restorekit.scan`` over a Keras model, tf.Module or TF2 variables.
@@ -130,7 +122,7 @@ def restore(report, *, strict: bool = False):
             value = remap.eager_value(policy, r, value, handle)
         values.append((handle, value))
     for handle, value in values:
-        for component in _components(handle):
-            component.assign(value, read_value=False)
+        # mirrored replicas each get the value, ShardedVariable shards their slice
+        distribute.assign(handle, value)
     return report
 

@@ -31,6 +31,8 @@ __all__ = [
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _VALUE_SUFFIX = VALUE_SUFFIX
+_SHARDED_DEFAULT_NAME = "ShardedVariable"  # the name ParameterServerStrategy gives every ShardedVariable
+
 
 @dataclass(frozen=True)
 class _Node:
@@ -186,7 +188,8 @@ class ObjectGraph:
         """node id -> readable path of each model variable."""
         # Keras writes its variable.path as full_name; TF variables write their
         # graph name, which may repeat ('Variable'). Use full_name when unique.
-        counts: dict[str, int] = {}
+        # A ShardedVariable writes its container's default name, which says nothing.
+        counts: dict[str, int] = {_SHARDED_DEFAULT_NAME: 2}
         for key, full_name, _, _, kind, _ in found:
             if kind == "variable" and full_name:
                 counts[full_name] = counts.get(full_name, 0) + 1
