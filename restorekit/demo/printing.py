@@ -15,13 +15,15 @@ def _mean_std(values) -> tuple[float, float]:
 
 
 def _verdict(name: str, differences) -> str:
-    """One sentence on whether ``name`` beats cold: the mean difference against twice its standard error."""
+    """One sentence on ``name`` vs cold: the mean difference against two standard errors of it."""
     mean, std = _mean_std(differences)
     margin = 2 * std / len(differences) ** 0.5
+    head = f"  {name} - cold: {mean:+.2f} pts on average, two standard errors {margin:.2f}:"
     if abs(mean) <= margin:
-        return f"  {name} vs cold: {mean:+.1f} pts on average, within the seed-to-seed spread (+-{margin:.1f}): no clear difference"
-    word = "beats" if mean > 0 else "trails"
-    return f"  {name} vs cold: {mean:+.1f} pts on average (+-{margin:.1f}): {name} {word} cold"
+        return f"{head} within the seed-to-seed noise, no clear difference"
+    if mean > 0:
+        return f"{head} {name} is ahead, by more than the seed-to-seed noise"
+    return f"{head} {name} is behind cold, by more than the seed-to-seed noise"
 
 
 def accuracy_table(runs: dict) -> str:
@@ -168,29 +170,47 @@ def plot_learning_curves(runs: dict, path, *, shots: int = DEFAULT_SHOTS) -> str
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure = Figure(figsize=(7.5, 4.5), dpi=110)
+    figure = Figure(figsize=(10.5, 4.6), dpi=100)
     FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
+    curves_axes, seeds_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1.7, 1]})
     colors = {"cold": "#d62728", "probe": "#2ca02c", "warm": "#1f77b4"}
     for arm in ARMS:
         steps = np.asarray(runs[arm][0].steps)
         curves = np.asarray([r.accuracy for r in runs[arm]]) * 100
         for curve in curves:
-            axes.plot(steps, curve, color=colors[arm], alpha=0.12, linewidth=1)
-        label = f"{arm}: {DESCRIPTIONS[arm]} (mean of {len(curves)} seeds)"
-        axes.plot(steps, curves.mean(axis=0), color=colors[arm], linewidth=2.2, label=label)
+            curves_axes.plot(steps, curve, color=colors[arm], alpha=0.12, linewidth=1)
+        curves_axes.plot(steps, curves.mean(axis=0), color=colors[arm], linewidth=2.2, label=f"{arm}: {DESCRIPTIONS[arm]}")
     chance = 100 / CLASSES
-    axes.axhline(chance, color="grey", linestyle=":", linewidth=1)
-    axes.text(steps[-1], chance + 1, "chance", color="grey", ha="right", va="bottom", fontsize=8)
-    axes.set_xlabel("fine-tuning step (Adam, full batch)")
-    axes.set_ylabel("test accuracy on digits 5-9 (%)")
-    axes.set_title(
-        f"Digits 5-9 from {shots} labelled images per class, after pretraining on 0-4", fontsize=11
+    curves_axes.axhline(chance, color="grey", linestyle=":", linewidth=1)
+    curves_axes.text(steps[-1], chance + 1, "chance", color="grey", ha="right", va="bottom", fontsize=8)
+    curves_axes.set_xlabel("fine-tuning step (Adam, full batch)")
+    curves_axes.set_ylabel("test accuracy on digits 5-9 (%)")
+    curves_axes.set_title(f"learning curves (bold: mean of {len(runs['cold'])} seeds)", fontsize=10)
+    curves_axes.set_xlim(0, steps[-1])
+    curves_axes.set_ylim(0, 100)
+    curves_axes.grid(alpha=0.3)
+    curves_axes.legend(loc="lower right", fontsize=7.5)
+
+    # The last step, zoomed: one line per seed through its three arms, so the paired
+    # differences (same images, same initial head) are visible at their real size.
+    finals = np.asarray([[r.final_accuracy * 100 for r in runs[arm]] for arm in ARMS])
+    x = np.arange(len(ARMS))
+    for seed_finals in finals.T:
+        seeds_axes.plot(x, seed_finals, color="grey", alpha=0.45, linewidth=1, marker="o", markersize=3)
+    seeds_axes.plot(x, finals.mean(axis=1), color="black", linewidth=2.2, marker="o", label="mean")
+    for i, arm in enumerate(ARMS):
+        seeds_axes.plot([i], [finals[i].mean()], marker="o", markersize=8, color=colors[arm], zorder=3)
+    seeds_axes.set_xticks(x, list(ARMS))
+    seeds_axes.set_xlim(-0.3, len(ARMS) - 0.7)
+    low, high = finals.min(), finals.max()
+    seeds_axes.set_ylim(low - 0.1 * (high - low + 1), high + 0.1 * (high - low + 1))
+    seeds_axes.set_ylabel("test accuracy at the last step (%)")
+    seeds_axes.set_title("each seed at the last step (zoomed)", fontsize=10)
+    seeds_axes.grid(alpha=0.3)
+    seeds_axes.legend(loc="lower right", fontsize=8)
+    figure.suptitle(
+        f"Digits 5-9 from {shots} labelled images per class, after pretraining on digits 0-4", fontsize=11
     )
-    axes.set_xlim(0, steps[-1])
-    axes.set_ylim(0, 100)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
     return str(path)
