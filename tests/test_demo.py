@@ -1,25 +1,42 @@
-"""Tests for restorekit/demo.py: the transfer-learning demo runs, prints its tables, plots, restores."""
+"""Tests for restorekit/demo/: the transfer-learning demo runs, restores what it says, prints counts that add up."""
 
 import io
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.demo import main, run_demo
+import restorekit
+from restorekit.cli import main as cli_main
+from restorekit.demo import ARMS, load_tasks, main, run_demo
 from restorekit.errors import InvalidArgumentError
 
-BACKBONE = ("backbone/layer1/weights", "backbone/layer1/biases", "backbone/layer2/weights", "backbone/layer2/biases")
+BACKBONE = ("backbone/conv1/weights", "backbone/conv1/biases", "backbone/conv2/weights", "backbone/conv2/biases")
+HEAD = ("head/logits/weights", "head/logits/biases")
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """One tiny demo run (2 seeds, 20 steps) shared by the tests: (result, printed text, out dir)."""
+    """One tiny demo run (2 seeds, 10 steps, 2 shots) shared by the tests: (result, printed text, out dir)."""
     out = tmp_path_factory.mktemp("demo") / "out"
     stream = io.StringIO()
-    result = run_demo(out, seeds=2, steps=20, stream=stream)
+    result = run_demo(out, seeds=2, steps=10, shots=2, stream=stream)
     return result, stream.getvalue(), out
+
+
+def test_tasks_split_the_digits_into_0_to_4_and_5_to_9():
+    tasks = load_tasks()
+    from sklearn.datasets import load_digits
+
+    target = load_digits().target
+    assert len(tasks.a_train[1]) + len(tasks.a_test[1]) == int((target < 5).sum())
+    assert len(tasks.b_pool[1]) + len(tasks.b_test[1]) == int((target >= 5).sum())
+    for _, labels in (tasks.a_train, tasks.a_test, tasks.b_pool, tasks.b_test):
+        assert set(labels.tolist()) == {0, 1, 2, 3, 4}
 
 
 def test_writes_only_the_checkpoint_and_a_valid_png(demo):
@@ -32,56 +49,123 @@ def test_writes_only_the_checkpoint_and_a_valid_png(demo):
     assert result.plot == str(out / "learning_curve.png")
 
 
+def test_checkpoint_holds_weights_momentum_slots_ema_shadows_and_global_step(demo):
+    result, _, _ = demo
+    names = set(restorekit.Checkpoint(result.pretrained))
+    weights = {*BACKBONE, "digits/weights", "digits/biases"}
+    assert names == (
+        weights | {f"{n}/Momentum" for n in weights} | {f"{n}/ExponentialMovingAverage" for n in weights} | {"global_step"}
+    )
+    assert tf.train.load_checkpoint(result.pretrained).get_tensor("global_step") == 1000
+
+
 def test_prints_the_restore_report(demo):
     result, text, _ = demo
     report = result.warm[0].report
     assert str(report) in text
     assert report.matched_names == BACKBONE
     assert all(r.reason == "ema" for r in report.matched)
-    assert [r.variable_name for r in report.missing] == [
-        "head/hidden/weights", "head/hidden/biases", "head/logits/weights", "head/logits/biases"
-    ]
+    assert [r.variable_name for r in report.missing] == list(HEAD)
     assert {r.checkpoint_name for r in report.unused} == {
         "digits/weights", "digits/biases",
         "digits/weights/ExponentialMovingAverage", "digits/biases/ExponentialMovingAverage",
     }
-    assert "optimizer slot (Momentum) (6)" in text and "optimizer slot (Adam)" in text
+    assert "optimizer slot (Momentum) (6)" in text and "optimizer slot (Adam) (16)" in text
 
 
-def test_prints_the_group_table(demo):
+def _parts(text: str) -> dict:
+    """'6 weights + 6 EMA shadows + 1 global_step' -> {'weights': 6, ...}."""
+    return {kind: int(n) for n, kind in re.findall(r"(\d+) ([A-Za-z_][A-Za-z_ ]*?)(?= \+|$|\))", text)}
+
+
+def _row(text: str, label: str) -> int:
+    return int(re.search(rf"^  {label}\s+(\d+)", text, re.M).group(1))
+
+
+def test_report_counts_add_up(demo):
     result, text, _ = demo
-    groups = result.warm[0].groups
-    assert str(groups) in text
-    assert [(g.rule, g.multiplier, len(g.variables)) for g in groups] == [("backbone", 0.1, 4), ("head", 1.0, 4)]
+    report = result.warm[0].report
+    block = text[text.index("how the counts add up:"):text.index("[3/4]")]
+    graph, entries, matched, skipped, unused = [line.strip() for line in block.splitlines()[1:6]]
+
+    # the graph: model variables + optimizer slots + global_step = the report's total
+    total, model, rest = re.match(r"the new graph's (\d+) variables = (\d+) model variables \(.*?\) \+ (.*)", graph).groups()
+    assert int(total) == report.num_variables
+    assert int(model) == len(report.matched) + len(report.missing) == len(BACKBONE) + len(HEAD)
+    assert _parts(rest) == {"Adam slots": 16, "global_step": 1}
+    assert int(model) + sum(_parts(rest).values()) == report.num_variables
+
+    # the checkpoint: every entry counted once, by kind
+    total, rest = re.match(r"the checkpoint's (\d+) entries = (.*)", entries).groups()
+    assert int(total) == len(restorekit.Checkpoint(result.pretrained)) == sum(_parts(rest).values())
+    assert _parts(rest) == {"weights": 6, "EMA shadows": 6, "Momentum slots": 6, "global_step": 1}
+    assert matched.startswith(f"matched {_row(text, 'matched')}:")
+
+    # skipped: graph side + checkpoint side - names on both sides = the report's row
+    m = re.match(r"skipped (\d+) = (\d+) in the graph \((.*?)\) \+ (\d+) in the checkpoint \((.*?)\) - (\d+) on both", skipped)
+    total, in_graph, graph_parts, in_checkpoint, checkpoint_parts, both = m.groups()
+    assert int(total) == _row(text, "skipped") == int(in_graph) + int(in_checkpoint) - int(both)
+    assert int(in_graph) == sum(_parts(graph_parts).values()) and int(in_checkpoint) == sum(_parts(checkpoint_parts).values())
+    assert _parts(checkpoint_parts) == {"raw weights": 4, "Momentum slots": 6, "global_step": 1}
+    assert unused.startswith(f"unused {_row(text, 'unused')}: ") and _parts(unused.split("(", 1)[1]) == {
+        "weights": 2, "EMA shadows": 2
+    }
+    # every entry of the checkpoint is accounted for exactly once
+    assert len(report.matched) + int(in_checkpoint) + len(report.unused) == len(restorekit.Checkpoint(result.pretrained))
+
+
+def test_prints_the_group_tables(demo):
+    result, text, _ = demo
+    assert str(result.warm[0].groups) in text and str(result.probe[0].groups) in text
+    assert [(g.rule, g.multiplier, len(g.variables)) for g in result.warm[0].groups] == [("backbone", 0.1, 4), ("head", 1.0, 2)]
+    assert [(g.rule, g.frozen, len(g.variables)) for g in result.probe[0].groups] == [("backbone", True, 4), ("head", False, 2)]
     assert "GroupedOptimizer, Adam at 0.003 x multiplier" in text
 
 
-def test_prints_the_accuracy_table_with_every_seed(demo):
+def test_prints_the_accuracy_table_with_every_seed_and_arm(demo):
     result, text, _ = demo
-    table = text[text.index("[4/4]"):]
-    lines = table.splitlines()
-    assert lines[1].split() == ["seed", "cold", "warm", "warm", "-", "cold"]
-    for w, c in zip(result.warm, result.cold):
-        row = next(line.split() for line in lines if line.split()[:1] == [str(w.seed)])
-        assert row[1:3] == [f"{c.final_accuracy:.1%}", f"{w.final_accuracy:.1%}"]
+    lines = text[text.index("[4/4]"):].splitlines()
+    assert lines[1].split() == ["seed", "cold", "probe", "warm", "probe", "-", "cold", "warm", "-", "cold"]
+    for i, seed in enumerate((0, 1)):
+        row = next(line.split() for line in lines if line.split()[:1] == [str(seed)])
+        assert row[1:4] == [f"{result.runs[arm][i].final_accuracy:.1%}" for arm in ARMS]
     mean = next(line.split() for line in lines if line.strip().startswith("mean "))
-    assert mean[1] == f"{np.mean([r.final_accuracy for r in result.cold]) * 100:.1f}%"
-    assert any(line.strip().startswith("std ") for line in lines)
-    assert f"warm is ahead in {sum(w.final_accuracy > c.final_accuracy for w, c in zip(result.warm, result.cold))} of 2 seeds" in text
+    assert mean[1:4] == [f"{np.mean([r.final_accuracy for r in result.runs[arm]]) * 100:.1f}%" for arm in ARMS]
+    for arm in ("probe", "warm"):
+        wins = sum(a.final_accuracy > c.final_accuracy for a, c in zip(result.runs[arm], result.cold))
+        assert f"{arm} is ahead of cold in {wins} of 2 seeds" in text
+        assert re.search(rf"^  {arm} - cold: [+-]\d+\.\d\d pts on average, two standard errors \d+\.\d\d: ", text, re.M)
 
 
 def test_curves_are_recorded_from_step_0_to_the_last(demo):
     result, _, _ = demo
-    for run in result.warm + result.cold:
-        assert run.steps == (0, 5, 10, 15, 20)
-        assert all(0.0 <= a <= 1.0 for a in run.accuracy)
+    for arm in ARMS:
+        for run in result.runs[arm]:
+            assert run.arm == arm and run.steps == (0, 5, 10)
+            assert all(0.0 <= a <= 1.0 for a in run.accuracy)
 
 
-def test_warm_backbone_starts_at_the_checkpoints_ema_values(demo):
+def test_the_three_arms_see_the_same_images_and_start_from_the_same_head(demo):
+    result, _, _ = demo
+    tasks = load_tasks()
+    for i in range(2):
+        cold, probe, warm = (result.runs[arm][i] for arm in ARMS)
+        assert cold.seed == probe.seed == warm.seed == i
+        np.testing.assert_array_equal(cold.images, probe.images)
+        np.testing.assert_array_equal(cold.images, warm.images)
+        assert cold.images.shape == (2 * 5, 64)  # 2 shots of each of 5 classes
+        pool = {row.tobytes() for row in tasks.b_pool[0]}
+        assert all(row.tobytes() in pool for row in cold.images)
+        for name in HEAD:
+            np.testing.assert_array_equal(cold.initial[name], probe.initial[name])
+            np.testing.assert_array_equal(cold.initial[name], warm.initial[name])
+    assert not np.array_equal(result.cold[0].images, result.cold[1].images)
+
+
+def test_restored_backbones_start_at_the_checkpoints_ema_values(demo):
     result, _, _ = demo
     reader = tf.train.load_checkpoint(result.pretrained)
-    for run in result.warm:
-        assert sorted(run.initial) == sorted(BACKBONE)
+    for run in result.probe + result.warm:
         for name in BACKBONE:
             shadow = reader.get_tensor(f"{name}/ExponentialMovingAverage")
             np.testing.assert_array_equal(run.initial[name], shadow)
@@ -89,21 +173,53 @@ def test_warm_backbone_starts_at_the_checkpoints_ema_values(demo):
             assert not np.array_equal(shadow, reader.get_tensor(name))
 
 
+def test_probe_keeps_the_backbone_frozen_and_warm_trains_it(demo):
+    result, _, _ = demo
+    reader = tf.train.load_checkpoint(result.pretrained)
+    for probe, warm in zip(result.probe, result.warm):
+        for name in BACKBONE:
+            np.testing.assert_array_equal(probe.final[name], reader.get_tensor(f"{name}/ExponentialMovingAverage"))
+        assert not np.array_equal(warm.final["backbone/conv1/weights"], warm.initial["backbone/conv1/weights"])
+        for name in HEAD[:1]:
+            assert not np.array_equal(probe.final[name], probe.initial[name])
+
+
 def test_cold_backbone_starts_fresh(demo):
     result, _, _ = demo
     reader = tf.train.load_checkpoint(result.pretrained)
     for run in result.cold:
         assert run.report is None
-        weights = run.initial["backbone/layer1/weights"]
-        assert not np.allclose(weights, reader.get_tensor("backbone/layer1/weights/ExponentialMovingAverage"))
-    assert not np.array_equal(result.cold[0].initial["backbone/layer1/weights"], result.cold[1].initial["backbone/layer1/weights"])
+        weights = run.initial["backbone/conv1/weights"]
+        assert not np.allclose(weights, reader.get_tensor("backbone/conv1/weights/ExponentialMovingAverage"))
+    assert not np.array_equal(result.cold[0].initial["backbone/conv1/weights"], result.cold[1].initial["backbone/conv1/weights"])
 
 
 def test_main_runs_in_process(tmp_path, capsys):
-    assert main(["--seeds", "2", "--steps", "1", "--out", str(tmp_path / "out")]) == 0
+    assert main(["--seeds", "2", "--steps", "1", "--shots", "1", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "restorekit: " in out and "warm is ahead in" in out
+    assert "restorekit: " in out and "warm is ahead of cold in" in out and "how the counts add up:" in out
     assert (tmp_path / "out" / "learning_curve.png").is_file()
+
+
+def test_cli_demo_passes_its_options_through(tmp_path, capsys):
+    assert cli_main(["demo", "--seeds", "2", "--steps", "1", "--shots", "1", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "after 1 steps (2 seeds;" in out and "5 training images (1 per class)" in out
+    assert (tmp_path / "out" / "learning_curve.png").is_file()
+
+
+def test_cli_demo_help_lists_the_options(capsys):
+    assert cli_main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--seeds N", "--steps N", "--shots N", "--out DIR"):
+        assert option in out
+    assert "digits 0-4" in out
+
+
+def test_cli_demo_help_as_a_subprocess():
+    done = subprocess.run([sys.executable, "-m", "restorekit", "demo", "--help"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "--shots N" in done.stdout
 
 
 @pytest.mark.parametrize(
@@ -119,6 +235,11 @@ def test_main_refuses_a_bad_budget_and_writes_nothing(tmp_path, capsys, argv, me
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_demo_refuses_an_unknown_option(capsys):
+    assert cli_main(["demo", "--bogus", "1"]) == 2
+    assert "--bogus" in capsys.readouterr().err
 
 
 def test_run_demo_raises_on_a_bad_budget(tmp_path):

@@ -58,12 +58,20 @@ __all__ = ["COMMANDS", "Command", "main", "register"]
 
 # ------------------------------------------------------------------ demo
 
-@register("demo", help="run the transfer-learning demo (warm start vs from scratch on digits); "
-          "options: --seeds N --steps N --shots N --out DIR")
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    from restorekit.demo import DESCRIPTION, add_arguments
+
+    parser.description = DESCRIPTION
+    add_arguments(parser)
+
+
+@register("demo", help="run the transfer-learning demo: pretrain on digits 0-4, learn 5-9 from a few "
+          "images cold, as a frozen probe and warm", configure=_demo_args)
 def _demo(args) -> int:
     from restorekit.demo import main as demo_main
 
-    return demo_main(list(args.extra))
+    options = ["--seeds", str(args.seeds), "--steps", str(args.steps), "--shots", str(args.shots), "--out", args.out]
+    return demo_main([*options, *args.extra])
 
 
 def build_parser() -> argparse.ArgumentParser:
