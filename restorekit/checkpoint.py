@@ -17,6 +17,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from restorekit import keras_files
 from restorekit.bundle import files, statefile
 from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
 from restorekit.bundle.format import decode_slice_key, decode_tensor, dtype_name, numpy_dtype
@@ -134,6 +135,12 @@ class Checkpoint(Mapping):
         CheckpointNotFoundError: no checkpoint at the path.
         CorruptCheckpointError: the index is truncated or malformed.
     """
+
+    def __new__(cls, path=None):
+        # Keras files (.weights.h5, .keras, legacy .h5) have their own reader, with the same verbs.
+        if cls is Checkpoint and keras_files.is_keras_path(path):
+            return keras_files.KerasCheckpoint(path)
+        return super().__new__(cls)
 
     def __init__(self, path):
         self.prefix = resolve_prefix(path)
@@ -330,6 +337,10 @@ class Checkpoint(Mapping):
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
             )
         return full
+
+
+# isinstance(Checkpoint(path), Checkpoint) holds for Keras files too.
+Checkpoint.register(keras_files.KerasCheckpoint)
 
 
 def _slice_index(name: str, shape: tuple, extents: tuple) -> tuple[tuple, tuple]:
