@@ -27,10 +27,12 @@ and ``kernel, bias`` for an unknown layer with two variables of falling rank (th
 sub-layers of MultiHeadAttention). Where nothing fits the variable keeps its index
 (``custom/0``). Legacy files name their weights; those names are used as stored.
 
-Looking a path up in ``object_paths`` forgives one leading model scope: Keras puts a
-Sequential's or subclassed model's name before its layers' paths
-(``sequential_3/dense/kernel``) depending on where the layers were built, so a
-first component that names no layer of the file is dropped before the lookup.
+Looking a path up in ``object_paths`` forgives scopes before the layer name: Keras puts
+a Sequential's, subclassed model's or wrapper's name before its layers' paths
+(``sequential_3/dense/kernel``, ``td/block/a/kernel``) depending on where the layers
+were built, which a file cannot tell. A path not found as given is looked up without
+its leading scopes (longest first), then as the one file path that ends with it; the
+layer and variable names must still agree.
 """
 
 from __future__ import annotations
@@ -136,18 +138,26 @@ class KerasEntry:
 
 
 class _Paths(Mapping):
-    """Readable path -> key; a lookup forgives one leading model scope (see the module docstring)."""
+    """Readable path -> key; a lookup forgives model scopes before the layer (see the module docstring)."""
 
-    def __init__(self, paths: dict, layers: frozenset):
+    def __init__(self, paths: dict):
         self._paths = paths
-        self._layers = layers
+        by_suffix: dict = {}
+        for path in paths:
+            parts = path.split("/")
+            for i in range(1, len(parts) - 1):
+                by_suffix.setdefault("/".join(parts[i:]), []).append(path)
+        self._by_suffix = {suffix: found[0] for suffix, found in by_suffix.items() if len(found) == 1}
 
     def __getitem__(self, name: str) -> str:
         key = self._paths.get(name)
-        if key is None and isinstance(name, str) and name.count("/") >= 2:
-            head, rest = name.split("/", 1)
-            if head not in self._layers:
-                key = self._paths.get(rest)
+        if key is None and isinstance(name, str):
+            key = self._paths.get(self._by_suffix.get(name, ""))  # the file has scopes the model lacks
+            parts = name.split("/")
+            for i in range(1, len(parts) - 1):  # the model has scopes the file lacks
+                if key is not None:
+                    break
+                key = self._paths.get("/".join(parts[i:]))
         if key is None:
             raise KeyError(name)
         return key
@@ -252,7 +262,7 @@ class KerasCheckpoint(Mapping):
         by_path = {path: key for key, path in readable.items()}
         model_paths = [p for p in by_path if not p.startswith("optimizer/")]
         self.layer_names = tuple(dict.fromkeys(p.split("/", 1)[0] for p in model_paths if "/" in p))
-        self._paths = _Paths(dict(sorted(by_path.items())), frozenset(self.layer_names))
+        self._paths = _Paths(dict(sorted(by_path.items())))
 
     # -- opening
     def _open_archive(self) -> None:
