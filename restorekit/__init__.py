@@ -69,6 +69,11 @@ def __getattr__(name: str):
         from restorekit import finetune
 
         return finetune.GroupedOptimizer
+    # resume_or_warm_start and WarmStart (a keras Callback) live in a module that imports Keras.
+    if name in ("resume_or_warm_start", "WarmStart"):
+        from restorekit import resume
+
+        return getattr(resume, name)
     raise AttributeError(f"module 'restorekit' has no attribute {name!r}")
 
 
@@ -111,6 +116,7 @@ __all__ = [
     "VariableSummary",
     "VocabRemap",
     "VocabularyError",
+    "WarmStart",
     "assign_from_checkpoint_fn",
     "convert",
     "diff_checkpoints",
@@ -125,6 +131,7 @@ __all__ = [
     "layerwise_decay",
     "partial_saver",
     "restore",
+    "resume_or_warm_start",
     "scale_gradients",
     "scan",
     "tensor_stats",
