@@ -30,7 +30,8 @@ def functional(names=("enc1", "enc2", "head"), units=(3, 3, 2), *, bn=False, see
     return keras.Model(inputs, x, name="net")
 
 
-def sequential(names=("enc1", "head"), *, seed=0, name=None):
+def sequential(names=("enc1", "head"), *, seed=0, name="seq"):
+    # Named: Keras numbers auto names per process, and other test files expect the first 'sequential'.
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(3, name=n) for n in names], name=name)
 
@@ -100,7 +101,8 @@ def test_nested_sequential_and_lstm_get_keras_paths(tmp_path):
 
 def test_unknown_count_keeps_the_index(tmp_path):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(center=False, name="bn")])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(center=False, name="bn")],
+                             name="bn_model")
     model.save_weights(tmp_path / "b.weights.h5")
     weights = restorekit.Checkpoint(tmp_path / "b.weights.h5")
     # 3 variables of a 4-variable layer: which one is gone cannot be told from the file alone

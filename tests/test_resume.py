@@ -20,7 +20,7 @@ def model_with(head="head", seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((4,))
     x = keras.layers.Dense(3, name="enc")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(2, name=head)(x))
+    return keras.Model(inputs, keras.layers.Dense(2, name=head)(x), name="net")
 
 
 @pytest.fixture
