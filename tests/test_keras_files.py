@@ -325,3 +325,14 @@ def test_without_h5py_the_error_names_the_extra(saved, monkeypatch):
     monkeypatch.setitem(sys.modules, "h5py", None)
     with pytest.raises(MissingDependencyError, match=r"restorekit\[keras\]"):
         restorekit.Checkpoint(tmp / "m.weights.h5")
+
+
+def test_bfloat16_weights_keep_their_dtype(tmp_path):
+    source = functional(("d",), (3,), seed=14, dtype="bfloat16")
+    source.save_weights(tmp_path / "bf.weights.h5")
+    ckpt = restorekit.Checkpoint(tmp_path / "bf.weights.h5")
+    assert ckpt.entries["layers/dense/vars/0"].dtype == "bfloat16" and ckpt.entries["layers/dense/vars/0"].nbytes == 24
+    target = functional(("d",), (3,), seed=15, dtype="bfloat16")
+    restorekit.restore(restorekit.scan(ckpt, target), strict=True)
+    np.testing.assert_array_equal(target.get_layer("d").kernel.numpy().astype("float32"),
+                                  source.get_layer("d").kernel.numpy().astype("float32"))
