@@ -75,6 +75,11 @@ def __getattr__(name: str):
         from restorekit import finetune
 
         return finetune.GroupedOptimizer
+    # resume_or_warm_start and WarmStart (a keras Callback) live in a module that imports Keras.
+    if name in ("resume_or_warm_start", "WarmStart"):
+        from restorekit import resume
+
+        return getattr(resume, name)
     raise AttributeError(f"module 'restorekit' has no attribute {name!r}")
 
 
@@ -121,6 +126,7 @@ __all__ = [
     "VerifyResult",
     "VocabRemap",
     "VocabularyError",
+    "WarmStart",
     "assign_from_checkpoint_fn",
     "compress",
     "convert",
@@ -138,6 +144,7 @@ __all__ = [
     "partial_saver",
     "repair_graph",
     "restore",
+    "resume_or_warm_start",
     "scale_gradients",
     "scan",
     "tensor_stats",

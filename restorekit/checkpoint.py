@@ -17,6 +17,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from restorekit import keras_files
 from restorekit.bundle import files, statefile
 from restorekit.bundle.checks import check_header, check_shape, check_size, slice_layout
 from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
@@ -208,6 +209,12 @@ class Checkpoint(Mapping):
         CheckpointNotFoundError: no checkpoint at the path.
         CorruptCheckpointError: the index is truncated or malformed.
     """
+
+    def __new__(cls, path=None):
+        # Keras files (.weights.h5, .keras, legacy .h5) have their own reader, with the same verbs.
+        if cls is Checkpoint and keras_files.is_keras_path(path):
+            return keras_files.KerasCheckpoint(path)
+        return super().__new__(cls)
 
     def __init__(self, path):
         self.prefix = resolve_prefix(path)
@@ -516,3 +523,7 @@ class Checkpoint(Mapping):
                 f"tensor bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed {mask_crc(crc):#010x}); "
                 f"the data shard {path!r} is corrupt"
             )
+
+
+# isinstance(Checkpoint(path), Checkpoint) holds for Keras files too.
+Checkpoint.register(keras_files.KerasCheckpoint)

@@ -6,6 +6,8 @@ restores, a ``variables_initializer`` over the rest initializes.
 
 from __future__ import annotations
 
+import logging
+
 from restorekit._tensorflow import import_tensorflow
 from restorekit.report import live_handles
 from restorekit.scan import scan
@@ -14,15 +16,22 @@ from restorekit.tf1 import build_initializer, partial_saver, restore_ops
 
 __all__ = ["easy_going_scaffold"]
 
+_log = logging.getLogger("restorekit")
 
-def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, saver=None, **scan_options):
+
+def easy_going_scaffold(
+    checkpoint, variables=None, *, strict: bool = False, saver=None, checkpoint_dir=None, **scan_options
+):
     """A ``tf.compat.v1.train.Scaffold`` that warm-starts a new graph from ``checkpoint``.
 
     * Fresh start (no checkpoint in the session's ``checkpoint_dir``): the chief
       initializes only the variables that will not be restored, then restores the
       matched ones from ``checkpoint``.
     * Restart: an existing checkpoint in ``checkpoint_dir`` wins and ``checkpoint``
-      is not read again (the standard MonitoredTrainingSession behaviour).
+      is not read again (the standard MonitoredTrainingSession behaviour). Pass the
+      session's ``checkpoint_dir`` here too and, when it holds a checkpoint,
+      ``checkpoint`` is not even opened (it may be gone): the Scaffold is a plain one,
+      ``restore_report`` is None, and one log line says "resumed from ...".
     * Non-chief workers wait until the chief's variables are ready; ``ready_op``
       covers every global, local and scanned variable.
 
@@ -37,6 +46,8 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
         strict: raise IncompleteRestoreError (carrying the report) when anything is
             missing or mismatched.
         saver: the Saver for ``checkpoint_dir`` (default: the Scaffold's own).
+        checkpoint_dir: the MonitoredTrainingSession's ``checkpoint_dir``, to resume
+            from without reading ``checkpoint``.
         **scan_options: passed to ``restorekit.scan`` (assignment_map, include,
             exclude, ema, skip_optimizer_slots, include_global_step).
 
@@ -53,6 +64,13 @@ def easy_going_scaffold(checkpoint, variables=None, *, strict: bool = False, sav
     tf = import_tensorflow()
 
     tf1 = tf.compat.v1
+    latest = tf.train.latest_checkpoint(str(checkpoint_dir)) if checkpoint_dir is not None else None
+    if latest is not None:
+        # The session restores everything from checkpoint_dir and runs no init op or init_fn.
+        _log.info("resumed from %r; the pretrained checkpoint %r was not read", latest, str(checkpoint))
+        scaffold = tf1.train.Scaffold(saver=saver)
+        scaffold.restore_report = None
+        return scaffold
     report = scan(checkpoint, variables, **scan_options)
     if strict:
         report.assert_complete()

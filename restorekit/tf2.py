@@ -7,7 +7,7 @@ importable from here.
 
 from __future__ import annotations
 
-from restorekit import distribute, remap
+from restorekit import distribute, keras_files, remap
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
@@ -70,6 +70,28 @@ def _nbytes(record) -> int:
         return size * 4
 
 
+def _read_matched(tf, source: str, records: list) -> dict:
+    """checkpoint key -> tensor for every matched record: RestoreV2 for TF bundles, numpy for Keras files."""
+    keys = sorted({r.checkpoint_name for r in records})
+    if keras_files.is_keras_path(source):
+        # RestoreV2 reads only TF bundles; a Keras file is read once with h5py.
+        arrays = keras_files.KerasCheckpoint(source).read_many(keys)
+        with tf.device("/cpu:0"):
+            return {k: tf.convert_to_tensor(a) for k, a in zip(keys, arrays)}
+    dtype_of = {r.checkpoint_name: r.checkpoint_dtype for r in records}
+    size_of = {r.checkpoint_name: _nbytes(r) for r in records}
+    return dict(zip(keys, read_tensors(source, keys, [dtype_of[k] for k in keys], sizes=[size_of[k] for k in keys])))
+
+
+def _nothing_matched(report) -> InvalidArgumentError:
+    if keras_files.is_keras_path(report.checkpoint) and report.missing:
+        ckpt = keras_files.KerasCheckpoint(report.checkpoint)
+        names = [r.variable_name for r in report.missing + report.shape_mismatched + report.dtype_mismatched]
+        if not set(ckpt.layer_names) & {part for n in names for part in n.split("/")[:-1]}:
+            return keras_files.no_shared_layers_error(ckpt, names)
+    return InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
+
+
 def restore(report, *, strict: bool = False):
     """Assign the matched variables from the checkpoint, in eager mode (TF2, Keras 3).
 
@@ -105,14 +127,9 @@ def restore(report, *, strict: bool = False):
     if strict and not report.is_complete:
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
-        raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
+        raise _nothing_matched(report)
     records = list(report.matched)
-    keys = sorted({r.checkpoint_name for r in records})
-    dtype_of = {r.checkpoint_name: r.checkpoint_dtype for r in records}
-    size_of = {r.checkpoint_name: _nbytes(r) for r in records}
-    tensors = dict(
-        zip(keys, read_tensors(report.checkpoint, keys, [dtype_of[k] for k in keys], sizes=[size_of[k] for k in keys]))
-    )
+    tensors = _read_matched(tf, report.checkpoint, records)
     values = []
     for r in records:
         handle = handles[r.variable_name]

@@ -31,3 +31,12 @@ def test_freeze_unfreeze_round_trip(tmp_path, capsys):
     assert "one training step changed them:      True" in out
     original = restorekit.Checkpoint(os.path.join(tmp_path, "unfrozen", "model.ckpt"))
     assert len(original) > 0 and all(np.isfinite(original.read(n)).all() for n in original)
+
+
+def test_keras_fit_warm_start_is_interrupted_and_resumes(tmp_path, capsys):
+    start, history = load("keras_fit_warm_start").main(str(tmp_path))
+    out = capsys.readouterr().out
+    assert out.count("warm-started from") == 1 and "missing        2   new_head/kernel" in out
+    assert "first launch: interrupted after epoch 1" in out and "resumed from backup" in out
+    assert start.resumed and history.epoch == [2, 3]
+    assert not os.path.exists(tmp_path / "pretrained.weights.h5")

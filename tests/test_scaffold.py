@@ -174,3 +174,36 @@ def test_cluster_of_one_ps_and_two_workers(tmp_path):
         np.testing.assert_array_equal(seen[index]["extra"], [1.0, 1.0])
         assert seen[index]["step"] == 0  # global_step is not restored by default
     assert steps[0] == steps[1] == 6  # both workers trained
+
+
+def test_restart_with_checkpoint_dir_does_not_need_the_pretrained_checkpoint(small_checkpoint, tmp_path, caplog):
+    import logging
+    import shutil
+
+    prefix, values = small_checkpoint
+    train_dir = str(tmp_path / "train")
+
+    def build():
+        kernel = tf1.get_variable("dense/kernel", [4, 3])
+        step = tf1.train.get_or_create_global_step()
+        return kernel, tf1.assign_add(step, 1)
+
+    with tf.Graph().as_default():
+        kernel, train_op = build()
+        bump = kernel.assign_add(tf.ones([4, 3]))
+        scaffold = restorekit.easy_going_scaffold(prefix, checkpoint_dir=train_dir)
+        assert scaffold.restore_report is not None
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=train_dir, save_checkpoint_steps=1,
+                                                save_checkpoint_secs=None) as sess:
+            sess.run(bump)
+            sess.run(train_op)
+    shutil.rmtree(tmp_path / "ckpt")  # the pretrained checkpoint is gone
+    with tf.Graph().as_default():
+        kernel, _ = build()
+        with caplog.at_level(logging.INFO, logger="restorekit"):
+            scaffold = restorekit.easy_going_scaffold(prefix, checkpoint_dir=train_dir)
+        assert scaffold.restore_report is None
+        assert caplog.text.count("resumed from") == 1 and train_dir in caplog.text
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=train_dir,
+                                                save_checkpoint_secs=None) as sess:
+            np.testing.assert_array_equal(sess.run(kernel), values["dense/kernel"] + 1)

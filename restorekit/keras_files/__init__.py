@@ -1,0 +1,363 @@
+"""Keras files as checkpoints: Keras 3 ``.weights.h5`` and ``.keras``, legacy Keras 2 HDF5, read with h5py.
+
+``restorekit.Checkpoint(path)`` hands these files to ``KerasCheckpoint``, which offers
+the same verbs as a TF checkpoint (``entries``, ``read``, ``readable_name``,
+``object_paths``) so ``scan`` and ``restore`` treat them alike.
+
+Layouts (learned from Keras' own ``saving_lib`` and ``legacy_h5_format``):
+
+* Keras 3 ``.weights.h5``: every Keras object (model, layer, optimizer) is a group
+  holding ``vars/0``, ``vars/1``, ... and, in ``vars.attrs['name']``, the object's
+  name. Lists of layers are container groups (``layers``) whose items are named by
+  class (``dense``, ``dense_1``); other sub-objects by attribute (``cell``,
+  ``query_dense``). The optimizer is ``optimizer/vars/N``.
+* ``.keras``: a zip of ``config.json``, ``metadata.json`` and ``model.weights.h5``.
+  The weights member is read in place (never extracted by its member name).
+* Legacy Keras 2 HDF5: ``layer_names`` on the root (weights file) or on the
+  ``model_weights`` group (model file), ``weight_names`` on each layer group.
+
+Readable names are Keras variable paths without the saving model's own name:
+``enc1/kernel``, ``block/a/kernel``, ``rnn/lstm_cell/kernel``. A Keras 3 file stores
+variables by position only, so their names come from the layer's class: from
+``config.json`` in a ``.keras`` file, guessed from the group name (``dense_1`` ->
+Dense) in a bare ``.weights.h5``. The guesses: the conventional creation order per
+layer type (``kernel, bias``; ``gamma, beta, moving_mean, moving_variance``;
+``embeddings``; ...), a missing ``bias`` when a dense-like layer has one variable,
+and ``kernel, bias`` for an unknown layer with two variables of falling rank (the
+sub-layers of MultiHeadAttention). Where nothing fits the variable keeps its index
+(``custom/0``). Legacy files name their weights; those names are used as stored.
+
+Looking a path up in ``object_paths`` forgives scopes before the layer name: Keras puts
+a Sequential's, subclassed model's or wrapper's name before its layers' paths
+(``sequential_3/dense/kernel``, ``td/block/a/kernel``) depending on where the layers
+were built, which a file cannot tell. A path not found as given is looked up without
+its leading scopes (longest first), then as the one file path that ends with it; the
+layer and variable names must still agree.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from restorekit.bundle.objectgraph import decode_object_graph
+from restorekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+    NoMatchError,
+    format_names,
+)
+from restorekit.keras_files.archive import MemberFile, check_member, json_attr, json_member, member_offset
+from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
+
+__all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
+
+KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
+INSTALL = "pip install 'restorekit[keras]'"
+
+# One root node, no children: Keras files pair by name, never by position in an object graph.
+_EMPTY_OBJECT_GRAPH = b"\n\x00"
+
+
+def _h5py():
+    try:
+        import h5py
+    except ModuleNotFoundError as e:
+        if e.name != "h5py":
+            raise
+        raise MissingDependencyError(f"reading Keras files (.weights.h5, .keras, .h5) needs h5py: {INSTALL}") from None
+    return h5py
+
+
+def is_keras_path(path) -> bool:
+    """True for a local path ending in ``.keras``, ``.h5`` or ``.hdf5`` that is not a TF checkpoint prefix."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = os.fspath(path)
+    if not isinstance(path, str) or not path.lower().endswith(KERAS_SUFFIXES) or "://" in path:
+        return False
+    return not os.path.exists(path + ".index")
+
+
+@dataclass(frozen=True)
+class KerasEntry:
+    """One tensor of a Keras file: its key in the file, shape, dtype, size in bytes, readable path."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    path: str | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+class _Paths(Mapping):
+    """Readable path -> key; a lookup forgives model scopes before the layer (see the module docstring)."""
+
+    def __init__(self, paths: dict):
+        self._paths = paths
+        by_suffix: dict = {}
+        for path in paths:
+            parts = path.split("/")
+            for i in range(1, len(parts) - 1):
+                by_suffix.setdefault("/".join(parts[i:]), []).append(path)
+        self._by_suffix = {suffix: found[0] for suffix, found in by_suffix.items() if len(found) == 1}
+
+    def __getitem__(self, name: str) -> str:
+        key = self._paths.get(name)
+        if key is None and isinstance(name, str):
+            key = self._paths.get(self._by_suffix.get(name, ""))  # the file has scopes the model lacks
+            parts = name.split("/")
+            for i in range(1, len(parts) - 1):  # the model has scopes the file lacks
+                if key is not None:
+                    break
+                key = self._paths.get("/".join(parts[i:]))
+        if key is None:
+            raise KeyError(name)
+        return key
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+class KerasCheckpoint(Mapping):
+    """A read-only view of a Keras file, with the verbs of ``restorekit.Checkpoint``.
+
+    Made by ``restorekit.Checkpoint(path)`` for ``.weights.h5``, ``.keras``, ``.h5``
+    and ``.hdf5`` files. Listing reads only the file's structure; ``read`` reads one
+    tensor into numpy.
+
+        ckpt = restorekit.Checkpoint('model.weights.h5')
+        ckpt.readable_name('layers/dense/vars/0')   # 'enc1/kernel'
+        ckpt.read('enc1/kernel')                    # a key or a readable path
+
+    Attributes:
+        prefix: the file's path (what a report names as its checkpoint).
+        kind: what the file is, in words (``'Keras 3 weights file (.weights.h5)'``).
+        config: the model config (parsed JSON, never deserialized), or None.
+        layer_names: the saved model's top-level layer names.
+
+    Raises:
+        CheckpointNotFoundError: no file at the path.
+        CorruptCheckpointError: not a Keras file, truncated, or a ``.keras`` archive
+            with members that would escape its folder.
+        MissingDependencyError: h5py is not installed.
+    """
+
+    is_object_based = True
+
+    def __init__(self, path):
+        self.prefix = os.fspath(path)
+        if not os.path.isfile(self.prefix):
+            raise CheckpointNotFoundError(f"no Keras file at {self.prefix!r}", self.prefix)
+        self.config = None
+        self.metadata = None
+        self._member = None  # (offset, size) of model.weights.h5 inside a .keras archive
+        if zipfile.is_zipfile(self.prefix) or self.prefix.lower().endswith(".keras"):
+            self._open_archive()
+        _h5py()
+        with self._h5() as f:
+            datasets, readable = self._walk(f)
+        self._data = {d.key: d for d in datasets}
+        self._readable = readable
+        entries = {d.key: KerasEntry(d.key, d.shape, d.dtype, d.nbytes, readable.get(d.key)) for d in datasets}
+        self._entries = MappingProxyType(dict(sorted(entries.items())))
+        by_path = {path: key for key, path in readable.items()}
+        model_paths = [p for p in by_path if not p.startswith("optimizer/")]
+        self.layer_names = tuple(dict.fromkeys(p.split("/", 1)[0] for p in model_paths if "/" in p))
+        self._paths = _Paths(dict(sorted(by_path.items())))
+
+    # -- opening
+    def _open_archive(self) -> None:
+        try:
+            with zipfile.ZipFile(self.prefix) as archive:
+                infos = archive.infolist()
+                for info in infos:
+                    check_member(self.prefix, info.filename)
+                names = {info.filename: info for info in infos}
+                if "model.weights.h5" not in names:
+                    raise CorruptCheckpointError(
+                        f"{self.prefix!r} is a zip archive but not a Keras 3 .keras file with weights (members: "
+                        f"{format_names(names)}); save the model with model.save('model.keras')"
+                    )
+                self.config = json_member(self.prefix, archive, names.get("config.json"))
+                self.metadata = json_member(self.prefix, archive, names.get("metadata.json"))
+                info = names["model.weights.h5"]
+                if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+                    raise CorruptCheckpointError(
+                        f"{self.prefix!r}: model.weights.h5 is compressed or encrypted, which Keras never writes; "
+                        f"load the model with keras and save it again with model.save('model.keras')"
+                    )
+                self._member = (member_offset(self.prefix, info), info.file_size)
+        except (zipfile.BadZipFile, EOFError, OSError) as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(
+                f"{self.prefix!r} is not a readable .keras archive (truncated or corrupt zip: {e}); "
+                f"save the model again with model.save('model.keras')"
+            ) from None
+        if self._member[0] + self._member[1] > os.path.getsize(self.prefix):
+            raise CorruptCheckpointError(
+                f"{self.prefix!r} is truncated: its model.weights.h5 runs past the end of the file; "
+                f"save the model again with model.save('model.keras')"
+            )
+
+    @contextmanager
+    def _h5(self):
+        h5py = _h5py()
+        raw = None
+        try:
+            if self._member is not None:
+                raw = MemberFile(self.prefix, *self._member)
+                f = h5py.File(raw, "r")
+            else:
+                f = h5py.File(self.prefix, "r")
+        except OSError as e:
+            if raw is not None:
+                raw.close()
+            what = "the weights inside the .keras archive" if self._member is not None else "it"
+            raise CorruptCheckpointError(
+                f"{self.prefix!r} is not a readable Keras file: {what} is not valid HDF5 (truncated or corrupt: {e}). "
+                f"Save it again with model.save_weights('model.weights.h5') or model.save('model.keras')"
+            ) from None
+        try:
+            yield f
+        finally:
+            f.close()
+            if raw is not None:
+                raw.close()
+
+    # -- structure
+    def _walk(self, f) -> tuple[list, dict]:
+        h5py = _h5py()
+        if "model_weights" in f or attr_list(f, "layer_names") is not None:
+            self.kind = "legacy Keras model file (HDF5)" if "model_weights" in f else "legacy Keras weights file (HDF5)"
+            if self.config is None and "model_config" in f.attrs:
+                self.config = json_attr(self.prefix, f.attrs["model_config"])
+            return read_legacy(self.prefix, f, h5py)
+        if isinstance(f.get("vars"), h5py.Group) or any(isinstance(f.get(c), h5py.Group) for c in CONTAINERS):
+            self.kind = "Keras 3 archive (.keras)" if self._member is not None else "Keras 3 weights file (.weights.h5)"
+            walker = Keras3Walk(self.prefix, h5py, config_index(self.config))
+            walker.visit(f, "", "", root=True)
+            return walker.datasets, walker.readable
+        top = format_names(sorted(f.keys()), 6) or "nothing"
+        raise CorruptCheckpointError(
+            f"{self.prefix!r} is an HDF5 file but not Keras weights (its top level holds {top}). restorekit reads "
+            f"Keras 3 .weights.h5 and .keras files and legacy Keras 2 .h5 weights; pass one of those"
+        )
+
+    # -- mapping protocol: key -> KerasEntry
+    @property
+    def entries(self) -> Mapping[str, KerasEntry]:
+        """Sorted mapping key in the file (``layers/dense/vars/0``) -> KerasEntry."""
+        return self._entries
+
+    def __getitem__(self, name: str) -> KerasEntry:
+        try:
+            return self._entries[self._key(name)]
+        except KeyError:
+            raise self._unknown(name) from None
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"KerasCheckpoint({self.prefix!r}, {self.kind}, {len(self)} entries)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    # -- readable paths (what scan matches by)
+    @cached_property
+    def object_graph(self):
+        """An empty object graph: Keras files are matched by readable path, never by object position."""
+        return decode_object_graph(_EMPTY_OBJECT_GRAPH)
+
+    @property
+    def object_paths(self) -> Mapping[str, str]:
+        """Readable path -> key (``enc1/kernel`` -> ``layers/dense/vars/0``); see the module docstring."""
+        return self._paths
+
+    def readable_name(self, name: str) -> str:
+        """The readable path of key ``name`` (the key itself when there is none)."""
+        return self._readable.get(name, name)
+
+    def is_partitioned(self, name: str) -> bool:
+        return False
+
+    def check_shards(self) -> None:
+        """Nothing to do: a Keras file is one file, and its datasets were checked when it was opened."""
+
+    def _key(self, name: str) -> str:
+        return name if name in self._entries else self._paths.get(name, name)
+
+    def _unknown(self, name: str) -> NoMatchError:
+        return NoMatchError(
+            f"{self.kind} {self.prefix!r} has no entry {name!r}.", name=name,
+            candidates=list(self._entries) + list(self._paths),
+        )
+
+    # -- reads
+    def read(self, name: str) -> np.ndarray:
+        """The tensor stored under key (or readable path) ``name``, as a numpy array.
+
+        Raises:
+            NoMatchError: no such entry (lists the closest names).
+            CorruptCheckpointError: the file cannot be read.
+        """
+        return self.read_many([name])[0]
+
+    def read_many(self, names) -> list:
+        """Several tensors, opening the file once; the order of ``names``."""
+        keys = [self._key(n) for n in names]
+        for name, key in zip(names, keys):
+            if key not in self._data:
+                raise self._unknown(name)
+        with self._h5() as f:
+            return [self._read_one(f, self._data[k]) for k in keys]
+
+    def _read_one(self, f, data: Dataset) -> np.ndarray:
+        try:
+            value = np.asarray(f[data.key][()])
+        except (OSError, KeyError, ValueError) as e:
+            raise CorruptCheckpointError(f"{self.prefix!r}: cannot read {data.key!r} (truncated or corrupt: {e})") from None
+        if data.bfloat16:
+            import ml_dtypes
+
+            value = value.astype(ml_dtypes.bfloat16) if value.dtype.kind == "f" else value.view(ml_dtypes.bfloat16)
+        if tuple(value.shape) != data.shape:
+            raise CorruptCheckpointError(f"{self.prefix!r}: {data.key!r} has shape {value.shape}, not {data.shape}")
+        return value
+
+
+def no_shared_layers_error(ckpt: KerasCheckpoint, variable_names) -> NoMatchError:
+    """The error for a Keras file whose layers share no name with the model being restored."""
+    live = list(dict.fromkeys(n.split("/")[-2] if n.count("/") >= 1 else n for n in variable_names))
+    return NoMatchError(
+        f"{ckpt.kind} {ckpt.prefix!r} has layers {format_names(ckpt.layer_names, 6)}, and none of them names a "
+        f"layer of the model ({format_names(live, 6)}). restorekit pairs Keras layers by name, not by position: "
+        f"name the layers as in the file, or map them with rules=[(r'^new_name/', 'old_name/')] or assignment_map=.",
+        name=live[0] if live else None, candidates=ckpt.layer_names,
+    )

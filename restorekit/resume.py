@@ -1,0 +1,227 @@
+"""Resume or warm-start (TF2, Keras 3): a run's own checkpoint wins; otherwise restore what fits from a pretrained one.
+
+``resume_or_warm_start`` serves custom training loops with ``tf.train.CheckpointManager``;
+``WarmStart`` is the same decision as a ``keras.callbacks.Callback`` for ``model.fit``,
+beside ``keras.callbacks.BackupAndRestore``. Both are compositions: ``scan`` plans,
+``restorekit.restore`` assigns, ``tf.train.Checkpoint`` (or Keras' backup) resumes.
+This module imports Keras; ``import restorekit`` loads it on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import keras
+
+from restorekit._tensorflow import import_tensorflow
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
+from restorekit.report import RestoreReport
+from restorekit.scan import scan
+from restorekit.tf2 import restore
+
+__all__ = ["Start", "WarmStart", "resume_or_warm_start"]
+
+_log = logging.getLogger("restorekit")
+
+RESUMED = "resumed"
+WARM_STARTED = "warm_started"
+
+# What keras.callbacks.BackupAndRestore (Keras 3) writes in its backup_dir; the
+# '.bkp' copy is the previous backup, which it falls back to.
+_BACKUP_FILES = ("latest.weights.h5", "latest.weights.h5.bkp")
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a run started: ``how`` is ``'resumed'`` or ``'warm_started'``.
+
+    ``checkpoint`` is what was restored from (the run's latest checkpoint or backup,
+    or the pretrained file); ``report`` the warm start's RestoreReport (None on
+    resume); ``step`` the restored step (optimizer iterations) on resume, else None.
+    """
+
+    how: str
+    checkpoint: str
+    report: RestoreReport | None = None
+    step: int | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.how == RESUMED
+
+    def __str__(self) -> str:
+        if self.resumed:
+            at = f" at step {self.step}" if self.step is not None else ""
+            return f"restorekit: resumed from {self.checkpoint!r}{at}; the pretrained checkpoint was not read"
+        matched = len(self.report.matched) if self.report is not None else 0
+        total = self.report.num_variables if self.report is not None else 0
+        return f"restorekit: warm-started from {self.checkpoint!r} ({matched} of {total} variables restored)"
+
+
+def _latest(directory) -> str | None:
+    tf = import_tensorflow()
+    if directory is None or not tf.io.gfile.isdir(str(directory)):
+        return None
+    return tf.train.latest_checkpoint(str(directory))
+
+
+def _step_of(step, optimizer) -> int | None:
+    for counter in (step, getattr(optimizer, "iterations", None)):
+        if counter is not None:
+            try:
+                return int(counter.numpy())
+            except (AttributeError, TypeError, ValueError):
+                continue
+    return None
+
+
+def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=None, strict: bool = False,
+                         **scan_options) -> Start:
+    """Resume a custom training loop from ``directory``, or warm-start ``model`` from ``pretrained``.
+
+    * ``directory`` holds a checkpoint (as ``tf.train.CheckpointManager`` writes it for
+      ``tf.train.Checkpoint(model=model, optimizer=optimizer[, step=step])``): restore
+      model, optimizer and step from its latest; ``pretrained`` is not read (it may be gone).
+    * Otherwise: ``restorekit.scan(pretrained, model, **scan_options)`` and
+      ``restorekit.restore``; the optimizer stays fresh.
+
+    Call it after the model is built, inside the strategy's scope when there is one
+    (``MirroredStrategy`` variables are restored on every replica). An optimizer
+    that is not built yet receives its state when it is built.
+
+    Args:
+        directory: the run's checkpoint directory (may not exist yet).
+        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
+        model: the Keras model or tf.Module being trained.
+        optimizer: its optimizer, restored on resume.
+        step: a step variable saved beside them as ``step``, restored on resume.
+        strict: on a warm start, raise IncompleteRestoreError when anything is missing
+            or mismatched (nothing is assigned then).
+        **scan_options: passed to ``restorekit.scan`` (include, exclude, rules,
+            shape_policy, dtype_policy, ...).
+
+    Returns:
+        A ``Start``: ``how``, ``checkpoint``, ``report`` (None on resume), ``step``.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: no checkpoint in ``directory``
+            and ``pretrained`` cannot be read.
+        IncompleteRestoreError: ``strict`` and the warm start is incomplete.
+
+    Example:
+        >>> manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=m, optimizer=o), 'run/', 3)
+        >>> start = restorekit.resume_or_warm_start('run/', 'pretrained.weights.h5', model=m, optimizer=o)
+        >>> print(start)
+    """
+    tf = import_tensorflow()
+    latest = _latest(directory)
+    if latest is not None:
+        objects = {"model": model}
+        if optimizer is not None:
+            objects["optimizer"] = optimizer
+        if step is not None:
+            objects["step"] = step
+        status = tf.train.Checkpoint(**objects).restore(latest)
+        status.assert_existing_objects_matched().expect_partial()
+        start = Start(RESUMED, latest, None, _step_of(step, optimizer))
+    else:
+        report = scan(pretrained, model, **scan_options)
+        restore(report, strict=strict)
+        start = Start(WARM_STARTED, report.checkpoint, report)
+    _log.info("%s", start)
+    return start
+
+
+def _backup(backup_dir) -> str | None:
+    if backup_dir is None:
+        return None
+    for name in _BACKUP_FILES:
+        path = os.path.join(os.fspath(backup_dir), name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+class WarmStart(keras.callbacks.Callback):
+    """A ``model.fit`` callback: warm-start from ``pretrained`` on a fresh run, stay out of a resumed one.
+
+    On a fresh start it restores what fits from ``pretrained`` before the first batch
+    (``on_train_begin``) and prints the report once. Used beside
+    ``keras.callbacks.BackupAndRestore(backup_dir)`` with the same ``backup_dir``, a
+    restarted run resumes from the backup: ``WarmStart`` then neither reads
+    ``pretrained`` (it may be gone) nor overwrites the resumed weights, whatever the
+    order of the callbacks. One line says which path was taken.
+
+        model.fit(data, epochs=10, callbacks=[
+            keras.callbacks.BackupAndRestore('backup/'),
+            restorekit.WarmStart('pretrained.weights.h5', backup_dir='backup/', exclude=['head']),
+        ])
+
+    Args:
+        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
+        backup_dir: the ``BackupAndRestore`` directory, if one is used.
+        strict: raise IncompleteRestoreError when the warm start is incomplete.
+        verbose: 1 prints the line and the report (as Keras callbacks print); 0 logs
+            them to the ``restorekit`` logger.
+        **scan_options: passed to ``restorekit.scan``.
+
+    Attributes:
+        start: the ``Start`` once training began (None before).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: ``pretrained`` cannot be read
+            and ``backup_dir`` holds no backup (checked when made and again at the start).
+    """
+
+    def __init__(self, pretrained, *, backup_dir=None, strict: bool = False, verbose: int = 1, **scan_options):
+        super().__init__()
+        if pretrained is None:
+            raise InvalidArgumentError("WarmStart needs a pretrained checkpoint or Keras file, got None")
+        self.pretrained = os.fspath(pretrained) if isinstance(pretrained, os.PathLike) else pretrained
+        self.backup_dir = backup_dir
+        self.strict = strict
+        self.verbose = verbose
+        self.scan_options = scan_options
+        self.start: Start | None = None
+        if _backup(backup_dir) is None:
+            self._check_pretrained()
+
+    def _check_pretrained(self) -> None:
+        if isinstance(self.pretrained, Checkpoint):
+            return
+        try:
+            Checkpoint(self.pretrained)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            where = f"backup_dir {os.fspath(self.backup_dir)!r} holds no backup" if self.backup_dir is not None else (
+                "no backup_dir was given")
+            message = (
+                f"WarmStart cannot start: pretrained {self.pretrained!r} is not readable ({e}) and {where}. "
+                f"Pass an existing checkpoint or Keras file as pretrained, or the backup_dir of a run to resume."
+            )
+            if isinstance(e, CheckpointNotFoundError):
+                raise CheckpointNotFoundError(message, str(self.pretrained)) from None
+            raise CorruptCheckpointError(message) from None
+
+    def _say(self, text: str) -> None:
+        if self.verbose:
+            print(text)
+        else:
+            _log.info("%s", text)
+
+    def on_train_begin(self, logs=None):
+        if self.start is not None:  # a second fit() with the same callback: the weights are the run's own
+            return
+        backup = _backup(self.backup_dir)
+        if backup is not None:
+            self.start = Start(RESUMED, os.fspath(self.backup_dir))
+            self._say(f"restorekit: resumed from backup {os.fspath(self.backup_dir)!r}; "
+                      f"pretrained {self.pretrained!r} was not read")
+            return
+        self._check_pretrained()
+        report = scan(self.pretrained, self.model, **self.scan_options)
+        restore(report, strict=self.strict)
+        self.start = Start(WARM_STARTED, report.checkpoint, report)
+        self._say(f"{self.start}\n{report}")

@@ -1,0 +1,198 @@
+"""resume_or_warm_start (custom loops) and WarmStart (model.fit): a run's own checkpoint wins over the pretrained one."""
+
+import logging
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import restorekit
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError
+from restorekit.resume import Start
+
+X = np.random.RandomState(0).randn(32, 4).astype("float32")
+Y = np.random.RandomState(1).randn(32, 2).astype("float32")
+
+
+def model_with(head="head", seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(3, name="enc")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name=head)(x), name="net")
+
+
+@pytest.fixture
+def pretrained(tmp_path):
+    source = model_with(seed=1)
+    path = str(tmp_path / "pretrained.weights.h5")
+    source.save_weights(path)
+    return source, path
+
+
+def train_step(model, optimizer):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(X) - Y) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+# ---------------------------------------------------------------- custom loops
+
+def test_fresh_run_warm_starts_then_a_restart_resumes_without_pretrained(tmp_path, pretrained, caplog):
+    source, path = pretrained
+    run = str(tmp_path / "run")
+    model, optimizer = model_with("new_head", seed=2), keras.optimizers.Adam(0.01)
+    with caplog.at_level(logging.INFO, logger="restorekit"):
+        start = restorekit.resume_or_warm_start(run, path, model=model, optimizer=optimizer)
+    assert start.how == "warm_started" and not start.resumed and start.checkpoint == path
+    assert {r.variable_name for r in start.report.missing} == {"new_head/kernel", "new_head/bias"}
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), source.get_layer("enc").kernel.numpy())
+    assert "warm-started from" in caplog.text
+    assert int(optimizer.iterations.numpy()) == 0  # the optimizer stays fresh
+
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), run, max_to_keep=2)
+    for _ in range(3):
+        train_step(model, optimizer)
+    manager.save()
+    saved = {v.path: v.numpy() for v in model.weights}
+    saved_slots = [v.numpy() for v in optimizer.variables]
+
+    os.remove(path)  # the pretrained file is gone: a resume must not need it
+    again, optimizer2 = model_with("new_head", seed=3), keras.optimizers.Adam(0.01)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="restorekit"):
+        start = restorekit.resume_or_warm_start(run, path, model=again, optimizer=optimizer2)
+    assert start.resumed and start.report is None and start.step == 3
+    assert start.checkpoint == manager.latest_checkpoint and "resumed from" in caplog.text
+    for v in again.weights:
+        np.testing.assert_array_equal(v.numpy(), saved[v.path])
+    optimizer2.build(again.trainable_variables)
+    for a, b in zip(optimizer2.variables, saved_slots):
+        np.testing.assert_array_equal(a.numpy(), b)
+
+
+def test_step_variable_is_restored(tmp_path, pretrained):
+    _, path = pretrained
+    model, step = model_with(seed=4), tf.Variable(0, dtype=tf.int64)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, step=step), str(tmp_path / "run"), 1)
+    step.assign(41)
+    manager.save()
+    fresh_step = tf.Variable(0, dtype=tf.int64)
+    start = restorekit.resume_or_warm_start(str(tmp_path / "run"), path, model=model_with(seed=5), step=fresh_step)
+    assert start.resumed and start.step == 41 and int(fresh_step.numpy()) == 41
+
+
+def test_under_mirrored_strategy(tmp_path, pretrained):
+    source, path = pretrained
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    run = str(tmp_path / "run")
+    with strategy.scope():
+        model, optimizer = model_with(seed=6), keras.optimizers.SGD(0.1)
+        start = restorekit.resume_or_warm_start(run, path, model=model, optimizer=optimizer)
+    assert start.how == "warm_started"
+    for replica in model.get_layer("head").kernel.value.values:
+        np.testing.assert_array_equal(replica.numpy(), source.get_layer("head").kernel.numpy())
+    tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), run, 1).save()
+    with strategy.scope():
+        again = model_with(seed=7)
+        start = restorekit.resume_or_warm_start(run, path, model=again, optimizer=keras.optimizers.SGD(0.1))
+    assert start.resumed
+    for replica in again.get_layer("enc").kernel.value.values:
+        np.testing.assert_array_equal(replica.numpy(), source.get_layer("enc").kernel.numpy())
+
+
+def test_no_checkpoint_and_no_pretrained_is_an_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError):
+        restorekit.resume_or_warm_start(str(tmp_path / "run"), str(tmp_path / "gone.weights.h5"), model=model_with())
+
+
+def test_strict_warm_start(tmp_path, pretrained):
+    _, path = pretrained
+    with pytest.raises(restorekit.IncompleteRestoreError):
+        restorekit.resume_or_warm_start(str(tmp_path / "run"), path, model=model_with("new_head"), strict=True)
+
+
+def test_start_is_a_frozen_value():
+    start = Start("resumed", "run/ckpt-3", None, 3)
+    with pytest.raises(AttributeError):
+        start.how = "warm_started"
+    assert "resumed from 'run/ckpt-3' at step 3" in str(start)
+
+
+# ---------------------------------------------------------------- model.fit
+
+def compiled(head="new_head", seed=10):
+    model = model_with(head, seed)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("warm_first", [False, True], ids=["backup_first", "warm_start_first"])
+def test_fit_warm_starts_once_then_resumes_from_the_backup(tmp_path, pretrained, capsys, warm_first):
+    source, path = pretrained
+    backup = str(tmp_path / "backup")
+    model = compiled()
+    seen = {}
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.setdefault("enc", self.model.get_layer("enc").kernel.numpy())
+
+    def callbacks(extra):
+        pair = [keras.callbacks.BackupAndRestore(backup), restorekit.WarmStart(path, backup_dir=backup)]
+        return (pair[::-1] if warm_first else pair) + [Look()] + extra
+
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(X, Y, epochs=4, batch_size=8, verbose=0, callbacks=callbacks([Interrupt()]))
+    np.testing.assert_array_equal(seen["enc"], source.get_layer("enc").kernel.numpy())  # before the first batch
+    out = capsys.readouterr().out
+    assert out.count("warm-started from") == 1 and "matched" in out
+    interrupted = {v.path: v.numpy() for v in model.weights}
+
+    os.remove(path)  # a restart must not need it
+    restarted, seen = compiled(seed=11), {}
+    warm = restorekit.WarmStart(path, backup_dir=backup)
+    pair = [keras.callbacks.BackupAndRestore(backup), warm]
+    history = restarted.fit(X, Y, epochs=4, batch_size=8, verbose=0,
+                            callbacks=(pair[::-1] if warm_first else pair) + [Look()])
+    assert warm.start.resumed and warm.start.report is None
+    assert len(history.epoch) == 2  # epochs 2 and 3: the backup's epoch count was restored
+    np.testing.assert_array_equal(seen["enc"], interrupted["enc/kernel"])  # the backup's weights, not pretrained
+    out = capsys.readouterr().out
+    assert "resumed from backup" in out and "warm-started" not in out
+
+
+def test_fit_twice_warm_starts_once(tmp_path, pretrained, capsys, caplog):
+    _, path = pretrained
+    model, warm = compiled(), restorekit.WarmStart(path, verbose=0)
+    with caplog.at_level(logging.INFO, logger="restorekit"):
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[warm])
+        trained = model.get_layer("enc").kernel.numpy()
+        seen = []
+
+        class Look(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                seen.append(self.model.get_layer("enc").kernel.numpy())
+
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[warm, Look()])
+    np.testing.assert_array_equal(seen[0], trained)  # the second fit goes on from the first
+    assert warm.start.how == "warm_started" and capsys.readouterr().out == ""
+    assert caplog.text.count("warm-started from") == 1
+
+
+def test_warm_start_with_neither_pretrained_nor_backup(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="WarmStart cannot start.*holds no backup") as info:
+        restorekit.WarmStart(str(tmp_path / "gone.weights.h5"), backup_dir=str(tmp_path / "backup"))
+    assert "backup_dir of a run to resume" in str(info.value)
+    (tmp_path / "bad.weights.h5").write_bytes(b"garbage")
+    with pytest.raises(CorruptCheckpointError, match="no backup_dir was given"):
+        restorekit.WarmStart(str(tmp_path / "bad.weights.h5"))
+    assert sorted(os.listdir(tmp_path)) == ["bad.weights.h5"]
