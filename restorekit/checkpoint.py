@@ -116,7 +116,7 @@ def resolve_prefix(path) -> str:
         path = path[: -len(".index")]
     path = _DATA_SUFFIX.sub("", path)
     if files.exists(path + ".index"):
-        if files.isdir(path) and not path.endswith("/"):
+        if not files.is_remote(path) and files.isdir(path) and not path.endswith("/"):
             _warn_once(path, path, f"{path!r} is both a checkpoint prefix and a directory; using the prefix "
                                    f"(write {path + '/'!r} for the directory)")
         return path
