@@ -27,6 +27,7 @@ __all__ = [
     "global_step_name",
     "is_global_step",
     "matches",
+    "pattern_hint",
     "optimizer_slot_kind",
     "rename_rule",
     "strip_output_index",
@@ -83,6 +84,12 @@ def suggest_pattern(pattern: str, names: Iterable[str]) -> str | None:
     return None
 
 
+def pattern_hint(pattern: str, names: Iterable[str]) -> str:
+    """' Did you mean ...?' for a pattern that matches nothing, or '' when no variant would match."""
+    meant = suggest_pattern(pattern, names)
+    return f" Did you mean {meant!r}? (a pattern matches from the start of the name)" if meant else ""
+
+
 def matches(pattern, name: str) -> bool:
     """True when ``pattern`` (see module docstring) takes ``name``."""
     return _compile(pattern)(name)
@@ -125,9 +132,8 @@ class PatternSet:
             if not used:
                 text = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
                 message = f"{self.what} {text!r} matches no name among {len(names)}."
-                meant = suggest_pattern(text, names) if isinstance(pattern, str) else None
-                if meant is not None:
-                    message += f" Did you mean {meant!r}? (a pattern matches from the start of the name)"
+                if isinstance(pattern, str):
+                    message += pattern_hint(text, names)
                 raise NoMatchError(message, name=text, candidates=names, label="Closest names")
 
 

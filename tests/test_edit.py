@@ -78,16 +78,31 @@ def test_editor_reads_nothing_until_needed(small_checkpoint):
 
 @pytest.mark.parametrize(
     "pattern, expected",
-    [("kernel", ["dense/kernel", "dense/kernel/Momentum", "logits/kernel"]),
+    [(".*kernel.*", ["dense/kernel", "dense/kernel/Momentum", "logits/kernel"]),
      ("logits", ["logits/bias", "logits/kernel"]),
      (".*/bias", ["dense/bias", "logits/bias"]),
      ("global_step", ["global_step"])],
-    ids=["substring", "scope", "regex", "exact"],
+    ids=["anywhere", "scope", "regex", "exact"],
 )
-def test_list_filters_by_substring_or_regex(small_checkpoint, pattern, expected):
+def test_list_filters_by_the_one_pattern_rule(small_checkpoint, pattern, expected):
     entries = CheckpointEditor(small_checkpoint[0]).list(pattern)
     assert [e.name for e in entries] == expected
     assert all(e.dtype in ("float32", "int64") for e in entries)
+
+
+@pytest.mark.parametrize("pattern", ["Momentum", "kernel"], ids=["slot-leaf", "infix"])
+def test_list_delete_and_inspect_filter_agree_on_a_pattern_and_suggest_the_one_meant(small_checkpoint, pattern,
+                                                                                      capsys):
+    from restorekit.cli import main
+
+    prefix = small_checkpoint[0]
+    editor = CheckpointEditor(prefix)
+    for call in (editor.list, editor.delete):
+        with pytest.raises(NoMatchError, match=f"Did you mean '.\\*{pattern}"):
+            call(pattern)
+    assert main(["inspect", prefix, "--filter", pattern]) == 3
+    assert f"Did you mean '.*{pattern}" in capsys.readouterr().err
+    assert [e.name for e in editor.list(f".*{pattern}.*")] == [n for n in editor.checkpoint.entries if pattern in n]
 
 
 # ------------------------------------------------------------------ renames

@@ -16,8 +16,8 @@ from restorekit.edit.save_remote import save_remote
 from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
 from restorekit.export import formats
-from restorekit.errors import CorruptCheckpointError, EditError, InvalidArgumentError, NoMatchError, OutputError, OutputExistsError
-from restorekit.names import matches
+from restorekit.errors import CorruptCheckpointError, EditError, NoMatchError, OutputError, OutputExistsError
+from restorekit.names import PatternSet
 
 
 class CheckpointEditor:
@@ -116,15 +116,20 @@ class CheckpointEditor:
         """Entries (name, shape, dtype, nbytes) as they would be saved, in entry order.
 
         Args:
-            pattern: keep names containing this substring or matching it as a regex
-                (``names.matches`` rule); None keeps all.
+            pattern: keep the names this pattern takes, by the one rule every restorekit
+                pattern follows (``restorekit.names``: a regex from the start of the name,
+                ending at a scope boundary; ``'.*Adam'`` to match anywhere); None keeps all.
+
+        Raises:
+            NoMatchError: ``pattern`` takes no name (the error suggests the pattern meant).
         """
-        out = []
-        for name, item in self._plan.items():
-            if pattern is not None and not _listed(pattern, name):
-                continue
-            out.append(Entry(name, tuple(item.shape), dtype_name(item.dtype), self._reader.nbytes(item)))
-        return out
+        names = list(self._plan)
+        if pattern is not None:
+            patterns = PatternSet([pattern], what="list pattern")
+            names = [n for n in names if patterns.first_match(n) is not None]
+            patterns.check_all_used(self._plan)
+        return [Entry(n, tuple(self._plan[n].shape), dtype_name(self._plan[n].dtype), self._reader.nbytes(self._plan[n]))
+                for n in names]
 
     def get(self, name: str) -> np.ndarray:
         """The value of ``name`` as it would be saved (a new array; crc checked).
@@ -408,11 +413,3 @@ def _fingerprint(prefix: str) -> tuple | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _listed(pattern, name: str) -> bool:
-    """``list``'s filter: a substring, else the ``names.matches`` rule; a bad pattern lists nothing."""
-    if isinstance(pattern, str) and pattern in name:
-        return True
-    try:
-        return bool(matches(pattern, name))
-    except InvalidArgumentError:
-        return False

@@ -9,7 +9,7 @@ import numpy as np
 
 from restorekit.bundle.format import DT_BOOL, DT_COMPLEX64, DT_COMPLEX128, DT_STRING, FLOAT_DTYPES, numpy_dtype
 from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError
-from restorekit.names import matches
+from restorekit.names import matches, pattern_hint
 
 STRING = DT_STRING
 BOOL = DT_BOOL
@@ -98,7 +98,8 @@ def select(plan: dict[str, Item], pattern, *, what: str, prefix: str, key=None) 
         hits = _hits(plan, p, key)
         if not hits:
             text = getattr(p, "pattern", p)
-            raise NoMatchError(f"{what} {text!r} matches no entry of {prefix!r}.", name=str(text), candidates=plan)
+            hint = pattern_hint(text, plan) if isinstance(text, str) else ""
+            raise NoMatchError(f"{what} {text!r} matches no entry of {prefix!r}.{hint}", name=str(text), candidates=plan)
         found += [h for h in hits if h not in found]
     return found
 
