@@ -133,8 +133,10 @@ class LayoutRecord:
         return torch_name(path), torch_permutation(path, len(shape))
 
     def _unmapped_name(self, name: str) -> str:
+        from restorekit.export.layouts.plan import readable_path
+
         tracked = self.graph.by_key.get(name) if self.graph is not None else None
-        return dotted(tracked.path if tracked is not None else name.removesuffix("/.ATTRIBUTES/VARIABLE_VALUE"))
+        return dotted(readable_path(tracked) if tracked is not None else name.removesuffix("/.ATTRIBUTES/VARIABLE_VALUE"))
 
     def _collision(self, layout, name, out) -> NameCollisionError:
         return collision(layout, self._owners[out], name, out)
