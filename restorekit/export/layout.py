@@ -8,7 +8,7 @@ from restorekit.export.layouts.names import (  # noqa: F401  (private names impo
     KERNEL_PERMS as _KERNEL_PERMS,
     LEAVES as _LEAVES,
     TF2_SUFFIX as _TF2_SUFFIX,
-    _is_embedding,
     dotted as _dotted,
     split_leaf as _leaf,
 )
+from restorekit.export.layouts.foreign import _is_embedding  # noqa: F401

@@ -78,12 +78,12 @@ from restorekit.export.layouts.names import (
     STORED_AS,
     check_layout,
     dotted,
-    guess_tf_names,
     invert,
     restore_dtype,
     torch_name,
     torch_permutation,
 )
+from restorekit.export.layouts.foreign import guess_tf_names
 from restorekit.export.layouts.plan import plan_checkpoint, readable_path
 from restorekit.export.layouts.record import LayoutRecord, tf_tensors
 from restorekit.export.layouts.view import TorchView, torch_view
