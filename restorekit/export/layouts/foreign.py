@@ -1,0 +1,60 @@
+"""Files written by other tools carry no layout record: map their PyTorch names back to TF (Keras) names by rule."""
+
+from __future__ import annotations
+
+from restorekit.errors import NameCollisionError
+from restorekit.export.layouts.names import KERNEL_PERMS
+from restorekit.export.layouts.record import LayoutRecord
+
+
+def guess_tf_names(shapes: dict):
+    """A record mapping PyTorch-style names of a foreign file back to TF (Keras) names.
+
+    Rules, by name and rank: ``.`` -> ``/``; ``weight`` of rank >= 2 -> ``kernel`` with
+    the inverse kernel permutation; ``weight`` of rank 1 -> ``gamma``, and its sibling
+    ``bias`` -> ``beta``; ``running_mean``/``running_var`` -> ``moving_mean``/
+    ``moving_variance``. A rank-2 ``weight`` without a ``bias`` whose module is named
+    like an embedding (``*embeddings``, ``*embedding``, ``embed``, ``embed_tokens``,
+    ``embed_positions``, ``wte``, ``wpe``, ``shared``; not ``embed_out`` or
+    ``embed_proj``) is a table: it becomes ``embeddings``, untransposed, as Keras names it.
+    Other embedding tables cannot be told from Dense weights and come back transposed
+    as ``kernel``: rename them after. Depthwise convolutions (``groups`` > 1) cannot be
+    told from their weights either.
+
+    Args:
+        shapes: stored name -> shape, for every tensor in the file.
+
+    Raises:
+        NameCollisionError: two stored names map to one TF name.
+    """
+    record = LayoutRecord(layout="torch")
+    norm_scopes = {n.rpartition(".")[0] for n, s in shapes.items() if n.endswith("weight") and len(s) == 1}
+    norm_scopes |= {n.rpartition(".")[0] for n in shapes if n.endswith(("running_mean", "running_var"))}
+    with_bias = {n.rpartition(".")[0] for n in shapes if n.endswith("bias")}
+    owners: dict[str, str] = {}
+    for stored, shape in shapes.items():
+        scope, _, leaf = stored.rpartition(".")
+        perm = None
+        if leaf == "weight":
+            if len(shape) == 2 and scope not in with_bias and _is_embedding(scope):
+                leaf = "embeddings"
+            elif len(shape) >= 2 and len(shape) in KERNEL_PERMS:
+                leaf, perm = "kernel", KERNEL_PERMS[len(shape)]
+            elif len(shape) == 1:
+                leaf = "gamma"
+        elif leaf == "bias" and scope in norm_scopes:
+            leaf = "beta"
+        else:
+            leaf = {"running_mean": "moving_mean", "running_var": "moving_variance"}.get(leaf, leaf)
+        name = f"{scope.replace('.', '/')}/{leaf}" if scope else leaf
+        if name in owners:
+            raise NameCollisionError(f"{owners[name]!r} and {stored!r} both map back to {name!r}")
+        owners[name] = stored
+        record.note_tensor(stored, name, perm)
+    return record
+
+
+def _is_embedding(scope: str) -> bool:
+    module = scope.rpartition(".")[2].lower()
+    # not 'embed_out' (GPT-NeoX's LM head), 'embed_proj' or 'unembed': those are Linear
+    return module.endswith(("embeddings", "embedding")) or module in ("embed", "embed_tokens", "embed_positions", "wte", "wpe", "shared")

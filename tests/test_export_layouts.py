@@ -1,0 +1,454 @@
+"""Tests for restorekit/export/layouts/: every common layer exported with layout='torch' computes the same in torch.nn.
+
+Each case trains a small Keras 3 model a few steps (BatchNorm statistics move), exports
+it, loads the file into a hand-built ``torch.nn`` twin with ``load_state_dict(strict=True)``
+and compares outputs on one input (float32, atol 1e-5); then imports the file back and
+restores it with ``tf.train.Checkpoint``.
+
+``export`` and the ``wired`` fixture stand in for the two caller lines
+``restorekit.export.conversions`` needs (see ``restorekit.export.layouts``): the export
+goes through ``torch_view`` and the import through ``layouts.tf_tensors``.
+"""
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import RestoreKitWarning
+from restorekit.export import conversions, import_checkpoint
+from restorekit.export import safetensors as st_format
+from restorekit.export import torch as pt_format
+from restorekit.export.layouts import LayoutRecord, tf_tensors, torch_view
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+L = keras.layers
+
+
+def export(prefix, path, **hints):
+    """What convert(prefix, path, layout='torch') does once conversions passes torch_view."""
+    module = pt_format if str(path).endswith(".pt") else st_format
+    return module.write_checkpoint(torch_view(Checkpoint(prefix), **hints), path, layout="torch")
+
+
+@pytest.fixture
+def wired(monkeypatch):
+    """import_checkpoint joining split tensors (the one-line change conversions._tf_tensors needs)."""
+    monkeypatch.setattr(conversions, "_tf_tensors", tf_tensors)
+
+
+def stored(path):
+    if str(path).endswith(".pt"):
+        return {k: v for k, v in torch.load(path, weights_only=True).items()}
+    return {k: torch.from_numpy(np.array(v)) for k, v in st_format.read(path)}
+
+
+class Wrap(keras.Model):
+    """A subclassed model holding one layer as ``self.layer`` (the torch twin's attribute too)."""
+
+    def __init__(self, layer, self_attention=False):
+        super().__init__()
+        self.layer = layer
+        self.self_attention = self_attention
+
+    def call(self, x, training=False):
+        if self.self_attention:
+            return self.layer(x, x, training=training)
+        return self.layer(x, training=training)
+
+
+class Twin(nn.Module):
+    def __init__(self, layer, forward):
+        super().__init__()
+        self.layer = layer
+        self._forward = forward
+
+    def forward(self, x):
+        return self._forward(self.layer, x)
+
+
+class Attention(nn.Module):
+    """The MultiHeadAttention twin documented in restorekit.export.layouts."""
+
+    def __init__(self, dim, heads, head_dim):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.query, self.key, self.value = (nn.Linear(dim, heads * head_dim) for _ in range(3))
+        self.attention_output = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.query, self.key, self.value))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(self.head_dim), dim=-1)
+        return self.attention_output((weights @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class Separable(nn.Module):
+    def __init__(self, c_in, mult, c_out, k):
+        super().__init__()
+        self.depthwise = nn.Conv2d(c_in, c_in * mult, k, groups=c_in, bias=False)
+        self.pointwise = nn.Conv2d(c_in * mult, c_out, 1)
+
+    def forward(self, x):
+        return self.pointwise(self.depthwise(x))
+
+
+def channels_first(f):
+    """Run a channels-first torch module on a channels-last array, and back."""
+    def run(module, x):
+        dims = x.dim()
+        y = module(x.permute(0, dims - 1, *range(1, dims - 1)))
+        return y.permute(0, *range(2, dims), 1)
+    return run
+
+
+def plain(module, x):
+    return module(x)
+
+
+def rnn(module, x):
+    return module(x)[0]
+
+
+def rand(*shape):
+    return lambda rng: rng.standard_normal(shape).astype(np.float32)
+
+
+# name: (Keras layer, input, torch module, forward)
+CASES = {
+    "dense": (lambda: L.Dense(4), rand(2, 3), lambda: nn.Linear(3, 4), plain),
+    "conv1d": (lambda: L.Conv1D(4, 3), rand(2, 7, 3), lambda: nn.Conv1d(3, 4, 3), channels_first(plain)),
+    "conv2d": (lambda: L.Conv2D(4, 3), rand(2, 6, 6, 3), lambda: nn.Conv2d(3, 4, 3), channels_first(plain)),
+    "conv3d": (lambda: L.Conv3D(2, 2), rand(2, 4, 4, 4, 3), lambda: nn.Conv3d(3, 2, 2), channels_first(plain)),
+    "conv1d_transpose": (lambda: L.Conv1DTranspose(4, 3, strides=2), rand(2, 5, 3),
+                         lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), channels_first(plain)),
+    "conv2d_transpose": (lambda: L.Conv2DTranspose(4, 3, strides=2), rand(2, 4, 4, 3),
+                         lambda: nn.ConvTranspose2d(3, 4, 3, stride=2), channels_first(plain)),
+    "depthwise_conv2d": (lambda: L.DepthwiseConv2D(3, depth_multiplier=2), rand(2, 6, 6, 3),
+                         lambda: nn.Conv2d(3, 6, 3, groups=3), channels_first(plain)),
+    "depthwise_conv2d_mult1": (lambda: L.DepthwiseConv2D(3), rand(2, 6, 6, 3),
+                               lambda: nn.Conv2d(3, 3, 3, groups=3), channels_first(plain)),
+    "separable_conv2d": (lambda: L.SeparableConv2D(5, 3, depth_multiplier=2), rand(2, 6, 6, 3),
+                         lambda: Separable(3, 2, 5, 3), channels_first(plain)),
+    "batch_norm": (lambda: L.BatchNormalization(), rand(4, 5), lambda: nn.BatchNorm1d(5, eps=1e-3), plain),
+    "batch_norm_2d": (lambda: L.BatchNormalization(), rand(2, 4, 4, 3), lambda: nn.BatchNorm2d(3, eps=1e-3),
+                      channels_first(plain)),
+    "layer_norm": (lambda: L.LayerNormalization(), rand(2, 5), lambda: nn.LayerNorm(5, eps=1e-3), plain),
+    "group_norm": (lambda: L.GroupNormalization(2), rand(2, 4, 4, 6), lambda: nn.GroupNorm(2, 6, eps=1e-3),
+                   channels_first(plain)),
+    "embedding": (lambda: L.Embedding(10, 4), lambda rng: rng.integers(0, 10, (2, 5)).astype(np.int32),
+                  lambda: nn.Embedding(10, 4), lambda m, x: m(x.long())),
+    "einsum_dense": (lambda: L.EinsumDense("ab,bcd->acd", output_shape=(2, 3), bias_axes="cd"), rand(2, 4),
+                     lambda: nn.Linear(4, 6), lambda m, x: m(x).view(-1, 2, 3)),
+    "multi_head_attention": (lambda: L.MultiHeadAttention(2, 3), rand(2, 5, 6), lambda: Attention(6, 2, 3), plain),
+    "lstm": (lambda: L.LSTM(5, return_sequences=True), rand(2, 4, 3), lambda: nn.LSTM(3, 5, batch_first=True), rnn),
+    "gru": (lambda: L.GRU(4, return_sequences=True), rand(2, 4, 3), lambda: nn.GRU(3, 4, batch_first=True), rnn),
+    "simple_rnn": (lambda: L.SimpleRNN(4, return_sequences=True), rand(2, 4, 3),
+                   lambda: nn.RNN(3, 4, batch_first=True), rnn),
+}
+
+
+def train(model, x, steps=3):
+    """A few SGD steps in training mode: weights and BatchNorm statistics move."""
+    optimizer = keras.optimizers.SGD(0.1)
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - 0.5))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def build(name, seed=0):
+    keras.utils.set_random_seed(seed)
+    layer, make_input, _, _ = CASES[name]
+    model = Wrap(layer(), self_attention=name == "multi_head_attention")
+    x = make_input(np.random.default_rng(seed))
+    model(x)
+    return model, x
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """name -> (checkpoint prefix, model, input), built on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, x = build(name)
+            train(model, x)
+            prefix = tf.train.Checkpoint(model=model).save(str(tmp_path_factory.mktemp(name) / "ckpt"))
+            cache[name] = (prefix, model, x)
+        return cache[name]
+
+    return get
+
+
+def torch_twin(name, state):
+    _, _, make_module, forward = CASES[name]
+    twin = Twin(make_module(), forward)
+    twin.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}, strict=True)
+    return twin.eval()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_twin_loads_strictly_and_computes_what_keras_computes(trained, tmp_path, name):
+    prefix, model, x = trained(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RestoreKitWarning)  # every tensor of these layers is mapped
+        export(prefix, tmp_path / "m.safetensors")
+    twin = torch_twin(name, stored(tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        out = twin(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(out, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_import_back_restores_with_tf_train_checkpoint(trained, tmp_path, wired, name, fmt):
+    prefix, model, x = trained(name)
+    export(prefix, tmp_path / f"m.{fmt}")
+    import_checkpoint(tmp_path / f"m.{fmt}", tmp_path / "back" / "ckpt")
+    a, b = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "ckpt")
+    assert sorted(a.entries) == sorted(b.entries)
+    for key in a.entries:
+        if a.entries[key].dtype != "string":
+            assert a.read(key).tobytes() == b.read(key).tobytes(), key
+    fresh, _ = build(name, seed=1)
+    tf.train.Checkpoint(model=fresh).restore(str(tmp_path / "back" / "ckpt")).assert_existing_objects_matched()
+    for restored, original in zip(fresh.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(restored.numpy(), original.numpy(), err_msg=restored.path)
+
+
+# ------------------------------------------------------------------ tf-slim and TF1 cells (name-based checkpoints)
+
+tf1 = tf.compat.v1
+
+
+def saved_graph(tmp_path, build, feed, train_steps=0):
+    """Build a TF1 graph, train it, save it with a Saver; return (prefix, output on feed)."""
+    with tf.Graph().as_default():
+        tf1.set_random_seed(0)
+        x = tf1.placeholder(tf.float32, feed.shape)
+        out = build(x)
+        loss = tf.reduce_mean(tf.square(out - 0.5))
+        step = tf1.train.GradientDescentOptimizer(0.3).minimize(loss) if train_steps else None
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for _ in range(train_steps):
+                sess.run(step, {x: feed})
+            prefix = tf1.train.Saver().save(sess, str(tmp_path / "tf1" / "ckpt"))
+    return prefix
+
+
+def run_graph(prefix, build, feed):
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, feed.shape)
+        out = build(x)
+        with tf1.Session() as sess:
+            tf1.train.Saver().restore(sess, prefix)
+            return sess.run(out, {x: feed})
+
+
+def slim_net(training):
+    import tf_slim as slim
+
+    def build(x):
+        bn = {"is_training": training, "updates_collections": None, "fused": True, "decay": 0.5}  # scale=False: no gamma
+        net = slim.conv2d(x, 4, 3, scope="conv1", normalizer_fn=slim.batch_norm, normalizer_params=bn)
+        net = slim.separable_conv2d(net, None, 3, depth_multiplier=2, scope="dw")  # depthwise only
+        return slim.separable_conv2d(net, 5, 3, depth_multiplier=1, scope="sep")
+    return build
+
+
+class SlimTwin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.conv1.BatchNorm = nn.BatchNorm2d(4, eps=1e-3)
+        self.dw = nn.Conv2d(4, 8, 3, padding=1, groups=4)
+        self.sep = Separable(8, 1, 5, 3)
+        self.sep.depthwise.padding = (1, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1.BatchNorm(self.conv1(x)))
+        return torch.relu(self.sep(torch.relu(self.dw(x))))
+
+
+@pytest.fixture(scope="module")
+def slim_checkpoint(tmp_path_factory):
+    feed = np.random.default_rng(0).standard_normal((2, 6, 6, 3)).astype(np.float32)
+    prefix = saved_graph(tmp_path_factory.mktemp("slim"), slim_net(True), feed, train_steps=3)
+    return prefix, feed
+
+
+def test_slim_conv_batch_norm_without_gamma_depthwise_and_separable_in_torch(slim_checkpoint, tmp_path):
+    prefix, feed = slim_checkpoint
+    ckpt = Checkpoint(prefix)
+    assert "conv1/BatchNorm/gamma" not in ckpt.entries and ckpt.read("conv1/BatchNorm/moving_mean").any()
+    export(prefix, tmp_path / "m.pt")
+    state = stored(tmp_path / "m.pt")
+    assert state["conv1.BatchNorm.weight"].eq(1).all() and state["conv1.BatchNorm.num_batches_tracked"] == 0
+    twin = SlimTwin()
+    twin.load_state_dict({k: v for k, v in state.items() if k.split(".")[0] in ("conv1", "dw", "sep")}, strict=True)
+    with torch.no_grad():
+        out = twin.eval()(torch.from_numpy(feed).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(out, run_graph(prefix, slim_net(False), feed), atol=1e-5, rtol=0)
+
+
+def test_slim_import_back_is_bit_exact_and_restores_with_a_saver(slim_checkpoint, tmp_path, wired):
+    prefix, feed = slim_checkpoint
+    export(prefix, tmp_path / "m.safetensors")
+    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
+    a, b = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "ckpt")
+    assert sorted(a.entries) == sorted(b.entries)  # the added weight and num_batches_tracked are gone
+    assert all(a.read(k).tobytes() == b.read(k).tobytes() for k in a.entries)
+    np.testing.assert_array_equal(run_graph(str(tmp_path / "back" / "ckpt"), slim_net(False), feed),
+                                  run_graph(prefix, slim_net(False), feed))
+
+
+def tf1_lstm(units=5, forget_bias=1.0):
+    """An LSTM over 4 steps with tf.compat.v1 LSTMCell's variables ('rnn/lstm_cell/kernel' [in+u, 4u], gates
+    i, j, f, o) computed by TF's own LSTMBlockCell kernel (Keras 3 removed the LSTMCell class)."""
+    def build(x):
+        batch, steps, n_in = x.shape
+        with tf1.variable_scope("rnn/lstm_cell"):
+            kernel = tf1.get_variable("kernel", [n_in + units, 4 * units])
+            bias = tf1.get_variable("bias", [4 * units], initializer=tf1.random_normal_initializer())
+        c = h = tf.zeros([batch, units])
+        zeros = tf.zeros([units])
+        outputs = []
+        for t in range(steps):
+            _, c, _, _, _, _, h = tf.raw_ops.LSTMBlockCell(
+                x=x[:, t], cs_prev=c, h_prev=h, w=kernel, wci=zeros, wcf=zeros, wco=zeros, b=bias,
+                forget_bias=forget_bias, cell_clip=-1.0, use_peephole=False)
+            outputs.append(h)
+        return tf.stack(outputs, axis=1)
+    return build
+
+
+@pytest.mark.parametrize("forget_bias", [1.0, 0.0], ids=["default-forget-bias", "forget-bias-0"])
+def test_tf1_lstm_cell_becomes_nn_lstm(tmp_path, wired, forget_bias):
+    feed = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    prefix = saved_graph(tmp_path, tf1_lstm(forget_bias=forget_bias), feed)
+    export(prefix, tmp_path / "m.safetensors", forget_bias=forget_bias)
+    state = stored(tmp_path / "m.safetensors")
+    lstm = nn.LSTM(3, 5, batch_first=True)
+    lstm.load_state_dict({k.removeprefix("rnn."): v for k, v in state.items() if k.startswith("rnn.")}, strict=True)
+    with torch.no_grad():
+        out = lstm(torch.from_numpy(feed))[0].numpy()
+    np.testing.assert_allclose(out, run_graph(prefix, tf1_lstm(forget_bias=forget_bias), feed), atol=1e-5, rtol=0)
+    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
+    a, b = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "ckpt")
+    assert sorted(a.entries) == sorted(b.entries)
+    assert all(a.read(k).tobytes() == b.read(k).tobytes() for k in a.entries)
+
+
+# ------------------------------------------------------------------ what is not mapped is said, by name
+
+def test_tf1_gru_cell_is_listed_and_warned_not_written_as_nn_gru(tmp_path):
+    def build(x):
+        with tf1.variable_scope("rnn/gru_cell"):
+            for scope, cols in (("gates", 8), ("candidate", 4)):
+                with tf1.variable_scope(scope):
+                    kernel, bias = tf1.get_variable("kernel", [7, cols]), tf1.get_variable("bias", [cols])
+        return tf.reduce_sum(kernel) + tf.reduce_sum(bias) + tf.reduce_sum(x)
+    prefix = saved_graph(tmp_path, build, np.zeros((1,), np.float32))
+    with pytest.warns(RestoreKitWarning, match=r"'rnn/gru_cell/gates/kernel': a TF1 GRUCell applies its reset gate"):
+        export(prefix, tmp_path / "m.safetensors")
+    record = st_format.read_record(tmp_path / "m.safetensors")
+    assert sorted(record.unmapped) == ["rnn/gru_cell/candidate/bias", "rnn/gru_cell/candidate/kernel",
+                                       "rnn/gru_cell/gates/bias", "rnn/gru_cell/gates/kernel"]
+    tensors = dict(st_format.read(tmp_path / "m.safetensors"))
+    np.testing.assert_array_equal(tensors["rnn.gru_cell.gates.kernel"], Checkpoint(prefix).read("rnn/gru_cell/gates/kernel"))
+
+
+def test_keras_gru_with_reset_before_is_listed_and_keeps_tf_layout(tmp_path, wired):
+    keras.utils.set_random_seed(0)
+    model = Wrap(L.GRU(4, reset_after=False))
+    model(np.zeros((1, 2, 3), np.float32))
+    prefix = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    with pytest.warns(RestoreKitWarning, match="reset_after=False"):
+        export(prefix, tmp_path / "m.safetensors")
+    record = st_format.read_record(tmp_path / "m.safetensors")
+    assert len(record.unmapped) == 3 and not any("weight_ih" in k for k in record.tensors)
+    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
+    tf.train.Checkpoint(model=model).restore(str(tmp_path / "back" / "ckpt")).assert_existing_objects_matched()
+
+
+def test_writers_without_the_view_map_what_a_permutation_can_and_list_the_rest(trained, tmp_path):
+    """Today's callers (write_checkpoint on a plain Checkpoint): nothing is written that merely looks right."""
+    prefix, _, _ = trained("gru")
+    with pytest.warns(RestoreKitWarning, match="torch_view"):
+        st_format.write_checkpoint(Checkpoint(prefix), tmp_path / "m.safetensors", layout="torch")
+    record = st_format.read_record(tmp_path / "m.safetensors")
+    assert len(record.unmapped) == 3
+    shapes = st_format.read_shapes(tmp_path / "m.safetensors")
+    assert shapes["model.layer.cell.kernel"] == (3, 12)  # TF name and axes, not a transposed 'weight'
+    prefix, _, _ = trained("dense")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RestoreKitWarning)
+        st_format.write_checkpoint(Checkpoint(prefix), tmp_path / "d.safetensors", layout="torch")
+    assert st_format.read_shapes(tmp_path / "d.safetensors")["model.layer.weight"] == (4, 3)
+
+
+def test_streamed_tensors_known_only_by_name_refuse_what_the_layer_would_tell(tmp_path):
+    tensors = [("lstm/lstm_cell/recurrent_kernel", np.ones((2, 8), np.float32)),
+               ("mha/query/kernel", np.ones((4, 2, 2), np.float32)),
+               ("fc/kernel", np.ones((3, 2), np.float32))]
+    with pytest.warns(RestoreKitWarning) as caught:
+        st_format.write(tmp_path / "m.safetensors", tensors, layout="torch")
+    assert {str(w.message).split("'")[3] for w in caught} == {"lstm/lstm_cell/recurrent_kernel", "mha/query/kernel"}
+    shapes = st_format.read_shapes(tmp_path / "m.safetensors")
+    assert shapes == {"lstm.lstm_cell.recurrent_kernel": (2, 8), "mha.query.kernel": (4, 2, 2), "fc.weight": (2, 3)}
+
+
+# ------------------------------------------------------------------ names of functional, Sequential and nested models
+
+def test_functional_sequential_and_nested_models_are_named_by_their_layers(tmp_path):
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential([L.Dense(3, name="inner")], name="block")
+    inp = keras.Input((5,))
+    x = L.BatchNormalization(name="bn")(L.Dense(4, name="fc")(inp))
+    model = keras.Model(inp, block(x), name="net")
+    prefix = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    export(prefix, tmp_path / "m.safetensors")
+    names = {k for k in st_format.read_shapes(tmp_path / "m.safetensors") if not k.startswith(("save_counter", "_"))}
+    assert names == {"fc.weight", "fc.bias", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
+                     "bn.num_batches_tracked", "block.inner.weight", "block.inner.bias"}
+
+
+def test_subclassed_model_names_follow_attributes_not_keras_auto_names(trained, tmp_path):
+    prefix, model, _ = trained("batch_norm")
+    assert model.layer.gamma.path.startswith("wrap")  # Keras names BatchNorm variables after the model
+    export(prefix, tmp_path / "m.safetensors")
+    assert "model.layer.running_var" in st_format.read_shapes(tmp_path / "m.safetensors")
+
+
+# ------------------------------------------------------------------ the record
+
+def test_a_version_1_record_written_before_still_imports():
+    text = '{"layout":"torch","strings":{},"tensors":{"fc.weight":{"name":"fc/kernel","perm":[1,0]}},"version":1}'
+    record = LayoutRecord.from_json(text)
+    name, array, dtype = record.restore("fc.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert name == "fc/kernel" and array.shape == (3, 2) and dtype is None
+    assert [n for n, *_ in record.restore_all([("fc.weight", np.zeros((2, 3), np.float32))])] == ["fc/kernel"]
+    assert LayoutRecord.from_json(record.to_json()).to_json() == record.to_json()
+
+
+def test_a_record_refuses_one_part_alone_and_a_missing_part(trained, tmp_path):
+    prefix, _, _ = trained("gru")
+    export(prefix, tmp_path / "m.safetensors")
+    record = st_format.read_record(tmp_path / "m.safetensors")
+    arrays = dict(st_format.read(tmp_path / "m.safetensors"))
+    from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="restore_all"):
+        record.restore("model.layer.bias_ih_l0", arrays["model.layer.bias_ih_l0"])
+    del arrays["model.layer.bias_hh_l0"]
+    with pytest.raises(CorruptCheckpointError, match="only some of the parts"):
+        list(record.restore_all(arrays.items()))
