@@ -152,7 +152,13 @@ class CheckpointEditor:
         self._items = renames.renamed(self._plan, old, new)
 
     def rename_all(self, rule) -> dict[str, str]:
-        """Rename every entry by ``rule``: a callable, a mapping, or a list of ``(regex, replacement)``.
+        """Rename every entry by ``rule``: a callable, a mapping, a list of ``(regex, replacement)``,
+        or a rule set of ``restorekit.export.hf`` (by name: ``'bert-tf-to-hf'``, ...).
+
+        A rule set also puts each tensor in the target's axes (a transposed kernel,
+        GPT-2's squeezed Conv1D weights), drops what it names as having no place in the
+        target (tied copies, buffers; a RestoreKitWarning lists them), and must cover
+        every entry (delete or ``strip_optimizer_slots`` the rest first).
 
         Returns:
             {old: new} for the names that changed.
@@ -161,7 +167,13 @@ class CheckpointEditor:
             NameCollisionError: two names land on one (checked before anything changes).
             NoMatchError: the rule changes nothing, a mapping key is not an entry, or a
                 regex of the list matches no name.
+            InvalidArgumentError: a rule set that does not cover every entry.
         """
+        from restorekit.export.hf import RULE_SETS, RuleSet
+
+        if isinstance(rule, RuleSet) or (isinstance(rule, str) and rule in RULE_SETS):
+            self._items, changed = renames.apply_rule_set(self._plan, rule)
+            return changed
         self._items, changed = renames.rename_all(self._plan, rule, self.prefix)
         return changed
 
