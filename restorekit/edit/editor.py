@@ -11,7 +11,7 @@ from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix
 from restorekit.edit import renames, values
 from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
-from restorekit.edit.save_export import save_export
+from restorekit.edit.save_export import save_export, with_options
 from restorekit.edit.save_remote import save_remote
 from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
@@ -297,8 +297,9 @@ class CheckpointEditor:
         return names
 
     # ------------------------------------------------------------------ saving
-    def save(self, out, *, format: str = "tf", compact: bool = False, overwrite: bool = False,
-             update_state_file: bool = False, progress: bool = False) -> str:
+    def save(self, out, *, format: str = "tf", layout: str | None = None, weights_only: bool = False, ema=None,
+             compact: bool = False, overwrite: bool = False, update_state_file: bool = False,
+             progress: bool = False) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -307,7 +308,15 @@ class CheckpointEditor:
                 ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
                 first, then uploaded file by file, the ``.index`` last; it must not exist.
             format: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
-                ``'safetensors'``, ``'npz'``).
+                ``'safetensors'``, ``'npz'``). Those keep what ``convert`` keeps: string
+                tensors and the TF2 object graph (rewritten to the edits) travel in the
+                file, so importing it back restores with ``tf.train.Checkpoint.read``.
+            layout: for ``'torch'`` and ``'safetensors'``: None, or ``'torch'`` (PyTorch
+                names and axes, see ``restorekit.export.layout``).
+            weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
+            ema: True, a shadow suffix or an ``ExponentialMovingAverage``: save each
+                weight's moving average as the weight (its key stays), the shadows left
+                out; weights without a shadow keep their raw values (a RestoreKitWarning names them).
             compact: write one new shard holding only the kept tensors (``'tf'``).
             overwrite: replace an existing output (never the source: use save_in_place).
                 Exactly the old output's files are replaced: its ``.index`` and its
@@ -321,21 +330,26 @@ class CheckpointEditor:
         Raises:
             OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
             InsufficientSpaceError: the disk cannot hold the output; nothing is written.
+            InvalidArgumentError: a layout the format cannot take, ``ema`` without shadows.
             ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
         if format != formats.TF:
             formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
+        elif layout is not None:
+            raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
+        plan = with_options(self._reader, self._plan, weights_only=weights_only, ema=ema)
         out = os.fspath(out)
         if files.is_remote(out):
             return save_remote(out, source_prefix=self.prefix, format=format, overwrite=overwrite,
                                update_state_file=update_state_file,
-                               write_local=lambda path: self._save_local(path, format, compact=compact,
-                                                                         overwrite=False, progress=progress))
+                               write_local=lambda path: self._save_local(plan, path, format, layout=layout,
+                                                                         compact=compact, overwrite=False,
+                                                                         progress=progress))
         if format != "tf":
-            return self._save_local(os.path.abspath(out), format, compact=compact, overwrite=overwrite,
-                                    progress=progress)
+            return self._save_local(plan, os.path.abspath(out), format, layout=layout, compact=compact,
+                                    overwrite=overwrite, progress=progress)
         prefix = out[: -len(".index")] if out.endswith(".index") else out
         if os.path.isdir(prefix):
             prefix = os.path.join(prefix, os.path.basename(self.prefix))
@@ -345,14 +359,15 @@ class CheckpointEditor:
         existing = os.path.exists(prefix + ".index")
         if existing and not overwrite:
             raise OutputExistsError(path=prefix)
-        return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False, replacing=existing,
+        return save_tf(self._reader, plan, prefix, compact=compact, in_place=False, replacing=existing,
                        update_state_file=update_state_file, progress=progress)
 
-    def _save_local(self, path: str, format: str, *, compact: bool, overwrite: bool, progress: bool) -> str:
+    def _save_local(self, plan, path: str, format: str, *, layout, compact: bool, overwrite: bool,
+                    progress: bool) -> str:
         if format == "tf":
-            return save_tf(self._reader, self._plan, path, compact=compact, in_place=False, replacing=False,
+            return save_tf(self._reader, plan, path, compact=compact, in_place=False, replacing=False,
                            update_state_file=False, progress=progress)
-        return save_export(self._reader, self._plan, path, format, overwrite=overwrite)
+        return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
                       progress: bool = False) -> str:
