@@ -532,7 +532,7 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     # A layout names the conventions of the side that has them: a .pt in PyTorch layout
     # converted to npz (which keeps TF names and axes) is read with it and written without.
     layout = options.layout
-    read_layout = layout if layout in reader.module.LAYOUTS or reader.module is sharded else None
+    read_layout = layout if layout in reader.module.LAYOUTS else None
     write_layout = layout if layout in target.LAYOUTS else None
     if layout is not None and read_layout is None and write_layout is None:
         raise InvalidArgumentError(f"layout={layout!r} applies to neither {fmt} nor {to} files")

@@ -31,6 +31,7 @@ from restorekit.export.layout import LayoutRecord
 __all__ = ["ShardSet", "find", "output_files", "parse_size", "read", "read_record", "read_shapes", "write",
            "write_checkpoint"]
 
+LAYOUTS = safetensors.LAYOUTS  # a set of shards takes the layouts one safetensors file takes
 INDEX_SUFFIX = ".safetensors.index.json"
 _SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
