@@ -13,11 +13,13 @@ import os
 import numpy as np
 
 from restorekit.bundle import atomic
-from restorekit.errors import CheckpointNotFoundError, InvalidArgumentError, OutputExistsError
+from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.export import formats, sharded
 from restorekit.export.base import ExportResult, WithObjectGraph, checkpoint_files, progress_bar
 from restorekit.export.layout import check_layout
-from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, plan_output
+from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
+from restorekit.export import sources
+from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format"]
 
@@ -31,24 +33,13 @@ def source_format(path) -> str:
     ``*.safetensors.index.json``, which are 'safetensors'.
     """
     path = os.fspath(path)
-    if _shard_set(path) is not None:
+    if shard_set(path) is not None:
         return "safetensors"
     if os.path.isfile(path) and not path.endswith(".index") and ".data-" not in os.path.basename(path):
         return formats.sniff(path) or formats.TF
     if not os.path.exists(path):
         return formats.by_suffix(path) or formats.TF
     return formats.TF
-
-
-def _shard_set(path: str):
-    """The safetensors shard set at ``path``, or None (also for any directory holding a TF checkpoint)."""
-    if os.path.isdir(path):
-        names = os.listdir(path)
-        if "checkpoint" in names or any(n.endswith(".index") for n in names):
-            return None
-    elif not path.endswith(".index.json"):
-        return None
-    return sharded.find(path)
 
 
 def target_format(path, to: str | None) -> str:
@@ -82,35 +73,6 @@ def _check_sharded_output(out: str, sources: list[str], overwrite: bool) -> None
     sharded.check_output(out, overwrite=overwrite)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reader:
-    """A non-TF source: one file of a format module, or a set of safetensors shards."""
-
-    path: str
-    fmt: str
-    files: tuple
-    source: object  # the path the verbs take (a ShardSet for shards)
-    module: object
-
-    def read(self):
-        return self.module.read(self.source)
-
-    def read_shapes(self) -> dict:
-        return self.module.read_shapes(self.source)
-
-    def read_record(self):
-        return self.module.read_record(self.source)
-
-
-def _reader(src: str, fmt: str) -> _Reader:
-    shards = _shard_set(src) if fmt == "safetensors" else None
-    if shards is not None:
-        return _Reader(src, fmt, tuple(shards.files) + ((shards.index,) if shards.index else ()), shards, sharded)
-    if not os.path.isfile(src):
-        raise CheckpointNotFoundError(f"no file at {src!r}", src)
-    return _Reader(src, fmt, (src,), src, formats.module(fmt))
-
-
 def _source_files(src: str, fmt: str) -> tuple[str, list[str]]:
     """(resolved source, the files it consists of)."""
     if fmt == formats.TF:
@@ -118,7 +80,7 @@ def _source_files(src: str, fmt: str) -> tuple[str, list[str]]:
 
         prefix = resolve_prefix(src)
         return prefix, checkpoint_files(prefix)
-    reader = _reader(src, fmt)
+    reader = sources.reader(src, fmt)
     return src, list(reader.files)
 
 
@@ -161,20 +123,13 @@ def _options(layout, rules, weights_only, ema, max_shard_size, config) -> _Optio
     return options
 
 
-def _out_shape(plan: OutputPlan, out: str, shape) -> tuple:
-    from restorekit.export.hf import TRANSFORMS
-
-    transform = plan.transforms.get(out)
-    return tuple(shape) if transform is None else TRANSFORMS[transform][0](tuple(shape))
-
-
 def _config(options: _Options, plan: OutputPlan, shapes: dict, directory: str, overwrite: bool):
     """(config.json path, its text) to write beside the output, or None; checked before anything is written."""
     if not options.config:
         return None
     from restorekit.export.hf import config_text, hf_config
 
-    out_shapes = {out: _out_shape(plan, out, shapes[src]) for out, src in plan.names.items() if src in shapes}
+    out_shapes = {out: out_shape(plan, out, shapes[src]) for out, src in plan.names.items() if src in shapes}
     text = config_text(hf_config(options.ruleset(), out_shapes, options.config if isinstance(options.config, dict) else None))
     path = os.path.join(directory, "config.json")
     if os.path.exists(path) and not overwrite:
@@ -245,7 +200,7 @@ def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, pr
         graph = WithObjectGraph(ckpt, plan.graph).object_graph if plan.graph is not None else ckpt.object_graph
     tensors = _tf_stream(ckpt, plan)
     if shard is not None:
-        sizes = [(out, _out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
+        sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
                  for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
         result = sharded.write(path, tensors, sizes=sizes, layout=layout, metadata=metadata, graph=graph,
                                max_shard_size=shard, overwrite=overwrite, progress=progress)
@@ -334,64 +289,6 @@ def _target(path: str, to: str | None, options: _Options) -> str:
 
 
 # ------------------------------------------------------------------ file -> TF checkpoint or file
-def _tf_shapes(shapes: dict, record) -> dict:
-    """TF name -> TF shape of every tensor of a file, through its layout record (string tensors too)."""
-    from restorekit.export.layout import invert
-
-    out = {}
-    for stored, shape in shapes.items():
-        note = record.tensors.get(stored, {})
-        shape = tuple(shape)
-        if note.get("perm") is not None:
-            shape = tuple(shape[i] for i in invert(note["perm"]))
-        if note.get("dtype") == "complex128":
-            shape = shape[:-1]
-        out[note.get("name", stored)] = shape
-    for name, item in record.strings.items():
-        out[name] = tuple(item["shape"])
-    return out
-
-
-def _open_source(reader: _Reader, layout: str | None):
-    """(iterator of (stored name, array), LayoutRecord) of a non-TF source."""
-    from restorekit.export.layout import LayoutRecord, guess_tf_names
-
-    record = reader.read_record()
-    if record is None:
-        record = guess_tf_names(reader.read_shapes()) if layout == "torch" else LayoutRecord()
-    return reader.read(), record
-
-
-def _file_plan(reader: _Reader, record, options: _Options) -> OutputPlan | None:
-    if not options.planned:
-        return None
-    shapes = _tf_shapes(reader.read_shapes(), record)
-    graph = record.object_graph() if options.weights_only or options.ema else None
-    strings = dict(record.string_tensors()) if OBJECT_GRAPH_KEY in record.strings else {}
-    return plan_output(shapes, graph=graph, graph_bytes=lambda: strings[OBJECT_GRAPH_KEY].item(), rules=options.rules,
-                       weights_only=options.weights_only, ema=options.ema)
-
-
-def _tf_tensors(arrays, record, plan: OutputPlan | None = None):
-    """(name, array, TF dtype name or None) for every tensor of a source, strings last; under ``plan``,
-    only those it keeps, under their output names and in their output axes."""
-    from restorekit.export.layout import restore_dtype
-
-    wanted = {source: out for out, source in plan.names.items()} if plan is not None else None
-    for stored, array in arrays:
-        name, array, dtype = record.restore(stored, array)
-        if wanted is None:
-            yield name, restore_dtype(array, dtype), dtype
-        elif name in wanted:
-            yield wanted[name], plan.apply(wanted[name], restore_dtype(array, dtype)), dtype
-    for name, array in record.string_tensors():
-        if wanted is None:
-            yield name, array, "string"
-        elif name in wanted:
-            value = np.array(plan.graph, dtype=object) if name == OBJECT_GRAPH_KEY and plan.graph is not None else array
-            yield wanted[name], value, "string"
-
-
 def import_checkpoint(
     src,
     out_prefix,
@@ -434,12 +331,12 @@ def import_checkpoint(
 
         resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
         raise InvalidArgumentError(f"{src!r} is a TF checkpoint; import_checkpoint reads torch, safetensors or npz files")
-    reader = _reader(src, fmt)
+    reader = sources.reader(src, fmt)
     _check_output(out_prefix, formats.TF, list(reader.files), overwrite)
-    arrays, record = _open_source(reader, layout)
-    plan = _file_plan(reader, record, options)
+    arrays, record = open_source(reader, layout)
+    plan = file_plan(reader, record, options)
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    result = _write_tf(out_prefix, _tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
+    result = _write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
                        progress=progress)
     return _finish(result, plan, None)
 
@@ -523,7 +420,7 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
                    progress: bool) -> ExportResult:
     """File -> file: back to TF names first, then out in the target's conventions."""
     target = formats.module(to)
-    reader = _reader(src, fmt)
+    reader = sources.reader(src, fmt)
     shard = options.max_shard_size
     if shard is not None:
         _check_sharded_output(out, list(reader.files), overwrite)
@@ -536,10 +433,10 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     write_layout = layout if layout in target.LAYOUTS else None
     if layout is not None and read_layout is None and write_layout is None:
         raise InvalidArgumentError(f"layout={layout!r} applies to neither {fmt} nor {to} files")
-    arrays, record = _open_source(reader, read_layout)
-    plan = _file_plan(reader, record, options)
+    arrays, record = open_source(reader, read_layout)
+    plan = file_plan(reader, record, options)
     directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
-    config = _config(options, plan, _tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None
+    config = _config(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None
     # An object graph carried along names the tensors as the export from TF did.
     graph = None
     if write_layout == "torch":
@@ -548,43 +445,15 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
             from restorekit.bundle.objectgraph import decode_object_graph
 
             graph = decode_object_graph(plan.graph)
-    tensors = _tf_tensors(arrays, record, plan)
+    tensors = tf_tensors(arrays, record, plan)
     metadata = _metadata(options, to)
     if shard is not None:
-        result = sharded.write(out, tensors, sizes=_file_sizes(reader, record, plan), layout=write_layout,
+        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), layout=write_layout,
                                metadata=metadata, graph=graph, max_shard_size=shard, overwrite=overwrite,
                                progress=progress)
     else:
         result = target.write(out, tensors, layout=write_layout, metadata=metadata, graph=graph, progress=progress)
     return _finish(result, plan, config)
-
-
-def _file_sizes(reader: _Reader, record, plan: OutputPlan | None) -> list:
-    """(output name, shape, bytes) of every numeric tensor of a safetensors source, in reading order."""
-    if reader.module is not sharded and reader.fmt != "safetensors":
-        raise InvalidArgumentError(f"max_shard_size= splits TF checkpoints and safetensors files; convert this "
-                                   f"{reader.fmt} file to a TF checkpoint first")
-    from restorekit.export import safetensors
-    from restorekit.export.layout import invert
-
-    files = reader.source.files if reader.module is sharded else (reader.source,)
-    wanted = {source: out for out, source in plan.names.items()} if plan is not None else None
-    sizes = []
-    for path in files:
-        for stored, info in safetensors.read_header(path).tensors.items():
-            note = record.tensors.get(stored, {})
-            name, shape = note.get("name", stored), tuple(info.shape)
-            if note.get("perm") is not None:
-                shape = tuple(shape[i] for i in invert(note["perm"]))
-            if note.get("dtype") == "complex128":
-                shape = shape[:-1]
-            if wanted is not None:
-                if name not in wanted:
-                    continue
-                name = wanted[name]
-                shape = _out_shape(plan, name, shape)
-            sizes.append((name, shape, info.end - info.begin))
-    return sizes
 
 
 def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:

@@ -211,3 +211,10 @@ def _renamed(chosen: dict, shapes: dict, rules) -> tuple[dict, dict, dict, str |
     ruleset = rule_set(rules)
     plan = ruleset.plan({out: shapes[src] for out, src in chosen.items()})
     return plan.names, plan.transforms, dict(plan.dropped), ruleset.name
+
+
+def out_shape(plan: "OutputPlan", out: str, shape) -> tuple:
+    from restorekit.export.hf import TRANSFORMS
+
+    transform = plan.transforms.get(out)
+    return tuple(shape) if transform is None else TRANSFORMS[transform][0](tuple(shape))
