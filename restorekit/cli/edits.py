@@ -122,15 +122,52 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output file, or checkpoint prefix for --to tf")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
     p.add_argument("--layout", choices=["torch"], help="PyTorch names and axes (reversed on the way back)")
+    p.add_argument("--rules", metavar="NAME",
+                   help="a ready rule set of names and axes: bert-tf-to-hf, bert-hf-to-tf, gpt2-tf-to-hf, gpt2-hf-to-tf")
+    p.add_argument("--weights-only", action="store_true",
+                   help="leave out optimizer state, global_step and save_counter")
+    p.add_argument("--ema", action="store_true",
+                   help="write each weight's moving average (TF1 '.../ExponentialMovingAverage' shadows, Keras "
+                        "use_ema averages) as the weight; weights without one keep their raw values and are listed")
+    p.add_argument("--ema-suffix", metavar="SUFFIX",
+                   help="with --ema: the shadows' name suffix, when not ExponentialMovingAverage")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="write Hugging Face-style safetensors shards of at most SIZE (5GB, 500MiB) plus an index; "
+                        "OUT is then a directory")
+    p.add_argument("--config", action="store_true",
+                   help="with a *-tf-to-hf rule set, write config.json beside OUT (sizes read from the shapes)")
+    p.add_argument("--heads", type=int, metavar="N",
+                   help="attention heads for --config (cannot be read from shapes; default hidden size / 64)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+def _config_arg(args):
+    from restorekit.export.hf import rule_set
+
+    if args.heads is not None and not args.config:
+        raise _Usage("--heads goes with --config")
+    if not args.config:
+        return None
+    if args.heads is None:
+        return True
+    model = rule_set(args.rules).model if args.rules else None
+    return {"n_head" if model == "gpt2" else "num_attention_heads": args.heads}
+
+
+def _ema_arg(args):
+    if args.ema_suffix is not None and not args.ema:
+        raise _Usage("--ema-suffix goes with --ema")
+    return (args.ema_suffix or True) if args.ema else None
 
 
 @register("convert", help="convert between TF checkpoints, PyTorch, safetensors and npz", configure=_convert_args)
 def _convert(args) -> int:
     from restorekit.export import convert
 
-    result = convert(args.src, args.out, to=args.to, layout=args.layout, overwrite=args.overwrite,
-                     progress=not _quiet(args))
+    max_shard_size = int(args.max_shard_size) if args.max_shard_size and args.max_shard_size.isdigit() else args.max_shard_size
+    result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
+                     weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
+                     config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args))
     if not _quiet(args):
         print(result)
     return EXIT_OK

@@ -11,12 +11,19 @@ from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix, state_file_points_outside
 from restorekit.edit import renames, values
 from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
-from restorekit.edit.save_export import save_export
+from restorekit.edit.save_export import save_export, with_options
 from restorekit.edit.save_remote import save_remote
 from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
 from restorekit.export import formats
-from restorekit.errors import CorruptCheckpointError, EditError, NoMatchError, OutputError, OutputExistsError
+from restorekit.errors import (
+    CorruptCheckpointError,
+    EditError,
+    InvalidArgumentError,
+    NoMatchError,
+    OutputError,
+    OutputExistsError,
+)
 from restorekit.names import PatternSet
 
 
@@ -160,7 +167,13 @@ class CheckpointEditor:
         self._items = renames.renamed(self._plan, old, new)
 
     def rename_all(self, rule) -> dict[str, str]:
-        """Rename every entry by ``rule``: a callable, a mapping, or a list of ``(regex, replacement)``.
+        """Rename every entry by ``rule``: a callable, a mapping, a list of ``(regex, replacement)``,
+        or a rule set of ``restorekit.export.hf`` (by name: ``'bert-tf-to-hf'``, ...).
+
+        A rule set also puts each tensor in the target's axes (a transposed kernel,
+        GPT-2's squeezed Conv1D weights), drops what it names as having no place in the
+        target (tied copies, buffers; a RestoreKitWarning lists them), and must cover
+        every entry (delete or ``strip_optimizer_slots`` the rest first).
 
         Returns:
             {old: new} for the names that changed.
@@ -169,7 +182,13 @@ class CheckpointEditor:
             NameCollisionError: two names land on one (checked before anything changes).
             NoMatchError: the rule changes nothing, a mapping key is not an entry, or a
                 regex of the list matches no name.
+            InvalidArgumentError: a rule set that does not cover every entry.
         """
+        from restorekit.export.hf import RULE_SETS, RuleSet
+
+        if isinstance(rule, RuleSet) or (isinstance(rule, str) and rule in RULE_SETS):
+            self._items, changed = renames.apply_rule_set(self._plan, rule)
+            return changed
         self._items, changed = renames.rename_all(self._plan, rule, self.prefix)
         return changed
 
@@ -293,8 +312,9 @@ class CheckpointEditor:
         return names
 
     # ------------------------------------------------------------------ saving
-    def save(self, out, *, format: str = "tf", compact: bool = False, overwrite: bool = False,
-             update_state_file: bool = False, progress: bool = False) -> str:
+    def save(self, out, *, format: str = "tf", layout: str | None = None, weights_only: bool = False, ema=None,
+             compact: bool = False, overwrite: bool = False, update_state_file: bool = False,
+             progress: bool = False) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -303,7 +323,15 @@ class CheckpointEditor:
                 ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
                 first, then uploaded file by file, the ``.index`` last; it must not exist.
             format: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
-                ``'safetensors'``, ``'npz'``).
+                ``'safetensors'``, ``'npz'``). Those keep what ``convert`` keeps: string
+                tensors and the TF2 object graph (rewritten to the edits) travel in the
+                file, so importing it back restores with ``tf.train.Checkpoint.read``.
+            layout: for ``'torch'`` and ``'safetensors'``: None, or ``'torch'`` (PyTorch
+                names and axes, see ``restorekit.export.layout``).
+            weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
+            ema: True, a shadow suffix or an ``ExponentialMovingAverage``: save each
+                weight's moving average as the weight (its key stays), the shadows left
+                out; weights without a shadow keep their raw values (a RestoreKitWarning names them).
             compact: write one new shard holding only the kept tensors (``'tf'``).
             overwrite: replace an existing output (never the source: use save_in_place).
                 Exactly the old output's files are replaced: its ``.index`` and its
@@ -317,21 +345,26 @@ class CheckpointEditor:
         Raises:
             OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
             InsufficientSpaceError: the disk cannot hold the output; nothing is written.
+            InvalidArgumentError: a layout the format cannot take, ``ema`` without shadows.
             ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
         if format != formats.TF:
             formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
+        elif layout is not None:
+            raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
+        plan = with_options(self._reader, self._plan, weights_only=weights_only, ema=ema)
         out = os.fspath(out)
         if files.is_remote(out):
             return save_remote(out, source_prefix=self.prefix, format=format, overwrite=overwrite,
                                update_state_file=update_state_file,
-                               write_local=lambda path: self._save_local(path, format, compact=compact,
-                                                                         overwrite=False, progress=progress))
+                               write_local=lambda path: self._save_local(plan, path, format, layout=layout,
+                                                                         compact=compact, overwrite=False,
+                                                                         progress=progress))
         if format != "tf":
-            return self._save_local(os.path.abspath(out), format, compact=compact, overwrite=overwrite,
-                                    progress=progress)
+            return self._save_local(plan, os.path.abspath(out), format, layout=layout, compact=compact,
+                                    overwrite=overwrite, progress=progress)
         prefix = out[: -len(".index")] if out.endswith(".index") else out
         if os.path.isdir(prefix):
             prefix = os.path.join(prefix, os.path.basename(self.prefix))
@@ -346,17 +379,18 @@ class CheckpointEditor:
                 existing = os.path.exists(prefix + ".index")
                 if existing and not overwrite:
                     raise OutputExistsError(path=prefix)
-                return save_tf(self._reader, self._plan, prefix, compact=compact, in_place=False,
+                return save_tf(self._reader, plan, prefix, compact=compact, in_place=False,
                                replacing=existing, update_state_file=update_state_file, progress=progress)
         except BaseException:
             _remove_if_empty(made)  # a refused or failed save leaves no directory behind either
             raise
 
-    def _save_local(self, path: str, format: str, *, compact: bool, overwrite: bool, progress: bool) -> str:
+    def _save_local(self, plan, path: str, format: str, *, layout, compact: bool, overwrite: bool,
+                    progress: bool) -> str:
         if format == "tf":
-            return save_tf(self._reader, self._plan, path, compact=compact, in_place=False, replacing=False,
+            return save_tf(self._reader, plan, path, compact=compact, in_place=False, replacing=False,
                            update_state_file=False, progress=progress)
-        return save_export(self._reader, self._plan, path, format, overwrite=overwrite)
+        return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
                       progress: bool = False) -> str:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import Item
-from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
+from restorekit.errors import InvalidArgumentError, NoMatchError, RestoreKitWarning, format_names
 from restorekit.names import apply_renames, optimizer_slot_kind
 
 
@@ -32,6 +33,30 @@ def rename_all(plan: dict[str, Item], rule, prefix: str) -> tuple[dict[str, Item
     if not changed:
         raise NoMatchError(f"the rename rule changes no name of {prefix!r}")
     return {mapping[k]: v for k, v in plan.items()}, changed
+
+
+def apply_rule_set(plan: dict[str, Item], rules) -> tuple[dict[str, Item], dict[str, str]]:
+    """(``plan`` renamed and transformed by a rule set of ``restorekit.export.hf``, {old: new})."""
+    import warnings
+
+    from restorekit.edit.values import with_op
+    from restorekit.export.hf import TRANSFORMS, rule_set
+
+    ruleset = rule_set(rules)
+    result = ruleset.plan({name: item.shape for name, item in plan.items()})
+    if result.dropped:
+        warnings.warn(f"rule set {ruleset.name!r} drops {format_names(result.dropped)}: "
+                      f"{'; '.join(sorted(set(result.dropped.values())))}", RestoreKitWarning, stacklevel=3)
+    out = {}
+    for name, item in plan.items():
+        if name not in result.names:
+            continue
+        new = result.names[name]
+        transform = result.transforms.get(name)
+        if transform is not None:
+            item = replace(with_op(item, TRANSFORMS[transform][1]), shape=result.shapes[new])
+        out[new] = item
+    return out, {old: new for old, new in result.names.items() if old != new}
 
 
 def _check_regex_rules(names: list[str], rule, prefix: str) -> None:

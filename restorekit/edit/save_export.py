@@ -1,33 +1,92 @@
-"""Saving an edited checkpoint in another format (torch, safetensors, npz, ...) through the export registry."""
+"""Saving an edited checkpoint in another format (torch, safetensors, npz, ...) through the export registry,
+and the plan options every save takes (``weights_only``, ``ema``)."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 from restorekit.bundle import atomic
+from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import Item
-from restorekit.edit.save_tf import check_space
+from restorekit.edit.renames import optimizer_state
+from restorekit.edit.save_tf import check_space, final_plan
 from restorekit.edit.source import Source
-from restorekit.errors import OutputError, OutputExistsError
+from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError, RestoreKitWarning, format_names
 from restorekit.export import formats
+from restorekit.export.base import WithObjectGraph
+from restorekit.names import is_global_step
 
 
-def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *, overwrite: bool) -> str:
-    """Write ``plan`` to the file ``out`` in ``format``; see ``CheckpointEditor.save``."""
+def with_options(source: Source, plan: dict[str, Item], *, weights_only: bool, ema) -> dict[str, Item]:
+    """``plan`` without optimizer state, ``global_step`` and ``save_counter`` (``weights_only``), and
+    with each weight's EMA shadow as its value (``ema``; see ``restorekit.export.options.select``)."""
+    ckpt = source.checkpoint
+    if ema is not None and ema is not False:
+        from restorekit.export.options import select
+
+        by_origin = {it.origin: name for name, it in plan.items() if it.stored}
+        graph = ckpt.object_graph if ckpt.is_object_based else None
+        selection = select(list(by_origin), graph=graph, ema=ema)
+        shadows = set(selection.dropped)
+        edited = {}
+        for name, it in plan.items():
+            if it.stored and it.origin in shadows:
+                continue
+            shadow = selection.names.get(it.origin, it.origin) if it.stored else it.origin
+            if shadow != it.origin:
+                # The weight keeps its key (and its place in a TF2 object graph); its value is the shadow's.
+                entry = ckpt.bundle_entry(shadow)
+                it = Item(it.origin, entry.dtype, tuple(entry.shape), base=lambda s=shadow: source.load(s))
+            edited[name] = it
+        plan = edited
+        if selection.fallback:
+            warnings.warn(f"ema: no moving-average shadow for {format_names(selection.fallback)}; their raw values are saved",
+                          RestoreKitWarning, stacklevel=4)
+    if weights_only:
+        tracked = ckpt.object_graph.by_key if ckpt.is_object_based else {}
+        state = set(optimizer_state(plan, ckpt))
+        state |= {n for n, it in plan.items() if n != OBJECT_GRAPH_KEY and (
+            is_global_step(n) or (it.origin in tracked and tracked[it.origin].kind == "save_counter"))}
+        plan = {n: it for n, it in plan.items() if n not in state}
+    return plan
+
+
+def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *, overwrite: bool,
+                layout: str | None = None, progress: bool = False) -> str:
+    """Write ``plan`` to the file ``out`` in ``format``; see ``CheckpointEditor.save``.
+
+    Keeps what ``convert`` keeps: the TF2 object graph goes along (rewritten to the
+    plan's renames and deletions), so importing the file back restores with
+    ``tf.train.Checkpoint.read``.
+    """
     module = formats.module(format)
+    if layout not in module.LAYOUTS:
+        raise InvalidArgumentError(f"{format} files cannot take layout={layout!r}")
     if os.path.exists(out) and not overwrite:
         raise OutputExistsError(path=out)
+    plan = final_plan(source, plan)
     directory = os.path.dirname(out)
     check_space(directory, sum(source.nbytes(it) for it in plan.values()))
+    graph_item = plan.get(OBJECT_GRAPH_KEY)
     with atomic.Staging(directory) as staging:
         tmp = staging.path(out)
-        if OBJECT_GRAPH_KEY not in plan and all(it.stored for it in plan.values()):
+        if all(it.stored for name, it in plan.items() if name != OBJECT_GRAPH_KEY):
             # Only renames, deletions and subsets: the format copies raw shard bytes itself.
-            module.write_checkpoint(source.checkpoint, tmp, names={name: it.origin for name, it in plan.items()})
+            checkpoint = source.checkpoint
+            if graph_item is not None and not graph_item.stored:
+                checkpoint = WithObjectGraph(checkpoint, source.value(graph_item).item())
+            names = {name: (it.origin if name != OBJECT_GRAPH_KEY else name) for name, it in plan.items()}
+            module.write_checkpoint(checkpoint, tmp, names=names, layout=layout, progress=progress)
         else:
-            tensors = ((name, source.value(it)) for name, it in plan.items() if name != OBJECT_GRAPH_KEY)
-            module.write(tmp, tensors)
+            graph = None
+            if layout == "torch" and graph_item is not None:
+                from restorekit.bundle.objectgraph import decode_object_graph
+
+                graph = decode_object_graph(source.value(graph_item).item())
+            tensors = ((name, source.value(it), dtype_name(it.dtype)) for name, it in plan.items())
+            module.write(tmp, tensors, layout=layout, graph=graph, progress=progress)
         if not os.path.exists(tmp):
             raise OutputError(f"the {format} exporter wrote nothing at {tmp!r}")
         staging.commit()

@@ -10,10 +10,17 @@ One module per format, each with the same verbs (``write``, ``write_checkpoint``
     restorekit.export.formats       the table of formats every caller dispatches through
     restorekit.export.base          what the formats share (ExportResult, progress, ...)
     restorekit.export.rawcopy       crc-checked copies of stored bytes (the fast path)
+    restorekit.export.sharded       Hugging Face-style safetensors shards + index, both ways
+    restorekit.export.hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
+    restorekit.export.options       weights_only, ema and rules: what an export writes, under which names
+    restorekit.export.sources       a conversion's non-TF source (a file, or a set of shards)
 
 and three functions over them (``conversions``): :func:`export_checkpoint` (TF
 checkpoint -> file), :func:`import_checkpoint` (file -> TF checkpoint) and
-:func:`convert` (any -> any). Importing this package never imports torch or safetensors.
+:func:`convert` (any -> any), each taking ``rules=`` (``'bert-tf-to-hf'``,
+``'gpt2-tf-to-hf'``, their reverses, or rename pairs), ``weights_only=`` and ``ema=``;
+exports also ``max_shard_size=`` and ``config=``. Importing this package never
+imports torch or safetensors.
 
 Round trips are bit-exact (names, dtypes including bfloat16, values), with or
 without ``layout='torch'``: what an export did is recorded inside the file. String
@@ -45,6 +52,7 @@ from restorekit.export.conversions import (
 
 __all__ = [
     "FORMATS",
+    "RULE_SETS",
     "ExportResult",
     "convert",
     "export_checkpoint",
@@ -60,4 +68,8 @@ def __getattr__(name: str):
         from restorekit.export import formats
 
         return formats.names()
+    if name == "RULE_SETS":
+        from restorekit.export.hf import RULE_SETS
+
+        return RULE_SETS
     raise AttributeError(f"module 'restorekit.export' has no attribute {name!r}")

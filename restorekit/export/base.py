@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.bundle.atomic import atomic_output  # noqa: F401  (format modules write through it)
-from restorekit.errors import InvalidArgumentError
+from restorekit.errors import InvalidArgumentError, format_names
 from restorekit.report import format_bytes
 
 __all__ = [
@@ -41,7 +41,11 @@ class ExportResult:
 
     ``permuted`` and ``kept`` hold TF names: the tensors whose axes ``layout='torch'``
     permuted, and the optimizer state of an object-based checkpoint that it left in TF
-    axes on purpose (see ``restorekit.export.layout``).
+    axes on purpose (see ``restorekit.export.layout``). ``dropped`` holds the source
+    names left out on purpose (``weights_only``, EMA shadows written under their
+    weights' names, tied copies a rule set drops), ``fallback`` the weights ``ema=``
+    found no shadow for (exported raw), ``renamed`` the rule set applied, ``files``
+    every file written when there are several (shards, index, ``config.json``).
     """
 
     path: str
@@ -52,6 +56,10 @@ class ExportResult:
     permuted: tuple = ()
     strings: tuple = ()
     kept: tuple = ()
+    dropped: tuple = ()
+    fallback: tuple = ()
+    renamed: str | None = None
+    files: tuple = ()
 
     def __str__(self) -> str:
         text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
@@ -60,7 +68,16 @@ class ExportResult:
             text += f", layout {self.layout!r} ({len(self.permuted)} permuted{kept})"
         if self.strings:
             text += f"; string tensors carried in metadata: {', '.join(repr(s) for s in self.strings)}"
+        if self.renamed:
+            text += f"; names and axes by rule set {self.renamed!r}"
+        if len(self.files) > 1:
+            text += f"; {len(self.files)} files"
+        if self.dropped:
+            text += f"; left out {len(self.dropped)}: {format_names(self.dropped)}"
+        if self.fallback:
+            text += f"; no EMA shadow, raw values for {len(self.fallback)}: {format_names(self.fallback)}"
         return text
+
 
 
 def progress_bar(total: int, enabled: bool, desc: str):
@@ -172,3 +189,31 @@ def checkpoint_files(prefix: str) -> list[str]:
     shard = re.compile(re.escape(base) + r"\.data-\d{5}-of-\d{5}")
     found = [os.path.join(directory, base + ".index")] if base + ".index" in names else []
     return found + sorted(os.path.join(directory, n) for n in names if shard.fullmatch(n))
+
+
+class WithObjectGraph:
+    """A ``Checkpoint`` whose TF2 object graph entry reads as ``raw`` (a re-encoded graph).
+
+    Lets the raw-copy exporters (``write_checkpoint``) write a subset or renamed set of an
+    object-based checkpoint with its graph rewritten to match, at copy speed.
+    """
+
+    def __init__(self, checkpoint, raw: bytes):
+        self._checkpoint = checkpoint
+        self._raw = raw
+
+    def __getattr__(self, name):
+        return getattr(self._checkpoint, name)
+
+    def read(self, name, *args, **kwargs):
+        from restorekit.checkpoint import OBJECT_GRAPH_KEY
+
+        if name == OBJECT_GRAPH_KEY:
+            return np.array(self._raw, dtype=object)
+        return self._checkpoint.read(name, *args, **kwargs)
+
+    @property
+    def object_graph(self):
+        from restorekit.bundle.objectgraph import decode_object_graph
+
+        return decode_object_graph(self._raw)

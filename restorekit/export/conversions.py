@@ -1,14 +1,25 @@
-"""export_checkpoint, import_checkpoint and convert: TF checkpoints to and from every format in the registry."""
+"""export_checkpoint, import_checkpoint and convert: TF checkpoints to and from every format in the registry.
+
+Each conversion is planned from names and shapes first (``restorekit.export.options``:
+``weights_only``, ``ema``, ``rules``), so a bad request fails before anything is
+written, then streamed tensor by tensor.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import numpy as np
+
 from restorekit.bundle import atomic
-from restorekit.errors import CheckpointNotFoundError, InvalidArgumentError, OutputExistsError
-from restorekit.export import formats
-from restorekit.export.base import ExportResult, checkpoint_files, progress_bar
+from restorekit.errors import InvalidArgumentError, OutputExistsError
+from restorekit.export import formats, sharded
+from restorekit.export.base import ExportResult, WithObjectGraph, checkpoint_files, progress_bar
 from restorekit.export.layout import check_layout
+from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
+from restorekit.export import sources
+from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format"]
 
@@ -17,9 +28,13 @@ def source_format(path) -> str:
     """Which format a path holds: 'tf' or a file format ('torch', 'safetensors', 'npz', ...).
 
     Decided by the file's first bytes where it is a file, else by its extension; a
-    prefix, directory, ``.index`` or ``.data-*`` path is a TF checkpoint.
+    prefix, directory, ``.index`` or ``.data-*`` path is a TF checkpoint, except a
+    directory of safetensors shards (or with one ``model.safetensors``) and a
+    ``*.safetensors.index.json``, which are 'safetensors'.
     """
     path = os.fspath(path)
+    if shard_set(path) is not None:
+        return "safetensors"
     if os.path.isfile(path) and not path.endswith(".index") and ".data-" not in os.path.basename(path):
         return formats.sniff(path) or formats.TF
     if not os.path.exists(path):
@@ -50,6 +65,14 @@ def _check_output(out: str, fmt: str, sources: list[str], overwrite: bool) -> No
             raise OutputExistsError(path=existing[0])
 
 
+def _check_sharded_output(out: str, sources: list[str], overwrite: bool) -> None:
+    directory = os.path.realpath(sharded.output_files(out, 1)[0])
+    if any(os.path.dirname(os.path.realpath(s)) == directory for s in sources) and sharded.previous_files(out):
+        raise OutputExistsError(f"output {out!r} would overwrite its own source; choose another path",
+                                path=out, is_source=True)
+    sharded.check_output(out, overwrite=overwrite)
+
+
 def _source_files(src: str, fmt: str) -> tuple[str, list[str]]:
     """(resolved source, the files it consists of)."""
     if fmt == formats.TF:
@@ -57,9 +80,133 @@ def _source_files(src: str, fmt: str) -> tuple[str, list[str]]:
 
         prefix = resolve_prefix(src)
         return prefix, checkpoint_files(prefix)
-    if not os.path.isfile(src):
-        raise CheckpointNotFoundError(f"no file at {src!r}", src)
-    return src, [src]
+    reader = sources.reader(src, fmt)
+    return src, list(reader.files)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What a conversion does besides changing format; checked before anything is read."""
+
+    layout: str | None = None
+    rules: object = None
+    weights_only: bool = False
+    ema: object = None
+    max_shard_size: object = None
+    config: object = None
+
+    @property
+    def planned(self) -> bool:
+        return self.rules is not None or self.weights_only or (self.ema is not None and self.ema is not False)
+
+    def ruleset(self):
+        from restorekit.export.hf import RuleSet, rule_set
+
+        if isinstance(self.rules, (str, RuleSet)):
+            return rule_set(self.rules)
+        return None
+
+
+def _options(layout, rules, weights_only, ema, max_shard_size, config) -> _Options:
+    check_layout(layout)
+    options = _Options(layout, rules, bool(weights_only), ema, max_shard_size, config)
+    ruleset = options.ruleset()
+    if ruleset is not None and layout is not None:
+        raise InvalidArgumentError(f"rule set {ruleset.name!r} sets names and axes itself; leave layout=None")
+    if config and (ruleset is None or ruleset.model is None):
+        raise InvalidArgumentError("config= writes a Hugging Face config.json: use it with rules='bert-tf-to-hf' "
+                                   "or 'gpt2-tf-to-hf'")
+    if config is not None and config is not True and config is not False and not isinstance(config, dict):
+        raise InvalidArgumentError(f"config= is True or a dict of config.json values, got {config!r}")
+    if max_shard_size is not None:
+        sharded.parse_size(max_shard_size)
+    return options
+
+
+def _config(options: _Options, plan: OutputPlan, shapes: dict, directory: str, overwrite: bool):
+    """(config.json path, its text) to write beside the output, or None; checked before anything is written."""
+    if not options.config:
+        return None
+    from restorekit.export.hf import config_text, hf_config
+
+    out_shapes = {out: out_shape(plan, out, shapes[src]) for out, src in plan.names.items() if src in shapes}
+    text = config_text(hf_config(options.ruleset(), out_shapes, options.config if isinstance(options.config, dict) else None))
+    path = os.path.join(directory, "config.json")
+    if os.path.exists(path) and not overwrite:
+        raise OutputExistsError(path=path)
+    return path, text
+
+
+def _finish(result: ExportResult, plan: OutputPlan | None, config) -> ExportResult:
+    """The result, with what the plan left out and the config.json written (after the weights)."""
+    files = result.files
+    if config is not None:
+        path, text = config
+        with atomic.atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        files = (files or (result.path,)) + (path,)
+    if plan is None:
+        return dataclasses.replace(result, files=files)
+    return dataclasses.replace(result, dropped=plan.dropped, fallback=plan.fallback, renamed=plan.renamed, files=files)
+
+
+# ------------------------------------------------------------------ TF checkpoint -> file
+def _tf_plan(ckpt, options: _Options) -> OutputPlan | None:
+    """The plan of an export of ``ckpt``, or None when it writes every entry as it is."""
+    if not options.planned:
+        return None
+    graph = ckpt.object_graph if ckpt.is_object_based and (options.weights_only or options.ema) else None
+    shapes = {name: tuple(entry.shape) for name, entry in ckpt.entries.items()}
+    return plan_output(shapes, graph=graph, graph_bytes=lambda: ckpt.read(OBJECT_GRAPH_KEY).item(),
+                       rules=options.rules, weights_only=options.weights_only, ema=options.ema)
+
+
+def _tf_stream(ckpt, plan: OutputPlan):
+    """(output name, array, TF dtype) for every tensor of the plan, read one at a time."""
+    for out, source in plan.names.items():
+        dtype = ckpt.entries[source].dtype
+        if source == OBJECT_GRAPH_KEY and plan.graph is not None:
+            yield out, np.array(plan.graph, dtype=object), dtype
+        else:
+            yield out, plan.apply(out, ckpt.read(source)), dtype
+
+
+def _metadata(options: _Options, fmt: str) -> dict | None:
+    ruleset = options.ruleset()
+    # Hugging Face reads a safetensors file only when its metadata says 'pt'.
+    return {"format": "pt"} if fmt == "safetensors" and ruleset is not None and ruleset.model else None
+
+
+def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:
+    plan = _tf_plan(ckpt, options)
+    module = formats.module(fmt)
+    layout, metadata = options.layout, _metadata(options, fmt)
+    shard = options.max_shard_size
+    directory = sharded.output_files(path, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(path))
+    shapes = {n: e.shape for n, e in ckpt.entries.items()}
+    config = _config(options, plan, shapes, directory, overwrite) if plan is not None else None
+    if plan is None or not plan.transforms:
+        source = WithObjectGraph(ckpt, plan.graph) if plan is not None and plan.graph is not None else ckpt
+        names = None if plan is None or plan.identity else plan.names
+        if shard is not None:
+            result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
+                                              max_shard_size=shard, overwrite=overwrite, progress=progress)
+        else:
+            result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
+                                             progress=progress)
+        return _finish(result, plan, config)
+    graph = None
+    if layout == "torch" and OBJECT_GRAPH_KEY in plan.names:
+        graph = WithObjectGraph(ckpt, plan.graph).object_graph if plan.graph is not None else ckpt.object_graph
+    tensors = _tf_stream(ckpt, plan)
+    if shard is not None:
+        sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
+                 for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
+        result = sharded.write(path, tensors, sizes=sizes, layout=layout, metadata=metadata, graph=graph,
+                               max_shard_size=shard, overwrite=overwrite, progress=progress)
+    else:
+        result = module.write(path, tensors, layout=layout, metadata=metadata, graph=graph, progress=progress)
+    return _finish(result, plan, config)
 
 
 def export_checkpoint(
@@ -68,6 +215,11 @@ def export_checkpoint(
     *,
     format: str | None = None,
     layout: str | None = None,
+    rules=None,
+    weights_only: bool = False,
+    ema=None,
+    max_shard_size=None,
+    config=None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> ExportResult:
@@ -78,14 +230,26 @@ def export_checkpoint(
     (safetensors, npz) or at memory-mapped views of the shards (torch).
 
         export_checkpoint('train/model.ckpt-1000', 'model.safetensors', layout='torch')
+        export_checkpoint('bert_model.ckpt', 'hf/model.safetensors', rules='bert-tf-to-hf',
+                          weights_only=True, config=True)
 
     Args:
         checkpoint: a path (anything ``Checkpoint`` accepts) or a ``Checkpoint``.
-        path: the output file.
+        path: the output file; with ``max_shard_size``, a directory (or ``DIR/NAME.safetensors``).
         format: 'torch', 'safetensors' or 'npz'; by default from the extension.
         layout: None (TF names and axes) or 'torch' (see ``restorekit.export.layout``;
             object-based checkpoints are named from their readable paths, and their
             optimizer state keeps TF axes).
+        rules: a rule set of ``restorekit.export.hf`` (``'bert-tf-to-hf'``, ``'gpt2-tf-to-hf'``,
+            ...; names and axes) or a rename rule as ``CheckpointEditor.rename_all`` takes.
+        weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
+        ema: True (or a shadow suffix, or an ``ExponentialMovingAverage``): write each
+            weight's moving average as the weight; weights without one keep their raw
+            values and are listed in ``ExportResult.fallback`` (see ``restorekit.export.options``).
+        max_shard_size: write Hugging Face-style safetensors shards of at most this size
+            (``'5GB'``, ``'500MiB'``, bytes) with a ``model.safetensors.index.json``.
+        config: with a Hugging Face rule set, True or a dict of values: write
+            ``config.json`` beside the output, sizes read from the shapes (see ``hf.hf_config``).
         overwrite: replace an existing output file.
         progress: show a progress bar on stderr (when it is a terminal).
 
@@ -95,72 +259,71 @@ def export_checkpoint(
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: the source.
         OutputExistsError: the output exists, or is the source.
-        NameCollisionError: the layout maps two names onto one.
-        InvalidArgumentError: a layout the format cannot honour (npz keeps TF names and axes).
+        NameCollisionError: the layout or the rules map two names onto one.
+        InvalidArgumentError: a layout the format cannot honour (npz keeps TF names and axes),
+            a name no rule of the rule set covers, ``ema`` without shadows.
         MissingDependencyError: torch is needed and not installed.
     """
     from restorekit.checkpoint import Checkpoint
 
-    check_layout(layout)
+    options = _options(layout, rules, weights_only, ema, max_shard_size, config)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     path = os.fspath(path)
-    fmt = target_format(path, format)
+    fmt = _target(path, format, options)
     if fmt == formats.TF:
         raise InvalidArgumentError("export_checkpoint writes torch, safetensors or npz; use CheckpointEditor.save for tf")
-    module = formats.module(fmt)
-    _check_output(path, fmt, checkpoint_files(ckpt.prefix), overwrite)
-    return module.write_checkpoint(ckpt, path, layout=layout, progress=progress)
+    if options.max_shard_size is not None:
+        _check_sharded_output(path, checkpoint_files(ckpt.prefix), overwrite)
+    else:
+        _check_output(path, fmt, checkpoint_files(ckpt.prefix), overwrite)
+    return _export(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
 
 
-def _open_source(src: str, fmt: str, layout: str | None):
-    """(iterator of (stored name, array), LayoutRecord) of a non-TF file."""
-    from restorekit.export.layout import LayoutRecord, guess_tf_names
-
-    module = formats.module(fmt)
-    record = module.read_record(src)
-    if record is None:
-        record = guess_tf_names(module.read_shapes(src)) if layout == "torch" else LayoutRecord()
-    return module.read(src), record
+def _target(path: str, to: str | None, options: _Options) -> str:
+    """The output format; ``max_shard_size`` means safetensors shards."""
+    if options.max_shard_size is None:
+        return target_format(path, to)
+    if to not in (None, "safetensors"):
+        raise InvalidArgumentError(f"max_shard_size= writes safetensors shards, not {to}")
+    return "safetensors"
 
 
-def _tf_tensors(arrays, record):
-    """(TF name, array, TF dtype name or None) for every tensor of a source, strings last."""
-    from restorekit.export.layout import restore_dtype
-
-    for stored, array in arrays:
-        name, array, dtype = record.restore(stored, array)
-        yield name, restore_dtype(array, dtype), dtype
-    for name, array in record.string_tensors():
-        yield name, array, "string"
-
-
+# ------------------------------------------------------------------ file -> TF checkpoint or file
 def import_checkpoint(
     src,
     out_prefix,
     *,
     layout: str | None = None,
+    rules=None,
+    weights_only: bool = False,
+    ema=None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> ExportResult:
-    """Write a ``.safetensors``, PyTorch (``.pt``) or ``.npz`` file as a TF checkpoint.
+    """Write a ``.safetensors`` (or a directory of shards, or their ``*.index.json``), PyTorch (``.pt``)
+    or ``.npz`` file as a TF checkpoint.
 
     What a restorekit export recorded in the file is undone exactly (names, axes,
     dtypes, string tensors). For files from elsewhere, ``layout='torch'`` maps PyTorch
-    names and axes to TF ones by rule (``restorekit.export.layout.guess_tf_names``);
-    ``layout=None`` keeps their names. ``.pt`` files are read with
+    names and axes to TF ones by rule (``restorekit.export.layout.guess_tf_names``),
+    and ``rules`` applies a rule set (``'bert-hf-to-tf'``, ``'gpt2-hf-to-tf'``) or a
+    rename rule; ``layout=None`` keeps their names. ``weights_only`` and ``ema`` are
+    as in ``export_checkpoint``. ``.pt`` files are read with
     ``torch.load(weights_only=True)`` only: a pickle that wants to run code is refused.
     With ``overwrite``, exactly the old checkpoint's files are replaced (its ``.index``
     and ``.data-NNNNN-of-MMMMM`` shards, matched by name literally).
 
         import_checkpoint('model.safetensors', 'converted/model.ckpt')
+        import_checkpoint('hf-model/', 'tf/model.ckpt', rules='bert-hf-to-tf')
 
     Raises:
         CheckpointNotFoundError: no file at ``src``.
-        CorruptCheckpointError: the file is malformed, or an unsafe pickle.
+        CorruptCheckpointError: the file is malformed, or an unsafe pickle; a shard
+            missing from a set (nothing is written).
         OutputExistsError: the output exists (without overwrite) or is the source.
         MissingDependencyError: a .pt file without torch installed.
     """
-    check_layout(layout)
+    options = _options(layout, rules, weights_only, ema, None, None)
     src, out_prefix = os.fspath(src), os.fspath(out_prefix)
     fmt = source_format(src)
     if fmt == formats.TF:
@@ -168,11 +331,14 @@ def import_checkpoint(
 
         resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
         raise InvalidArgumentError(f"{src!r} is a TF checkpoint; import_checkpoint reads torch, safetensors or npz files")
-    src, files = _source_files(src, fmt)
-    _check_output(out_prefix, formats.TF, files, overwrite)
-    arrays, record = _open_source(src, fmt, layout)
+    reader = sources.reader(src, fmt)
+    _check_output(out_prefix, formats.TF, list(reader.files), overwrite)
+    arrays, record = open_source(reader, layout)
+    plan = file_plan(reader, record, options)
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    return _write_tf(out_prefix, _tf_tensors(arrays, record), layout=record.layout, permuted=permuted, progress=progress)
+    result = _write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
+                       progress=progress)
+    return _finish(result, plan, None)
 
 
 def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
@@ -206,23 +372,31 @@ def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None,
     return ExportResult(out_prefix, formats.TF, count, nbytes, layout, tuple(permuted), tuple(strings))
 
 
-def convert(src, out, *, to: str | None = None, layout: str | None = None, overwrite: bool = False,
+def convert(src, out, *, to: str | None = None, layout: str | None = None, rules=None, weights_only: bool = False,
+            ema=None, max_shard_size=None, config=None, overwrite: bool = False,
             progress: bool = False) -> ExportResult:
-    """Convert between TF checkpoints, PyTorch files, safetensors and npz.
+    """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards) and npz.
 
     The source format is read from the file; the target from ``to`` or else the
-    output's extension (no known extension: a TF checkpoint prefix).
+    output's extension (no known extension: a TF checkpoint prefix; with
+    ``max_shard_size``: a directory of safetensors shards). ``rules``,
+    ``weights_only``, ``ema``, ``max_shard_size`` and ``config`` are as in
+    :func:`export_checkpoint`; ``rules`` applies to TF-side names (after a restorekit
+    file's record is undone) and ``config`` needs a Hugging Face rule set.
 
         convert('train/model.ckpt-1000', 'model.pt', layout='torch')
         convert('model.safetensors', 'back/model.ckpt')
+        convert('bert_model.ckpt', 'hf/model.safetensors', rules='bert-tf-to-hf', weights_only=True, config=True)
+        convert('hf/', 'tf/model.ckpt', rules='bert-hf-to-tf')       # a directory of shards too
 
     Raises:
-        InvalidArgumentError: an unknown ``to`` or layout, or a layout the target cannot honour.
+        InvalidArgumentError: an unknown ``to``, layout or rule set, a layout the target
+            cannot honour, a name the rule set does not cover.
         OutputExistsError: the output is the source, or exists without overwrite.
     """
-    check_layout(layout)
+    options = _options(layout, rules, weights_only, ema, max_shard_size, config)
     src, out = os.fspath(src), os.fspath(out)
-    to = target_format(out, to)
+    to = _target(out, to, options)
     fmt = source_format(src)
     if fmt == formats.TF:
         if to == formats.TF:
@@ -231,32 +405,67 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
                     f"layout={layout!r} applies when writing or reading PyTorch, safetensors or npz files, "
                     "not in a TF-to-TF copy"
                 )
-            return _copy_tf(src, out, overwrite=overwrite, progress=progress)
-        return export_checkpoint(src, out, format=to, layout=layout, overwrite=overwrite, progress=progress)
+            return _copy_tf(src, out, options, overwrite=overwrite, progress=progress)
+        return export_checkpoint(src, out, format=to, layout=layout, rules=rules, weights_only=weights_only, ema=ema,
+                                 max_shard_size=max_shard_size, config=config, overwrite=overwrite, progress=progress)
     if to == formats.TF:
-        return import_checkpoint(src, out, layout=layout, overwrite=overwrite, progress=progress)
-    # file -> file: back to TF names first, then out in the target's conventions.
+        if options.config:
+            raise InvalidArgumentError("config= writes config.json beside a Hugging Face output, not a TF checkpoint")
+        return import_checkpoint(src, out, layout=layout, rules=rules, weights_only=weights_only, ema=ema,
+                                 overwrite=overwrite, progress=progress)
+    return _convert_files(src, out, fmt, to, options, overwrite=overwrite, progress=progress)
+
+
+def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, overwrite: bool,
+                   progress: bool) -> ExportResult:
+    """File -> file: back to TF names first, then out in the target's conventions."""
     target = formats.module(to)
-    src, files = _source_files(src, fmt)
-    _check_output(out, to, files, overwrite)
+    reader = sources.reader(src, fmt)
+    shard = options.max_shard_size
+    if shard is not None:
+        _check_sharded_output(out, list(reader.files), overwrite)
+    else:
+        _check_output(out, to, list(reader.files), overwrite)
     # A layout names the conventions of the side that has them: a .pt in PyTorch layout
     # converted to npz (which keeps TF names and axes) is read with it and written without.
-    source = formats.module(fmt)
-    read_layout = layout if layout in source.LAYOUTS else None
+    layout = options.layout
+    read_layout = layout if layout in reader.module.LAYOUTS else None
     write_layout = layout if layout in target.LAYOUTS else None
     if layout is not None and read_layout is None and write_layout is None:
         raise InvalidArgumentError(f"layout={layout!r} applies to neither {fmt} nor {to} files")
-    arrays, record = _open_source(src, fmt, read_layout)
+    arrays, record = open_source(reader, read_layout)
+    plan = file_plan(reader, record, options)
+    directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
+    config = _config(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None
     # An object graph carried along names the tensors as the export from TF did.
-    graph = record.object_graph() if write_layout == "torch" else None
-    return target.write(out, _tf_tensors(arrays, record), layout=write_layout, graph=graph, progress=progress)
+    graph = None
+    if write_layout == "torch":
+        graph = record.object_graph()
+        if plan is not None and plan.graph is not None:
+            from restorekit.bundle.objectgraph import decode_object_graph
+
+            graph = decode_object_graph(plan.graph)
+    tensors = tf_tensors(arrays, record, plan)
+    metadata = _metadata(options, to)
+    if shard is not None:
+        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), layout=write_layout,
+                               metadata=metadata, graph=graph, max_shard_size=shard, overwrite=overwrite,
+                               progress=progress)
+    else:
+        result = target.write(out, tensors, layout=write_layout, metadata=metadata, graph=graph, progress=progress)
+    return _finish(result, plan, config)
 
 
-def _copy_tf(src: str, out: str, *, overwrite: bool, progress: bool) -> ExportResult:
+def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:
     from restorekit.checkpoint import Checkpoint
 
+    if options.max_shard_size is not None or options.config:
+        raise InvalidArgumentError("max_shard_size= and config= apply to safetensors outputs, not a TF checkpoint")
     ckpt = Checkpoint(src)
     _check_output(out, formats.TF, checkpoint_files(ckpt.prefix), overwrite)
-    entries = ckpt.entries
-    tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
-    return _write_tf(out, tensors, progress=progress)
+    plan = _tf_plan(ckpt, options)
+    if plan is None:
+        entries = ckpt.entries
+        tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
+        return _write_tf(out, tensors, progress=progress)
+    return _finish(_write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
