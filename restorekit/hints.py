@@ -49,7 +49,8 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
         hints.append(
             f"{r.variable_name!r} differs only in shape "
             f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)}); "
-            f"shape_policy='slice_or_pad' keeps the overlapping block."
+            f"shape_policy='slice_or_pad' keeps the overlapping block, which helps only when those rows mean the "
+            f"same thing in both (the first classes of a grown head); a new head for other classes should start fresh."
         )
     for r in dtype_mismatched:
         if dtype_cast_applies(CAST, r.dtype, r.checkpoint_dtype) and shapes_fit(r.shape, r.checkpoint_shape):

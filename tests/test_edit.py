@@ -1107,3 +1107,24 @@ def test_a_copied_directory_whose_state_file_names_the_original_warns_and_refuse
     exact.save_in_place()
     np.testing.assert_array_equal(Checkpoint(str(copy / "model.ckpt")).read("v"), [9, 9])
     np.testing.assert_array_equal(Checkpoint(prefix).read("v"), [1, 2])
+
+
+def test_rename_of_a_variable_with_slots_says_the_slots_stay_and_how_to_move_them(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    editor = CheckpointEditor(prefix)
+    with pytest.warns(RestoreKitWarning, match=r"slots 'dense/kernel/Momentum' keep the old name") as caught:
+        editor.rename("dense/kernel", "encoder/kernel")
+    hint = str(caught[0].message)
+    rule = hint[hint.index("rename_all(") + len("rename_all("):hint.index("]) moves") + 1]
+    again = CheckpointEditor(prefix)
+    again.rename_all(eval(rule))  # the suggested rule moves the variable and its slot together
+    assert {"encoder/kernel", "encoder/kernel/Momentum"} <= set(e.name for e in again.list(".*"))
+
+
+def test_copy_rows_counts_negative_rows_from_the_end_and_says_the_range(small_checkpoint):
+    prefix, values = small_checkpoint
+    editor = CheckpointEditor(prefix)
+    editor.copy_rows("dense/kernel", [-1], [0])
+    np.testing.assert_array_equal(editor.get("dense/kernel")[0], values["dense/kernel"][-1])
+    with pytest.raises(EditError, match=r"must be integers from -4 to 3"):
+        editor.copy_rows("dense/kernel", [4], [0])

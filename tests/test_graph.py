@@ -583,3 +583,28 @@ def test_freeze_never_writes_over_the_graph_it_reads(net, tmp_path):
         freeze(net.prefix, str(graph), ["y"], out=str(graph), overwrite=True)
     assert info.value.is_source and info.value.path == str(graph)
     assert graph.read_bytes() == net.graph_def.SerializeToString()
+
+
+def test_inspect_ranks_real_outputs_before_dangling_control_flow_and_labels_ema_shadows():
+    tf1.disable_control_flow_v2()  # TF 1.x graphs: Switch/Merge and their switch_t/switch_f ends
+    try:
+        with tf.Graph().as_default() as graph:
+            flag = tf1.placeholder(tf.bool, [], name="flag")
+            x = tf1.placeholder(tf.float32, [None, 2], name="x")
+            tf1.cond(flag, lambda: x * 2.0, lambda: x)  # unused: its ends dangle
+            w = tf1.get_variable("w", [2, 2])
+            tf.identity(tf.matmul(x, w), name="logits")
+            ema = tf1.train.ExponentialMovingAverage(0.9)
+            ema.apply([w])
+            summary = inspect_graph(graph)
+    finally:
+        tf1.enable_control_flow_v2()
+    names = [t.name for t in summary.outputs]
+    assert names[0] == "logits:0"
+    dangling = [n for n in names if n != "logits:0"]
+    assert all(names.index(n) > 0 for n in dangling)
+    shadows = [v.name for v in summary.variables if v.ema_shadow]
+    assert shadows == ["w/ExponentialMovingAverage"]
+    text = str(summary)
+    assert "1 EMA shadows" in text and "EMA shadow" in [line for line in text.splitlines()
+                                                         if line.strip().startswith("w/Exp")][0]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import warnings
 
 import numpy as np
 
@@ -23,8 +25,10 @@ from restorekit.errors import (
     NoMatchError,
     OutputError,
     OutputExistsError,
+    RestoreKitWarning,
+    format_names,
 )
-from restorekit.names import PatternSet
+from restorekit.names import PatternSet, optimizer_slot_kind
 
 
 class CheckpointEditor:
@@ -165,6 +169,17 @@ class CheckpointEditor:
             return
         check_new_name(self._plan, new, self.prefix)
         self._items = renames.renamed(self._plan, old, new)
+        slots = [n for n in self._plan if n.startswith(old + "/") and optimizer_slot_kind(n)]
+        if slots:
+            # A TF1 slot is found by its variable's name plus a suffix: left behind, it no
+            # longer belongs to anything the renamed variable's optimizer will look for.
+            warnings.warn(
+                f"renamed {old!r} to {new!r}; its optimizer slots {format_names(slots, 4)} keep the old name. "
+                f"rename_all([('^{re.escape(old)}(?=/|$)', {new!r})]) moves them too, or strip_optimizer_slots() "
+                "drops them",
+                RestoreKitWarning,
+                stacklevel=2,
+            )
 
     def rename_all(self, rule) -> dict[str, str]:
         """Rename every entry by ``rule``: a callable, a mapping, a list of ``(regex, replacement)``,

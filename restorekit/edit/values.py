@@ -57,7 +57,8 @@ def copy_rows(name: str, item: Item, src_rows, dst_rows) -> Item:
     n = item.shape[0]
     for rows in (src, dst):
         if rows.dtype.kind not in "iu" or (rows.size and (rows.min() < -n or rows.max() >= n)):
-            raise EditError(f"copy_rows({name!r}): rows {rows.tolist()} are not integers in range for {n} rows")
+            raise EditError(f"copy_rows({name!r}): rows {rows.tolist()} must be integers from {-n} to {n - 1} "
+                            f"(negative counts from the end, as in numpy) for {n} rows")
 
     def copy(a, src=src, dst=dst):
         a[dst] = a[src]

@@ -19,6 +19,7 @@ from restorekit.graph.common import (
 from restorekit.graph.loading import _load
 from restorekit.graph.repairs import _repair
 from restorekit.graph.results import GraphSummary, TensorSummary, VariableSummary
+from restorekit.ema import is_shadow_name
 from restorekit.names import optimizer_slot_kind, strip_output_index
 
 _OTHER_INPUT_OPS = frozenset(
@@ -145,6 +146,7 @@ def _object_graph_variables(meta_graph) -> list[VariableSummary]:
                 trainable=bool(var.trainable),
                 slot=slot,
                 checkpoint_name=key,
+                ema_shadow=is_shadow_name(var.name or paths.get(i, "")),
             )
         )
     return result
@@ -189,6 +191,7 @@ def _graph_variables(gd, meta_graph) -> list[VariableSummary]:
                 trainable=(node.name in trainable) if vdefs else None,
                 slot=optimizer_slot_kind(node.name),
                 checkpoint_name=full if full and full != node.name else None,
+                ema_shadow=is_shadow_name(node.name),
             )
         )
     return result
@@ -269,7 +272,9 @@ def inspect_graph(path_or_graph) -> GraphSummary:
             for n in gd.node
             if (n.op in _PLACEHOLDER_OPS or n.op in _OTHER_INPUT_OPS) and not _MACHINERY_SCOPE.match(n.name)
         ]
-        output_nodes = [n.name for n in gd.node if n.name not in consumed and not _is_machinery(n)]
+        output_nodes = sorted((n for n in gd.node if n.name not in consumed and not _is_machinery(n)),
+                              key=_output_rank)
+        output_nodes = [n.name for n in output_nodes]
         inputs = _tensor_summaries(gd, graph, input_nodes)
         outputs = _tensor_summaries(gd, graph, output_nodes)
 
@@ -297,6 +302,17 @@ def inspect_graph(path_or_graph) -> GraphSummary:
         unknown_ops=loaded.unknown_ops,
         signatures=tuple(signatures),
     )
+
+
+# Dangling control-flow ends (an unused cond branch's Switch output, a while loop's
+# Exit) are rarely what a user means by "the outputs": they go after the real ones.
+_CONTROL_FLOW_OPS = frozenset({"Switch", "RefSwitch", "Exit", "RefExit", "Merge", "NextIteration", "LoopCond"})
+_CONTROL_FLOW_NAME = re.compile(r"(^|/)(switch_[tf]|Switch(_\d+)?|Exit(_\d+)?)$")
+
+
+def _output_rank(node) -> int:
+    """0 for a likely output, 1 for a dangling control-flow end; a stable sort keeps graph order."""
+    return 1 if node.op in _CONTROL_FLOW_OPS or _CONTROL_FLOW_NAME.search(node.name) else 0
 
 
 def _op_type(gd, tensor_name: str) -> str:

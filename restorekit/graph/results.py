@@ -47,7 +47,8 @@ class VariableSummary:
 
     ``name`` is the variable name (graph node); ``checkpoint_name`` the key a checkpoint
     holds it under when that differs (TF2 object paths, partitioned variables).
-    ``slot`` names the optimizer for optimizer slots, else ``None``.
+    ``slot`` names the optimizer for optimizer slots, else ``None``; ``ema_shadow`` marks
+    an ExponentialMovingAverage shadow (``w/ExponentialMovingAverage``).
     """
 
     name: str
@@ -57,6 +58,7 @@ class VariableSummary:
     trainable: bool | None = None
     slot: str | None = None
     checkpoint_name: str | None = None
+    ema_shadow: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,10 @@ class GraphSummary:
         total = sum(
             int(np.prod(v.shape))
             for v in self.variables
-            if v.shape is not None and None not in v.shape and not v.slot and not is_global_step(v.name)
+            if v.shape is not None and None not in v.shape and not v.slot and not v.ema_shadow
+            and not is_global_step(v.name)
         )
+        shadows = sum(1 for v in self.variables if v.ema_shadow)
         lines = [f"restorekit: {self.source} ({self.kind}, {self.node_count} nodes)"]
 
         def tensor_rows(tensors):
@@ -119,11 +123,13 @@ class GraphSummary:
         lines += _table(tensor_rows(self.inputs))
         lines.append(f"outputs    {len(self.outputs)}")
         lines += _table(tensor_rows(self.outputs))
-        detail = f"   ({slots} optimizer slots)" if slots else ""
+        notes = [f"{slots} optimizer slots"] * bool(slots) + [f"{shadows} EMA shadows"] * bool(shadows)
+        detail = f"   ({', '.join(notes)})" if notes else ""
         lines.append(f"variables  {len(self.variables)}{detail}, {total} model parameters")
         lines += _table(
             [
-                (v.name, v.dtype, format_shape(v.shape, _UNKNOWN_RANK), v.op + (f" slot of {v.slot}" if v.slot else ""))
+                (v.name, v.dtype, format_shape(v.shape, _UNKNOWN_RANK),
+                 v.op + (f" slot of {v.slot}" if v.slot else "") + (" EMA shadow" if v.ema_shadow else ""))
                 for v in self.variables
             ]
         )
