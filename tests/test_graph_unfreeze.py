@@ -168,13 +168,23 @@ def test_unfreeze_tf2_frozen_function_recovers_names_from_a_reference(tmp_path):
     result = unfreeze(frozen_gd, str(tmp_path / "model.ckpt"), reference=reference, trainable_graph=True)
 
     assert {c.pattern for c in result.converted} == {"resource (TF2)"}
+    # readable paths, not raw '.ATTRIBUTES' keys that mean nothing without an object graph
     assert {a.new: a.reason for a in result.aligned} == {
-        "model/kernel/.ATTRIBUTES/VARIABLE_VALUE": "unique shape match [3, 2]",
-        "model/bias/.ATTRIBUTES/VARIABLE_VALUE": "unique shape match [2]",
+        "kernel": "unique shape match [3, 2]",
+        "bias": "unique shape match [2]",
     }
     ckpt = Checkpoint(result.checkpoint)
-    np.testing.assert_array_equal(ckpt.read("model/kernel/.ATTRIBUTES/VARIABLE_VALUE"), model.kernel.numpy())
-    np.testing.assert_array_equal(ckpt.read("model/bias/.ATTRIBUTES/VARIABLE_VALUE"), model.bias.numpy())
+    assert sorted(ckpt.entries) == ["bias", "kernel"]
+    np.testing.assert_array_equal(ckpt.read("kernel"), model.kernel.numpy())
+    np.testing.assert_array_equal(ckpt.read("bias"), model.bias.numpy())
+    # and a model of the same architecture restores from it by name
+    import restorekit
+
+    fresh = _Dense()
+    report = restorekit.scan(result.checkpoint, fresh)
+    assert report.is_complete
+    restorekit.restore(report)
+    np.testing.assert_array_equal(fresh.kernel.numpy(), model.kernel.numpy())
     output = [n.name for n in frozen_gd.node][-1]
     with tf.Graph().as_default():
         saver = tf1.train.import_meta_graph(result.meta_graph)

@@ -123,6 +123,12 @@ def _reference_entries(reference) -> dict[str, tuple[tuple, str]]:
         variables = _graph_variables(loaded.graph_def, loaded.meta_graph)
         return {(v.checkpoint_name or v.name): (v.shape, v.dtype) for v in variables}
     ckpt = _open_checkpoint(reference)
+    if ckpt.is_object_based:
+        # A TF2 checkpoint's keys ('model/layer_with_weights-0/kernel/.ATTRIBUTES/...') mean
+        # something only beside its object graph, which an unfrozen checkpoint cannot carry:
+        # align to the model variables' readable paths, the names scan and Keras match by.
+        return {t.path: (tuple(ckpt.entries[t.key].shape), ckpt.entries[t.key].dtype)
+                for t in ckpt.object_graph.variables if t.kind == "variable" and t.key in ckpt.entries}
     return {name: (tuple(e.shape), e.dtype) for name, e in ckpt.entries.items()}
 
 
