@@ -112,7 +112,7 @@ def export_checkpoint(
     return module.write_checkpoint(ckpt, path, layout=layout, progress=progress)
 
 
-def _open_source(src: str, fmt: str, layout: str | None):
+def _open_source(src: str, fmt: str, layout: str | None, max_output_bytes: int | None = None):
     """(iterator of (stored name, array), LayoutRecord) of a non-TF file."""
     from restorekit.export.layout import LayoutRecord, guess_tf_names
 
@@ -120,7 +120,9 @@ def _open_source(src: str, fmt: str, layout: str | None):
     record = module.read_record(src)
     if record is None:
         record = guess_tf_names(module.read_shapes(src)) if layout == "torch" else LayoutRecord()
-    return module.read(src), record
+    # Passed only when set, so a format whose read takes no limit still reads by default.
+    limit = {} if max_output_bytes is None else {"max_output_bytes": max_output_bytes}
+    return module.read(src, **limit), record
 
 
 def _tf_tensors(arrays, record):
@@ -141,6 +143,7 @@ def import_checkpoint(
     layout: str | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    max_output_bytes: int | None = None,
 ) -> ExportResult:
     """Write a ``.safetensors``, PyTorch (``.pt``) or ``.npz`` file as a TF checkpoint.
 
@@ -154,10 +157,15 @@ def import_checkpoint(
 
         import_checkpoint('model.safetensors', 'converted/model.ckpt')
 
+    ``max_output_bytes`` bounds what the file may expand to (default: the larger of
+    1 GiB and 64 times the file): a ``.pt`` view with stride 0 or an ``.npz`` of
+    deflated zeros claiming more is refused before anything is read or written.
+
     Raises:
         CheckpointNotFoundError: no file at ``src``.
         CorruptCheckpointError: the file is malformed, or an unsafe pickle.
         OutputExistsError: the output exists (without overwrite) or is the source.
+        OutputError: the tensors would exceed ``max_output_bytes``.
         MissingDependencyError: a .pt file without torch installed.
     """
     check_layout(layout)
@@ -170,7 +178,7 @@ def import_checkpoint(
         raise InvalidArgumentError(f"{src!r} is a TF checkpoint; import_checkpoint reads torch, safetensors or npz files")
     src, files = _source_files(src, fmt)
     _check_output(out_prefix, formats.TF, files, overwrite)
-    arrays, record = _open_source(src, fmt, layout)
+    arrays, record = _open_source(src, fmt, layout, max_output_bytes)
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
     return _write_tf(out_prefix, _tf_tensors(arrays, record), layout=record.layout, permuted=permuted, progress=progress)
 
@@ -207,7 +215,7 @@ def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None,
 
 
 def convert(src, out, *, to: str | None = None, layout: str | None = None, overwrite: bool = False,
-            progress: bool = False) -> ExportResult:
+            progress: bool = False, max_output_bytes: int | None = None) -> ExportResult:
     """Convert between TF checkpoints, PyTorch files, safetensors and npz.
 
     The source format is read from the file; the target from ``to`` or else the
@@ -219,6 +227,7 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
     Raises:
         InvalidArgumentError: an unknown ``to`` or layout, or a layout the target cannot honour.
         OutputExistsError: the output is the source, or exists without overwrite.
+        OutputError: a file source would expand past ``max_output_bytes`` (see ``import_checkpoint``).
     """
     check_layout(layout)
     src, out = os.fspath(src), os.fspath(out)
@@ -234,7 +243,8 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
             return _copy_tf(src, out, overwrite=overwrite, progress=progress)
         return export_checkpoint(src, out, format=to, layout=layout, overwrite=overwrite, progress=progress)
     if to == formats.TF:
-        return import_checkpoint(src, out, layout=layout, overwrite=overwrite, progress=progress)
+        return import_checkpoint(src, out, layout=layout, overwrite=overwrite, progress=progress,
+                                 max_output_bytes=max_output_bytes)
     # file -> file: back to TF names first, then out in the target's conventions.
     target = formats.module(to)
     src, files = _source_files(src, fmt)
@@ -246,7 +256,7 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, overw
     write_layout = layout if layout in target.LAYOUTS else None
     if layout is not None and read_layout is None and write_layout is None:
         raise InvalidArgumentError(f"layout={layout!r} applies to neither {fmt} nor {to} files")
-    arrays, record = _open_source(src, fmt, read_layout)
+    arrays, record = _open_source(src, fmt, read_layout, max_output_bytes)
     # An object graph carried along names the tensors as the export from TF did.
     graph = record.object_graph() if write_layout == "torch" else None
     return target.write(out, _tf_tensors(arrays, record), layout=write_layout, graph=graph, progress=progress)
