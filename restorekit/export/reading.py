@@ -16,6 +16,7 @@ import os
 import pickle
 import stat
 import struct
+import tokenize
 import types
 import zipfile
 import zlib
@@ -59,6 +60,8 @@ _FOREIGN = (
     zipfile.BadZipFile,
     zipfile.LargeZipFile,
     pickle.UnpicklingError,
+    SyntaxError,  # numpy parses .npy headers with ast.literal_eval
+    tokenize.TokenError,  # ... after tokenizing them
 )
 
 
