@@ -16,7 +16,7 @@ from conftest import write_bundle
 VERBS = {
     "write": ["path", "tensors", "layout", "metadata", "graph", "progress"],
     "write_checkpoint": ["checkpoint", "path", "names", "layout", "metadata", "progress"],
-    "read": ["path"],
+    "read": ["path", "max_output_bytes"],
     "read_shapes": ["path"],
     "read_record": ["path"],
     "recognizes": ["head", "suffix"],

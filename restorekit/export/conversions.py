@@ -299,6 +299,7 @@ def import_checkpoint(
     ema=None,
     overwrite: bool = False,
     progress: bool = False,
+    max_output_bytes: int | None = None,
 ) -> ExportResult:
     """Write a ``.safetensors`` (or a directory of shards, or their ``*.index.json``), PyTorch (``.pt``)
     or ``.npz`` file as a TF checkpoint.
@@ -311,7 +312,9 @@ def import_checkpoint(
     as in ``export_checkpoint``. ``.pt`` files are read with
     ``torch.load(weights_only=True)`` only: a pickle that wants to run code is refused.
     With ``overwrite``, exactly the old checkpoint's files are replaced (its ``.index``
-    and ``.data-NNNNN-of-MMMMM`` shards, matched by name literally).
+    and ``.data-NNNNN-of-MMMMM`` shards, matched by name literally). ``max_output_bytes``
+    bounds what a ``.pt`` or ``.npz`` may expand to (stride-0 views, deflated members);
+    the default is the larger of 1 GiB and 64 times the file.
 
         import_checkpoint('model.safetensors', 'converted/model.ckpt')
         import_checkpoint('hf-model/', 'tf/model.ckpt', rules='bert-hf-to-tf')
@@ -321,6 +324,7 @@ def import_checkpoint(
         CorruptCheckpointError: the file is malformed, or an unsafe pickle; a shard
             missing from a set (nothing is written).
         OutputExistsError: the output exists (without overwrite) or is the source.
+        OutputError: the tensors would expand past ``max_output_bytes``.
         MissingDependencyError: a .pt file without torch installed.
     """
     options = _options(layout, rules, weights_only, ema, None, None)
@@ -333,7 +337,7 @@ def import_checkpoint(
         raise InvalidArgumentError(f"{src!r} is a TF checkpoint; import_checkpoint reads torch, safetensors or npz files")
     reader = sources.reader(src, fmt)
     _check_output(out_prefix, formats.TF, list(reader.files), overwrite)
-    arrays, record = open_source(reader, layout)
+    arrays, record = open_source(reader, layout, max_output_bytes)
     plan = file_plan(reader, record, options)
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
     result = _write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
@@ -374,7 +378,7 @@ def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None,
 
 def convert(src, out, *, to: str | None = None, layout: str | None = None, rules=None, weights_only: bool = False,
             ema=None, max_shard_size=None, config=None, overwrite: bool = False,
-            progress: bool = False) -> ExportResult:
+            progress: bool = False, max_output_bytes: int | None = None) -> ExportResult:
     """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards) and npz.
 
     The source format is read from the file; the target from ``to`` or else the
@@ -412,12 +416,13 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
         if options.config:
             raise InvalidArgumentError("config= writes config.json beside a Hugging Face output, not a TF checkpoint")
         return import_checkpoint(src, out, layout=layout, rules=rules, weights_only=weights_only, ema=ema,
-                                 overwrite=overwrite, progress=progress)
-    return _convert_files(src, out, fmt, to, options, overwrite=overwrite, progress=progress)
+                                 overwrite=overwrite, progress=progress, max_output_bytes=max_output_bytes)
+    return _convert_files(src, out, fmt, to, options, overwrite=overwrite, progress=progress,
+                          max_output_bytes=max_output_bytes)
 
 
 def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, overwrite: bool,
-                   progress: bool) -> ExportResult:
+                   progress: bool, max_output_bytes: int | None = None) -> ExportResult:
     """File -> file: back to TF names first, then out in the target's conventions."""
     target = formats.module(to)
     reader = sources.reader(src, fmt)
@@ -433,7 +438,7 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     write_layout = layout if layout in target.LAYOUTS else None
     if layout is not None and read_layout is None and write_layout is None:
         raise InvalidArgumentError(f"layout={layout!r} applies to neither {fmt} nor {to} files")
-    arrays, record = open_source(reader, read_layout)
+    arrays, record = open_source(reader, read_layout, max_output_bytes)
     plan = file_plan(reader, record, options)
     directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
     config = _config(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None

@@ -10,6 +10,7 @@ package itself is not needed here, and the tests check our files load with it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from restorekit.bundle import files
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputError
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 from restorekit.export.base import (
     ExportResult,
     atomic_output,
@@ -30,6 +31,7 @@ from restorekit.export.base import (
     raw_bytes_view,
 )
 from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
+from restorekit.export.reading import check_output_size, reader, regular_file
 from restorekit.export.rawcopy import _KernelCopy, copy_raw, copy_raw_run, write_all  # noqa: F401  (tests patch _KernelCopy here)
 
 __all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "read", "read_header", "read_record", "read_shapes",
@@ -61,6 +63,7 @@ _TO_ST = {
 }
 _FROM_ST = {v: k for k, v in _TO_ST.items()}
 _MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers ("header too large")
+_MAX_RANK = 64  # numpy's limit
 _CHUNK = 16 << 20
 # The generic writer does not know the header before the tensors, so it leaves this
 # much room for it and writes it last; small files are then rewritten compactly.
@@ -339,21 +342,27 @@ def _follows(previous, entry) -> bool:
     return entry.shard_id == previous.shard_id and entry.offset == previous.offset + previous.size
 
 
+@reader("safetensors file")
 def read_header(path) -> Header:
     """Parse and check the header of a ``.safetensors`` file (no tensor bytes are read).
 
+    Parsed strictly, as the format defines it: shape entries are non-negative JSON
+    integers (not ``2.9``, not ``true``), dtypes are the format's, byte ranges are
+    ordered pairs of integers that tile the data section, each range holds exactly
+    its shape's bytes (computed without overflow), names appear once, and the header
+    fits the file and the format's 100,000,000-byte limit.
+
     Raises:
         CheckpointNotFoundError: no file at ``path``.
-        CorruptCheckpointError: not a well-formed safetensors file.
+        CorruptCheckpointError: not a well-formed safetensors file (names the tensor).
+        InvalidArgumentError: a dtype of the format that restorekit cannot hold.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise CheckpointNotFoundError(f"no safetensors file at {path!r}", path)
-    size = os.path.getsize(path)
+    size = regular_file(path, "safetensors file")
     header, n = _read_json(path, size)
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise _bad(path, "__metadata__ is not an object")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad(path, "__metadata__ is not an object of strings")
     tensors = {name: _tensor_info(path, name, info) for name, info in header.items()}
     _check_coverage(path, tensors, size - 8 - n)
     record = None
@@ -367,6 +376,16 @@ def _bad(path: str, why: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path!r} is not a valid safetensors file: {why}")
 
 
+def _unique(pairs: list) -> dict:
+    """json object hook: a name given twice is an error (json.loads would keep the last)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key!r} appears twice")
+        out[key] = value
+    return out
+
+
 def _read_json(path: str, size: int) -> tuple[dict, int]:
     """(the JSON header as a dict, its length in bytes)."""
     with open(path, "rb") as f:
@@ -375,27 +394,45 @@ def _read_json(path: str, size: int) -> tuple[dict, int]:
             raise _bad(path, "shorter than its 8-byte header length")
         n = struct.unpack("<Q", head)[0]
         if n > _MAX_HEADER or 8 + n > size:
-            raise _bad(path, f"header length {n} does not fit a {size}-byte file")
+            raise _bad(path, f"header length {n} does not fit a {size}-byte file (nor the format's {_MAX_HEADER})")
         try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise _bad(path, f"header is not JSON ({e})") from None
+            header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_unique)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise _bad(path, f"header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     return header, n
 
 
+# Every dtype the format defines; those restorekit lacks are refused as unsupported, not corrupt.
+_ST_DTYPES = frozenset(_FROM_ST) | {"F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C128"}
+
+
+def _is_count(value) -> bool:
+    return type(value) is int and value >= 0  # bool is an int subclass, and 2.9 is not an int
+
+
 def _tensor_info(path: str, name: str, info) -> TensorInfo:
-    try:
-        dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise _bad(path, f"entry {name!r} lacks dtype, shape or data_offsets") from None
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise _bad(path, f"entry {name!r} lacks dtype, shape or data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise _bad(path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}, which the format does not define")
     if dtype not in _FROM_ST:
         raise InvalidArgumentError(f"{path!r}: tensor {name!r} has dtype {dtype!r}, which restorekit cannot read")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if min(shape, default=0) < 0 or end - begin != count * _numpy_dtype(dtype).itemsize:
-        raise _bad(path, f"tensor {name!r}: byte range {begin}..{end} does not hold {dtype} {list(shape)}")
-    return TensorInfo(dtype, shape, int(begin), int(end))
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _bad(path, f"tensor {name!r} has shape {str(shape)[:80]}; dimensions are non-negative integers")
+    if len(shape) > _MAX_RANK:
+        raise _bad(path, f"tensor {name!r} has {len(shape)} dimensions, over numpy's {_MAX_RANK}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise _bad(path, f"tensor {name!r} has data_offsets {str(offsets)[:80]}; expected [begin, end], begin <= end")
+    begin, end = offsets
+    # Python integers do not wrap, so a product past 2**63 is compared as it is.
+    need = math.prod(shape) * _numpy_dtype(dtype).itemsize
+    if end - begin != need:
+        raise _bad(path, f"tensor {name!r}: byte range {begin}..{end} does not hold {dtype} {shape} ({need} bytes)")
+    return TensorInfo(dtype, tuple(shape), begin, end)
 
 
 def _check_coverage(path: str, tensors: dict, data_size: int) -> None:
@@ -409,11 +446,13 @@ def _check_coverage(path: str, tensors: dict, data_size: int) -> None:
         raise _bad(path, f"tensors cover {cursor} bytes of a {data_size}-byte data section")
 
 
+@reader("safetensors file")
 def read_shapes(path) -> dict:
     """Stored name -> shape of every tensor of a ``.safetensors`` file (reads only the header)."""
     return {name: info.shape for name, info in read_header(path).tensors.items()}
 
 
+@reader("safetensors file")
 def read_record(path) -> LayoutRecord | None:
     """The restorekit layout record of a ``.safetensors`` file, or None (a file from elsewhere)."""
     return read_header(path).record
@@ -424,17 +463,24 @@ def recognizes(head: bytes, suffix: str) -> bool:
     return len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20)
 
 
-def read(path) -> Iterator[tuple[str, np.ndarray]]:
+@reader("safetensors file")
+def read(path, *, max_output_bytes: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(name, ndarray)`` for each tensor of a ``.safetensors`` file, as stored.
 
     One tensor is read at a time; bfloat16 and float8 come back as ml_dtypes arrays.
     Names and axes are those in the file (see ``import_checkpoint`` for TF ones).
+    ``max_output_bytes`` is honoured as by the other readers (a safetensors file holds
+    every byte it yields, so only a limit below its size refuses it).
 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: as ``read_header``.
+        OutputError: over ``max_output_bytes``.
     """
+    path = os.fspath(path)
     header = read_header(path)
-    return _arrays(os.fspath(path), header)
+    check_output_size(path, os.path.getsize(path), {n: i.end - i.begin for n, i in header.tensors.items()},
+                      max_output_bytes)
+    return _arrays(path, header)
 
 
 def _arrays(path: str, header: Header):

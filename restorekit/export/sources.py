@@ -35,8 +35,10 @@ class Reader:
     source: object  # the path the verbs take (a ShardSet for shards)
     module: object
 
-    def read(self):
-        return self.module.read(self.source)
+    def read(self, max_output_bytes: int | None = None):
+        # Passed only when set, so a format whose read takes no limit still reads by default.
+        limit = {} if max_output_bytes is None else {"max_output_bytes": max_output_bytes}
+        return self.module.read(self.source, **limit)
 
     def read_shapes(self) -> dict:
         return self.module.read_shapes(self.source)
@@ -72,14 +74,14 @@ def tf_shapes(shapes: dict, record) -> dict:
     return out
 
 
-def open_source(reader: Reader, layout: str | None):
+def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None = None):
     """(iterator of (stored name, array), LayoutRecord) of a non-TF source."""
     from restorekit.export.layout import LayoutRecord, guess_tf_names
 
     record = reader.read_record()
     if record is None:
         record = guess_tf_names(reader.read_shapes()) if layout == "torch" else LayoutRecord()
-    return reader.read(), record
+    return reader.read(max_output_bytes), record
 
 
 def file_plan(reader: Reader, record, options) -> OutputPlan | None:

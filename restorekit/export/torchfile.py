@@ -1,0 +1,377 @@
+"""What a ``.pt`` file claims, read without torch and checked before ``torch.load`` maps it.
+
+``torch.load(mmap=True)`` trusts the pickle: a storage declared longer than its zip
+record takes the bytes of the next record, a view with stride 0 turns 4 bytes into
+gigabytes, and the legacy format allocates whatever size the pickle names. So the
+pickle is first read here with an unpickler that imports nothing and runs nothing (every
+global becomes a placeholder), to learn each tensor's storage record, dtype size,
+offset, shape and strides; those are checked against the archive before torch sees
+the file. torch then loads it as before (``weights_only=True``, the safety judge).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import re
+from dataclasses import dataclass
+
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
+
+__all__ = ["Scan", "ScanError", "StorageRef", "View", "check_views", "scan_legacy", "scan_zip", "state_of", "views_of"]
+
+_MAX_RANK = 64  # numpy's limit, and far above any real weight
+_STORAGE_NAME = re.compile(r"[A-Za-z0-9_]+Storage")
+_DTYPE_NAME = re.compile(r"[a-z0-9_]+")
+# Rebuild functions of tensors restorekit does not import, and what to call them.
+_KINDS = {
+    "_rebuild_sparse_tensor": "sparse",
+    "_rebuild_sparse_csr_tensor": "sparse",
+    "_rebuild_meta_tensor_no_storage": "meta",
+    "_rebuild_qtensor": "quantized",
+    "_rebuild_nested_tensor": "nested",
+    "_rebuild_wrapper_subclass": "tensor subclass",
+    "_rebuild_device_tensor_from_numpy": "device",
+    "_rebuild_device_tensor_from_cpu_tensor": "device",
+    "_rebuild_xla_tensor": "device",
+    "_rebuild_mtia_tensor": "device",
+}
+_ADVICE = {
+    "sparse": "call .to_dense() before saving",
+    "meta": "it has no values (a meta tensor); save it after materialising it",
+    "quantized": "call .dequantize() or .int_repr() before saving",
+}
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """One storage record of the archive (``data/KEY``), as the pickle declares it."""
+
+    key: str
+    itemsize: int
+    numel: int  # in elements of ``itemsize`` bytes
+    location: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class View:
+    """A tensor as the pickle builds it: which storage, where, of what shape and strides."""
+
+    storage: StorageRef | None
+    offset: object
+    shape: object
+    stride: object
+    itemsize: int
+    kind: str = "dense"
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a ``.pt`` file's pickle builds (Views where torch builds tensors), the bytes
+    each storage record holds, and the globals the scan did not know (torch judges those)."""
+
+    obj: object
+    records: dict  # storage key -> bytes the archive holds for it (zip records; legacy: declared)
+    unknown: tuple  # 'module.name' of each global that became a placeholder
+    prefix: str = ""  # the archive's top folder ('archive/'), zip format only
+
+
+class _Placeholder:
+    """Anything the scan does not need: absorbs construction, state and items."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+@dataclass(frozen=True)
+class _Itemsize:
+    """A storage type or dtype global, reduced to its element size."""
+
+    itemsize: int
+
+
+def _dense(storage, offset=0, shape=(), stride=(), *rest):
+    itemsize = storage.itemsize if isinstance(storage, StorageRef) else 0
+    return View(storage if isinstance(storage, StorageRef) else None, offset, shape, stride, itemsize)
+
+
+def _dense_v3(storage, offset, shape, stride, requires_grad=None, hooks=None, dtype=None, *rest):
+    itemsize = dtype.itemsize if isinstance(dtype, _Itemsize) else 0
+    return View(storage if isinstance(storage, StorageRef) else None, offset, shape, stride, itemsize)
+
+
+def _first(data=None, *rest):
+    return data
+
+
+def _kind(kind: str):
+    return lambda *args, **kwargs: View(None, 0, (), (), 0, kind)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads torch's pickle into Views; imports nothing, every other global is a placeholder."""
+
+    def __init__(self, file, itemsizes, unknown: list | None = None):
+        super().__init__(file, encoding="utf-8")
+        self._itemsizes = itemsizes
+        self.storages: dict[str, StorageRef] = {}
+        self.unknown: list[str] = [] if unknown is None else unknown  # shared by the pickles of one file
+
+    def find_class(self, module, name):
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch._utils":
+            if name == "_rebuild_tensor_v2":
+                return _dense
+            if name == "_rebuild_tensor_v3":
+                return _dense_v3
+            if name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+                return _first
+            if name in _KINDS:
+                return _kind(_KINDS[name])
+            return _kind(f"torch._utils.{name}")
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return str
+        if module in ("torch", "torch.storage") and (_STORAGE_NAME.fullmatch(name) or _DTYPE_NAME.fullmatch(name)):
+            size = self._itemsizes(name)
+            if size:
+                return _Itemsize(size)
+        self.unknown.append(f"{module}.{name}")
+        return _Placeholder
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] in ("storage", b"storage")):
+            raise pickle.UnpicklingError(f"unknown persistent id {str(pid)[:80]}")
+        _, kind, key, location, numel, *view = pid
+        if not isinstance(kind, _Itemsize):
+            raise pickle.UnpicklingError(f"storage {str(key)[:40]!r} has an unknown type")
+        if isinstance(key, bytes):
+            key = key.decode("ascii")
+        if isinstance(location, bytes):
+            location = location.decode("ascii")
+        if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
+        if view and view[0] is not None:
+            raise pickle.UnpicklingError(f"storage {key!r} is a view of another storage (a pre-1.0 file)")
+        ref = StorageRef(key, kind.itemsize, numel, location)
+        if self.storages.setdefault(key, ref) != ref:
+            raise pickle.UnpicklingError(f"storage {key!r} is declared twice, differently")
+        return ref
+
+
+# Element sizes of torch's storage classes (torch.FloatStorage, ...), by name.
+_STORAGE_ITEMSIZES = {
+    "Untyped": 1, "Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
+    "Char": 1, "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QUInt8": 1, "QInt8": 1,
+    "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1,
+}
+
+
+def _torch_itemsizes():
+    import torch
+
+    def itemsize(name: str) -> int:
+        if name.endswith("Storage"):
+            return _STORAGE_ITEMSIZES.get(name[: -len("Storage")], 0)
+        found = getattr(torch, name, None)
+        return found.itemsize if isinstance(found, torch.dtype) else 0
+
+    return itemsize
+
+
+class ScanError(Exception):
+    """The pickle could not be read; ``unknown`` lists the globals met before it failed."""
+
+    def __init__(self, cause: BaseException, unknown: tuple):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.unknown = unknown
+
+
+def _load(unpickler: "_Unpickler"):
+    try:
+        return unpickler.load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            OverflowError, MemoryError, RecursionError) as e:
+        raise ScanError(e, tuple(unpickler.unknown)) from None
+
+
+def state_of(obj, is_tensor):
+    """The state_dict inside what a ``.pt`` file holds: itself, or its 'state_dict'/'model' entry."""
+    if isinstance(obj, dict) and not any(is_tensor(v) for v in obj.values()):
+        for key in ("state_dict", "model", "model_state_dict"):
+            if isinstance(obj.get(key), dict):
+                return obj[key]
+    return obj
+
+
+def scan_zip(path: str, archive) -> Scan:
+    """The tensors of torch.save's zip format, from its ``data.pkl`` (CRC checked by zipfile)."""
+    pickles = [n for n in archive.namelist() if n.endswith("data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise CorruptCheckpointError(f"{path!r} is a zip archive but not torch.save's: no single 'NAME/data.pkl'")
+    prefix = pickles[0][: -len("data.pkl")]
+    records = {}
+    for info in archive.infolist():
+        if info.filename.startswith(prefix + "data/"):
+            if info.compress_type != 0:
+                raise CorruptCheckpointError(
+                    f"{path!r}: record {info.filename!r} is compressed; torch.save stores its records as they are"
+                )
+            records[info.filename[len(prefix + "data/"):]] = info.file_size
+    unpickler = _Unpickler(io.BytesIO(archive.read(pickles[0])), _torch_itemsizes())
+    obj = _load(unpickler)
+    return Scan(obj, records, tuple(unpickler.unknown), prefix)
+
+
+def scan_legacy(path: str, data: bytes) -> Scan:
+    """The tensors of torch's legacy (pre-1.6) format: magic, version, sys info, the pickle,
+    the storage keys, then each storage as an 8-byte element count and its bytes."""
+    stream = io.BytesIO(data)
+    itemsizes = _torch_itemsizes()
+    unknown: list[str] = []
+    for _ in range(3):  # magic number, protocol version, sys_info: plain values
+        _load(_Unpickler(stream, itemsizes, unknown))
+    unpickler = _Unpickler(stream, itemsizes, unknown)
+    obj = _load(unpickler)
+    keys = _load(_Unpickler(stream, itemsizes, unknown))
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise CorruptCheckpointError(f"{path!r}: the legacy storage list is not a list of keys")
+    storages = unpickler.storages
+    records = {}
+    position = stream.tell()
+    for key in keys:
+        ref = storages.get(key)
+        if ref is None:
+            raise CorruptCheckpointError(f"{path!r}: the legacy storage list names {key!r}, which no tensor uses")
+        records[key] = ref.nbytes if position + 8 + ref.nbytes <= len(data) else max(0, len(data) - position - 8)
+        position += 8 + ref.nbytes
+    if position != len(data):
+        raise CorruptCheckpointError(
+            f"{path!r}: its storages declare {position} bytes in all, but the file holds {len(data)}"
+        )
+    return Scan(obj, records, tuple(unpickler.unknown))
+
+
+def views_of(path: str, scan: Scan) -> dict:
+    """Name -> View of every tensor of the state_dict.
+
+    Raises:
+        InvalidArgumentError: no state_dict, an empty one, or entries that are not tensors.
+    """
+    state = state_of(scan.obj, lambda v: isinstance(v, View))
+    if not isinstance(state, dict):
+        raise InvalidArgumentError(f"{path!r} holds a {_type_name(state)}, not a state_dict of tensors")
+    if not state:
+        raise InvalidArgumentError(f"{path!r} holds an empty state_dict: there are no tensors to import")
+    others = [k for k, v in state.items() if not isinstance(v, View)]
+    if others:
+        from restorekit.errors import format_names
+
+        raise InvalidArgumentError(f"{path!r}: these entries are not tensors: {format_names([str(k) for k in others])}")
+    return {str(k): v for k, v in state.items()}
+
+
+def _type_name(obj) -> str:
+    return "placeholder object" if isinstance(obj, _Placeholder) else type(obj).__name__
+
+
+def check_views(path: str, scan: Scan, views: dict) -> dict:
+    """Check every tensor against its storage and the archive; return name -> bytes it expands to.
+
+    Raises:
+        InvalidArgumentError: a sparse, meta, quantized or other non-dense tensor, or two
+            tensors sharing bytes of one storage in different views (importing each on
+            its own would silently drop that link).
+        CorruptCheckpointError: a storage record shorter or longer than declared, a view
+            reaching past its storage, a malformed shape, stride or offset.
+    """
+    sizes = {}
+    spans = collections.defaultdict(list)
+    for name, view in views.items():
+        if view.kind != "dense" or (view.storage is not None and view.storage.location.startswith("meta")):
+            kind = "meta" if view.kind == "dense" else view.kind
+            advice = _ADVICE.get(kind, "restorekit imports dense CPU tensors only")
+            raise InvalidArgumentError(f"{path!r}: tensor {name!r} is a {kind} tensor, which restorekit cannot import; {advice}")
+        shape, stride, offset = _geometry(path, name, view)
+        ref = view.storage
+        held = scan.records.get(ref.key)
+        if held is None:
+            raise CorruptCheckpointError(f"{path!r}: tensor {name!r} needs storage record 'data/{ref.key}', which is missing")
+        if held != ref.nbytes:
+            raise CorruptCheckpointError(
+                f"{path!r}: tensor {name!r}: its storage record 'data/{ref.key}' holds {held} bytes where the "
+                f"pickle declares {ref.nbytes}"
+            )
+        count = math.prod(shape)
+        sizes[name] = count * view.itemsize
+        if count:
+            end = (offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * view.itemsize
+            if end > ref.nbytes:
+                raise CorruptCheckpointError(
+                    f"{path!r}: tensor {name!r} of shape {list(shape)} (strides {list(stride)}, offset {offset}) "
+                    f"reaches byte {end} of a {ref.nbytes}-byte storage"
+                )
+            spans[ref.key].append((offset * view.itemsize, end, name, (offset, shape, stride, view.itemsize)))
+    for items in spans.values():
+        _check_overlap(path, items)
+    return sizes
+
+
+def _geometry(path: str, name: str, view: View) -> tuple[tuple, tuple, int]:
+    shape, stride, offset = view.shape, view.stride, view.offset
+    ok = (
+        view.storage is not None
+        and view.itemsize > 0
+        and isinstance(shape, (tuple, list))
+        and isinstance(stride, (tuple, list))
+        and len(shape) == len(stride) <= _MAX_RANK
+        and all(type(d) is int and d >= 0 for d in (*shape, *stride, offset))
+    )
+    if not ok:
+        raise CorruptCheckpointError(
+            f"{path!r}: tensor {name!r} has a malformed storage, shape, strides or offset "
+            f"({_short(shape)}, {_short(stride)}, {_short(offset)})"
+        )
+    if view.storage.nbytes % view.itemsize:
+        raise CorruptCheckpointError(f"{path!r}: tensor {name!r}: its storage is not a whole number of elements")
+    return tuple(shape), tuple(stride), offset
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_overlap(path: str, items: list) -> None:
+    """Refuse two tensors of one storage whose byte ranges meet unless they are one view (tied weights)."""
+    items.sort()
+    furthest = None
+    for start, end, name, geometry in items:
+        if furthest is not None and start < furthest[1] and geometry != furthest[3]:
+            raise InvalidArgumentError(
+                f"{path!r}: tensors {furthest[2]!r} and {name!r} share bytes of one storage in different views; "
+                "restorekit imports each tensor on its own and would lose that link (save them with .clone())"
+            )
+        if furthest is None or end > furthest[1]:
+            furthest = (start, end, name, geometry)

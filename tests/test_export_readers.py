@@ -1,0 +1,333 @@
+"""Tests for the read side of restorekit/export (torch.py + torchfile.py, npz.py, safetensors.py,
+reading.py): files from anywhere are checked before they are trusted, and every error is restorekit's."""
+
+import json
+import os
+import resource
+import struct
+import zipfile
+
+import numpy as np
+import pytest
+
+from restorekit.checkpoint import Checkpoint
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError, RestoreKitError
+from restorekit.export import export_checkpoint, import_checkpoint
+from restorekit.export import npz as npz_format
+from restorekit.export import safetensors as st_format
+from restorekit.export import torch as torch_format
+from conftest import write_bundle
+
+
+def _listing(directory):
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _rezip(src, dst, replace=None):
+    """Copy the zip archive ``src`` to ``dst`` member by member, some members' bytes replaced."""
+    replace = replace or {}
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as b:
+        for info in a.infolist():
+            data = a.read(info)
+            for suffix, new in replace.items():
+                if info.filename.endswith(suffix):
+                    data = new
+            b.writestr(info.filename, data)
+    return str(dst)
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+# ------------------------------------------------------------------ .pt: records, CRC, views
+
+
+def test_pt_rewritten_by_zipfile_still_imports(torch, tmp_path):
+    torch.save({"a": torch.arange(4.0), "b": torch.ones(3)}, tmp_path / "m.pt")
+    copy = _rezip(tmp_path / "m.pt", tmp_path / "copy.pt")
+    import_checkpoint(copy, tmp_path / "out" / "m")
+    assert Checkpoint(str(tmp_path / "out" / "m")).read("a").tolist() == [0, 1, 2, 3]
+
+
+def test_pt_storage_record_shorter_than_its_tensor_is_refused(torch, tmp_path):
+    # torch.load(mmap=True) would take the missing bytes from the next zip entry.
+    torch.save({"a": torch.arange(4.0), "b": torch.ones(3)}, tmp_path / "m.pt")
+    short = _rezip(tmp_path / "m.pt", tmp_path / "short.pt", {"/data/0": np.arange(2, dtype=np.float32).tobytes()})
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'a'.*holds 8 bytes where the pickle declares 16"):
+        import_checkpoint(short, tmp_path / "out" / "m")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_pt_record_failing_its_crc_is_refused(torch, tmp_path):
+    torch.save({"a": torch.arange(64.0), "b": torch.ones(3)}, tmp_path / "m.pt")
+    data = bytearray((tmp_path / "m.pt").read_bytes())
+    at = data.index(np.arange(64.0, dtype=np.float32)[10:14].tobytes())
+    data[at] ^= 0x10
+    (tmp_path / "flip.pt").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"'data/0' of tensor 'a' fails its CRC-32"):
+        import_checkpoint(tmp_path / "flip.pt", tmp_path / "out" / "m")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_pt_stride_zero_view_is_refused_over_the_limit_before_anything_is_read(torch, tmp_path):
+    path = tmp_path / "bomb.pt"
+    torch.save({"e": torch.zeros(1).expand(2**31)}, path)  # 1.3 KB claiming 8 GiB
+    assert path.stat().st_size < 4096
+    with pytest.raises(OutputError, match=r"8\.0 GiB of tensors, over max_output_bytes=1073741824.*'e' alone is 8\.0 GiB"):
+        torch_format.read(path)
+    with pytest.raises(OutputError, match="max_output_bytes"):
+        import_checkpoint(path, tmp_path / "out" / "m")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_pt_small_expanded_view_imports_within_the_limit_and_a_caller_can_lower_it(torch, tmp_path):
+    path = tmp_path / "e.pt"
+    torch.save({"e": torch.full((1,), 2.5).expand(1000)}, path)
+    with pytest.raises(OutputError, match="max_output_bytes=100"):
+        import_checkpoint(path, tmp_path / "out" / "m", max_output_bytes=100)
+    import_checkpoint(path, tmp_path / "out" / "m", max_output_bytes=4000)
+    assert Checkpoint(str(tmp_path / "out" / "m")).read("e").tolist() == [2.5] * 1000
+    with pytest.raises(InvalidArgumentError, match="positive number of bytes"):
+        torch_format.read(path, max_output_bytes=True)
+
+
+def _unusual(torch, kind):
+    if kind == "sparse":
+        return torch.eye(3).to_sparse()
+    if kind == "meta":
+        return torch.empty(3, device="meta")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "quantized"])
+def test_pt_non_dense_tensor_is_refused_by_name(torch, tmp_path, kind):
+    path = tmp_path / "m.pt"
+    torch.save({"fine": torch.ones(2), "odd": _unusual(torch, kind)}, path)
+    with pytest.raises(InvalidArgumentError, match=f"tensor 'odd' is a {kind} tensor"):
+        import_checkpoint(path, tmp_path / "out" / "m")
+    with pytest.raises(InvalidArgumentError, match="'odd'"):
+        torch_format.read_shapes(path)
+    assert _listing(tmp_path / "out") == []
+
+
+def test_pt_empty_state_dict_is_refused(torch, tmp_path):
+    torch.save({}, tmp_path / "m.pt")
+    with pytest.raises(InvalidArgumentError, match="empty state_dict"):
+        import_checkpoint(tmp_path / "m.pt", tmp_path / "out" / "m")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_pt_tensors_overlapping_in_one_storage_are_refused_but_tied_weights_import(torch, tmp_path):
+    base = torch.arange(12.0).reshape(3, 4)
+    torch.save({"w": base, "w_t": base.t()}, tmp_path / "views.pt")
+    with pytest.raises(InvalidArgumentError, match="'w' and 'w_t' share bytes of one storage"):
+        import_checkpoint(tmp_path / "views.pt", tmp_path / "out" / "m")
+    torch.save({"embed": base, "lm_head": base, "rows": torch.arange(8.0)[4:]}, tmp_path / "tied.pt")
+    import_checkpoint(tmp_path / "tied.pt", tmp_path / "out" / "m")
+    ckpt = Checkpoint(str(tmp_path / "out" / "m"))
+    assert ckpt.read("lm_head").tolist() == base.tolist() and ckpt.read("rows").tolist() == [4, 5, 6, 7]
+
+
+def test_pt_legacy_format_still_imports_and_a_truncated_one_is_refused(torch, tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"a": torch.arange(5, dtype=torch.int32)}, path, _use_new_zipfile_serialization=False)
+    import_checkpoint(path, tmp_path / "out" / "m")
+    assert Checkpoint(str(tmp_path / "out" / "m")).read("a").tolist() == [0, 1, 2, 3, 4]
+    (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:-6])
+    with pytest.raises(CorruptCheckpointError, match="declare"):
+        import_checkpoint(tmp_path / "cut.pt", tmp_path / "out2" / "m")
+
+
+def test_pt_compressed_or_broken_archive_is_a_restorekit_error(torch, tmp_path):
+    torch.save({"a": torch.arange(4.0)}, tmp_path / "m.pt")
+    with zipfile.ZipFile(tmp_path / "m.pt") as a, zipfile.ZipFile(tmp_path / "z.pt", "w", zipfile.ZIP_DEFLATED) as b:
+        for info in a.infolist():
+            b.writestr(info.filename, a.read(info))
+    with pytest.raises(CorruptCheckpointError, match="is compressed"):
+        torch_format.read_shapes(tmp_path / "z.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "m.pt").read_bytes()[:300])
+    with pytest.raises(CorruptCheckpointError, match="cut.pt"):
+        torch_format.read_shapes(tmp_path / "cut.pt")
+
+
+def test_pt_export_keeps_few_files_open(torch, tmp_path):
+    values = {f"layer_{i:04d}/w": np.full((2,), i, np.float32) for i in range(1500)}
+    prefix = write_bundle(tmp_path / "src" / "m", values)
+    ckpt = Checkpoint(prefix)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 64, hard))
+    try:
+        export_checkpoint(ckpt, tmp_path / "m.pt")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    state, _ = torch_format.load(tmp_path / "m.pt")
+    assert len(state) == 1500 and state["layer_1499/w"].tolist() == [1499, 1499]
+
+
+# ------------------------------------------------------------------ .npz
+
+
+def _npz_values():
+    import ml_dtypes
+
+    return {
+        "bf16": np.array([1.5, -0.0, np.inf, 3.0e38], dtype=ml_dtypes.bfloat16),
+        "nan_bits": np.array([0x7FC1, 0xFFFF], dtype=np.uint16).view(ml_dtypes.bfloat16),
+        "f8": np.array([0.5, -2.0], dtype=ml_dtypes.float8_e4m3fn),
+        "strings": np.array([b"a\x00", b"\x00\x00", b"", b"x\x00y"], dtype=object),
+        "plain": np.arange(6, dtype=np.int64).reshape(2, 3),
+    }
+
+
+def test_npz_round_trip_is_bit_exact_for_bfloat16_float8_and_strings_ending_in_nul(tmp_path):
+    values = _npz_values()
+    prefix = write_bundle(tmp_path / "src" / "m", values)
+    export_checkpoint(prefix, tmp_path / "m.npz")
+    import_checkpoint(tmp_path / "m.npz", tmp_path / "back" / "m")
+    back = Checkpoint(str(tmp_path / "back" / "m"))
+    for name, value in values.items():
+        got = back.read(name)
+        assert back.entries[name].dtype == Checkpoint(prefix).entries[name].dtype, name
+        if value.dtype == object:
+            assert got.tolist() == value.tolist()
+        else:
+            assert got.tobytes() == value.tobytes(), name
+    read = dict(npz_format.read(tmp_path / "m.npz"))
+    assert read["strings"].tolist() == [b"a\x00", b"\x00\x00", b"", b"x\x00y"]
+    assert read["bf16"].dtype == values["bf16"].dtype
+
+
+def test_npz_refuses_a_tensor_named_like_its_record(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="__restorekit__"):
+        npz_format.write(tmp_path / "x.npz", [("__restorekit__", np.ones(2))])
+    assert _listing(tmp_path) == []
+
+
+def test_npz_shapes_come_from_headers_without_reading_the_arrays(tmp_path, monkeypatch):
+    np.savez_compressed(tmp_path / "x.npz", a=np.zeros((300, 7), np.float32), b=np.ones(3))
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("read_array called")
+
+    monkeypatch.setattr(np.lib.format, "read_array", no_read)
+    assert npz_format.read_shapes(tmp_path / "x.npz") == {"a": (300, 7), "b": (3,)}
+
+
+def test_npz_deflated_bomb_is_refused_before_decompressing(tmp_path):
+    np.savez_compressed(tmp_path / "z.npz", z=np.zeros(4 << 20, np.float32))  # 16 MiB in ~16 KB
+    assert (tmp_path / "z.npz").stat().st_size < 100_000
+    with pytest.raises(OutputError, match=r"'z' alone is 16\.0 MiB"):
+        npz_format.read(tmp_path / "z.npz", max_output_bytes=1 << 20)
+    with pytest.raises(OutputError):
+        import_checkpoint(tmp_path / "z.npz", tmp_path / "out" / "m", max_output_bytes=1 << 20)
+    assert _listing(tmp_path / "out") == []
+    assert dict(npz_format.read(tmp_path / "z.npz"))["z"].shape == (4 << 20,)  # the default allows it
+
+
+def test_npz_member_whose_declared_size_disagrees_with_its_header_is_refused(tmp_path):
+    np.savez(tmp_path / "x.npz", a=np.arange(10, dtype=np.int32))
+    with zipfile.ZipFile(tmp_path / "x.npz") as a:
+        whole = a.read("a.npy")
+    _rezip(tmp_path / "x.npz", tmp_path / "short.npz", {"a.npy": whole[:-8]})
+    with pytest.raises(CorruptCheckpointError, match=r"array 'a' .* needs \d+ bytes in its member, which holds"):
+        npz_format.read_shapes(tmp_path / "short.npz")
+
+
+def test_npz_damaged_member_fails_its_crc(tmp_path):
+    np.savez(tmp_path / "x.npz", a=np.arange(100, dtype=np.int32))
+    data = bytearray((tmp_path / "x.npz").read_bytes())
+    data[data.index(np.arange(40, 44, dtype=np.int32).tobytes())] ^= 1
+    (tmp_path / "x.npz").write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="CRC"):
+        dict(npz_format.read(tmp_path / "x.npz"))
+
+
+def test_npz_object_arrays_and_non_npy_members_are_refused(tmp_path):
+    with zipfile.ZipFile(tmp_path / "x.npz", "w") as z:
+        z.writestr("notes.txt", b"hello")
+    with pytest.raises(CorruptCheckpointError, match="not an .npy array"):
+        npz_format.read_shapes(tmp_path / "x.npz")
+    np.savez(tmp_path / "o.npz", o=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(CorruptCheckpointError, match="Python objects"):
+        list(npz_format.read(tmp_path / "o.npz"))
+
+
+# ------------------------------------------------------------------ safetensors header
+
+
+def _st_file(path, header: dict, data: bytes = b"", raw_header: bytes | None = None):
+    text = raw_header if raw_header is not None else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "shape, offsets, match",
+    [
+        ([2.9], [0, 8], "shape"),
+        ([True, 2], [0, 8], "shape"),
+        ([-2], [0, 8], "shape"),
+        ([2**62, 4], [0, 0], "does not hold"),  # an int64 product wraps to 0
+        ([2], [8, 0], "data_offsets"),
+        ([2], [0.0, 8], "data_offsets"),
+        ([2], [0, 8, 9], "data_offsets"),
+        ([1] * 65, [0, 4], "65 dimensions"),
+    ],
+    ids=["float-dimension", "bool-dimension", "negative-dimension", "int64-product-wraps", "reversed-offsets",
+         "float-offset", "three-offsets", "rank-65"],
+)
+def test_safetensors_header_is_parsed_strictly(tmp_path, shape, offsets, match):
+    path = _st_file(tmp_path / "x.safetensors", {"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}},
+                    bytes(8))
+    with pytest.raises(CorruptCheckpointError, match=f"'w'.*{match}|{match}.*'w'"):
+        st_format.read_header(path)
+
+
+def test_safetensors_bad_dtypes_duplicates_and_metadata_are_refused(tmp_path):
+    cases = [
+        ({"w": {"dtype": 5, "shape": [2], "data_offsets": [0, 8]}}, CorruptCheckpointError, "dtype"),
+        ({"w": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, CorruptCheckpointError, "does not define"),
+        ({"w": {"dtype": "F8_E8M0", "shape": [8], "data_offsets": [0, 8]}}, InvalidArgumentError, "cannot read"),
+        ({"__metadata__": {"a": 1}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+         CorruptCheckpointError, "__metadata__"),
+    ]
+    for header, error, match in cases:
+        path = _st_file(tmp_path / "x.safetensors", header, bytes(8))
+        with pytest.raises(error, match=match):
+            st_format.read_header(path)
+    twice = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    with pytest.raises(CorruptCheckpointError, match="'w' appears twice"):
+        st_format.read_header(_st_file(tmp_path / "y.safetensors", {}, bytes(8), raw_header=twice))
+
+
+def test_safetensors_header_length_past_the_file_or_the_formats_limit_is_refused(tmp_path):
+    for n in (1 << 40, 100_000_001):
+        path = tmp_path / "x.safetensors"
+        path.write_bytes(struct.pack("<Q", n) + b"{}")
+        with pytest.raises(CorruptCheckpointError, match=f"header length {n} does not fit"):
+            st_format.read_header(path)
+
+
+def test_deeply_nested_safetensors_header_is_a_corrupt_file_not_a_recursion_error(tmp_path):
+    path = _st_file(tmp_path / "x.safetensors", {}, raw_header=b'{"a":' * 100_000 + b"1" + b"}" * 100_000)
+    with pytest.raises(CorruptCheckpointError, match="not JSON"):
+        import_checkpoint(path, tmp_path / "out" / "m")
+
+
+# ------------------------------------------------------------------ one error type at the boundary
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npz", ".safetensors"])
+def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(torch, tmp_path, suffix):
+    fifo = tmp_path / f"x{suffix}"
+    os.mkfifo(fifo)
+    module = {".pt": torch_format, ".npz": npz_format, ".safetensors": st_format}[suffix]
+    with pytest.raises(RestoreKitError, match="not a regular file"):
+        module.read_shapes(fifo)
