@@ -138,6 +138,9 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                    help="with a *-tf-to-hf rule set, write config.json beside OUT (sizes read from the shapes)")
     p.add_argument("--heads", type=int, metavar="N",
                    help="attention heads for --config (cannot be read from shapes; default hidden size / 64)")
+    p.add_argument("--max-output-bytes", type=int, metavar="N",
+                   help="refuse a .pt/.npz source whose tensors expand past N bytes "
+                        "(default: the larger of 1 GiB and 64x the file)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
 
@@ -167,7 +170,8 @@ def _convert(args) -> int:
     max_shard_size = int(args.max_shard_size) if args.max_shard_size and args.max_shard_size.isdigit() else args.max_shard_size
     result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
                      weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
-                     config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args))
+                     config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
+                     max_output_bytes=args.max_output_bytes)
     if not _quiet(args):
         print(result)
     return EXIT_OK
