@@ -71,6 +71,7 @@ def diff_checkpoints(a, b, *, atol: float = 0.0) -> dict:
             equal += 1
             continue
         values.append({"name": name, "max_abs_diff": max_diff, "differing": differing})
+    listed = only_a + only_b + [c["name"] for c in changed] + [v["name"] for v in values]
     return {
         "a": a.prefix,
         "b": b.prefix,
@@ -80,7 +81,18 @@ def diff_checkpoints(a, b, *, atol: float = 0.0) -> dict:
         "changed": changed,
         "values": values,
         "same": equal,
+        "paths": _readable_paths(listed, a, b),
     }
+
+
+def _readable_paths(names, a, b) -> dict:
+    """Readable paths (TF2 object paths, Keras paths) of the listed keys, where they say more than the key."""
+    paths = {}
+    for name in names:
+        path = a.readable_name(name) if name in a.entries else b.readable_name(name)
+        if path != name:
+            paths[name] = path
+    return paths
 
 
 def _value_diff(x: np.ndarray, y: np.ndarray) -> tuple[float, int]:

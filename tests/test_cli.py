@@ -602,3 +602,21 @@ def test_verify_exits_0_when_sound_and_1_naming_a_flipped_tensor(capsys, small_c
     assert code == 1 and "logits/kernel" in out
     code, data = run_json(capsys, "verify", bad)
     assert [(p["name"], p["kind"]) for p in data["problems"]] == [("logits/kernel", "checksum")]
+
+
+def test_diff_of_tf2_checkpoints_prints_readable_paths(capsys, tmp_path):
+    import keras
+
+    def model(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="head")], name="net")
+
+    a = tf.train.Checkpoint(model=model(0)).write(str(tmp_path / "a" / "ckpt"))
+    b = tf.train.Checkpoint(model=model(1)).write(str(tmp_path / "b" / "ckpt"))
+    code, out, _ = run(capsys, "diff", a, b)
+    assert code == 1
+    lines = [line for line in out.splitlines() if line.startswith("values")]
+    assert any(line.startswith("values     net/head/kernel (") and ".ATTRIBUTES/VARIABLE_VALUE)" in line
+               for line in lines)
+    code, data = run_json(capsys, "diff", a, b)
+    assert "net/head/kernel" in data["paths"].values()

@@ -146,17 +146,22 @@ def _diff(args) -> int:
     if args.json:
         _print_json(result)
     else:
+        paths = result["paths"]
+
+        def shown(name: str) -> str:  # the readable path first, the raw key after it
+            return f"{paths[name]} ({name})" if name in paths else name
+
         for name in result["only_in_a"]:
-            print(f"only in A  {name}")
+            print(f"only in A  {shown(name)}")
         for name in result["only_in_b"]:
-            print(f"only in B  {name}")
+            print(f"only in B  {shown(name)}")
         for c in result["changed"]:
-            print(f"changed    {c['name']}: {c['a']['dtype']} {format_shape(c['a']['shape'])} -> "
+            print(f"changed    {shown(c['name'])}: {c['a']['dtype']} {format_shape(c['a']['shape'])} -> "
                   f"{c['b']['dtype']} {format_shape(c['b']['shape'])}")
         for v in result["values"]:
             diff = v["max_abs_diff"]
             how = "NaNs in different places" if diff is not None and math.isnan(diff) else f"max abs diff {_num(diff)}"
-            print(f"values     {v['name']}: {how} ({v['differing']} elements differ)")
+            print(f"values     {shown(v['name'])}: {how} ({v['differing']} elements differ)")
         verdict = "equal" if result["equal"] else "different"
         same = "identical" if args.atol == 0 else f"equal within {args.atol:g}"
         print(f"{verdict}: {result['same']} tensors {same}, {len(result['only_in_a'])} only in A, "
