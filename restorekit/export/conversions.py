@@ -15,8 +15,16 @@ import numpy as np
 from restorekit.bundle import atomic
 from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.export import formats, sharded
-from restorekit.export.base import ExportResult, WithObjectGraph, checkpoint_files, progress_bar
+from restorekit.export.base import (
+    ExportResult,
+    PlannedCheckpoint,
+    WithObjectGraph,
+    checkpoint_files,
+    progress_bar,
+    refuse,
+)
 from restorekit.export.layout import check_layout
+from restorekit.export.layouts import TorchView, torch_view
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.export import sources
 from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
@@ -177,35 +185,55 @@ def _metadata(options: _Options, fmt: str) -> dict | None:
     return {"format": "pt"} if fmt == "safetensors" and ruleset is not None and ruleset.model else None
 
 
+def _export_source(ckpt, plan: OutputPlan | None, layout: str | None):
+    """(what the writer reads, its ``names=``) for an export without axis transforms.
+
+    Layout 'torch' maps whole layers, so the writer gets ``torch_view`` of the planned
+    checkpoint (renames, subsets and EMA values applied first); otherwise the checkpoint
+    with the plan as ``names``. Both copy raw shard bytes for tensors that keep them.
+    """
+    if isinstance(ckpt, TorchView):  # the caller's view, with its layer hints
+        return ckpt, None
+    if layout == "torch":
+        if plan is not None and not plan.identity:
+            ckpt = PlannedCheckpoint(ckpt, plan.names, graph=plan.graph)
+        return torch_view(ckpt, layout), None
+    source = WithObjectGraph(ckpt, plan.graph) if plan is not None and plan.graph is not None else ckpt
+    return source, None if plan is None or plan.identity else plan.names
+
+
 def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:
     plan = _tf_plan(ckpt, options)
     module = formats.module(fmt)
     layout, metadata = options.layout, _metadata(options, fmt)
+    if layout not in module.LAYOUTS:
+        refuse(fmt, layout=layout)  # before a view is planned (it warns about what it cannot map)
     shard = options.max_shard_size
     directory = sharded.output_files(path, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(path))
     shapes = {n: e.shape for n, e in ckpt.entries.items()}
     config = _config(options, plan, shapes, directory, overwrite) if plan is not None else None
-    if plan is None or not plan.transforms:
-        source = WithObjectGraph(ckpt, plan.graph) if plan is not None and plan.graph is not None else ckpt
-        names = None if plan is None or plan.identity else plan.names
+    if plan is not None and plan.transforms:
+        # Only a rule set transforms axes, and a rule set takes no layout (see _options).
+        tensors = _tf_stream(ckpt, plan)
         if shard is not None:
-            result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                              max_shard_size=shard, overwrite=overwrite, progress=progress)
+            sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
+                     for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
+            result = sharded.write(path, tensors, sizes=sizes, metadata=metadata, max_shard_size=shard,
+                                   overwrite=overwrite, progress=progress)
         else:
-            result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                             progress=progress)
+            result = module.write(path, tensors, metadata=metadata, progress=progress)
         return _finish(result, plan, config)
-    graph = None
-    if layout == "torch" and OBJECT_GRAPH_KEY in plan.names:
-        graph = WithObjectGraph(ckpt, plan.graph).object_graph if plan.graph is not None else ckpt.object_graph
-    tensors = _tf_stream(ckpt, plan)
+    source, names = _export_source(ckpt, plan, layout)
     if shard is not None:
-        sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
-                 for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
-        result = sharded.write(path, tensors, sizes=sizes, layout=layout, metadata=metadata, graph=graph,
-                               max_shard_size=shard, overwrite=overwrite, progress=progress)
+        result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
+                                          max_shard_size=shard, overwrite=overwrite, progress=progress)
     else:
-        result = module.write(path, tensors, layout=layout, metadata=metadata, graph=graph, progress=progress)
+        result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
+                                         progress=progress)
+    if layout == "torch" and shard is not None:
+        # every shard's record starts from the view's: each lists all of the unmapped and kept names
+        result = dataclasses.replace(result, unmapped=tuple(source.layout_record.unmapped),
+                                     kept=tuple(dict.fromkeys(result.kept)))
     return _finish(result, plan, config)
 
 
@@ -234,12 +262,17 @@ def export_checkpoint(
                           weights_only=True, config=True)
 
     Args:
-        checkpoint: a path (anything ``Checkpoint`` accepts) or a ``Checkpoint``.
+        checkpoint: a path (anything ``Checkpoint`` accepts), a ``Checkpoint``, or a
+            ``restorekit.export.layouts.torch_view`` of one to give layout 'torch' hints
+            (``forget_bias``, ``layer_kinds``); a view means ``layout='torch'`` and takes
+            no ``rules``, ``weights_only`` or ``ema`` (they choose the tensors the view maps).
         path: the output file; with ``max_shard_size``, a directory (or ``DIR/NAME.safetensors``).
         format: 'torch', 'safetensors' or 'npz'; by default from the extension.
-        layout: None (TF names and axes) or 'torch' (see ``restorekit.export.layout``;
-            object-based checkpoints are named from their readable paths, and their
-            optimizer state keeps TF axes).
+        layout: None (TF names and axes) or 'torch': each layer as its ``torch.nn``
+            counterpart loads it (names, axes, gate order, split and added tensors; see
+            ``restorekit.export.layouts``). Object-based checkpoints are named from their
+            readable paths, and their optimizer state keeps TF axes. What cannot be mapped
+            is stored with TF names and axes, warned about and listed in ``ExportResult.unmapped``.
         rules: a rule set of ``restorekit.export.hf`` (``'bert-tf-to-hf'``, ``'gpt2-tf-to-hf'``,
             ...; names and axes) or a rename rule as ``CheckpointEditor.rename_all`` takes.
         weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
@@ -266,8 +299,16 @@ def export_checkpoint(
     """
     from restorekit.checkpoint import Checkpoint
 
+    if isinstance(checkpoint, TorchView):
+        if layout not in (None, "torch"):
+            raise InvalidArgumentError(f"a torch_view is exported with layout 'torch', not layout={layout!r}")
+        if rules is not None or weights_only or (ema is not None and ema is not False):
+            raise InvalidArgumentError("rules=, weights_only= and ema= choose the tensors a torch_view maps: "
+                                       "pass them with the checkpoint itself (export_checkpoint(ckpt, ..., "
+                                       "layout='torch', ...)), not with a view of it")
+        layout = "torch"
     options = _options(layout, rules, weights_only, ema, max_shard_size, config)
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, (Checkpoint, TorchView)) else Checkpoint(checkpoint)
     path = os.fspath(path)
     fmt = _target(path, format, options)
     if fmt == formats.TF:
@@ -338,7 +379,7 @@ def import_checkpoint(
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
     result = _write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
                        progress=progress)
-    return _finish(result, plan, None)
+    return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan, None)
 
 
 def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
@@ -437,22 +478,26 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     plan = file_plan(reader, record, options)
     directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
     config = _config(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None
-    # An object graph carried along names the tensors as the export from TF did.
-    graph = None
-    if write_layout == "torch":
-        graph = record.object_graph()
-        if plan is not None and plan.graph is not None:
-            from restorekit.bundle.objectgraph import decode_object_graph
-
-            graph = decode_object_graph(plan.graph)
-    tensors = tf_tensors(arrays, record, plan)
     metadata = _metadata(options, to)
+    if write_layout == "torch":
+        # The file as the TF checkpoint it holds, mapped layer by layer as an export from TF maps it.
+        source = sources.FileCheckpoint(reader, record)
+        if plan is not None and not plan.identity:
+            source = PlannedCheckpoint(source, plan.names, graph=plan.graph)
+        view = torch_view(source)
+        if shard is not None:
+            result = sharded.write_checkpoint(view, out, layout=write_layout, metadata=metadata, max_shard_size=shard,
+                                              overwrite=overwrite, progress=progress)
+            result = dataclasses.replace(result, kept=tuple(dict.fromkeys(result.kept)))
+        else:
+            result = target.write_checkpoint(view, out, layout=write_layout, metadata=metadata, progress=progress)
+        return _finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan, config)
+    tensors = tf_tensors(arrays, record, plan)
     if shard is not None:
-        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), layout=write_layout,
-                               metadata=metadata, graph=graph, max_shard_size=shard, overwrite=overwrite,
-                               progress=progress)
+        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), metadata=metadata,
+                               max_shard_size=shard, overwrite=overwrite, progress=progress)
     else:
-        result = target.write(out, tensors, layout=write_layout, metadata=metadata, graph=graph, progress=progress)
+        result = target.write(out, tensors, metadata=metadata, progress=progress)
     return _finish(result, plan, config)
 
 
