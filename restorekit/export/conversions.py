@@ -13,8 +13,9 @@ import os
 import numpy as np
 
 from restorekit.bundle import atomic
+from restorekit.keras_files import KerasCheckpoint, is_keras_path
 from restorekit.errors import InvalidArgumentError, OutputExistsError
-from restorekit.export import formats, sharded
+from restorekit.export import formats, keras, sharded
 from restorekit.export.base import (
     ExportResult,
     PlannedCheckpoint,
@@ -29,7 +30,7 @@ from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, p
 from restorekit.export import sources
 from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
 
-__all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format"]
+__all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format", "write_tf"]
 
 
 def source_format(path) -> str:
@@ -309,14 +310,18 @@ def export_checkpoint(
         layout = "torch"
     options = _options(layout, rules, weights_only, ema, max_shard_size, config)
     ckpt = checkpoint if isinstance(checkpoint, (Checkpoint, TorchView)) else Checkpoint(checkpoint)
+    sources_of = checkpoint_files(ckpt.prefix)
+    if isinstance(ckpt, KerasCheckpoint):  # named by readable path; read through h5py
+        sources_of = [ckpt.prefix]
+        ckpt = sources.keras_source(ckpt, weights_only=weights_only)
     path = os.fspath(path)
     fmt = _target(path, format, options)
     if fmt == formats.TF:
         raise InvalidArgumentError("export_checkpoint writes torch, safetensors or npz; use CheckpointEditor.save for tf")
     if options.max_shard_size is not None:
-        _check_sharded_output(path, checkpoint_files(ckpt.prefix), overwrite)
+        _check_sharded_output(path, sources_of, overwrite)
     else:
-        _check_output(path, fmt, checkpoint_files(ckpt.prefix), overwrite)
+        _check_output(path, fmt, sources_of, overwrite)
     return _export(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
 
 
@@ -377,13 +382,14 @@ def import_checkpoint(
     arrays, record = open_source(reader, layout)
     plan = file_plan(reader, record, options)
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    result = _write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
+    result = write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
                        progress=progress)
     return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan, None)
 
 
-def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
-    """Write ``(name, array, TF dtype or None)`` as the checkpoint ``out_prefix``, replacing exactly its old files."""
+def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
+    """Write ``(name, array, TF dtype or None)`` as the checkpoint ``out_prefix``, replacing exactly its old files
+    (staged beside it, published with the ``.index`` last)."""
     from restorekit.bundle.writer import BundleWriter, array_chunks
 
     count = nbytes = 0
@@ -437,6 +443,8 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     """
     options = _options(layout, rules, weights_only, ema, max_shard_size, config)
     src, out = os.fspath(src), os.fspath(out)
+    if keras.is_keras_target(out, to) or is_keras_path(src):
+        return _convert_keras(src, out, to, options, overwrite=overwrite, progress=progress)
     to = _target(out, to, options)
     fmt = source_format(src)
     if fmt == formats.TF:
@@ -501,6 +509,44 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     return _finish(result, plan, config)
 
 
+def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, overwrite: bool,
+                   progress: bool) -> ExportResult:
+    """From a Keras file to any format (readable paths as names), or to a ``.weights.h5`` from a Keras 3 file."""
+    from restorekit.checkpoint import Checkpoint
+
+    if keras.is_keras_target(out, to):
+        if options.layout or options.rules is not None or options.ema or options.max_shard_size or options.config:
+            raise InvalidArgumentError("a .weights.h5 keeps Keras' own names and layout; of the options it takes "
+                                       "weights_only= and overwrite= only")
+        if not is_keras_path(src):
+            from restorekit.checkpoint import resolve_prefix
+
+            if os.path.isfile(src) and source_format(src) != formats.TF:
+                raise InvalidArgumentError(
+                    f"{src!r} is a {source_format(src)} file: a .weights.h5 holds variables by position under Keras "
+                    f"layer groups, which only a Keras 3 .weights.h5 or .keras file has. Restore it into the model "
+                    f"and call model.save_weights('model.weights.h5')"
+                )
+            resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
+        return keras.copy_weights(Checkpoint(src), out, weights_only=options.weights_only, overwrite=overwrite)
+    to = _target(out, to, options)
+    if to != formats.TF:
+        return export_checkpoint(src, out, format=to, layout=options.layout, rules=options.rules,
+                                 weights_only=options.weights_only, ema=options.ema,
+                                 max_shard_size=options.max_shard_size, config=options.config, overwrite=overwrite,
+                                 progress=progress)
+    if options.layout is not None or options.max_shard_size is not None or options.config:
+        raise InvalidArgumentError("layout=, max_shard_size= and config= apply to torch and safetensors outputs, "
+                                   "not a TF checkpoint")
+    source = sources.keras_source(Checkpoint(src), weights_only=options.weights_only)
+    _check_output(out, formats.TF, [src], overwrite)
+    plan = _tf_plan(source, options)
+    if plan is None:
+        tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
+        return write_tf(out, tensors, progress=progress)
+    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress), plan, None)
+
+
 def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:
     from restorekit.checkpoint import Checkpoint
 
@@ -512,5 +558,6 @@ def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress
     if plan is None:
         entries = ckpt.entries
         tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
-        return _write_tf(out, tensors, progress=progress)
-    return _finish(_write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
+        return write_tf(out, tensors, progress=progress)
+    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
+

@@ -276,3 +276,17 @@ class FileCheckpoint:
 
     def readable_name(self, name: str) -> str:
         return name
+
+
+def keras_source(ckpt, *, weights_only: bool = False):
+    """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
+    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group."""
+    from restorekit.export.base import PlannedCheckpoint
+
+    names = {}
+    for key in ckpt.entries:
+        if weights_only and key.startswith("optimizer/"):
+            continue
+        path = ckpt.readable_name(key)
+        names[path if path not in names else key] = key
+    return PlannedCheckpoint(ckpt, names)
