@@ -3,11 +3,8 @@
 Each case trains a small Keras 3 model a few steps (BatchNorm statistics move), exports
 it, loads the file into a hand-built ``torch.nn`` twin with ``load_state_dict(strict=True)``
 and compares outputs on one input (float32, atol 1e-5); then imports the file back and
-restores it with ``tf.train.Checkpoint``.
-
-``export`` and the ``wired`` fixture stand in for the two caller lines
-``restorekit.export.conversions`` needs (see ``restorekit.export.layouts``): the export
-goes through ``torch_view`` and the import through ``layouts.tf_tensors``.
+restores it with ``tf.train.Checkpoint``. Everything goes through the public API
+(``restorekit.convert``, ``export_checkpoint``, ``import_checkpoint``, ``CheckpointEditor.save``).
 """
 
 import math
@@ -18,28 +15,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import restorekit
 from restorekit.checkpoint import Checkpoint
-from restorekit.errors import RestoreKitWarning
-from restorekit.export import conversions, import_checkpoint
+from restorekit.edit import CheckpointEditor
+from restorekit.errors import InvalidArgumentError, RestoreKitWarning
+from restorekit.export import export_checkpoint, import_checkpoint
 from restorekit.export import safetensors as st_format
-from restorekit.export import torch as pt_format
-from restorekit.export.layouts import LayoutRecord, tf_tensors, torch_view
+from restorekit.export.layouts import LayoutRecord, torch_view
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 L = keras.layers
-
-
-def export(prefix, path, **hints):
-    """What convert(prefix, path, layout='torch') does once conversions passes torch_view."""
-    module = pt_format if str(path).endswith(".pt") else st_format
-    return module.write_checkpoint(torch_view(Checkpoint(prefix), **hints), path, layout="torch")
-
-
-@pytest.fixture
-def wired(monkeypatch):
-    """import_checkpoint joining split tensors (the one-line change conversions._tf_tensors needs)."""
-    monkeypatch.setattr(conversions, "_tf_tensors", tf_tensors)
 
 
 def stored(path):
@@ -200,7 +186,8 @@ def test_torch_twin_loads_strictly_and_computes_what_keras_computes(trained, tmp
     prefix, model, x = trained(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RestoreKitWarning)  # every tensor of these layers is mapped
-        export(prefix, tmp_path / "m.safetensors")
+        result = restorekit.convert(prefix, tmp_path / "m.safetensors", layout="torch")
+    assert result.unmapped == ()
     twin = torch_twin(name, stored(tmp_path / "m.safetensors"))
     with torch.no_grad():
         out = twin(torch.from_numpy(x)).numpy()
@@ -209,9 +196,9 @@ def test_torch_twin_loads_strictly_and_computes_what_keras_computes(trained, tmp
 
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_import_back_restores_with_tf_train_checkpoint(trained, tmp_path, wired, name, fmt):
+def test_import_back_restores_with_tf_train_checkpoint(trained, tmp_path, name, fmt):
     prefix, model, x = trained(name)
-    export(prefix, tmp_path / f"m.{fmt}")
+    export_checkpoint(prefix, tmp_path / f"m.{fmt}", layout="torch")
     import_checkpoint(tmp_path / f"m.{fmt}", tmp_path / "back" / "ckpt")
     a, b = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "ckpt")
     assert sorted(a.entries) == sorted(b.entries)
@@ -290,7 +277,7 @@ def test_slim_conv_batch_norm_without_gamma_depthwise_and_separable_in_torch(sli
     prefix, feed = slim_checkpoint
     ckpt = Checkpoint(prefix)
     assert "conv1/BatchNorm/gamma" not in ckpt.entries and ckpt.read("conv1/BatchNorm/moving_mean").any()
-    export(prefix, tmp_path / "m.pt")
+    export_checkpoint(prefix, tmp_path / "m.pt", layout="torch")
     state = stored(tmp_path / "m.pt")
     assert state["conv1.BatchNorm.weight"].eq(1).all() and state["conv1.BatchNorm.num_batches_tracked"] == 0
     twin = SlimTwin()
@@ -300,10 +287,10 @@ def test_slim_conv_batch_norm_without_gamma_depthwise_and_separable_in_torch(sli
     np.testing.assert_allclose(out, run_graph(prefix, slim_net(False), feed), atol=1e-5, rtol=0)
 
 
-def test_slim_import_back_is_bit_exact_and_restores_with_a_saver(slim_checkpoint, tmp_path, wired):
+def test_slim_import_back_is_bit_exact_and_restores_with_a_saver(slim_checkpoint, tmp_path):
     prefix, feed = slim_checkpoint
-    export(prefix, tmp_path / "m.safetensors")
-    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
+    restorekit.convert(prefix, tmp_path / "m.safetensors", layout="torch")
+    restorekit.convert(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
     a, b = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "ckpt")
     assert sorted(a.entries) == sorted(b.entries)  # the added weight and num_batches_tracked are gone
     assert all(a.read(k).tobytes() == b.read(k).tobytes() for k in a.entries)
@@ -332,10 +319,10 @@ def tf1_lstm(units=5, forget_bias=1.0):
 
 
 @pytest.mark.parametrize("forget_bias", [1.0, 0.0], ids=["default-forget-bias", "forget-bias-0"])
-def test_tf1_lstm_cell_becomes_nn_lstm(tmp_path, wired, forget_bias):
+def test_tf1_lstm_cell_becomes_nn_lstm(tmp_path, forget_bias):
     feed = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
     prefix = saved_graph(tmp_path, tf1_lstm(forget_bias=forget_bias), feed)
-    export(prefix, tmp_path / "m.safetensors", forget_bias=forget_bias)
+    export_checkpoint(torch_view(Checkpoint(prefix), forget_bias=forget_bias), tmp_path / "m.safetensors")
     state = stored(tmp_path / "m.safetensors")
     lstm = nn.LSTM(3, 5, batch_first=True)
     lstm.load_state_dict({k.removeprefix("rnn."): v for k, v in state.items() if k.startswith("rnn.")}, strict=True)
@@ -359,7 +346,10 @@ def test_tf1_gru_cell_is_listed_and_warned_not_written_as_nn_gru(tmp_path):
         return tf.reduce_sum(kernel) + tf.reduce_sum(bias) + tf.reduce_sum(x)
     prefix = saved_graph(tmp_path, build, np.zeros((1,), np.float32))
     with pytest.warns(RestoreKitWarning, match=r"'rnn/gru_cell/gates/kernel': a TF1 GRUCell applies its reset gate"):
-        export(prefix, tmp_path / "m.safetensors")
+        result = export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
+    assert sorted(result.unmapped) == ["rnn/gru_cell/candidate/bias", "rnn/gru_cell/candidate/kernel",
+                                       "rnn/gru_cell/gates/bias", "rnn/gru_cell/gates/kernel"]
+    assert "left in TF layout (not mapped) 4" in str(result)
     record = st_format.read_record(tmp_path / "m.safetensors")
     assert sorted(record.unmapped) == ["rnn/gru_cell/candidate/bias", "rnn/gru_cell/candidate/kernel",
                                        "rnn/gru_cell/gates/bias", "rnn/gru_cell/gates/kernel"]
@@ -367,13 +357,13 @@ def test_tf1_gru_cell_is_listed_and_warned_not_written_as_nn_gru(tmp_path):
     np.testing.assert_array_equal(tensors["rnn.gru_cell.gates.kernel"], Checkpoint(prefix).read("rnn/gru_cell/gates/kernel"))
 
 
-def test_keras_gru_with_reset_before_is_listed_and_keeps_tf_layout(tmp_path, wired):
+def test_keras_gru_with_reset_before_is_listed_and_keeps_tf_layout(tmp_path):
     keras.utils.set_random_seed(0)
     model = Wrap(L.GRU(4, reset_after=False))
     model(np.zeros((1, 2, 3), np.float32))
     prefix = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
     with pytest.warns(RestoreKitWarning, match="reset_after=False"):
-        export(prefix, tmp_path / "m.safetensors")
+        export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
     record = st_format.read_record(tmp_path / "m.safetensors")
     assert len(record.unmapped) == 3 and not any("weight_ih" in k for k in record.tensors)
     import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
@@ -381,7 +371,7 @@ def test_keras_gru_with_reset_before_is_listed_and_keeps_tf_layout(tmp_path, wir
 
 
 def test_writers_without_the_view_map_what_a_permutation_can_and_list_the_rest(trained, tmp_path):
-    """Today's callers (write_checkpoint on a plain Checkpoint): nothing is written that merely looks right."""
+    """A format module's write_checkpoint on a plain Checkpoint: nothing is written that merely looks right."""
     prefix, _, _ = trained("gru")
     with pytest.warns(RestoreKitWarning, match="torch_view"):
         st_format.write_checkpoint(Checkpoint(prefix), tmp_path / "m.safetensors", layout="torch")
@@ -416,7 +406,7 @@ def test_functional_sequential_and_nested_models_are_named_by_their_layers(tmp_p
     x = L.BatchNormalization(name="bn")(L.Dense(4, name="fc")(inp))
     model = keras.Model(inp, block(x), name="net")
     prefix = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
-    export(prefix, tmp_path / "m.safetensors")
+    export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
     names = {k for k in st_format.read_shapes(tmp_path / "m.safetensors") if not k.startswith(("save_counter", "_"))}
     assert names == {"fc.weight", "fc.bias", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
                      "bn.num_batches_tracked", "block.inner.weight", "block.inner.bias"}
@@ -425,7 +415,7 @@ def test_functional_sequential_and_nested_models_are_named_by_their_layers(tmp_p
 def test_subclassed_model_names_follow_attributes_not_keras_auto_names(trained, tmp_path):
     prefix, model, _ = trained("batch_norm")
     assert model.layer.gamma.path.startswith("wrap")  # Keras names BatchNorm variables after the model
-    export(prefix, tmp_path / "m.safetensors")
+    export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
     assert "model.layer.running_var" in st_format.read_shapes(tmp_path / "m.safetensors")
 
 
@@ -442,13 +432,98 @@ def test_a_version_1_record_written_before_still_imports():
 
 def test_a_record_refuses_one_part_alone_and_a_missing_part(trained, tmp_path):
     prefix, _, _ = trained("gru")
-    export(prefix, tmp_path / "m.safetensors")
+    export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
     record = st_format.read_record(tmp_path / "m.safetensors")
     arrays = dict(st_format.read(tmp_path / "m.safetensors"))
-    from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
+    from restorekit.errors import CorruptCheckpointError
 
     with pytest.raises(InvalidArgumentError, match="restore_all"):
         record.restore("model.layer.bias_ih_l0", arrays["model.layer.bias_ih_l0"])
     del arrays["model.layer.bias_hh_l0"]
     with pytest.raises(CorruptCheckpointError, match="only some of the parts"):
         list(record.restore_all(arrays.items()))
+
+
+# ------------------------------------------------------------------ the public API with options, shards and the editor
+
+def test_weights_only_with_layout_torch_maps_whole_layers_and_imports_back(tmp_path):
+    model, x = build("lstm")
+    optimizer = keras.optimizers.Adam(0.1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x, training=True)))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    prefix = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    result = restorekit.convert(prefix, tmp_path / "m.safetensors", layout="torch", weights_only=True)
+    state = stored(tmp_path / "m.safetensors")
+    assert not any(k.startswith(("optimizer", "save_counter")) for k in state) and result.dropped
+    # Keras 3 tracks the weights under the optimizer first: they are named by their Keras path ('wrap/...').
+    state = {"model.layer." + k.rpartition(".")[2]: v for k, v in state.items()}
+    with torch.no_grad():
+        out = torch_twin("lstm", state)(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(out, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
+    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
+    fresh, _ = build("lstm", seed=1)
+    tf.train.Checkpoint(model=fresh).read(str(tmp_path / "back" / "ckpt")).assert_existing_objects_matched()
+    for restored, original in zip(fresh.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(restored.numpy(), original.numpy())
+
+
+def test_a_rename_rule_with_layout_torch_names_the_renamed_layer(tmp_path):
+    feed = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    prefix = saved_graph(tmp_path, tf1_lstm(), feed)
+    export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch", rules=[(r"^rnn/", "enc/")])
+    state = stored(tmp_path / "m.safetensors")
+    assert {"enc.weight_ih_l0", "enc.weight_hh_l0", "enc.bias_ih_l0", "enc.bias_hh_l0"} <= set(state)
+    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
+    back = Checkpoint(tmp_path / "back" / "ckpt")
+    assert back.read("enc/lstm_cell/kernel").tobytes() == Checkpoint(prefix).read("rnn/lstm_cell/kernel").tobytes()
+
+
+def test_split_tensors_in_different_shards_join_on_import(trained, tmp_path):
+    prefix, model, _ = trained("gru")
+    result = restorekit.convert(prefix, tmp_path / "out", layout="torch", max_shard_size=64)
+    assert len(result.files) > 3 and len(result.kept) == len(set(result.kept))
+    restorekit.convert(tmp_path / "out", tmp_path / "back" / "ckpt")
+    a, b = Checkpoint(prefix), Checkpoint(tmp_path / "back" / "ckpt")
+    assert sorted(a.entries) == sorted(b.entries)
+    assert all(a.read(k).tobytes() == b.read(k).tobytes() for k in a.entries if a.entries[k].dtype != "string")
+
+
+def test_a_view_refuses_the_options_that_choose_its_tensors_and_writes_nothing(trained, tmp_path):
+    prefix, _, _ = trained("dense")
+    for options in ({"weights_only": True}, {"rules": [("a", "b")]}, {"layout": "tf"}):
+        with pytest.raises(InvalidArgumentError):
+            export_checkpoint(torch_view(Checkpoint(prefix)), tmp_path / "m.safetensors", **options)
+    with pytest.raises(InvalidArgumentError, match="npz"):
+        restorekit.convert(prefix, tmp_path / "m.npz", layout="torch")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_editor_save_with_layout_torch_goes_through_the_view(trained, tmp_path, fmt):
+    prefix, model, x = trained("gru")
+    editor = CheckpointEditor(prefix)
+    bias = next(e.name for e in editor.list() if e.name.startswith("model/layer/cell/bias"))
+    editor.set(bias, np.zeros_like(editor.get(bias)))  # an edited value: read, not copied
+    out = tmp_path / ("m.safetensors" if fmt == "safetensors" else "m.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RestoreKitWarning)
+        editor.save(out, format=fmt, layout="torch")
+    state = stored(out)
+    assert not state["model.layer.bias_ih_l0"].any() and not state["model.layer.bias_hh_l0"].any()
+    model.layer.cell.bias.assign(np.zeros(model.layer.cell.bias.shape, np.float32))
+    with torch.no_grad():
+        got = torch_twin("gru", state)(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_file_to_file_with_layout_torch_maps_whole_layers_as_the_export_does(trained, tmp_path, fmt):
+    prefix, _, _ = trained("gru")
+    export_checkpoint(prefix, tmp_path / "direct.safetensors", layout="torch")
+    export_checkpoint(prefix, tmp_path / f"plain.{fmt}")  # TF names and axes, the object graph in the record
+    result = restorekit.convert(tmp_path / f"plain.{fmt}", tmp_path / "converted.safetensors", layout="torch")
+    direct, converted = stored(tmp_path / "direct.safetensors"), stored(tmp_path / "converted.safetensors")
+    assert sorted(converted) == sorted(direct) and "model.layer.bias_hh_l0" in converted
+    assert all(converted[k].numpy().tobytes() == v.numpy().tobytes() for k, v in direct.items())
+    assert result.unmapped == ()

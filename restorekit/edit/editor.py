@@ -8,10 +8,11 @@ import warnings
 
 import numpy as np
 
+from restorekit import keras_files
 from restorekit.bundle import atomic, files
 from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix, state_file_points_outside
-from restorekit.edit import renames, values
+from restorekit.edit import renames, save_keras, values
 from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
 from restorekit.edit.save_export import save_export, with_options
 from restorekit.edit.save_remote import save_remote
@@ -72,8 +73,14 @@ class CheckpointEditor:
     """
 
     def __init__(self, path):
-        self.prefix = resolve_prefix(path)
-        self._through_outside_state = state_file_points_outside(path)
+        self._keras = keras_files.is_keras_path(path)
+        if self._keras:
+            self.prefix = os.fspath(path)
+            self._through_outside_state = None
+            Checkpoint(self.prefix)  # CheckpointNotFoundError, CorruptCheckpointError now, not at the first edit
+        else:
+            self.prefix = resolve_prefix(path)
+            self._through_outside_state = state_file_points_outside(path)
         self._source: Source | None = None
         self._opened: tuple | None = None
         self._items: dict[str, Item] | None = None
@@ -365,6 +372,9 @@ class CheckpointEditor:
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
+        if self._keras:
+            return self._save_keras(out, format=format, layout=layout, weights_only=weights_only, ema=ema,
+                                    overwrite=overwrite, progress=progress)
         if format != formats.TF:
             formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
         elif layout is not None:
@@ -407,9 +417,34 @@ class CheckpointEditor:
                            update_state_file=False, progress=progress)
         return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
+    def _save_keras(self, out, *, format: str, layout, weights_only: bool, ema, overwrite: bool, progress: bool) -> str:
+        """``save`` for a Keras file: a ``.weights.h5`` (Keras' own keys, checked to load) or another format."""
+        out = os.fspath(out)
+        if files.is_remote(out):
+            raise OutputError(f"{out!r}: an edited Keras file is saved locally; copy it to remote storage after")
+        if ema is not None and ema is not False:
+            raise InvalidArgumentError("ema= reads TF moving-average shadows; a Keras file holds none by name")
+        if format not in (formats.TF, save_keras.KERAS):
+            formats.module(format)
+        plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
+        if os.path.realpath(out) == os.path.realpath(self.prefix):
+            raise OutputExistsError(path=out, is_source=True)
+        if save_keras.is_keras_output(out, format):
+            if layout is not None:
+                raise InvalidArgumentError(f"a .weights.h5 keeps Keras' own layout; layout={layout!r} does not apply")
+            return save_keras.save_weights_h5(self._reader, plan, os.path.abspath(out), overwrite=overwrite)
+        return save_keras.save_other(self._reader, plan, os.path.abspath(out), format, layout=layout,
+                                     overwrite=overwrite, progress=progress)
+
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
                       progress: bool = False) -> str:
-        """Replace the source checkpoint with the edited one; the old one stays until the new one is complete."""
+        """Replace the source checkpoint with the edited one; the old one stays until the new one is complete.
+
+        A Keras 3 ``.weights.h5`` is rewritten whole (temp file beside it, then renamed
+        over it), checked first to load with ``model.load_weights``.
+        """
+        if self._keras:
+            return self._save_keras_in_place()
         if files.is_remote(self.prefix):
             raise OutputError(
                 f"{self.prefix!r}: a remote checkpoint cannot be replaced atomically (its files are separate "
@@ -436,6 +471,20 @@ class CheckpointEditor:
         self._items = None
         return prefix
 
+    def _save_keras_in_place(self) -> str:
+        reader, plan = self._reader, self._plan
+        with atomic.output_lock(self.prefix):
+            if _fingerprint(self.prefix) != self._opened:
+                raise OutputError(
+                    f"{self.prefix!r} changed since this editor read it (another save_in_place or save?); "
+                    "open a new CheckpointEditor and apply the edits again"
+                )
+            # The new file is complete beside the old one before it replaces it; tensors are read from the old one.
+            save_keras.save_weights_h5(reader, plan, os.path.abspath(self.prefix), overwrite=True)
+        self._source = None
+        self._items = None
+        return self.prefix
+
 
 def _missing_directories(directory: str) -> list[str]:
     """The directories on the way to ``directory`` that do not exist yet, deepest first."""
@@ -455,10 +504,11 @@ def _remove_if_empty(directories: list[str]) -> None:
 
 
 def _fingerprint(prefix: str) -> tuple | None:
-    """Identity of the checkpoint's index file: replaced or rewritten, it changes (None for remote files)."""
+    """Identity of the checkpoint's index file (a Keras file itself): replaced or rewritten, it changes
+    (None for remote files)."""
     if files.is_remote(prefix):
         return None
-    st = os.stat(prefix + ".index")
+    st = os.stat(prefix if keras_files.is_keras_path(prefix) else prefix + ".index")
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 

@@ -15,7 +15,7 @@ from restorekit.edit.save_tf import check_space, final_plan
 from restorekit.edit.source import Source
 from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError, RestoreKitWarning, format_names
 from restorekit.export import formats
-from restorekit.export.base import WithObjectGraph
+from restorekit.export.base import PlannedCheckpoint, WithObjectGraph
 from restorekit.names import is_global_step
 
 
@@ -53,6 +53,21 @@ def with_options(source: Source, plan: dict[str, Item], *, weights_only: bool, e
     return plan
 
 
+def edited_checkpoint(source: Source, plan: dict[str, Item]) -> PlannedCheckpoint:
+    """The edited checkpoint as a whole, Checkpoint-like: stored tensors read (or raw-copied) from the
+    source under their new names, edited values computed on demand, the object graph as rewritten."""
+    names, computed = {}, {}
+    graph = None
+    for name, it in plan.items():
+        names[name] = it.origin if name != OBJECT_GRAPH_KEY else name
+        if name == OBJECT_GRAPH_KEY:
+            if not it.stored:
+                graph = source.value(it).item()
+        elif not it.stored:
+            computed[name] = (dtype_name(it.dtype), tuple(it.shape), source.nbytes(it), lambda it=it: source.value(it))
+    return PlannedCheckpoint(source.checkpoint, names, graph=graph, computed=computed)
+
+
 def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *, overwrite: bool,
                 layout: str | None = None, progress: bool = False) -> str:
     """Write ``plan`` to the file ``out`` in ``format``; see ``CheckpointEditor.save``.
@@ -72,7 +87,12 @@ def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *,
     graph_item = plan.get(OBJECT_GRAPH_KEY)
     with atomic.Staging(directory) as staging:
         tmp = staging.path(out)
-        if all(it.stored for name, it in plan.items() if name != OBJECT_GRAPH_KEY):
+        if layout == "torch":
+            # Layout 'torch' maps whole layers (gates, splits, added tensors): the view of the edited checkpoint.
+            from restorekit.export.layouts import torch_view
+
+            module.write_checkpoint(torch_view(edited_checkpoint(source, plan)), tmp, layout=layout, progress=progress)
+        elif all(it.stored for name, it in plan.items() if name != OBJECT_GRAPH_KEY):
             # Only renames, deletions and subsets: the format copies raw shard bytes itself.
             checkpoint = source.checkpoint
             if graph_item is not None and not graph_item.stored:
@@ -80,13 +100,8 @@ def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *,
             names = {name: (it.origin if name != OBJECT_GRAPH_KEY else name) for name, it in plan.items()}
             module.write_checkpoint(checkpoint, tmp, names=names, layout=layout, progress=progress)
         else:
-            graph = None
-            if layout == "torch" and graph_item is not None:
-                from restorekit.bundle.objectgraph import decode_object_graph
-
-                graph = decode_object_graph(source.value(graph_item).item())
             tensors = ((name, source.value(it), dtype_name(it.dtype)) for name, it in plan.items())
-            module.write(tmp, tensors, layout=layout, graph=graph, progress=progress)
+            module.write(tmp, tensors, layout=layout, progress=progress)
         if not os.path.exists(tmp):
             raise OutputError(f"the {format} exporter wrote nothing at {tmp!r}")
         staging.commit()

@@ -10,6 +10,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from restorekit.report import format_bytes
 __all__ = [
     "STRINGS_LIMIT",
     "ExportResult",
+    "PlannedCheckpoint",
     "atomic_output",
     "check_strings",
     "checkpoint_files",
@@ -60,6 +62,7 @@ class ExportResult:
     fallback: tuple = ()
     renamed: str | None = None
     files: tuple = ()
+    unmapped: tuple = ()
 
     def __str__(self) -> str:
         text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
@@ -76,6 +79,8 @@ class ExportResult:
             text += f"; left out {len(self.dropped)}: {format_names(self.dropped)}"
         if self.fallback:
             text += f"; no EMA shadow, raw values for {len(self.fallback)}: {format_names(self.fallback)}"
+        if self.unmapped:
+            text += f"; left in TF layout (not mapped) {len(self.unmapped)}: {format_names(self.unmapped)}"
         return text
 
 
@@ -217,3 +222,65 @@ class WithObjectGraph:
         from restorekit.bundle.objectgraph import decode_object_graph
 
         return decode_object_graph(self._raw)
+
+
+class PlannedCheckpoint:
+    """A checkpoint seen as the output of a plan: ``names`` ({output name: source entry}, in
+    order), some values computed (``computed``: {output name: (TF dtype, shape, nbytes, read
+    function)}), the TF2 object graph re-encoded as ``graph`` (raw bytes, or None: as stored).
+
+    Duck-types what ``torch_view`` and the writers read of a ``Checkpoint``, so that a
+    renamed, filtered or edited checkpoint is mapped to torch layer by layer as a whole
+    (the view takes no ``names=``), with raw shard bytes still copied for stored tensors.
+    """
+
+    def __init__(self, checkpoint, names: dict, *, graph: bytes | None = None, computed: dict | None = None):
+        from restorekit.checkpoint import OBJECT_GRAPH_KEY, Entry
+
+        self._checkpoint = checkpoint
+        self._names = dict(names)
+        self._graph = graph
+        self._computed = dict(computed or {})
+        self.prefix = checkpoint.prefix
+        entries = {}
+        for out, source in self._names.items():
+            if out in self._computed:
+                dtype, shape, nbytes, _ = self._computed[out]
+                entries[out] = Entry(out, tuple(shape), dtype, nbytes)
+            else:
+                entry = checkpoint.entries[source]
+                entries[out] = Entry(out, tuple(entry.shape), entry.dtype, entry.nbytes)
+        self.entries = entries
+        self.is_object_based = OBJECT_GRAPH_KEY in entries
+
+    @cached_property
+    def object_graph(self):
+        if not self.is_object_based:
+            return None
+        if self._graph is None:
+            return self._checkpoint.object_graph
+        from restorekit.bundle.objectgraph import decode_object_graph
+
+        return decode_object_graph(self._graph)
+
+    def read(self, name: str) -> np.ndarray:
+        from restorekit.checkpoint import OBJECT_GRAPH_KEY
+
+        if name in self._computed:
+            return self._computed[name][3]()
+        if name == OBJECT_GRAPH_KEY and self._graph is not None:
+            return np.array(self._graph, dtype=object)
+        return self._checkpoint.read(self._names[name])
+
+    def is_partitioned(self, name: str) -> bool:
+        """True when ``name`` must be read (computed, or partitioned in the source), not copied as raw bytes."""
+        return name in self._computed or self._checkpoint.is_partitioned(self._names[name])
+
+    def bundle_entry(self, name: str):
+        return self._checkpoint.bundle_entry(self._names[name])
+
+    def data_file(self, shard_id: int) -> str:
+        return self._checkpoint.data_file(shard_id)
+
+    def readable_name(self, name: str) -> str:
+        return name

@@ -13,15 +13,24 @@ import os
 import numpy as np
 
 from restorekit.bundle import atomic
+from restorekit.keras_files import KerasCheckpoint, is_keras_path
 from restorekit.errors import InvalidArgumentError, OutputExistsError
-from restorekit.export import formats, sharded
-from restorekit.export.base import ExportResult, WithObjectGraph, checkpoint_files, progress_bar
+from restorekit.export import formats, keras, sharded
+from restorekit.export.base import (
+    ExportResult,
+    PlannedCheckpoint,
+    WithObjectGraph,
+    checkpoint_files,
+    progress_bar,
+    refuse,
+)
 from restorekit.export.layout import check_layout
+from restorekit.export.layouts import TorchView, torch_view
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.export import sources
 from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
 
-__all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format"]
+__all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format", "write_tf"]
 
 
 def source_format(path) -> str:
@@ -177,35 +186,55 @@ def _metadata(options: _Options, fmt: str) -> dict | None:
     return {"format": "pt"} if fmt == "safetensors" and ruleset is not None and ruleset.model else None
 
 
+def _export_source(ckpt, plan: OutputPlan | None, layout: str | None):
+    """(what the writer reads, its ``names=``) for an export without axis transforms.
+
+    Layout 'torch' maps whole layers, so the writer gets ``torch_view`` of the planned
+    checkpoint (renames, subsets and EMA values applied first); otherwise the checkpoint
+    with the plan as ``names``. Both copy raw shard bytes for tensors that keep them.
+    """
+    if isinstance(ckpt, TorchView):  # the caller's view, with its layer hints
+        return ckpt, None
+    if layout == "torch":
+        if plan is not None and not plan.identity:
+            ckpt = PlannedCheckpoint(ckpt, plan.names, graph=plan.graph)
+        return torch_view(ckpt, layout), None
+    source = WithObjectGraph(ckpt, plan.graph) if plan is not None and plan.graph is not None else ckpt
+    return source, None if plan is None or plan.identity else plan.names
+
+
 def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:
     plan = _tf_plan(ckpt, options)
     module = formats.module(fmt)
     layout, metadata = options.layout, _metadata(options, fmt)
+    if layout not in module.LAYOUTS:
+        refuse(fmt, layout=layout)  # before a view is planned (it warns about what it cannot map)
     shard = options.max_shard_size
     directory = sharded.output_files(path, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(path))
     shapes = {n: e.shape for n, e in ckpt.entries.items()}
     config = _config(options, plan, shapes, directory, overwrite) if plan is not None else None
-    if plan is None or not plan.transforms:
-        source = WithObjectGraph(ckpt, plan.graph) if plan is not None and plan.graph is not None else ckpt
-        names = None if plan is None or plan.identity else plan.names
+    if plan is not None and plan.transforms:
+        # Only a rule set transforms axes, and a rule set takes no layout (see _options).
+        tensors = _tf_stream(ckpt, plan)
         if shard is not None:
-            result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                              max_shard_size=shard, overwrite=overwrite, progress=progress)
+            sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
+                     for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
+            result = sharded.write(path, tensors, sizes=sizes, metadata=metadata, max_shard_size=shard,
+                                   overwrite=overwrite, progress=progress)
         else:
-            result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                             progress=progress)
+            result = module.write(path, tensors, metadata=metadata, progress=progress)
         return _finish(result, plan, config)
-    graph = None
-    if layout == "torch" and OBJECT_GRAPH_KEY in plan.names:
-        graph = WithObjectGraph(ckpt, plan.graph).object_graph if plan.graph is not None else ckpt.object_graph
-    tensors = _tf_stream(ckpt, plan)
+    source, names = _export_source(ckpt, plan, layout)
     if shard is not None:
-        sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
-                 for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
-        result = sharded.write(path, tensors, sizes=sizes, layout=layout, metadata=metadata, graph=graph,
-                               max_shard_size=shard, overwrite=overwrite, progress=progress)
+        result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
+                                          max_shard_size=shard, overwrite=overwrite, progress=progress)
     else:
-        result = module.write(path, tensors, layout=layout, metadata=metadata, graph=graph, progress=progress)
+        result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
+                                         progress=progress)
+    if layout == "torch" and shard is not None:
+        # every shard's record starts from the view's: each lists all of the unmapped and kept names
+        result = dataclasses.replace(result, unmapped=tuple(source.layout_record.unmapped),
+                                     kept=tuple(dict.fromkeys(result.kept)))
     return _finish(result, plan, config)
 
 
@@ -234,12 +263,17 @@ def export_checkpoint(
                           weights_only=True, config=True)
 
     Args:
-        checkpoint: a path (anything ``Checkpoint`` accepts) or a ``Checkpoint``.
+        checkpoint: a path (anything ``Checkpoint`` accepts), a ``Checkpoint``, or a
+            ``restorekit.export.layouts.torch_view`` of one to give layout 'torch' hints
+            (``forget_bias``, ``layer_kinds``); a view means ``layout='torch'`` and takes
+            no ``rules``, ``weights_only`` or ``ema`` (they choose the tensors the view maps).
         path: the output file; with ``max_shard_size``, a directory (or ``DIR/NAME.safetensors``).
         format: 'torch', 'safetensors' or 'npz'; by default from the extension.
-        layout: None (TF names and axes) or 'torch' (see ``restorekit.export.layout``;
-            object-based checkpoints are named from their readable paths, and their
-            optimizer state keeps TF axes).
+        layout: None (TF names and axes) or 'torch': each layer as its ``torch.nn``
+            counterpart loads it (names, axes, gate order, split and added tensors; see
+            ``restorekit.export.layouts``). Object-based checkpoints are named from their
+            readable paths, and their optimizer state keeps TF axes. What cannot be mapped
+            is stored with TF names and axes, warned about and listed in ``ExportResult.unmapped``.
         rules: a rule set of ``restorekit.export.hf`` (``'bert-tf-to-hf'``, ``'gpt2-tf-to-hf'``,
             ...; names and axes) or a rename rule as ``CheckpointEditor.rename_all`` takes.
         weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
@@ -266,16 +300,28 @@ def export_checkpoint(
     """
     from restorekit.checkpoint import Checkpoint
 
+    if isinstance(checkpoint, TorchView):
+        if layout not in (None, "torch"):
+            raise InvalidArgumentError(f"a torch_view is exported with layout 'torch', not layout={layout!r}")
+        if rules is not None or weights_only or (ema is not None and ema is not False):
+            raise InvalidArgumentError("rules=, weights_only= and ema= choose the tensors a torch_view maps: "
+                                       "pass them with the checkpoint itself (export_checkpoint(ckpt, ..., "
+                                       "layout='torch', ...)), not with a view of it")
+        layout = "torch"
     options = _options(layout, rules, weights_only, ema, max_shard_size, config)
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, (Checkpoint, TorchView)) else Checkpoint(checkpoint)
+    sources_of = checkpoint_files(ckpt.prefix)
+    if isinstance(ckpt, KerasCheckpoint):  # named by readable path; read through h5py
+        sources_of = [ckpt.prefix]
+        ckpt = sources.keras_source(ckpt, weights_only=weights_only)
     path = os.fspath(path)
     fmt = _target(path, format, options)
     if fmt == formats.TF:
         raise InvalidArgumentError("export_checkpoint writes torch, safetensors or npz; use CheckpointEditor.save for tf")
     if options.max_shard_size is not None:
-        _check_sharded_output(path, checkpoint_files(ckpt.prefix), overwrite)
+        _check_sharded_output(path, sources_of, overwrite)
     else:
-        _check_output(path, fmt, checkpoint_files(ckpt.prefix), overwrite)
+        _check_output(path, fmt, sources_of, overwrite)
     return _export(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
 
 
@@ -340,13 +386,14 @@ def import_checkpoint(
     arrays, record = open_source(reader, layout, max_output_bytes)
     plan = file_plan(reader, record, options)
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    result = _write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
+    result = write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
                        progress=progress)
-    return _finish(result, plan, None)
+    return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan, None)
 
 
-def _write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
-    """Write ``(name, array, TF dtype or None)`` as the checkpoint ``out_prefix``, replacing exactly its old files."""
+def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
+    """Write ``(name, array, TF dtype or None)`` as the checkpoint ``out_prefix``, replacing exactly its old files
+    (staged beside it, published with the ``.index`` last)."""
     from restorekit.bundle.writer import BundleWriter, array_chunks
 
     count = nbytes = 0
@@ -400,6 +447,8 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     """
     options = _options(layout, rules, weights_only, ema, max_shard_size, config)
     src, out = os.fspath(src), os.fspath(out)
+    if keras.is_keras_target(out, to) or is_keras_path(src):
+        return _convert_keras(src, out, to, options, overwrite=overwrite, progress=progress)
     to = _target(out, to, options)
     fmt = source_format(src)
     if fmt == formats.TF:
@@ -442,23 +491,65 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     plan = file_plan(reader, record, options)
     directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
     config = _config(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None
-    # An object graph carried along names the tensors as the export from TF did.
-    graph = None
-    if write_layout == "torch":
-        graph = record.object_graph()
-        if plan is not None and plan.graph is not None:
-            from restorekit.bundle.objectgraph import decode_object_graph
-
-            graph = decode_object_graph(plan.graph)
-    tensors = tf_tensors(arrays, record, plan)
     metadata = _metadata(options, to)
+    if write_layout == "torch":
+        # The file as the TF checkpoint it holds, mapped layer by layer as an export from TF maps it.
+        source = sources.FileCheckpoint(reader, record)
+        if plan is not None and not plan.identity:
+            source = PlannedCheckpoint(source, plan.names, graph=plan.graph)
+        view = torch_view(source)
+        if shard is not None:
+            result = sharded.write_checkpoint(view, out, layout=write_layout, metadata=metadata, max_shard_size=shard,
+                                              overwrite=overwrite, progress=progress)
+            result = dataclasses.replace(result, kept=tuple(dict.fromkeys(result.kept)))
+        else:
+            result = target.write_checkpoint(view, out, layout=write_layout, metadata=metadata, progress=progress)
+        return _finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan, config)
+    tensors = tf_tensors(arrays, record, plan)
     if shard is not None:
-        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), layout=write_layout,
-                               metadata=metadata, graph=graph, max_shard_size=shard, overwrite=overwrite,
-                               progress=progress)
+        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), metadata=metadata,
+                               max_shard_size=shard, overwrite=overwrite, progress=progress)
     else:
-        result = target.write(out, tensors, layout=write_layout, metadata=metadata, graph=graph, progress=progress)
+        result = target.write(out, tensors, metadata=metadata, progress=progress)
     return _finish(result, plan, config)
+
+
+def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, overwrite: bool,
+                   progress: bool) -> ExportResult:
+    """From a Keras file to any format (readable paths as names), or to a ``.weights.h5`` from a Keras 3 file."""
+    from restorekit.checkpoint import Checkpoint
+
+    if keras.is_keras_target(out, to):
+        if options.layout or options.rules is not None or options.ema or options.max_shard_size or options.config:
+            raise InvalidArgumentError("a .weights.h5 keeps Keras' own names and layout; of the options it takes "
+                                       "weights_only= and overwrite= only")
+        if not is_keras_path(src):
+            from restorekit.checkpoint import resolve_prefix
+
+            if os.path.isfile(src) and source_format(src) != formats.TF:
+                raise InvalidArgumentError(
+                    f"{src!r} is a {source_format(src)} file: a .weights.h5 holds variables by position under Keras "
+                    f"layer groups, which only a Keras 3 .weights.h5 or .keras file has. Restore it into the model "
+                    f"and call model.save_weights('model.weights.h5')"
+                )
+            resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
+        return keras.copy_weights(Checkpoint(src), out, weights_only=options.weights_only, overwrite=overwrite)
+    to = _target(out, to, options)
+    if to != formats.TF:
+        return export_checkpoint(src, out, format=to, layout=options.layout, rules=options.rules,
+                                 weights_only=options.weights_only, ema=options.ema,
+                                 max_shard_size=options.max_shard_size, config=options.config, overwrite=overwrite,
+                                 progress=progress)
+    if options.layout is not None or options.max_shard_size is not None or options.config:
+        raise InvalidArgumentError("layout=, max_shard_size= and config= apply to torch and safetensors outputs, "
+                                   "not a TF checkpoint")
+    source = sources.keras_source(Checkpoint(src), weights_only=options.weights_only)
+    _check_output(out, formats.TF, [src], overwrite)
+    plan = _tf_plan(source, options)
+    if plan is None:
+        tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
+        return write_tf(out, tensors, progress=progress)
+    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress), plan, None)
 
 
 def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:
@@ -472,5 +563,6 @@ def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress
     if plan is None:
         entries = ckpt.entries
         tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
-        return _write_tf(out, tensors, progress=progress)
-    return _finish(_write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
+        return write_tf(out, tensors, progress=progress)
+    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
+

@@ -34,8 +34,8 @@ from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, chec
 from restorekit.export.reading import check_output_size, reader, regular_file
 from restorekit.export.rawcopy import _KernelCopy, copy_raw, copy_raw_run, write_all  # noqa: F401  (tests patch _KernelCopy here)
 
-__all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "read", "read_header", "read_record", "read_shapes",
-           "recognizes", "write", "write_checkpoint"]
+__all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "open_tensors", "read", "read_header", "read_record",
+           "read_shapes", "recognizes", "write", "write_checkpoint"]
 
 FORMAT = "safetensors"
 SUFFIXES = (".safetensors",)
@@ -204,7 +204,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
                 compact = header
         if compact is not None:
             _rewrite(tmp, compact, 8 + _RESERVE, offset)
-    return ExportResult(path, "safetensors", len(entries), offset, layout, tuple(permuted), tuple(record.strings), record.kept)
+    return ExportResult(path, "safetensors", len(entries), offset, layout, tuple(permuted), tuple(record.strings), record.kept,
+                        unmapped=tuple(record.unmapped))
 
 
 def _rewrite(tmp: str, header: bytes, data_start: int, size: int) -> None:
@@ -242,6 +243,9 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
     _metadata(metadata, record)
     path = os.fspath(path)
     plan = _checkpoint_plan(checkpoint, names, record)
+    # A view's record notes every tensor of the checkpoint; a subset (one shard) keeps the notes of its own.
+    written = {step[1] for step in plan}
+    record.tensors = {stored: note for stored, note in record.tensors.items() if stored in written}
     offset = 0
     check_strings(record, "file metadata")
     # The header lists tensors in name order; the data section holds them in the order
@@ -276,7 +280,8 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
         for handle in handles.values():
             handle.close()
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept)
+    return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept,
+                        unmapped=tuple(record.unmapped))
 
 
 def _checkpoint_plan(checkpoint, names: dict | None, record: LayoutRecord) -> list[tuple]:
@@ -481,6 +486,27 @@ def read(path, *, max_output_bytes: int | None = None) -> Iterator[tuple[str, np
     check_output_size(path, os.path.getsize(path), {n: i.end - i.begin for n, i in header.tensors.items()},
                       max_output_bytes)
     return _arrays(path, header)
+
+
+def open_tensors(path) -> dict:
+    """Stored name -> every tensor of a ``.safetensors`` file as a private memory map (read on use).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: as ``read_header``.
+    """
+    path = os.fspath(path)
+    header = read_header(path)
+    out = {}
+    for name, info in header.tensors.items():
+        dtype = _numpy_dtype(info.dtype)
+        if info.end == info.begin:
+            out[name] = np.empty(info.shape, dtype=dtype)
+        else:
+            # copy-on-write: a caller may hand the array to torch.from_numpy, nothing reaches the file
+            count = (info.end - info.begin) // dtype.itemsize
+            out[name] = np.memmap(path, dtype=dtype, mode="c", offset=header.data_start + info.begin,
+                                  shape=(count,)).reshape(tuple(info.shape))
+    return out
 
 
 def _arrays(path: str, header: Header):

@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 
-from restorekit.errors import CheckpointNotFoundError, InvalidArgumentError
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
 from restorekit.export import formats, sharded
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 
-__all__ = ["Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "tf_shapes", "tf_tensors"]
+__all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "tf_shapes", "tf_tensors"]
 
 
 def shard_set(path: str):
@@ -56,19 +56,61 @@ def reader(src: str, fmt: str) -> Reader:
     return Reader(src, fmt, (src,), src, formats.module(fmt))
 
 
-def tf_shapes(shapes: dict, record) -> dict:
-    """TF name -> TF shape of every tensor of a file, through its layout record (string tensors too)."""
+def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
+    """The TF shape of one stored tensor (or of the piece of a TF tensor it holds), from its note."""
     from restorekit.export.layout import invert
 
-    out = {}
-    for stored, shape in shapes.items():
+    ops = note.get("ops", {})
+    if "view" in ops:
+        shape = tuple(int(d) for d in ops["view"][0])
+    perm = ops.get("perm", note.get("perm"))
+    if perm is not None:
+        shape = tuple(shape[i] for i in invert(perm))
+    return shape
+
+
+def _joined_shape(pieces: list) -> tuple:
+    """The shape of a TF tensor stored in pieces ``[(take, shape)]`` (``take`` as ``ops.take``)."""
+    if len(pieces) == 1 and pieces[0][0] is None:
+        return pieces[0][1]
+    take, shape = pieces[0]
+    axis = take[0]
+    if len(take) == 2:  # rows taken one by one: stacked back along a new axis
+        return shape[:axis] + (len(pieces),) + shape[axis:]
+    return shape[:axis] + (sum(s[axis] for _, s in pieces),) + shape[axis + 1:]
+
+
+def _tf_layout(stored_shapes, record) -> list:
+    """[(TF name, TF shape, [stored names])] of the numeric tensors of a file, in the order
+    ``LayoutRecord.restore_all`` yields them: a tensor stored in parts when its last part
+    comes, added tensors (``drop``) left out."""
+    parts: dict[str, int] = {}
+    for stored, note in record.tensors.items():
+        if "drop" not in note:
+            parts[note.get("name", stored)] = parts.get(note.get("name", stored), 0) + 1
+    pieces: dict[str, list] = {}
+    out = []
+    for stored, shape in stored_shapes:
         note = record.tensors.get(stored, {})
-        shape = tuple(shape)
-        if note.get("perm") is not None:
-            shape = tuple(shape[i] for i in invert(note["perm"]))
-        if note.get("dtype") == "complex128":
+        if "drop" in note:
+            continue
+        name = note.get("name", stored)
+        pieces.setdefault(name, []).append((stored, note, tuple(shape)))
+        if len(pieces[name]) < parts.get(name, 1):
+            continue
+        group = pieces.pop(name)
+        main = [(n.get("ops", {}).get("take"), _tf_piece_shape(n, s)) for _, n, s in group if "sum" not in n]
+        shape = _joined_shape(main or [(None, _tf_piece_shape(group[0][1], group[0][2]))])
+        if any(n.get("dtype") == "complex128" for _, n, _ in group):
             shape = shape[:-1]
-        out[note.get("name", stored)] = shape
+        out.append((name, shape, [s for s, _, _ in group]))
+    return out
+
+
+def tf_shapes(shapes: dict, record) -> dict:
+    """TF name -> TF shape of every tensor of a file, through its layout record (string tensors too):
+    the pieces of a split tensor joined, tensors added for PyTorch left out."""
+    out = {name: shape for name, shape, _ in _tf_layout(shapes.items(), record)}
     for name, item in record.strings.items():
         out[name] = tuple(item["shape"])
     return out
@@ -96,47 +138,157 @@ def file_plan(reader: Reader, record, options) -> OutputPlan | None:
 
 def tf_tensors(arrays, record, plan: OutputPlan | None = None):
     """(name, array, TF dtype name or None) for every tensor of a source, strings last; under ``plan``,
-    only those it keeps, under their output names and in their output axes."""
-    from restorekit.export.layout import restore_dtype
+    only those it keeps, under their output names and in their output axes.
 
-    wanted = {source: out for out, source in plan.names.items()} if plan is not None else None
-    for stored, array in arrays:
-        name, array, dtype = record.restore(stored, array)
-        if wanted is None:
-            yield name, restore_dtype(array, dtype), dtype
-        elif name in wanted:
-            yield wanted[name], plan.apply(wanted[name], restore_dtype(array, dtype)), dtype
-    for name, array in record.string_tensors():
-        if wanted is None:
-            yield name, array, "string"
-        elif name in wanted:
-            value = np.array(plan.graph, dtype=object) if name == OBJECT_GRAPH_KEY and plan.graph is not None else array
-            yield wanted[name], value, "string"
+    The record is undone for the file as a whole (``layouts.tf_tensors``): the parts of a
+    split tensor are joined and tensors added for PyTorch left out.
+    """
+    from restorekit.export.layouts import tf_tensors as restored
+
+    if plan is None:
+        yield from restored(arrays, record)
+        return
+    wanted = {source: out for out, source in plan.names.items()}
+    for name, array, dtype in restored(arrays, record):
+        if name not in wanted:
+            continue
+        if dtype != "string":
+            array = plan.apply(wanted[name], array)
+        elif name == OBJECT_GRAPH_KEY and plan.graph is not None:
+            array = np.array(plan.graph, dtype=object)
+        yield wanted[name], array, dtype
 
 
 def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
-    """(output name, shape, bytes) of every numeric tensor of a safetensors source, in reading order."""
+    """(output name, shape, bytes) of every numeric tensor of a safetensors source, in the order
+    ``tf_tensors`` yields them."""
     if reader.module is not sharded and reader.fmt != "safetensors":
         raise InvalidArgumentError(f"max_shard_size= splits TF checkpoints and safetensors files; convert this "
                                    f"{reader.fmt} file to a TF checkpoint first")
     from restorekit.export import safetensors
-    from restorekit.export.layout import invert
 
     files = reader.source.files if reader.module is sharded else (reader.source,)
     wanted = {source: out for out, source in plan.names.items()} if plan is not None else None
-    sizes = []
+    infos = {}
     for path in files:
-        for stored, info in safetensors.read_header(path).tensors.items():
-            note = record.tensors.get(stored, {})
-            name, shape = note.get("name", stored), tuple(info.shape)
-            if note.get("perm") is not None:
-                shape = tuple(shape[i] for i in invert(note["perm"]))
-            if note.get("dtype") == "complex128":
-                shape = shape[:-1]
-            if wanted is not None:
-                if name not in wanted:
-                    continue
-                name = wanted[name]
-                shape = out_shape(plan, name, shape)
-            sizes.append((name, shape, info.end - info.begin))
+        infos.update(safetensors.read_header(path).tensors)
+    sizes = []
+    for name, shape, stored in _tf_layout(((n, info.shape) for n, info in infos.items()), record):
+        if wanted is not None:
+            if name not in wanted:
+                continue
+            name = wanted[name]
+            shape = out_shape(plan, name, shape)
+        sizes.append((name, shape, sum(infos[s].end - infos[s].begin for s in stored)))
     return sizes
+
+
+def _stored_tensors(reader: Reader) -> dict:
+    """Stored name -> (shape, numpy dtype, function reading the array) of every numeric tensor of a source,
+    without reading any tensor's data."""
+    from restorekit.export import safetensors
+
+    if reader.fmt == "safetensors":
+        files = reader.source.files if reader.module is sharded else (reader.source,)
+        out = {}
+        for path in files:
+            for name, array in safetensors.open_tensors(path).items():
+                out[name] = (tuple(array.shape), array.dtype, lambda a=array: a)
+        return out
+    if reader.fmt == "torch":
+        from restorekit.export.torch import load, to_numpy
+
+        state, _ = load(reader.source)
+        return {name: (tuple(t.shape), to_numpy(t.reshape(-1)[:0]).dtype, lambda t=t: to_numpy(t))
+                for name, t in state.items()}
+    if reader.fmt == "npz":
+        return _npz_tensors(reader.source)
+    raise InvalidArgumentError(f"layout='torch' cannot read {reader.fmt} files as a whole; convert to a TF checkpoint first")
+
+
+def _npz_tensors(path: str) -> dict:
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            if not member.endswith(".npy"):
+                continue
+            with archive.open(member) as f:
+                major, _ = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+            name = member[: -len(".npy")]
+            out[name] = (tuple(shape), dtype, lambda n=name: _npz_read(path, n))
+    return out
+
+
+def _npz_read(path: str, name: str) -> np.ndarray:
+    with np.load(path, allow_pickle=False) as data:
+        return data[name]
+
+
+class FileCheckpoint:
+    """A non-TF source seen as the TF checkpoint it holds: entries under TF names (the record undone),
+    each read on demand (the parts of a split tensor joined). Duck-types what ``torch_view`` and the
+    writers read of a ``Checkpoint``, so a file-to-file conversion to layout 'torch' maps whole layers
+    as an export from the TF checkpoint does. Nothing is copied as raw bytes."""
+
+    def __init__(self, reader: Reader, record):
+        from restorekit.checkpoint import Entry
+        from restorekit.export.base import tf_dtype_of
+
+        self.prefix = reader.path
+        self._record = record
+        self._stored = _stored_tensors(reader)
+        self._parts = {}
+        entries = {}
+        for name, shape, parts in _tf_layout(((n, s[0]) for n, s in self._stored.items()), record):
+            notes = [record.tensors.get(p, {}) for p in parts]
+            dtype = next((n["dtype"] for n in notes if "dtype" in n), None)
+            if dtype is None:
+                dtype = tf_dtype_of(np.empty(0, self._stored[parts[0]][1]))
+            nbytes = sum(int(np.prod(self._stored[p][0], dtype=np.int64)) * self._stored[p][1].itemsize for p in parts)
+            entries[name] = Entry(name, tuple(shape), dtype, nbytes)
+            self._parts[name] = parts
+        self._strings = dict(record.string_tensors())
+        for name, array in self._strings.items():
+            entries[name] = Entry(name, tuple(array.shape), "string", 0)
+        self.entries = entries
+        self.is_object_based = OBJECT_GRAPH_KEY in self._strings
+
+    @property
+    def object_graph(self):
+        return self._record.object_graph()
+
+    def read(self, name: str) -> np.ndarray:
+        from restorekit.export.layouts import LayoutRecord, restore_dtype
+
+        if name in self._strings:
+            return self._strings[name]
+        parts = self._parts[name]
+        # the notes of this tensor alone: restore_all then joins just its parts
+        record = LayoutRecord(self._record.layout, {p: self._record.tensors[p] for p in parts if p in self._record.tensors})
+        for _, array, dtype in record.restore_all((p, self._stored[p][2]()) for p in parts):
+            return restore_dtype(array, dtype)
+        raise CorruptCheckpointError(f"{self.prefix!r}: {name!r} could not be read back")  # every part was an added one
+
+    def is_partitioned(self, name: str) -> bool:
+        return True  # decoded from the file, never copied as TF shard bytes
+
+    def readable_name(self, name: str) -> str:
+        return name
+
+
+def keras_source(ckpt, *, weights_only: bool = False):
+    """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
+    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group."""
+    from restorekit.export.base import PlannedCheckpoint
+
+    names = {}
+    for key in ckpt.entries:
+        if weights_only and key.startswith("optimizer/"):
+            continue
+        path = ckpt.readable_name(key)
+        names[path if path not in names else key] = key
+    return PlannedCheckpoint(ckpt, names)

@@ -161,7 +161,8 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
             bar.update(array.nbytes)
     path = os.fspath(path)
     _save(path, state, record)
-    return ExportResult(path, "torch", len(state), nbytes, layout, tuple(permuted), tuple(record.strings), record.kept)
+    return ExportResult(path, "torch", len(state), nbytes, layout, tuple(permuted), tuple(record.strings), record.kept,
+                        unmapped=tuple(record.unmapped))
 
 
 def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str | None = None,
@@ -220,7 +221,8 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
         for handle in handles.values():
             handle.close()
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
-    return ExportResult(path, "torch", len(state), nbytes, layout, permuted, tuple(record.strings), record.kept)
+    return ExportResult(path, "torch", len(state), nbytes, layout, permuted, tuple(record.strings), record.kept,
+                        unmapped=tuple(record.unmapped))
 
 
 class _Discard:

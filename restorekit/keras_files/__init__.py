@@ -305,7 +305,34 @@ class KerasCheckpoint(Mapping):
         return self._readable.get(name, name)
 
     def is_partitioned(self, name: str) -> bool:
-        return False
+        """True: a Keras tensor is read through h5py, never copied as TF shard bytes (what writers ask this for)."""
+        return True
+
+    def bundle_entry(self, name: str):
+        """The TF view of an entry (dtype code, shape) that the editor plans with; no shard, offset or crc."""
+        from restorekit.bundle.format import dtype_enum
+        from restorekit.bundle.protos import BundleEntry
+
+        entry = self[name]
+        return BundleEntry(dtype=dtype_enum(entry.dtype), shape=tuple(entry.shape), size=entry.nbytes)
+
+    @property
+    def is_weights_file(self) -> bool:
+        """True for a Keras 3 weights layout (a ``.weights.h5``, or the weights inside a ``.keras``)."""
+        return self.kind.startswith("Keras 3")
+
+    def group_attrs(self) -> dict:
+        """``{'<layer group>/vars': attributes}`` of every ``vars`` group (Keras stores the object's ``name`` there)."""
+        h5py = _h5py()
+        out = {}
+        with self._h5() as f:
+            def visit(name, obj):
+                if isinstance(obj, h5py.Group) and name.rsplit("/", 1)[-1] == "vars" and len(obj.attrs):
+                    out[name] = dict(obj.attrs)
+            if isinstance(f.get("vars"), h5py.Group) and len(f["vars"].attrs):
+                out["vars"] = dict(f["vars"].attrs)
+            f.visititems(visit)
+        return out
 
     def check_shards(self) -> None:
         """Nothing to do: a Keras file is one file, and its datasets were checked when it was opened."""
