@@ -603,8 +603,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the case directories")
     opts = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    root = tempfile.mkdtemp(prefix="kill_harness-", dir=os.path.join(HERE, "data") if os.path.isdir(
-        os.path.join(HERE, "data")) else None)
+    os.makedirs(os.path.join(HERE, "data"), exist_ok=True)
+    root = tempfile.mkdtemp(prefix="kill_harness-", dir=os.path.join(HERE, "data"))
     try:
         import tensorflow as tf
 
