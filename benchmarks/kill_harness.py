@@ -171,7 +171,7 @@ WRITERS = [
            "with BundleWriter(args['out']) as w:\n    for name in sorted(data.files):\n        w.add(name, data[name])\n",
            "tf", "many", lambda s: s.many_values),
     Writer("unfreeze",
-           "from restorekit.graph import unfreeze\nready()\n"
+           "import tensorflow\nfrom restorekit.graph import unfreeze\nready()\n"
            "unfreeze(args['src'], args['out'], trainable_graph=True)\n",
            "tf", "frozen", lambda s: s.frozen_values, needs="tensorflow"),
 ]
@@ -570,7 +570,7 @@ def sweep(sources: Sources, root: str, writers, *, randoms: int, seed: int = 0, 
         for k, point in enumerate(points):
             results.append(run_case(sources, writer, os.path.join(root, writer.name, f"p{k}"), point=point))
         for k in range(randoms):
-            delay = rng.uniform(0, 1.2 * seconds)
+            delay = rng.uniform(0, seconds)
             results.append(run_case(sources, writer, os.path.join(root, writer.name, f"r{k}"), delay=delay))
         bad = [r for r in results if r.writer == writer.name and r.problems]
         for r in bad:
