@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import shutil
@@ -20,7 +21,9 @@ import uuid
 import zlib
 
 from restorekit.bundle.files import is_remote
-from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
+from restorekit.bundle.protos import decode_header
+from restorekit.bundle.table import read_table
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError, OutputExistsError
 
 try:
     import fcntl
@@ -43,6 +46,9 @@ __all__ = [
 
 _TMP_PREFIX = ".restorekit-tmp-"
 _LOCK_SUFFIX = ".restorekit-lock"
+# Inside a staging directory: the names a commit renames or removes, for sweep_stale.
+_JOURNAL = ".restorekit-journal"
+_SHARD = re.compile(r"(.+)\.data-\d{5}-of-(\d{5})")
 # Tests set this to a point name; the process then pauses there so it can be killed.
 CRASH_HOOK_ENV = "RESTOREKIT_CRASH_HOOK"
 
@@ -142,10 +148,49 @@ def sweep_stale(directory: str) -> None:
             _remove_unheld_lock(path)
         elif name.startswith(_TMP_PREFIX) and _is_stale_temporary(name):
             if os.path.isdir(path) and not os.path.islink(path):
+                _remove_orphans(directory, path)
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
                     os.remove(path)
+
+
+def _remove_orphans(directory: str, staging: str) -> None:
+    """Remove the visible files a writer killed mid-commit left that no index names.
+
+    Its shards renamed before its index, or the old shards it was to remove after it
+    (an in-place save), are data no checkpoint can reach; its journal lists every name
+    it touched. A shard stays whenever a live ``.index`` names it (the commit's own, if
+    it landed, or another writer's since).
+    """
+    try:
+        with open(os.path.join(staging, _JOURNAL)) as f:
+            names = json.load(f)
+    except (OSError, ValueError):
+        return  # it died before its commit began: nothing of it is visible
+    counts: dict[str, int | None] = {}
+    for name in names:
+        shard = _SHARD.fullmatch(name)
+        prefix = shard.group(1) if shard else name[: -len(".meta")] if name.endswith(".meta") else None
+        if prefix is None:
+            continue
+        if prefix not in counts:
+            counts[prefix] = _shard_count(os.path.join(directory, prefix + ".index"))
+        count = counts[prefix]
+        if count is None or (shard is not None and count != -1 and int(shard.group(2)) != count):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+
+
+def _shard_count(index: str) -> int | None:
+    """The shard count an index names; None when there is no index (-1 when it cannot be read: keep all)."""
+    try:
+        with open(index, "rb") as f:
+            return decode_header(read_table(f.read())[0][1]).num_shards
+    except FileNotFoundError:
+        return None
+    except (OSError, CorruptCheckpointError, IndexError):
+        return -1
 
 
 def _remove_unheld_lock(path: str) -> None:
@@ -331,6 +376,7 @@ def atomic_output(path):
     tmp = temp_name(path)
     try:
         yield tmp
+        crash_point("before-replace")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -363,6 +409,7 @@ class Staging:
         sweep_stale(self.directory)
         self.tmpdir = os.path.join(self.directory, _tmp_base())
         os.mkdir(self.tmpdir)
+        crash_point("staging-made")
         self._finals: dict[str, str] = {}
         self.committed = False
 
@@ -388,6 +435,7 @@ class Staging:
             remove_after: files the new index no longer needs (an in-place save's old
                 shards); deleted once the new index is in place.
         """
+        crash_point("commit-start")
         staged = [t for t in self._finals if os.path.exists(t)]
         for tmp in staged:
             with open(tmp, "rb") as f:
@@ -399,6 +447,7 @@ class Staging:
             # goes first, or a crash before the new index lands would show the old
             # index over new shards, a checkpoint that is neither.
             remove_before = [*[i for i in indexes if i not in remove_before], *remove_before]
+        self._write_journal(staged, remove_before, remove_after)
         removed = False
         for old in remove_before:
             if os.path.exists(old):
@@ -406,16 +455,27 @@ class Staging:
                 removed = True
         if removed:
             fsync_directory(self.directory)
+        crash_point("after-remove-before")
         for tmp in sorted(staged, key=lambda t: t.endswith(".index")):
+            crash_point(f"rename-{os.path.basename(tmp)}")
             if tmp.endswith(".index"):
                 crash_point("before-index-rename")
             os.replace(tmp, self._finals[tmp])
         fsync_directory(self.directory)
+        crash_point("after-index-rename")
         self.committed = True
         for old in remove_after:
             if old not in finals and os.path.exists(old):
                 os.remove(old)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _write_journal(self, staged, remove_before, remove_after) -> None:
+        # If this process is killed half-way, sweep_stale reads which names it touched.
+        names = [os.path.basename(self._finals[t]) for t in staged]
+        names += [os.path.basename(p) for p in (*remove_before, *remove_after)
+                  if os.path.dirname(os.path.abspath(p)) == self.directory]
+        with open(os.path.join(self.tmpdir, _JOURNAL), "w") as f:
+            json.dump(names, f)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -327,6 +327,7 @@ class BundleWriter:
         records += [(k, encode_entry(self._entries[k])) for k in sorted(self._entries)]
         with open(self.staging.path(self.index_path), "wb") as f:
             f.write(write_table(records))
+        atomic.crash_point("index-written")
         self.finished = True
         if commit if commit is not None else self._own_staging:
             self.staging.commit()

@@ -64,6 +64,7 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
         writer = BundleWriter(prefix, num_shards=shards.count, shard_id=shards.new, staging=staging)
         try:
             shard_paths = _stage_shards(ckpt, prefix, shards, staging, writer)
+            atomic.crash_point("shards-staged")
             expected = write_plan(source, writer, plan, reuse=shards.reuse, progress=progress)
             writer.finish(commit=False)
             if shards.count == 2 and not shards.reuse:
@@ -78,6 +79,7 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
             raise
         staging.commit(remove_before=remove_before, remove_after=remove_after)
     if update_state_file:
+        atomic.crash_point("before-state-file")
         statefile.write(prefix)
     return prefix
 
