@@ -53,6 +53,7 @@ from restorekit.errors import (
     CorruptCheckpointError,
     MissingDependencyError,
     NoMatchError,
+    RestoreKitError,
     format_names,
 )
 from restorekit.keras_files.archive import MemberFile, check_member, json_attr, json_member, member_offset
@@ -237,6 +238,14 @@ class KerasCheckpoint(Mapping):
             ) from None
         try:
             yield f
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            # h5py reports damage inside a file as any of these; a link cycle or deep nesting as RecursionError.
+            if isinstance(e, RestoreKitError):
+                raise
+            raise CorruptCheckpointError(
+                f"{self.prefix!r} is not a readable Keras file: its HDF5 structure is damaged "
+                f"({type(e).__name__}: {e}). Save it again"
+            ) from None
         finally:
             f.close()
             if raw is not None:
