@@ -348,6 +348,13 @@ class KerasCheckpoint(Mapping):
             return [self._read_one(f, self._data[k]) for k in keys]
 
     def _read_one(self, f, data: Dataset) -> np.ndarray:
+        # Keras never compresses: a tensor larger than the file is a damaged shape (or a bomb), refused before allocating.
+        available = self._member[1] if self._member is not None else os.path.getsize(self.prefix)
+        if data.nbytes > available:
+            raise CorruptCheckpointError(
+                f"{self.prefix!r}: {data.key!r} declares shape {list(data.shape)} of {data.dtype} ({data.nbytes} bytes), "
+                f"more than the {available} bytes the file holds: the file is corrupt"
+            )
         try:
             value = np.asarray(f[data.key][()])
         except (OSError, KeyError, ValueError) as e:
