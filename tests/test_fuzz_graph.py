@@ -287,6 +287,18 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
+def _peak_rss(reset: bool = False) -> int:
+    """The process's peak resident memory in bytes; ``reset`` starts a new peak (Linux), so each case has its own."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+    except OSError:  # not Linux: the peak since the process started
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+
+
 def _report(**fields) -> None:
     sys.stdout.write(MARK + json.dumps(fields) + "\n")
     sys.stdout.flush()
@@ -332,13 +344,14 @@ def worker(directory: str, start: int) -> None:
     if not os.path.exists(os.path.join(directory, "model.meta")):
         _build_seeds(directory)
     cases = _corpus(directory)
-    _report(total=len(cases), rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10)
+    _report(total=len(cases), rss=_peak_rss(reset=True))
     signal.signal(signal.SIGALRM, _alarm)
     out = os.path.join(directory, "out", "m")
     for index in range(start, len(cases)):
         name, seed, data = cases[index]
         path = _place(directory, seed, data)
         _report(start=index, name=name)
+        _peak_rss(reset=True)
         signal.alarm(CASE_SECONDS)
         try:
             _run_case(index, path, out)
@@ -351,7 +364,7 @@ def worker(directory: str, start: int) -> None:
             outcome = f"foreign {type(e).__name__} {_where(e)}: {str(e)[:200]}"
         finally:
             signal.alarm(0)
-        _report(case=index, name=name, outcome=outcome, rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10)
+        _report(case=index, name=name, outcome=outcome, rss=_peak_rss())
 
 
 # ------------------------------------------------------------------ the test
@@ -373,7 +386,7 @@ def _run_worker(directory, start: int) -> tuple[list, int]:
 
 
 def test_damaged_graph_files_load_or_raise_restorekit_errors(tmp_path):
-    failures, outcomes, start, total, base_rss, peak_rss = [], {}, 0, None, None, 0
+    failures, outcomes, start, total, base_rss, peak_rss = [], {}, 0, None, None, (0, None)
     while total is None or start < total:
         lines, code = _run_worker(tmp_path, start)
         started = None
@@ -384,7 +397,7 @@ def test_damaged_graph_files_load_or_raise_restorekit_errors(tmp_path):
                 started = line
             else:
                 started = None
-                peak_rss = max(peak_rss, line["rss"])
+                peak_rss = max(peak_rss, (line["rss"], line["name"]))
                 kind = line["outcome"].split()[0]
                 outcomes[kind] = outcomes.get(kind, 0) + 1
                 if kind not in ("ok", "error"):
@@ -396,7 +409,8 @@ def test_damaged_graph_files_load_or_raise_restorekit_errors(tmp_path):
         start = started["start"] + 1
     assert total >= 250
     assert not failures, "\n".join(failures)
-    assert peak_rss - base_rss < RSS_GROWTH_LIMIT, f"peak RSS grew by {(peak_rss - base_rss) >> 20} MiB"
+    grown = peak_rss[0] - base_rss
+    assert grown < RSS_GROWTH_LIMIT, f"case {peak_rss[1]}: peak RSS grew by {grown >> 20} MiB"
     assert outcomes.get("error", 0) > total // 3 and outcomes.get("ok", 0) > 0, outcomes
 
 
