@@ -7,7 +7,7 @@ import os
 from typing import Iterable
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.errors import GraphTooLargeError, OutputExistsError
+from restorekit.errors import GraphError, GraphTooLargeError, OutputExistsError
 
 # Protobuf cannot parse or serialize a message of 2 GB or more. Module-level so tests
 # can lower it instead of writing 2 GB; every reader looks it up here at call time
@@ -50,8 +50,16 @@ def _node_of(input_name: str) -> str:
     return input_name.lstrip("^").split(":")[0]
 
 
+def _as_dtype(enum):
+    """The tf.DType of a dtype enum from a graph; GraphError for a number no TensorFlow dtype has."""
+    try:
+        return _tf().dtypes.as_dtype(enum)
+    except TypeError:
+        raise GraphError(f"the graph names dtype {enum}, which is not a TensorFlow dtype: the graph is corrupt.") from None
+
+
 def _dtype_name(enum) -> str:
-    return _tf().dtypes.as_dtype(enum).base_dtype.name
+    return _as_dtype(enum).base_dtype.name
 
 
 def _shape_of(proto) -> tuple | None:

@@ -89,7 +89,8 @@ def const_chunks(node, layout: ConstLayout, chunk_size: int = CHUNK_SIZE):
         return
     listed = _listed_count(tensor)
     if listed == layout.count:
-        yield from array_chunks(_tf().make_ndarray(tensor), chunk_size)
+        # Flat: the bytes are the same, and TF's ranks go past numpy's 64 dimensions.
+        yield from array_chunks(_listed_values(tensor, listed), chunk_size)
         return
     if listed:
         head = _listed_values(tensor, listed)

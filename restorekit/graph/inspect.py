@@ -11,6 +11,7 @@ from restorekit.graph.common import (
     _PLACEHOLDER_OPS,
     _VARIABLE_OPS,
     _all_node_lists,
+    _as_dtype,
     _dtype_name,
     _node_of,
     _shape_of,
@@ -20,6 +21,7 @@ from restorekit.graph.loading import _load
 from restorekit.graph.repairs import _repair
 from restorekit.graph.results import GraphSummary, TensorSummary, VariableSummary
 from restorekit.ema import is_shadow_name
+from restorekit.errors import GraphError
 from restorekit.names import optimizer_slot_kind, strip_output_index
 
 _OTHER_INPUT_OPS = frozenset(
@@ -86,7 +88,7 @@ def _tf_shape(shape) -> tuple | None:
 
 def _const_nbytes(tensor) -> int:
     tf = _tf()
-    dtype = tf.dtypes.as_dtype(tensor.dtype)
+    dtype = _as_dtype(tensor.dtype)
     if dtype == tf.string:
         return sum(len(s) for s in tensor.string_val)
     # Exact integers: a crafted shape can overflow int64.
@@ -117,6 +119,11 @@ def _object_graph_variables(meta_graph) -> list[VariableSummary]:
     while queue:
         i = queue.pop(0)
         for child in nodes[i].children:
+            if not 0 <= child.node_id < len(nodes):
+                raise GraphError(
+                    f"the SavedModel's object graph names node {child.node_id} as a child of node {i}, "
+                    f"but it has {len(nodes)} nodes: the file is corrupt."
+                )
             if child.node_id not in paths:
                 paths[child.node_id] = f"{paths[i]}/{_escape_local_name(child.local_name)}".lstrip("/")
                 queue.append(child.node_id)
@@ -152,10 +159,21 @@ def _object_graph_variables(meta_graph) -> list[VariableSummary]:
     return result
 
 
-def _variable_defs(meta_graph) -> dict:
-    """variable name -> VariableDef, from a MetaGraph's variable collections."""
+def _variable_def(raw: bytes, collection: str):
+    """One VariableDef record of a MetaGraph collection; GraphError when it does not parse."""
+    from google.protobuf import message
     from tensorflow.core.framework import variable_pb2
 
+    try:
+        return variable_pb2.VariableDef.FromString(raw)
+    except message.DecodeError:
+        raise GraphError(
+            f"the MetaGraph's {collection!r} collection holds a record that is not a VariableDef: the file is corrupt."
+        ) from None
+
+
+def _variable_defs(meta_graph) -> dict:
+    """variable name -> VariableDef, from a MetaGraph's variable collections."""
     result = {}
     if meta_graph is None:
         return result
@@ -163,7 +181,7 @@ def _variable_defs(meta_graph) -> dict:
         if key not in meta_graph.collection_def:
             continue
         for raw in meta_graph.collection_def[key].bytes_list.value:
-            vdef = variable_pb2.VariableDef.FromString(raw)
+            vdef = _variable_def(raw, key)
             result.setdefault(strip_output_index(vdef.variable_name), vdef)
     return result
 
@@ -172,10 +190,8 @@ def _graph_variables(gd, meta_graph) -> list[VariableSummary]:
     vdefs = _variable_defs(meta_graph)
     trainable = set()
     if meta_graph is not None and "trainable_variables" in meta_graph.collection_def:
-        from tensorflow.core.framework import variable_pb2
-
         for raw in meta_graph.collection_def["trainable_variables"].bytes_list.value:
-            trainable.add(strip_output_index(variable_pb2.VariableDef.FromString(raw).variable_name))
+            trainable.add(strip_output_index(_variable_def(raw, "trainable_variables").variable_name))
     result = []
     for node in gd.node:
         if node.op not in _VARIABLE_OPS:

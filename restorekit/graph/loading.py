@@ -195,5 +195,44 @@ def _load(graph) -> _Loaded:
         loaded.graph_def = meta.graph_def
     if loaded.graph_def.ByteSize() > common.MAX_PROTO_BYTES:
         _check_size(loaded.source, loaded.graph_def.ByteSize())
+    _refuse_recursive_functions(loaded)
     return loaded
+
+
+def _callees(node, functions: set):
+    """Names of the library functions ``node`` calls: as its op, or through a function-valued attr."""
+    if node.op in functions:
+        yield node.op
+    for value in node.attr.values():
+        kind = value.WhichOneof("value")
+        if kind == "func":
+            yield value.func.name
+        elif kind == "list":
+            yield from (f.name for f in value.list.func)
+
+
+def _refuse_recursive_functions(loaded: _Loaded) -> None:
+    """GraphError when a library function calls itself, directly or through others.
+
+    TensorFlow has no recursive functions, and its importer recurses through such a
+    cycle until the process dies (a segfault no caller can catch), so it never sees one.
+    """
+    library = loaded.graph_def.library.function
+    functions = {f.signature.name for f in library}
+    calls = {f.signature.name: [c for n in f.node_def for c in _callees(n, functions) if c in functions] for f in library}
+    done: set = set()
+    for root in calls:
+        path, stack = [root], [iter(calls[root])]
+        while stack:
+            callee = next(stack[-1], None)
+            if callee is None:
+                done.add(path.pop())
+                stack.pop()
+            elif callee in path:
+                cycle = " -> ".join(path[path.index(callee):] + [callee])
+                raise GraphError(f"{loaded.source!r} has functions that call themselves ({cycle}), "
+                                 f"which TensorFlow cannot load: the graph is corrupt.")
+            elif callee not in done:
+                path.append(callee)
+                stack.append(iter(calls[callee]))
 

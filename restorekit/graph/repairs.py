@@ -120,12 +120,13 @@ def _drop_unknown_attrs(loaded: _Loaded) -> None:
 
 def _drop_stale_colocation(gd) -> int:
     """Drop colocation (``_class``) with nodes not in ``gd``, which import rejects; return how many nodes changed."""
-    names = {n.name for n in gd.node}
+    # Compared as bytes: a damaged reference need not be UTF-8.
+    names = {n.name.encode("utf-8") for n in gd.node}
     changed = 0
     for node in gd.node:
         if "_class" in node.attr:
             refs = list(node.attr["_class"].list.s)
-            keep = [s for s in refs if not s.startswith(b"loc:@") or s[5:].decode() in names]
+            keep = [s for s in refs if not s.startswith(b"loc:@") or s[5:] in names]
             if len(keep) != len(refs):
                 changed += 1
                 if keep:
@@ -163,7 +164,7 @@ def _strip_stale_shapes(loaded: _Loaded) -> None:
             with tf.Graph().as_default():
                 tf.import_graph_def(gd, name="")
             break
-        except (ValueError, tf.errors.OpError) as e:
+        except (ValueError, TypeError, tf.errors.OpError) as e:  # TypeError: an attr of the wrong kind
             message = str(e)
             m = _STALE_SHAPES.search(message)
             if m is None or stripped_all:

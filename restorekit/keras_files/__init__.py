@@ -53,6 +53,7 @@ from restorekit.errors import (
     CorruptCheckpointError,
     MissingDependencyError,
     NoMatchError,
+    RestoreKitError,
     format_names,
 )
 from restorekit.keras_files.archive import MemberFile, check_member, json_attr, json_member, member_offset
@@ -237,6 +238,14 @@ class KerasCheckpoint(Mapping):
             ) from None
         try:
             yield f
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            # h5py reports damage inside a file as any of these; a link cycle or deep nesting as RecursionError.
+            if isinstance(e, RestoreKitError):
+                raise
+            raise CorruptCheckpointError(
+                f"{self.prefix!r} is not a readable Keras file: its HDF5 structure is damaged "
+                f"({type(e).__name__}: {e}). Save it again"
+            ) from None
         finally:
             f.close()
             if raw is not None:
@@ -366,6 +375,13 @@ class KerasCheckpoint(Mapping):
             return [self._read_one(f, self._data[k]) for k in keys]
 
     def _read_one(self, f, data: Dataset) -> np.ndarray:
+        # Keras never compresses: a tensor larger than the file is a damaged shape (or a bomb), refused before allocating.
+        available = self._member[1] if self._member is not None else os.path.getsize(self.prefix)
+        if data.nbytes > available:
+            raise CorruptCheckpointError(
+                f"{self.prefix!r}: {data.key!r} declares shape {list(data.shape)} of {data.dtype} ({data.nbytes} bytes), "
+                f"more than the {available} bytes the file holds: the file is corrupt"
+            )
         try:
             value = np.asarray(f[data.key][()])
         except (OSError, KeyError, ValueError) as e:

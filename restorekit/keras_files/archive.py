@@ -85,5 +85,5 @@ def json_attr(path: str, raw, what: str = "model_config"):
     # json.loads only: a config is data; nothing in it is deserialized or run.
     try:
         return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise CorruptCheckpointError(f"{path!r}: {what} is not valid JSON ({e}); save the model again") from None

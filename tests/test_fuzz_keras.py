@@ -1,0 +1,393 @@
+"""Fuzz the Keras file reader: damaged .weights.h5, .keras and legacy .h5 files through restorekit.Checkpoint.
+
+Each damaged file is opened with ``restorekit.Checkpoint(path)``, listed (``entries``,
+readable paths) and every entry read: it must succeed or raise a RestoreKitError. The
+damaged files go to HDF5's C library, which no in-process guard can stop from crashing,
+so a worker process (this file run as a script, without TensorFlow) reads them and
+prints one JSON line when a case starts and one with its outcome; when it dies, the
+test names the case and starts a new worker after it. An alarm per case catches hangs,
+and an address-space limit turns a runaway allocation into an error the test reports.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import zipfile
+
+SEED = 20250613
+CASE_SECONDS = 10
+RSS_GROWTH_LIMIT = 400 << 20  # bytes; the seeds are a few KB, a damaged shape may claim terabytes
+# HDF5 itself allocates (and zeroes) a damaged variable-length string's 32-bit length before it
+# notices the damage (2 GiB in case h5-overwrite-15): a refused file may cost up to this much.
+REFUSED_RSS_GROWTH_LIMIT = (4 << 30) + RSS_GROWTH_LIMIT
+ADDRESS_SPACE_LIMIT = 6 << 30  # the worker imports numpy and h5py, never TensorFlow
+MARK = "FUZZCASE "
+
+
+# ------------------------------------------------------------------ seeds (in the test process: they need Keras)
+
+
+def _seeds(directory) -> dict:
+    """A trained model (Dense, BatchNormalization, Adam state) as .weights.h5, .keras, legacy .h5 and weights-only .h5."""
+    import h5py
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    # Named explicitly: automatic names would take Keras's global counters from other tests.
+    model = keras.Sequential([keras.Input((4,), name="fz_in"), keras.layers.Dense(3, name="enc"),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(2, name="head")],
+                             name="fz")
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    paths = {kind: os.path.join(directory, f"seed.{kind}") for kind in ("weights.h5", "keras", "h5")}
+    model.save_weights(paths["weights.h5"])
+    model.save(paths["keras"])
+    model.save(paths["h5"])  # Keras 3 writes the legacy HDF5 layout for .h5
+    paths["legacy-weights.h5"] = os.path.join(directory, "seed-legacy.h5")
+    with h5py.File(paths["h5"], "r") as src, h5py.File(paths["legacy-weights.h5"], "w") as out:
+        for key, value in src["model_weights"].attrs.items():
+            out.attrs[key] = value
+        for name in src["model_weights"]:
+            src.copy(src["model_weights"][name], out, name)
+    return paths
+
+
+# ------------------------------------------------------------------ byte-level damage
+
+
+def _flip(rng, data):
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def _truncate(rng, data):
+    return data[: rng.randrange(len(data))]
+
+
+def _overwrite(rng, data):
+    data = bytearray(data)
+    start = rng.randrange(len(data))
+    fill = rng.choice([b"\xff", b"\x00", b"\x7f", b"\x80", bytes([rng.randrange(256)])])
+    for i in range(start, min(len(data), start + rng.randint(1, 12))):
+        data[i] = fill[0]
+    return bytes(data)
+
+
+# ------------------------------------------------------------------ structured damage, written with h5py
+
+
+def _datasets(f) -> list:
+    import h5py
+
+    found = []
+    f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return sorted(found)
+
+
+def _replace_dataset(rng, f, name):
+    """Put another dataset where ``name`` was: a huge declared shape, another dtype, a scalar, a group."""
+    import h5py
+    import numpy as np
+
+    attrs = dict(f[name].attrs)
+    del f[name]
+    choice = rng.randrange(6)
+    if choice == 0:  # declared, never written: HDF5 reads it back as fill values
+        f.create_dataset(name, shape=rng.choice([(2**31,), (2**20, 2**20), (2**40,), (2**16, 2**16)]), dtype="f4")
+    elif choice == 1:  # declared huge, compressed: a few KB on disk
+        f.create_dataset(name, shape=(2**26,), dtype="f4", chunks=(2**20,), compression="gzip", fillvalue=1.0)
+    elif choice == 2:
+        dtype = rng.choice([h5py.string_dtype(), h5py.vlen_dtype("f4"), h5py.ref_dtype, "c8",
+                            np.dtype([("a", "f4"), ("b", "i8")]), "V7", "f2", "<u8"])
+        f.create_dataset(name, shape=(3,), dtype=dtype)
+    elif choice == 3:
+        f.create_dataset(name, data=np.float32(rng.random()))
+    elif choice == 4:
+        f.create_group(name)
+    else:
+        f.create_dataset(name, data=np.zeros((0, 3), "f4"))
+    for key, value in attrs.items():
+        if isinstance(f[name], h5py.Dataset):
+            f[name].attrs[key] = value
+    if rng.random() < 0.3 and isinstance(f[name], h5py.Dataset):
+        f[name].attrs["dtype"] = "bfloat16"
+
+
+def _damage_attrs(rng, f):
+    """Change the attributes the reader takes names from: layer_names, weight_names, vars' name, model_config."""
+    import numpy as np
+
+    groups = []
+    f.visit(lambda name: groups.append(name))
+    holders = [g for g in ["/"] + groups if any(k in f[g].attrs for k in ("layer_names", "weight_names", "name",
+                                                                         "model_config"))]
+    target = f[rng.choice(holders)] if holders else f
+    key = rng.choice([k for k in ("layer_names", "weight_names", "name", "model_config") if k in target.attrs]
+                     or ["layer_names"])
+    target.attrs[key] = rng.choice([
+        np.array([b"missing"]), np.array([1, 2, 3]), b"\xff\xfe", np.array([b"../x", b""]), "{not json",
+        np.array([b"a" * 30000]), np.float64(2.5), np.array([[b"x"]]), "[" * 5000, json.dumps({"config": [1]}),
+    ])
+
+
+def _damage_links(rng, f):
+    """Links the reader would follow: a cycle, a dangling soft link, an external file, deep nesting."""
+    import h5py
+    import numpy as np
+
+    groups = [name for name in _groups(f) if name] or [""]
+    parent = f[rng.choice(groups)] if groups != [""] else f
+    choice = rng.randrange(4)
+    if choice == 0:
+        parent["loop"] = h5py.SoftLink(parent.name)
+    elif choice == 1:
+        parent["dangling"] = h5py.SoftLink("/nowhere/at/all")
+    elif choice == 2:
+        parent["external"] = h5py.ExternalLink(rng.choice(["/etc/passwd", "/nonexistent.h5"]), "/")
+    else:
+        group = parent.create_group("deep")
+        for i in range(rng.choice([50, 400])):
+            group = group.create_group("vars" if i % 2 else "layers")
+        group.create_dataset("0", data=np.ones(2, "f4"))
+
+
+def _groups(f) -> list:
+    import h5py
+
+    found = [""]
+    f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Group) else None)
+    return found
+
+
+def _structured_h5(rng, path, data):
+    """A copy of an HDF5 seed with one or two structural changes."""
+    import h5py
+
+    with open(path, "wb") as f:
+        f.write(data)
+    with h5py.File(path, "r+") as f:
+        for _ in range(rng.randint(1, 2)):
+            choice = rng.randrange(3)
+            if choice == 0:
+                _replace_dataset(rng, f, rng.choice(_datasets(f)))
+            elif choice == 1:
+                _damage_attrs(rng, f)
+            else:
+                _damage_links(rng, f)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# ------------------------------------------------------------------ structured damage to the .keras zip
+
+
+def _rezip(data, change) -> bytes:
+    """Rewrite a .keras archive member by member; ``change(name, body)`` returns [(name, body, compress), ...]."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as a, zipfile.ZipFile(out, "w") as b:
+        for info in a.infolist():
+            for name, body, compress in change(info.filename, a.read(info)):
+                b.writestr(zipfile.ZipInfo(name), body, compress_type=compress)
+    return out.getvalue()
+
+
+def _structured_zip(rng, data, weights_h5):
+    stored = zipfile.ZIP_STORED
+    choice = rng.randrange(8)
+    if choice == 0:  # the weights member renamed
+        new = rng.choice(["model.weights.h6", "../model.weights.h5", "dir/model.weights.h5", "MODEL.WEIGHTS.H5"])
+        return _rezip(data, lambda n, b: [(new if n == "model.weights.h5" else n, b, stored)])
+    if choice == 1:  # the weights member compressed
+        return _rezip(data, lambda n, b: [(n, b, zipfile.ZIP_DEFLATED if n.endswith(".h5") else stored)])
+    if choice == 2:  # a member twice
+        return _rezip(data, lambda n, b: [(n, b, stored), (n, b[: len(b) // 2], stored)])
+    if choice == 3:  # a damaged config
+        config = rng.choice([b"{not json", b"[" * 100000, b"\xff\xfe", b'{"class_name": 5, "config": []}',
+                             json.dumps({"config": {"layers": [{"class_name": "Dense", "config": None}]}}).encode()])
+        return _rezip(data, lambda n, b: [(n, config if n in ("config.json", "metadata.json") else b, stored)])
+    if choice == 4:  # another HDF5 file as the weights member (a structurally damaged one)
+        return _rezip(data, lambda n, b: [(n, weights_h5 if n == "model.weights.h5" else b, stored)])
+    if choice == 5:  # a central directory entry with crafted sizes or offsets
+        data = bytearray(data)
+        at = data.rfind(b"PK\x01\x02")
+        field = rng.choice([20, 24, 42])  # compressed size, uncompressed size, local header offset
+        struct.pack_into("<I", data, at + field, rng.choice([0, 0xFFFFFFFF, len(data) * 2, 7]))
+        return bytes(data)
+    if choice == 6:  # bytes overwritten inside the stored weights member, the zip CRC left as it was
+        return _overwrite(rng, data)
+    return _rezip(data, lambda n, b: [] if n == rng.choice(["config.json", "model.weights.h5"]) else [(n, b, stored)])
+
+
+def _corpus(directory) -> list:
+    """(case name, file name, damaged bytes), in a fixed order from a fixed seed."""
+    paths = _seeds(directory)
+    rng = random.Random(SEED)
+    cases = []
+    scratch = os.path.join(directory, "scratch.h5")
+    for kind, path in paths.items():
+        with open(path, "rb") as f:
+            data = f.read()
+        suffix = ".keras" if kind == "keras" else (".weights.h5" if kind == "weights.h5" else ".h5")
+        for i in range(30):
+            damage = rng.choice([_flip, _truncate, _overwrite])
+            cases.append((f"{kind}-{damage.__name__[1:]}-{i}", suffix, damage(rng, data)))
+        for i in range(30):
+            if kind == "keras":
+                with open(paths["weights.h5"], "rb") as f:
+                    weights_h5 = _structured_h5(rng, scratch, f.read())
+                damaged = _structured_zip(rng, data, weights_h5)
+            else:
+                damaged = _structured_h5(rng, scratch, data)
+            cases.append((f"{kind}-structured-{i}", suffix, damaged))
+    return cases
+
+
+# ------------------------------------------------------------------ the worker
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang()
+
+
+def _peak_rss(reset: bool = False) -> int:
+    """The process's peak resident memory in bytes; ``reset`` starts a new peak (Linux), so each case has its own."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+    except OSError:  # not Linux: the peak since the process started
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+
+
+def _report(**fields) -> None:
+    sys.stdout.write(MARK + json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _where(error) -> str:
+    """The innermost restorekit frame a foreign exception passed through: where to fix it."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/restorekit/" in f.filename]
+    return f"at {frames[-1].filename.rsplit('/restorekit/', 1)[1]}:{frames[-1].lineno}" if frames else ""
+
+
+def _read_all(path) -> None:
+    import restorekit
+
+    ckpt = restorekit.Checkpoint(path)
+    for key, entry in ckpt.entries.items():
+        ckpt.readable_name(key)
+        value = ckpt.read(key)
+        assert tuple(value.shape) == tuple(entry.shape), (key, value.shape, entry.shape)
+    for path in ckpt.object_paths:
+        ckpt.object_paths[path]
+
+
+def worker(directory: str, start: int) -> None:
+    """Read the cases listed in ``directory/cases.json`` from ``start``, one JSON line per case start and outcome."""
+    from restorekit.errors import RestoreKitError
+
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
+    with open(os.path.join(directory, "cases.json")) as f:
+        cases = json.load(f)
+    import h5py  # noqa: F401 - loaded before the baseline, like the reader will
+
+    _report(total=len(cases), rss=_peak_rss(reset=True))
+    signal.signal(signal.SIGALRM, _alarm)
+    for index in range(start, len(cases)):
+        name, path = cases[index]
+        _report(start=index, name=name)
+        _peak_rss(reset=True)
+        signal.alarm(CASE_SECONDS)
+        try:
+            _read_all(path)
+            outcome = "ok"
+        except RestoreKitError:
+            outcome = "error"
+        except _Hang:
+            outcome = "hang"
+        except BaseException as e:  # noqa: BLE001 - the point: no other type may escape
+            outcome = f"foreign {type(e).__name__} {_where(e)}: {str(e)[:200]}"
+        finally:
+            signal.alarm(0)
+        _report(case=index, name=name, outcome=outcome, rss=_peak_rss())
+
+
+# ------------------------------------------------------------------ the test
+
+
+def _run_worker(directory, start: int) -> tuple[list, object]:
+    import restorekit
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(restorekit.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), str(directory), str(start)], env=env,
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=600)
+        stdout, code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout, code = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""), "timeout"
+    return [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)], code
+
+
+def test_damaged_keras_files_read_or_raise_restorekit_errors(tmp_path):
+    cases = _corpus(tmp_path)
+    listed = []
+    for i, (name, suffix, data) in enumerate(cases):
+        path = tmp_path / f"case{i:03d}{suffix}"
+        path.write_bytes(data)
+        listed.append((name, str(path)))
+    (tmp_path / "cases.json").write_text(json.dumps(listed))
+    failures, outcomes, start, total, base_rss = [], {}, 0, None, None
+    peak_rss = peak_refused = (0, None)
+    while total is None or start < total:
+        lines, code = _run_worker(tmp_path, start)
+        started = None
+        for line in lines:
+            if "total" in line:
+                total, base_rss = line["total"], base_rss or line["rss"]
+            elif "start" in line:
+                started = line
+            else:
+                started = None
+                kind = line["outcome"].split()[0]
+                if kind != "error":
+                    peak_rss = max(peak_rss, (line["rss"], line["name"]))
+                peak_refused = max(peak_refused, (line["rss"], line["name"]))
+                outcomes[kind] = outcomes.get(kind, 0) + 1
+                if kind not in ("ok", "error"):
+                    failures.append(f"{line['name']}: {line['outcome']}")
+        if started is None:
+            assert code == 0 and total is not None, f"the fuzz worker failed outside any case (exit {code})"
+            break
+        failures.append(f"{started['name']}: the worker died (exit {code})")
+        start = started["start"] + 1
+    assert total >= 200
+    assert not failures, "\n".join(failures)
+    grown = peak_rss[0] - base_rss
+    assert grown < RSS_GROWTH_LIMIT, f"case {peak_rss[1]}: peak RSS grew by {grown >> 20} MiB"
+    grown = peak_refused[0] - base_rss
+    assert grown < REFUSED_RSS_GROWTH_LIMIT, f"case {peak_refused[1]} (refused): peak RSS grew by {grown >> 20} MiB"
+    assert outcomes.get("error", 0) > total // 3 and outcomes.get("ok", 0) > 0, outcomes
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]))
