@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
 import stat
 
 from restorekit._tensorflow import import_tensorflow
@@ -24,6 +25,7 @@ __all__ = [
     "join",
     "mtime",
     "open_regular",
+    "RemoteStaging",
     "publish",
     "read_bytes",
     "read_range",
@@ -211,3 +213,64 @@ def remove(path: str) -> None:
             os.remove(path)
     except Exception:  # noqa: BLE001
         pass
+
+
+class RemoteStaging:
+    """Files for a remote directory, staged locally one at a time and uploaded as each is finished.
+
+    The local side of a ``gs://`` (any ``tf.io.gfile``) save: ``path(final)`` names a
+    local file under ``$TMPDIR`` that becomes ``final``; ``publish(final)`` uploads it
+    at once (hidden name, then rename: see ``publish``) and deletes the local copy, so
+    the local disk holds only the files not yet published. ``commit`` uploads what is
+    left, ``.index`` files last; an error before then (``abort``) removes every object
+    already uploaded. Same interface as ``atomic.Staging`` where the save needs it.
+    """
+
+    def __init__(self, directory: str):
+        import tempfile
+
+        self.directory = directory.rstrip("/")
+        self.tmpdir = tempfile.mkdtemp(prefix="restorekit-upload-")
+        self._finals: dict[str, str] = {}
+        self.uploaded: list[str] = []
+        self.committed = False
+
+    def path(self, final: str) -> str:
+        if dirname(final) != self.directory:
+            raise OutputError(f"{final!r} is not in the output directory {self.directory!r}")
+        tmp = os.path.join(self.tmpdir, basename(final))
+        self._finals[tmp] = final
+        return tmp
+
+    def publish(self, final: str, local: str | None = None) -> None:
+        """Upload ``final``'s staged file (or the existing file ``local``) now; a staged file is then deleted."""
+        tmp = local or os.path.join(self.tmpdir, basename(final))
+        # A data shard under this name without its index is an orphan of an earlier failed save.
+        publish(tmp, final, overwrite=not final.endswith(".index"))
+        self.uploaded.append(final)
+        if local is None:
+            os.remove(tmp)
+            self._finals.pop(tmp, None)
+
+    def commit(self, *, remove_before=(), remove_after=()) -> None:
+        """Upload the staged files not yet published, ``.index`` files last."""
+        if remove_before or remove_after:
+            raise OutputError(f"{self.directory!r}: a remote output cannot replace files atomically")
+        staged = [t for t in self._finals if os.path.exists(t)]
+        for tmp in sorted(staged, key=lambda t: t.endswith(".index")):
+            self.publish(self._finals[tmp])
+        self.committed = True
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def abort(self) -> None:
+        for final in self.uploaded:
+            remove(final)
+        self.uploaded = []
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> "RemoteStaging":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed:
+            self.abort()

@@ -265,12 +265,18 @@ class ShardWriter:
         base = like or BundleEntry(dtype=code, shape=tuple(shape))
         return self.bundle._record(key, base.replace(shard_id=self.shard_id, offset=start, size=size, crc32c=crc))
 
-    def close(self) -> str:
-        """Close the shard's file (its bytes are complete); return its staged path."""
+    def close(self, *, upload: bool = True) -> str:
+        """Close the shard's file (its bytes are complete); return its staged path.
+
+        With a ``files.RemoteStaging`` the shard is uploaded now and its local file deleted.
+        """
         if self._file is not None:
             # No fsync here: Staging.commit fsyncs every staged file before renaming it.
             self._file.close()
             self._file = None
+            if upload and isinstance(self.bundle.staging, files.RemoteStaging):
+                # Uploaded now, so the local disk holds one shard at a time (the index comes last, on commit).
+                self.bundle.staging.publish(self.bundle.data_path(self.shard_id))
         self.closed = True
         return self.path
 
@@ -295,8 +301,9 @@ class BundleWriter:
             caller (the editor links existing shards).
         shard_id: the shard ``add`` and its kin fill, or None for none (only an index,
             or ``shard(i)`` for each). Every shard a writer fills is created, even empty.
-        staging: an ``atomic.Staging`` owned by the caller, who then commits it;
-            by default the writer makes its own and commits on ``finish``.
+        staging: an ``atomic.Staging`` (or ``files.RemoteStaging``) owned by the caller,
+            who then commits it; by default the writer makes its own (remote for a
+            ``gs://``-like prefix) and commits on ``finish``.
 
     Raises:
         InvalidArgumentError: ``num_shards`` is not a positive int, or ``shard_id`` is out of range.
@@ -306,11 +313,16 @@ class BundleWriter:
         check_num_shards(num_shards)
         if shard_id is not None and not 0 <= shard_id < num_shards:
             raise InvalidArgumentError(f"shard_id={shard_id!r} is not a shard of {num_shards}")
-        self.prefix = os.path.abspath(os.fspath(prefix))
+        prefix = os.fspath(prefix)
+        self.prefix = prefix if files.is_remote(prefix) else os.path.abspath(prefix)
         self.num_shards = num_shards
         self.shard_id = shard_id
         self._own_staging = staging is None
-        self.staging = staging or atomic.Staging(os.path.dirname(self.prefix))
+        if staging is None:
+            # A remote prefix (gs://...) is staged locally one shard at a time, uploaded as each is closed.
+            remote = files.is_remote(prefix)
+            staging = files.RemoteStaging(files.dirname(prefix)) if remote else atomic.Staging(os.path.dirname(self.prefix))
+        self.staging = staging
         self._entries: dict[bytes, BundleEntry] = {}
         self._lock = threading.Lock()
         self._shards: dict[int, ShardWriter] = {}
@@ -398,6 +410,11 @@ class BundleWriter:
     def entries(self) -> dict[bytes, BundleEntry]:
         return dict(self._entries)
 
+    @property
+    def shard_sizes(self) -> dict[int, int]:
+        """Bytes written so far to each shard this writer fills."""
+        return {i: shard.nbytes for i, shard in self._shards.items()}
+
     def finish(self, *, commit: bool | None = None) -> str:
         """Write the index (sorted keys); rename everything into place if this writer owns the staging.
 
@@ -420,7 +437,7 @@ class BundleWriter:
 
     def abort(self) -> None:
         for shard in self._shards.values():
-            shard.close()
+            shard.close(upload=False)
         if self._own_staging:
             self.staging.abort()
 
