@@ -55,6 +55,7 @@ import restorekit.edit.save_tf as save_tf, restorekit.export.sharded as sharded
 from restorekit.edit import CheckpointEditor
 from restorekit.export import convert
 src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+st = os.path.join(os.path.dirname(os.path.dirname(src)), "st")  # the sharded safetensors
 if workers:
     save_tf.WORKERS = sharded.WORKERS = workers"""
 
@@ -68,8 +69,8 @@ OPERATIONS = {
     "cast floats to bfloat16, compact=True (8 shards out)": (
         "ed = CheckpointEditor(src)\ned.cast('.*', 'bfloat16')\ned.save(out, num_shards=8)", True),
     "export to sharded safetensors (max_shard_size=1GB)": (
-        "convert(src, os.path.dirname(out) + '/st', max_shard_size='1GB')", True),
-    "import sharded safetensors to a TF checkpoint": ("convert(os.path.dirname(src) + '/st', out)", True),
+        "convert(src, st, max_shard_size='1GB')", True),
+    "import sharded safetensors to a TF checkpoint": ("convert(st, out)", True),
 }
 
 
@@ -107,11 +108,12 @@ def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def timed_cp(directory: str, copy: str) -> float:
-    """``cp -r`` of a directory, then an fsync of every copied file."""
+def timed_cp(directory: str, copy: str, *, fsync: bool = True) -> float:
+    """``cp -r`` of a directory, then (``fsync``) an fsync of every copied file."""
     start = time.perf_counter()
     subprocess.run(["cp", "-r", directory, copy], check=True)
-    subprocess.run(["sync", *[os.path.join(copy, n) for n in os.listdir(copy)]], check=True)
+    if fsync:
+        subprocess.run(["sync", *[os.path.join(copy, n) for n in os.listdir(copy)]], check=True)
     seconds = time.perf_counter() - start
     shutil.rmtree(copy)
     return seconds
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
             if name.startswith("import") and not os.path.isdir(os.path.join(work, "st")):
                 run(OPERATIONS["export to sharded safetensors (max_shard_size=1GB)"][0], src,
                     os.path.join(work, "out", "model.ckpt"), args.workers)
-            runs, ratios, cps = [], [], []
+            runs, ratios, cps, plain = [], [], [], []
             for round_ in range(args.repeat):
                 out_dir = os.path.join(work, "out")
                 keep_st = name.startswith("export") and round_ == args.repeat - 1
@@ -159,6 +161,7 @@ def main(argv=None) -> int:
                 runs.append(result)
                 written = os.path.join(work, "st") if name.startswith("export") else out_dir
                 if paired:
+                    plain.append(timed_cp(written, os.path.join(work, "copy"), fsync=False))
                     cps.append(timed_cp(written, os.path.join(work, "copy")))
                     ratios.append(result["seconds"] / cps[-1])
                 result["bytes"] = du(written)
@@ -172,9 +175,12 @@ def main(argv=None) -> int:
                 "cp_seconds": statistics.median(cps) if cps else None,
                 "ratio": statistics.median(ratios) if ratios else None,
                 "ratio_rounds": [round(x, 2) for x in ratios],
+                "cp_plain_seconds": statistics.median(plain) if plain else None,
+                "ratio_plain": statistics.median(r["seconds"] / p for r, p in zip(runs, plain)) if plain else None,
             }
             r = results[name]
-            shown = f"{r['ratio']:5.2f}x cp -r + fsync ({r['cp_seconds']:.2f} s)" if r["ratio"] else ""
+            shown = (f"{r['ratio']:5.2f}x cp -r + fsync ({r['cp_seconds']:.2f} s), {r['ratio_plain']:5.2f}x plain cp -r "
+                     f"({r['cp_plain_seconds']:.2f} s)") if r["ratio"] else ""
             print(f"{name:55s} {r['seconds']:8.3f} s  {r['bytes'] / 1e9:6.2f} GB  peak +{r['peak_mib']:6.1f} MiB  {shown}",
                   flush=True)
     finally:

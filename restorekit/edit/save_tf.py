@@ -30,7 +30,7 @@ from restorekit.errors import (
 )
 
 INDEX_SLACK = 1 << 20  # room for the index and filesystem rounding in the free-space check
-# Data shards a compacting save writes at once. Two: on 2 cores one thread's reads and
+# Data shards a compacting save of copied tensors writes at once: one thread's reads and
 # writes (which release the GIL) overlap the other's crc32c; see benchmarks/README.md.
 WORKERS = 2
 _SHARD_FILE = re.compile(r"\.data-(\d{5})-of-(\d{5})")
@@ -362,8 +362,12 @@ def write_parts(source: Source, writer: BundleWriter, plan: dict[str, Item], par
 
     stop = threading.Event()
     lock = threading.Lock()
-    # A remote output stages one shard at a time on the local disk.
-    workers = 1 if isinstance(writer.staging, files.RemoteStaging) else min(WORKERS, len(parts))
+    # A remote output stages one shard at a time on the local disk. Shards that compute
+    # (casts, new values) are written one at a time: numpy holds the GIL there, and two
+    # such threads took 1.5x as long as one on 2 cores (benchmarks/README.md).
+    copies = all(plan[name].stored for part in parts for name in part)
+    remote = isinstance(writer.staging, files.RemoteStaging)
+    workers = min(WORKERS, len(parts)) if copies and not remote else 1
     with progress_bar(sum(source.nbytes(item) for item in plan.values()), progress, "save") as bar:
 
         def fill(shard_id: int) -> set[bytes]:
