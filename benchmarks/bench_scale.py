@@ -51,13 +51,13 @@ print(json.dumps({{"seconds": seconds, "peak": status("VmHWM:") - base}}))
 """
 
 SETUP = """import numpy as np
-import restorekit.edit.save_tf as save_tf, restorekit.export.sharded as sharded
+import restorekit.edit.save_tf as save_tf
 from restorekit.edit import CheckpointEditor
 from restorekit.export import convert
 src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 st = os.path.join(os.path.dirname(os.path.dirname(src)), "st")  # the sharded safetensors
 if workers:
-    save_tf.WORKERS = sharded.WORKERS = workers"""
+    save_tf.WORKERS = workers"""
 
 # name -> (body, paired with cp of the output)
 OPERATIONS = {

@@ -299,3 +299,11 @@ def test_bad_safetensors_shard_sets_are_refused_on_import(tf_sharded, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="different saves"):
         convert(st, out / "model.ckpt")
     assert not out.exists()
+
+
+def test_export_of_a_checkpoint_missing_a_shard_writes_nothing(sharded, tmp_path):
+    prefix, _ = sharded
+    os.remove(f"{prefix}.data-00001-of-00004")
+    with pytest.raises(CorruptCheckpointError, match=r"missing 1 of its 4 data shards"):
+        convert(prefix, tmp_path / "st", max_shard_size=40_000)
+    assert not (tmp_path / "st").exists()

@@ -17,6 +17,7 @@ from restorekit.errors import CorruptCheckpointError, OutputError, OutputExistsE
 
 __all__ = [
     "basename",
+    "check_shard_files",
     "dirname",
     "exists",
     "glob",
@@ -171,6 +172,40 @@ def read_range(path: str, offset: int, size: int) -> bytes:
             offset += len(chunk)
             size -= len(chunk)
         return b"".join(chunks)
+
+
+_SHARD_FILE = re.compile(r"\.data-(\d{5})-of-(\d{5})")
+
+
+def check_shard_files(prefix: str, num_shards: int) -> None:
+    """Refuse a local checkpoint whose data shards are not all there (one ``stat`` each, no reads).
+
+    Shards of another save beside the prefix (another shard count) are named, since
+    they are the usual cause and cannot stand in. (Shards of another save with the same
+    count fail their crc32c when their bytes are read.) Remote prefixes are not checked.
+
+    Raises:
+        CorruptCheckpointError: a data shard is missing (nothing has been written).
+    """
+    if is_remote(prefix):
+        return
+    paths = [f"{prefix}.data-{i:05d}-of-{num_shards:05d}" for i in range(num_shards)]
+    missing = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
+    if not missing:
+        return
+    directory, base = os.path.split(prefix)
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        names = []
+    others = sorted({int(m.group(2)) for n in names if n.startswith(base)
+                     and (m := _SHARD_FILE.fullmatch(n[len(base):])) and int(m.group(2)) != num_shards})
+    strays = (f"; the directory holds shards of another save of {base!r} (of "
+              f"{', '.join(f'{n:05d}' for n in others)}), which cannot stand in") if others else ""
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    raise CorruptCheckpointError(
+        f"{prefix!r} is missing {len(missing)} of its {num_shards} data shards ({shown}){strays}; nothing was written"
+    )
 
 
 def publish(local: str, remote: str, *, overwrite: bool) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -33,7 +32,6 @@ INDEX_SLACK = 1 << 20  # room for the index and filesystem rounding in the free-
 # Data shards a compacting save of copied tensors writes at once: one thread's reads and
 # writes (which release the GIL) overlap the other's crc32c; see benchmarks/README.md.
 WORKERS = 2
-_SHARD_FILE = re.compile(r"\.data-(\d{5})-of-(\d{5})")
 
 
 @dataclass(frozen=True)
@@ -148,34 +146,14 @@ def _old_shard_count(prefix: str) -> int:
 
 
 def check_shard_set(ckpt) -> None:
-    """Refuse a local checkpoint whose data shards are not all there, before anything is written.
-
-    One ``stat`` per shard, no reads. Shards of another save beside the prefix (another
-    shard count) are named, since they are the usual cause: they cannot stand in. Shards
-    of another save with the same count fail their crc32c when their bytes are read.
+    """Refuse a checkpoint whose data shards are missing (``files.check_shard_files``) or too short.
 
     Raises:
-        CorruptCheckpointError: a data shard is missing, or shorter than the index needs.
+        CorruptCheckpointError: before anything is written.
     """
-    if files.is_remote(ckpt.prefix):
-        return
-    total = ckpt.header.num_shards
-    missing = [os.path.basename(ckpt.data_file(i)) for i in range(total) if not os.path.isfile(ckpt.data_file(i))]
-    if missing:
-        directory, base = os.path.split(ckpt.prefix)
-        try:
-            names = os.listdir(directory or ".")
-        except OSError:
-            names = []
-        others = sorted({int(m.group(2)) for n in names if n.startswith(base)
-                         and (m := _SHARD_FILE.fullmatch(n[len(base):])) and int(m.group(2)) != total})
-        strays = (f"; the directory holds shards of another save of {base!r} (of "
-                  f"{', '.join(f'{n:05d}' for n in others)}), which cannot stand in") if others else ""
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CorruptCheckpointError(
-            f"{ckpt.prefix!r} is missing {len(missing)} of its {total} data shards ({shown}){strays}; nothing was written"
-        )
-    ckpt.check_shards()
+    if not files.is_remote(ckpt.prefix):
+        files.check_shard_files(ckpt.prefix, ckpt.header.num_shards)
+        ckpt.check_shards()
 
 
 def _bytes_to_write(source: Source, plan: dict[str, Item], shards: _Shards, directory: str) -> int:
