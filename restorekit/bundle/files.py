@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
 import stat
 
 from restorekit._tensorflow import import_tensorflow
@@ -16,6 +17,7 @@ from restorekit.errors import CorruptCheckpointError, OutputError, OutputExistsE
 
 __all__ = [
     "basename",
+    "check_shard_files",
     "dirname",
     "exists",
     "glob",
@@ -24,6 +26,7 @@ __all__ = [
     "join",
     "mtime",
     "open_regular",
+    "RemoteStaging",
     "publish",
     "read_bytes",
     "read_range",
@@ -171,6 +174,40 @@ def read_range(path: str, offset: int, size: int) -> bytes:
         return b"".join(chunks)
 
 
+_SHARD_FILE = re.compile(r"\.data-(\d{5})-of-(\d{5})")
+
+
+def check_shard_files(prefix: str, num_shards: int) -> None:
+    """Refuse a local checkpoint whose data shards are not all there (one ``stat`` each, no reads).
+
+    Shards of another save beside the prefix (another shard count) are named, since
+    they are the usual cause and cannot stand in. (Shards of another save with the same
+    count fail their crc32c when their bytes are read.) Remote prefixes are not checked.
+
+    Raises:
+        CorruptCheckpointError: a data shard is missing (nothing has been written).
+    """
+    if is_remote(prefix):
+        return
+    paths = [f"{prefix}.data-{i:05d}-of-{num_shards:05d}" for i in range(num_shards)]
+    missing = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
+    if not missing:
+        return
+    directory, base = os.path.split(prefix)
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        names = []
+    others = sorted({int(m.group(2)) for n in names if n.startswith(base)
+                     and (m := _SHARD_FILE.fullmatch(n[len(base):])) and int(m.group(2)) != num_shards})
+    strays = (f"; the directory holds shards of another save of {base!r} (of "
+              f"{', '.join(f'{n:05d}' for n in others)}), which cannot stand in") if others else ""
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    raise CorruptCheckpointError(
+        f"{prefix!r} is missing {len(missing)} of its {num_shards} data shards ({shown}){strays}; nothing was written"
+    )
+
+
 def publish(local: str, remote: str, *, overwrite: bool) -> None:
     """Copy a finished local file to ``remote`` so that it appears whole or not at all.
 
@@ -211,3 +248,64 @@ def remove(path: str) -> None:
             os.remove(path)
     except Exception:  # noqa: BLE001
         pass
+
+
+class RemoteStaging:
+    """Files for a remote directory, staged locally one at a time and uploaded as each is finished.
+
+    The local side of a ``gs://`` (any ``tf.io.gfile``) save: ``path(final)`` names a
+    local file under ``$TMPDIR`` that becomes ``final``; ``publish(final)`` uploads it
+    at once (hidden name, then rename: see ``publish``) and deletes the local copy, so
+    the local disk holds only the files not yet published. ``commit`` uploads what is
+    left, ``.index`` files last; an error before then (``abort``) removes every object
+    already uploaded. Same interface as ``atomic.Staging`` where the save needs it.
+    """
+
+    def __init__(self, directory: str):
+        import tempfile
+
+        self.directory = directory.rstrip("/")
+        self.tmpdir = tempfile.mkdtemp(prefix="restorekit-upload-")
+        self._finals: dict[str, str] = {}
+        self.uploaded: list[str] = []
+        self.committed = False
+
+    def path(self, final: str) -> str:
+        if dirname(final) != self.directory:
+            raise OutputError(f"{final!r} is not in the output directory {self.directory!r}")
+        tmp = os.path.join(self.tmpdir, basename(final))
+        self._finals[tmp] = final
+        return tmp
+
+    def publish(self, final: str, local: str | None = None) -> None:
+        """Upload ``final``'s staged file (or the existing file ``local``) now; a staged file is then deleted."""
+        tmp = local or os.path.join(self.tmpdir, basename(final))
+        # A data shard under this name without its index is an orphan of an earlier failed save.
+        publish(tmp, final, overwrite=not final.endswith(".index"))
+        self.uploaded.append(final)
+        if local is None:
+            os.remove(tmp)
+            self._finals.pop(tmp, None)
+
+    def commit(self, *, remove_before=(), remove_after=()) -> None:
+        """Upload the staged files not yet published, ``.index`` files last."""
+        if remove_before or remove_after:
+            raise OutputError(f"{self.directory!r}: a remote output cannot replace files atomically")
+        staged = [t for t in self._finals if os.path.exists(t)]
+        for tmp in sorted(staged, key=lambda t: t.endswith(".index")):
+            self.publish(self._finals[tmp])
+        self.committed = True
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def abort(self) -> None:
+        for final in self.uploaded:
+            remove(final)
+        self.uploaded = []
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> "RemoteStaging":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.committed:
+            self.abort()

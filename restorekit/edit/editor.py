@@ -335,8 +335,8 @@ class CheckpointEditor:
 
     # ------------------------------------------------------------------ saving
     def save(self, out, *, format: str = "tf", layout: str | None = None, weights_only: bool = False, ema=None,
-             compact: bool = False, overwrite: bool = False, update_state_file: bool = False,
-             progress: bool = False) -> str:
+             compact: bool = False, num_shards: int | None = None, overwrite: bool = False,
+             update_state_file: bool = False, progress: bool = False) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -355,6 +355,8 @@ class CheckpointEditor:
                 weight's moving average as the weight (its key stays), the shadows left
                 out; weights without a shadow keep their raw values (a RestoreKitWarning names them).
             compact: write one new shard holding only the kept tensors (``'tf'``).
+            num_shards: write the kept tensors into this many new shards (``'tf'``; implies
+                ``compact``), balanced by bytes in entry order, several written at once.
             overwrite: replace an existing output (never the source: use save_in_place).
                 Exactly the old output's files are replaced: its ``.index`` and its
                 ``.data-NNNNN-of-MMMMM`` shards, matched by name literally.
@@ -367,7 +369,8 @@ class CheckpointEditor:
         Raises:
             OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
             InsufficientSpaceError: the disk cannot hold the output; nothing is written.
-            InvalidArgumentError: a layout the format cannot take, ``ema`` without shadows.
+            InvalidArgumentError: a layout the format cannot take, ``ema`` without shadows,
+                ``num_shards`` that is not a positive int or is given for another format.
             ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
@@ -379,6 +382,8 @@ class CheckpointEditor:
             formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
         elif layout is not None:
             raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
+        if num_shards is not None and format != formats.TF:
+            raise InvalidArgumentError(f"num_shards= applies to format='tf'; {format} files take no shard count")
         plan = with_options(self._reader, self._plan, weights_only=weights_only, ema=ema)
         out = os.fspath(out)
         if files.is_remote(out):
@@ -386,7 +391,7 @@ class CheckpointEditor:
                                update_state_file=update_state_file,
                                write_local=lambda path: self._save_local(plan, path, format, layout=layout,
                                                                          compact=compact, overwrite=False,
-                                                                         progress=progress))
+                                                                         progress=progress, num_shards=num_shards))
         if format != "tf":
             return self._save_local(plan, os.path.abspath(out), format, layout=layout, compact=compact,
                                     overwrite=overwrite, progress=progress)
@@ -405,16 +410,17 @@ class CheckpointEditor:
                 if existing and not overwrite:
                     raise OutputExistsError(path=prefix)
                 return save_tf(self._reader, plan, prefix, compact=compact, in_place=False,
-                               replacing=existing, update_state_file=update_state_file, progress=progress)
+                               replacing=existing, update_state_file=update_state_file, progress=progress,
+                               num_shards=num_shards)
         except BaseException:
             _remove_if_empty(made)  # a refused or failed save leaves no directory behind either
             raise
 
     def _save_local(self, plan, path: str, format: str, *, layout, compact: bool, overwrite: bool,
-                    progress: bool) -> str:
+                    progress: bool, num_shards: int | None = None) -> str:
         if format == "tf":
             return save_tf(self._reader, plan, path, compact=compact, in_place=False, replacing=False,
-                           update_state_file=False, progress=progress)
+                           update_state_file=False, progress=progress, num_shards=num_shards)
         return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
     def _save_keras(self, out, *, format: str, layout, weights_only: bool, ema, overwrite: bool, progress: bool) -> str:

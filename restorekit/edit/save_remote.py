@@ -1,4 +1,4 @@
-"""Saving an edited checkpoint to ``gs://`` and other remote filesystems: write locally, then upload file by file."""
+"""Saving an edited checkpoint to ``gs://`` and other remote filesystems: shard by shard (TF), or write locally and upload."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from restorekit.errors import OutputError, OutputExistsError
 
 def save_remote(out: str, *, source_prefix: str, write_local, format: str, overwrite: bool,
                 update_state_file: bool) -> str:
-    """Save to ``out`` through a local directory under ``$TMPDIR``.
+    """Save to the remote ``out``; refuse an existing output first.
 
-    ``write_local(path)`` writes the output at the local ``path`` (a TF prefix, or a
-    file for other formats). Each file is uploaded under a hidden name and renamed;
-    the data shards go first and the ``.index`` last, so the checkpoint exists for
-    readers only once it is complete. An existing remote checkpoint is not replaced:
-    that would briefly mix old and new files, which no object store can rename as one.
+    ``write_local(path)`` writes the output at ``path``. A TF checkpoint gets the remote
+    prefix itself: ``save_tf`` stages one shard at a time under ``$TMPDIR`` and uploads
+    each as soon as it is complete, reused source shards straight from the source, the
+    ``.index`` last (``files.RemoteStaging``), so the local disk never holds more than
+    one shard. Other formats are one file, written under a local directory and then
+    uploaded. Each upload goes to a hidden name and is renamed, so the checkpoint
+    exists for readers only once it is complete. An existing remote checkpoint is not
+    replaced: that would briefly mix old and new files, which no object store can
+    rename as one.
     """
     target = _target(out, source_prefix, format)
     if files.exists(target + ".index" if format == "tf" else target):
@@ -27,16 +31,13 @@ def save_remote(out: str, *, source_prefix: str, write_local, format: str, overw
                 "delete it first or save under a new name"
             )
         raise OutputExistsError(path=target)
-    base = files.basename(target)
-    directory = files.dirname(target)
-    with tempfile.TemporaryDirectory(prefix="restorekit-upload-") as local_dir:
-        write_local(os.path.join(local_dir, base))
-        if format == "tf":
-            shards = sorted(n for n in os.listdir(local_dir) if n.startswith(base + ".data-"))
-            names = shards + [base + ".index"]
-        else:
-            names = [base]
-        _upload(local_dir, directory, names)
+    if format == "tf":
+        write_local(target)
+    else:
+        with tempfile.TemporaryDirectory(prefix="restorekit-upload-") as local_dir:
+            local = os.path.join(local_dir, files.basename(target))
+            write_local(local)
+            files.publish(local, target, overwrite=False)
     if update_state_file and format == "tf":
         statefile.write(target)
     return target
@@ -50,17 +51,3 @@ def _target(out: str, source_prefix: str, format: str) -> str:
     if format == "tf" and target == source_prefix:
         raise OutputExistsError(path=out, is_source=True)
     return target
-
-
-def _upload(local_dir: str, directory: str, names: list[str]) -> None:
-    """Publish ``names`` in order; on failure remove the ones already uploaded."""
-    uploaded = []
-    try:
-        for name in names:
-            # data shards without their index are orphans of an earlier failed save
-            files.publish(os.path.join(local_dir, name), files.join(directory, name), overwrite=name != names[-1])
-            uploaded.append(name)
-    except BaseException:
-        for name in uploaded:
-            files.remove(files.join(directory, name))
-        raise

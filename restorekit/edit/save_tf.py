@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from restorekit.bundle.format import decode_tensor, encode_slice_key
 from restorekit.bundle.objectgraph import rewrite_keys
 from restorekit.bundle.protos import decode_entry, decode_header
 from restorekit.bundle.table import mask_crc, read_table
-from restorekit.bundle.writer import BundleWriter, copy_checked
+from restorekit.bundle.writer import BundleWriter, check_num_shards, copy_checked
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import ATTRIBUTES, STRING, Concat, Item
 from restorekit.edit.source import Source, check_readable
@@ -28,28 +29,49 @@ from restorekit.errors import (
 )
 
 INDEX_SLACK = 1 << 20  # room for the index and filesystem rounding in the free-space check
+# Data shards a compacting save of copied tensors writes at once: one thread's reads and
+# writes (which release the GIL) overlap the other's crc32c; see benchmarks/README.md.
+WORKERS = 2
 
 
 @dataclass(frozen=True)
 class _Shards:
-    """How the output's shards are made: the source's reused (linked, or kept in place) and/or one new one."""
+    """How the output's shards are made: the source's reused (linked, or kept in place) and/or new ones."""
 
     count: int
-    new: int | None  # the shard this save writes, None when it writes only an index
+    new: int | None  # the one shard a reusing save writes, None when it writes only an index
     reuse: bool  # stored tensors stay where they are in the source's shards
-    link: bool  # the source's shards are hard-linked (or copied) under the output's names
+    link: bool  # the source's shards are hard-linked (or copied, or uploaded) under the output's names
+    parts: tuple | None = None  # a compacting save: the plan's names for each of the count shards, in order
 
 
 def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
-            replacing: bool, update_state_file: bool, progress: bool = False) -> str:
-    """Write ``plan`` as the checkpoint ``prefix``; see ``CheckpointEditor.save``."""
+            replacing: bool, update_state_file: bool, progress: bool = False, num_shards: int | None = None) -> str:
+    """Write ``plan`` as the checkpoint ``prefix``; see ``CheckpointEditor.save``.
+
+    ``num_shards`` rewrites the tensors into that many data shards, balanced by bytes,
+    in plan order (a compacting save); several shards are written at once (``WORKERS``).
+    A remote ``prefix`` (``gs://``, any ``tf.io.gfile`` path) is written through a
+    ``files.RemoteStaging``: each shard is uploaded as soon as it is complete and its
+    local copy deleted, reused source shards are uploaded from where they are, and the
+    ``.index`` goes last, so the local disk holds at most one shard.
+    """
     ckpt = source.checkpoint
+    if num_shards is not None:
+        num_shards = check_num_shards(num_shards)
     plan = final_plan(source, plan)
-    directory = os.path.dirname(prefix)
-    compact = compact or files.is_remote(ckpt.prefix)  # a remote shard cannot be linked
-    shards = _shards(ckpt.header.num_shards, plan, prefix, compact=compact, in_place=in_place, replacing=replacing)
+    remote = files.is_remote(prefix)
+    directory = files.dirname(prefix) if remote else os.path.dirname(prefix)
+    # A remote shard cannot be linked; a shard count other than the source's means rewriting.
+    compact = compact or num_shards is not None or files.is_remote(ckpt.prefix)
+    check_shard_set(ckpt)
+    shards = _shards(source, plan, prefix, compact=compact, in_place=in_place, replacing=replacing,
+                     num_shards=num_shards)
     check_sources(source, plan, reuse=shards.reuse)  # before anything is staged
-    check_space(directory, _bytes_to_write(source, plan, shards, directory))
+    if remote:
+        check_space(tempfile.gettempdir(), _largest_new_shard(source, plan, shards))
+    else:
+        check_space(directory, _bytes_to_write(source, plan, shards, directory))
 
     remove_before: list[str] = []
     remove_after: list[str] = []
@@ -60,19 +82,19 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     elif in_place and shards.count != ckpt.header.num_shards:
         remove_after = [ckpt.data_file(i) for i in range(ckpt.header.num_shards)]
 
-    with atomic.Staging(directory) as staging:
+    with (files.RemoteStaging(directory) if remote else atomic.Staging(directory)) as staging:
         writer = BundleWriter(prefix, num_shards=shards.count, shard_id=shards.new, staging=staging)
         try:
-            shard_paths = _stage_shards(ckpt, prefix, shards, staging, writer)
+            sizes = _stage_shards(ckpt, prefix, shards, staging)
             atomic.crash_point("shards-staged")
-            expected = write_plan(source, writer, plan, reuse=shards.reuse, progress=progress)
+            if shards.parts is not None:
+                expected = write_parts(source, writer, plan, shards.parts, progress=progress)
+            else:
+                expected = write_plan(source, writer, plan, reuse=shards.reuse, progress=progress)
             writer.finish(commit=False)
-            if shards.count == 2 and not shards.reuse:
-                extra = staging.path(f"{prefix}.data-00001-of-00002")
-                open(extra, "wb").close()
-                shard_paths[1] = extra
+            sizes.update(writer.shard_sizes)
             atomic.crash_point("before-verify")
-            verify(staging.path(prefix + ".index"), shard_paths, expected)
+            verify(staging.path(prefix + ".index"), sizes, expected)
             atomic.crash_point("before-commit")
         except BaseException:
             writer.abort()
@@ -84,12 +106,15 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     return prefix
 
 
-def _shards(n_src: int, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
-            replacing: bool) -> _Shards:
+def _shards(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
+            replacing: bool, num_shards: int | None) -> _Shards:
+    n_src = source.checkpoint.header.num_shards
+    if num_shards is not None:
+        return _Shards(num_shards, None, False, False, balanced(source, plan, num_shards))
     if compact:
         # One fresh shard; in place, its file name must differ from every live one.
-        count = 2 if replacing and _old_shard_count(prefix) == 1 else 1
-        return _Shards(count, 0, False, False)
+        count = 2 if replacing and not files.is_remote(prefix) and _old_shard_count(prefix) == 1 else 1
+        return _Shards(count, None, False, False, (tuple(plan),) + ((),) * (count - 1))
     if any(not it.stored for it in plan.values()):
         count, new = n_src + 1, n_src
     else:
@@ -97,11 +122,40 @@ def _shards(n_src: int, plan: dict[str, Item], prefix: str, *, compact: bool, in
     return _Shards(count, new, True, not (in_place and count == n_src))
 
 
+def balanced(source: Source, plan: dict[str, Item], count: int) -> tuple:
+    """The plan's names cut into ``count`` runs (in order) of about equal bytes.
+
+    Each tensor goes to the shard its middle byte falls in when the total is laid out
+    evenly over the shards, so runs stay in plan order and no shard exceeds its share
+    by more than half of one tensor on each side. Shards may be empty (fewer tensors
+    than shards); TF reads empty shards.
+    """
+    sizes = [(name, source.nbytes(item)) for name, item in plan.items()]
+    total = sum(size for _, size in sizes) or 1
+    parts: list[list[str]] = [[] for _ in range(count)]
+    done = 0
+    for name, size in sizes:
+        parts[min(count - 1, (2 * done + size) * count // (2 * total))].append(name)
+        done += size
+    return tuple(tuple(part) for part in parts)
+
+
 def _old_shard_count(prefix: str) -> int:
     try:
         return decode_header(read_table(files.read_bytes(prefix + ".index"))[0][1]).num_shards
     except (CorruptCheckpointError, OSError, IndexError):
         return 0
+
+
+def check_shard_set(ckpt) -> None:
+    """Refuse a checkpoint whose data shards are missing (``files.check_shard_files``) or too short.
+
+    Raises:
+        CorruptCheckpointError: before anything is written.
+    """
+    if not files.is_remote(ckpt.prefix):
+        files.check_shard_files(ckpt.prefix, ckpt.header.num_shards)
+        ckpt.check_shards()
 
 
 def _bytes_to_write(source: Source, plan: dict[str, Item], shards: _Shards, directory: str) -> int:
@@ -113,19 +167,27 @@ def _bytes_to_write(source: Source, plan: dict[str, Item], shards: _Shards, dire
     return written
 
 
-def _stage_shards(ckpt, prefix: str, shards: _Shards, staging, writer) -> dict[int, str]:
-    """Link (or copy) the reused source shards into staging; return shard id -> path for ``verify``."""
-    paths = {}
+def _largest_new_shard(source: Source, plan: dict[str, Item], shards: _Shards) -> int:
+    """What a remote save stages locally at once: its largest new shard (reused shards upload from the source)."""
+    if shards.parts is None:
+        return sum(source.nbytes(it) for it in plan.values() if not it.stored)
+    return max(sum(source.nbytes(plan[name]) for name in part) for part in shards.parts)
+
+
+def _stage_shards(ckpt, prefix: str, shards: _Shards, staging) -> dict[int, int]:
+    """Link (or copy, or upload) the reused source shards; return shard id -> size for ``verify``."""
+    sizes = {}
     n_src = ckpt.header.num_shards
-    if shards.link:
-        for i in range(n_src):
-            paths[i] = staging.path(f"{prefix}.data-{i:05d}-of-{shards.count:05d}")
-            atomic.link_or_copy(ckpt.data_file(i), paths[i])
-    elif shards.reuse:
-        paths = {i: ckpt.data_file(i) for i in range(n_src)}
-    if shards.new is not None:
-        paths[shards.new] = staging.path(writer.data_path(shards.new))
-    return paths
+    for i in range(n_src) if shards.reuse else ():
+        sizes[i] = os.path.getsize(ckpt.data_file(i))
+        if not shards.link:
+            continue
+        final = f"{prefix}.data-{i:05d}-of-{shards.count:05d}"
+        if isinstance(staging, files.RemoteStaging):
+            staging.publish(final, local=ckpt.data_file(i))
+        else:
+            atomic.link_or_copy(ckpt.data_file(i), staging.path(final))
+    return sizes
 
 
 def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> None:
@@ -188,7 +250,7 @@ def _check_kept(ckpt, name: str, entry, handles: dict) -> None:
     if mask_crc(crc) != entry.crc32c:
         raise ChecksumMismatchError(
             f"{name!r}: source bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed "
-            f"{mask_crc(crc):#010x}); the source data shard is corrupt, nothing was written"
+            f"{mask_crc(crc):#010x}); the source data shard is corrupt (or belongs to another save), nothing was written"
         )
 
 
@@ -253,19 +315,68 @@ def _same_device(a: str, b: str) -> bool:
 
 def write_plan(source: Source, writer: BundleWriter, plan: dict[str, Item], *, reuse: bool,
                progress: bool = False) -> set[bytes]:
-    """Stream every tensor of ``plan`` into ``writer``; return the index keys written."""
+    """Stream every tensor of ``plan`` into ``writer`` (its one shard); return the index keys written."""
     from restorekit.export.base import progress_bar
 
     keys = set()
     with progress_bar(sum(source.nbytes(item) for item in plan.values()), progress, "save") as bar:
         for name, item in plan.items():
-            keys |= _write_one(source, writer, name, item, reuse=reuse)
+            keys |= _write_one(source, writer, writer, name, item, reuse=reuse)
             bar.update(source.nbytes(item))
     return keys
 
 
-def _write_one(source: Source, writer: BundleWriter, name: str, item: Item, *, reuse: bool) -> set[bytes]:
-    """Write one tensor (or the slices of a partitioned one); return the index keys written."""
+def write_parts(source: Source, writer: BundleWriter, plan: dict[str, Item], parts: tuple, *,
+                progress: bool = False) -> set[bytes]:
+    """Write ``parts[i]`` (names of ``plan``, in order) into data shard ``i``, up to ``WORKERS`` shards at once.
+
+    Each shard is one thread's sequential stream (memory: a copy buffer per thread and
+    the tensor being changed); a shard is closed, and with a remote staging uploaded,
+    as soon as it is complete. The first error stops the other shards after their
+    current tensor and is raised.
+    """
+    import threading
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    from restorekit.export.base import progress_bar
+
+    stop = threading.Event()
+    lock = threading.Lock()
+    # A remote output stages one shard at a time on the local disk. Shards that compute
+    # (casts, new values) are written one at a time: numpy holds the GIL there, and two
+    # such threads took 1.5x as long as one on 2 cores (benchmarks/README.md).
+    copies = all(plan[name].stored for part in parts for name in part)
+    remote = isinstance(writer.staging, files.RemoteStaging)
+    workers = min(WORKERS, len(parts)) if copies and not remote else 1
+    with progress_bar(sum(source.nbytes(item) for item in plan.values()), progress, "save") as bar:
+
+        def fill(shard_id: int) -> set[bytes]:
+            shard = writer.shard(shard_id)
+            keys = set()
+            for name in parts[shard_id]:
+                if stop.is_set():
+                    return keys
+                keys |= _write_one(source, writer, shard, name, plan[name], reuse=False)
+                with lock:
+                    bar.update(source.nbytes(plan[name]))
+            shard.close()
+            return keys
+
+        if workers <= 1:
+            return set().union(*map(fill, range(len(parts))))
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="restorekit-shard")
+        futures = [pool.submit(fill, i) for i in range(len(parts))]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            return set().union(*(f.result() for f in futures))  # the first error, if any, is raised here
+        finally:
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _write_one(source: Source, writer: BundleWriter, shard, name: str, item: Item, *, reuse: bool) -> set[bytes]:
+    """Write one tensor (or the slices of a partitioned one) into ``shard`` (a ShardWriter, or ``writer``
+    for its own shard); return the index keys written."""
     ckpt = source.checkpoint
     keys = set()
     if item.stored and ckpt.is_partitioned(item.origin):
@@ -274,7 +385,7 @@ def _write_one(source: Source, writer: BundleWriter, name: str, item: Item, *, r
             if reuse:
                 writer.add_entry_only(key, part)
             else:
-                _copy(source, writer, key, part, item.origin)
+                _copy(source, shard, key, part, item.origin)
             keys.add(key)
         writer.add_entry_only(name, ckpt.bundle_entry(item.origin))
     elif item.stored:
@@ -282,35 +393,34 @@ def _write_one(source: Source, writer: BundleWriter, name: str, item: Item, *, r
         if reuse:
             writer.add_entry_only(name, entry)
         else:
-            _copy(source, writer, name, entry, item.origin)
+            _copy(source, shard, name, entry, item.origin)
     elif item.base is None and not item.ops and item.cast is not None:
-        writer.add_stream(name, item.cast, item.shape, source.cast_chunks(item))
+        shard.add_stream(name, item.cast, item.shape, source.cast_chunks(item))
     elif isinstance(item.base, Concat) and not item.ops and item.cast is None and item.dtype != STRING:
-        writer.add_stream(name, item.dtype, item.shape, source.concat_chunks(item.base))
+        shard.add_stream(name, item.dtype, item.shape, source.concat_chunks(item.base))
     else:
-        writer.add(name, source.value(item))
+        shard.add(name, source.value(item))
     keys.add(name.encode("utf-8"))
     return keys
 
 
-def _copy(source: Source, writer: BundleWriter, key, entry, origin: str) -> None:
+def _copy(source: Source, shard, key, entry, origin: str) -> None:
     """Copy an unchanged tensor's bytes (crc checked, never decoded)."""
     check_readable(origin, entry)
     path = source.checkpoint.data_file(entry.shard_id)
     if files.is_remote(path):
-        writer.add_raw(key, entry, source.raw_chunks(entry, origin))
+        shard.add_raw(key, entry, source.raw_chunks(entry, origin))
     else:
-        writer.add_copy(key, entry, path)
+        shard.add_copy(key, entry, path)
 
 
-def verify(index_path: str, shard_paths: dict[int, str], expected: set[bytes]) -> None:
-    """Re-read the staged index: the expected keys, each entry inside an existing shard."""
+def verify(index_path: str, sizes: dict[int, int], expected: set[bytes]) -> None:
+    """Re-read the staged index: the expected keys, each entry inside its shard (``sizes``: shard id -> bytes)."""
     records = read_table(files.read_bytes(index_path))
     header = decode_header(records[0][1])
     keys = {k for k, _ in records[1:]}
     if keys != expected:
         raise OutputError(f"verification of {index_path!r} failed: the index holds other keys than written")
-    sizes = {i: os.path.getsize(p) for i, p in shard_paths.items() if os.path.exists(p)}
     for key, value in records[1:]:
         entry = decode_entry(value)
         if entry.slices and not entry.size:

@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from restorekit.bundle import atomic
+from restorekit.bundle import atomic, files
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputExistsError
 from restorekit.export import safetensors
 from restorekit.export.base import ExportResult
@@ -278,8 +278,11 @@ def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str 
     Raises:
         OutputExistsError: an earlier output is there (without ``overwrite``).
         NameCollisionError, InvalidArgumentError: before anything is written.
+        CorruptCheckpointError: a data shard of the checkpoint is missing (before anything is written).
     """
     limit = parse_size(max_shard_size)
+    if getattr(checkpoint, "prefix", None) is not None:
+        files.check_shard_files(checkpoint.prefix, checkpoint.header.num_shards)  # before anything is written
     names = dict(names) if names is not None else {n: n for n in checkpoint.entries}
     record = LayoutRecord.for_checkpoint(checkpoint, layout)
     sizes = []
