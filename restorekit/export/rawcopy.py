@@ -1,18 +1,35 @@
-"""Copies of stored tensor bytes from TF data shards into an export, crc32c checked on the way.
+"""Copies of stored tensor bytes into an export: from TF data shards, crc32c checked on the way, or unchecked ranges.
 
 The fast paths of the exporters: ``copy_raw_run`` has the kernel copy a run of
 tensors lying back to back in a shard (``copy_file_range``) while this thread checks
 each tensor's crc32c from the page cache; ``copy_raw`` copies one tensor through a
 buffer. Used by every format that stores a tensor's bytes as TF does.
+``copy_unchecked_run`` copies ``UncheckedRange``s, bytes of files that keep no checksum
+(Keras ``.h5`` datasets), by the same kernel path without a check.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError
 
-__all__ = ["copy_raw", "copy_raw_run", "write_all"]
+__all__ = ["UncheckedRange", "copy_raw", "copy_raw_run", "copy_unchecked_run", "write_all"]
+
+
+@dataclass(frozen=True)
+class UncheckedRange:
+    """A tensor's bytes as they lie in a file that keeps no checksum of them: ``size`` bytes at ``offset`` of ``path``.
+
+    The writers plan with it as with a TF shard entry (``shard_id``, ``offset``, ``size``);
+    ``shard_id`` is 0, one source file.
+    """
+
+    path: str
+    offset: int
+    size: int
+    shard_id: int = 0
 
 
 def _shard(checkpoint, name: str, entry, handles: dict):
@@ -85,6 +102,64 @@ def copy_raw_run(checkpoint, run: list, out, handles: dict, bar=None) -> None:
     if copy.done < size:  # the kernel refused or stopped part way: finish through a buffer
         if copy_checked(shard.fileno(), start + copy.done, size - copy.done, lambda view: write_all(out, view)) is None:
             raise CorruptCheckpointError(f"data shard {path!r} ended while copying")
+
+
+def copy_unchecked_run(run: list, out, handles: dict, bar=None) -> None:
+    """Copy ``(name, UncheckedRange)`` ranges lying back to back in one file, the way ``cp`` copies a file.
+
+    Unlike ``copy_raw_run`` nothing is checked: the source keeps no checksum of its data.
+    What makes the copy safe is where the ranges come from (``KerasCheckpoint.stored_range``:
+    h5py's own parse of the file's structure, bounded by the file's end) and the bounds
+    checked here again before the first byte is copied: a range past the file's end is
+    refused (``CorruptCheckpointError``; the caller's ``atomic_output`` discards the
+    partial output). The kernel copies (``os.copy_file_range``); where it cannot
+    (another filesystem), the rest goes through a buffer.
+    """
+    first_name, first = run[0]
+    path = first.path
+    if path not in handles:
+        try:
+            handles[path] = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path!r}, the source of {first_name!r}, is gone") from None
+    fd = handles[path].fileno()
+    start, size = first.offset, run[-1][1].offset + run[-1][1].size - first.offset
+    file_size = os.fstat(fd).st_size
+    for name, where in run:
+        if where.offset + where.size > file_size:
+            raise CorruptCheckpointError(f"{path!r} is truncated: {name!r} needs bytes {where.offset}..{where.offset + where.size} "
+                                         f"of a {file_size}-byte file")
+    done = 0
+    copy = getattr(os, "copy_file_range", None)  # absent off Linux: the buffered copy does it all
+    try:
+        while copy is not None and done < size:
+            n = copy(fd, out.fileno(), min(_KernelCopy._STEP, size - done), start + done)
+            if n == 0:
+                break  # the file shrank since the check; the buffered copy reports it
+            done += n
+            if bar is not None:
+                bar.update(n)
+    except OSError:  # EXDEV, ENOSYS, EINVAL...: the kernel will not; copy the rest through a buffer
+        pass
+    if done < size and not _copy_buffered(fd, start + done, size - done, out, bar):
+        raise CorruptCheckpointError(f"{path!r} ended while its bytes {start}..{start + size} were copied")
+
+
+def _copy_buffered(fd: int, offset: int, size: int, out, bar) -> bool:
+    """Copy ``size`` bytes at ``offset`` of ``fd`` to ``out`` through a reused buffer; False when the file ends first."""
+    from restorekit.bundle.writer import COPY_CHUNK
+
+    view = memoryview(bytearray(min(COPY_CHUNK, size)))
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(len(view), size - done)]], offset + done)
+        if n == 0:
+            return False
+        write_all(out, view[:n])
+        if bar is not None:
+            bar.update(n)
+        done += n
+    return True
 
 
 def write_all(out, view) -> None:

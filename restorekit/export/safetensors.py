@@ -32,7 +32,14 @@ from restorekit.export.base import (
 )
 from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
 from restorekit.export.reading import check_output_size, reader, regular_file
-from restorekit.export.rawcopy import _KernelCopy, copy_raw, copy_raw_run, write_all  # noqa: F401  (tests patch _KernelCopy here)
+from restorekit.export.rawcopy import (  # noqa: F401  (tests patch _KernelCopy here)
+    UncheckedRange,
+    _KernelCopy,
+    copy_raw,
+    copy_raw_run,
+    copy_unchecked_run,
+    write_all,
+)
 
 __all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "open_tensors", "read", "read_header", "read_record",
            "read_shapes", "recognizes", "write", "write_checkpoint"]
@@ -234,9 +241,15 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
     permutation is copied from its data shard in large chunks, crc32c checked on the
     way (safetensors stores exactly the little-endian bytes a TF shard holds).
 
+    A source that keeps no checksum but knows where a tensor's bytes lie as stored
+    (``checkpoint.stored_range(name)`` -> ``(path, offset, size)``, as a Keras file's
+    contiguous, unfiltered little-endian datasets do) has those ranges copied by the
+    kernel unchecked (``copy_unchecked_run``); its other tensors are read and decoded.
+
     Raises:
         NameCollisionError, InvalidArgumentError: before anything is written.
-        ChecksumMismatchError, CorruptCheckpointError: a bad shard (no output left).
+        ChecksumMismatchError, CorruptCheckpointError: a bad shard, or a stored range past
+            the end of its file (no output left).
     """
     check_layout(layout)
     record = LayoutRecord.for_checkpoint(checkpoint, layout)
@@ -265,6 +278,9 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
         with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
             write_all(f, header)
             for group in groups:
+                if isinstance(group[0][5], UncheckedRange):
+                    copy_unchecked_run([(step[0], step[5]) for step in group], f, handles, bar)
+                    continue
                 if group[0][5] is not None:
                     copy_raw_run(checkpoint, [(step[0], step[5]) for step in group], f, handles, bar)
                     continue
@@ -307,9 +323,21 @@ def _checkpoint_plan(checkpoint, names: dict | None, record: LayoutRecord) -> li
         else:
             st_dtype, shape = "F64", shape + (2,)
             record.note_dtype(out, entry.dtype)
-        raw = None if perm is not None or not local or checkpoint.is_partitioned(source) else checkpoint.bundle_entry(source)
+        raw = None
+        if perm is None and local:
+            raw = _unchecked(checkpoint, source, entry) if checkpoint.is_partitioned(source) else checkpoint.bundle_entry(source)
         plan.append((source, out, st_dtype, shape, perm, raw, entry.nbytes))
     return plan
+
+
+def _unchecked(checkpoint, source: str, entry) -> UncheckedRange | None:
+    """Where ``source``'s bytes lie as stored in a source that keeps no checksum (a Keras file:
+    ``stored_range``), or None: the tensor is read and decoded."""
+    stored_range = getattr(checkpoint, "stored_range", None)
+    found = stored_range(source) if stored_range is not None else None
+    if found is None or found[2] != entry.nbytes:
+        return None
+    return UncheckedRange(*found)
 
 
 def _groups(plan: list) -> list[list]:
@@ -344,7 +372,8 @@ def _copy_alignment(groups: list) -> int:
 
 
 def _follows(previous, entry) -> bool:
-    return entry.shard_id == previous.shard_id and entry.offset == previous.offset + previous.size
+    return (type(entry) is type(previous) and entry.shard_id == previous.shard_id
+            and entry.offset == previous.offset + previous.size)
 
 
 @reader("safetensors file")

@@ -9,6 +9,7 @@ import numpy as np
 
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
 from restorekit.export import formats, sharded
+from restorekit.export.base import PlannedCheckpoint
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 
 __all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "tf_shapes", "tf_tensors"]
@@ -282,13 +283,24 @@ class FileCheckpoint:
 
 def keras_source(ckpt, *, weights_only: bool = False):
     """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
-    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group."""
-    from restorekit.export.base import PlannedCheckpoint
-
+    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group.
+    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file."""
     names = {}
     for key in ckpt.entries:
         if weights_only and key.startswith("optimizer/"):
             continue
         path = ckpt.readable_name(key)
         names[path if path not in names else key] = key
-    return PlannedCheckpoint(ckpt, names)
+    return _KerasSource(ckpt, names)
+
+
+class _KerasSource(PlannedCheckpoint):
+    """A Keras file under readable paths, with the byte ranges of its plain datasets (``stored_range``)."""
+
+    def __init__(self, ckpt, names: dict):
+        super().__init__(ckpt, names)
+        self._keras, self._keys = ckpt, dict(names)
+
+    def stored_range(self, name: str):
+        """``KerasCheckpoint.stored_range`` of the entry named ``name`` here: (path, offset, size) or None."""
+        return self._keras.stored_range(self._keys[name])
