@@ -55,6 +55,11 @@ CP_DATA, CP_DATA_SYNC, CP_KEPT_SYNC = "cp data file", "cp data file + fsync", "c
 
 # name -> (setup, body, baselines the operation is paired with)
 OPERATIONS = {
+    "rename every variable, check_kept=False (index only)": (
+        EDITOR,
+        "ed = CheckpointEditor(src)\ned.rename_all(lambda n: 'renamed/' + n)\ned.save(out, check_kept=False)",
+        (CP_DATA_SYNC,),
+    ),
     "rename every variable (hard links)": (
         EDITOR,
         "ed = CheckpointEditor(src)\ned.rename_all(lambda n: 'renamed/' + n)\ned.save(out)",

@@ -1128,3 +1128,33 @@ def test_copy_rows_counts_negative_rows_from_the_end_and_says_the_range(small_ch
     np.testing.assert_array_equal(editor.get("dense/kernel")[0], values["dense/kernel"][-1])
     with pytest.raises(EditError, match=r"must be integers from -4 to 3"):
         editor.copy_rows("dense/kernel", [4], [0])
+
+
+def test_check_kept_false_keeps_a_rename_index_only_and_the_bad_bytes_still_fail_on_read(small_checkpoint, tmp_path,
+                                                                                         monkeypatch):
+    import shutil
+
+    import restorekit.edit.save_tf as save_tf_module
+
+    prefix, values = small_checkpoint
+    copy = tmp_path / "src"
+    shutil.copytree(os.path.dirname(prefix), copy)
+    src = str(copy / os.path.basename(prefix))
+    entry = Checkpoint(src).bundle_entry("logits/kernel")
+    with open(src + ".data-00000-of-00001", "r+b") as f:
+        f.seek(entry.offset)
+        first = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([first[0] ^ 1]))
+    reads = []
+    monkeypatch.setattr(save_tf_module, "_check_kept", lambda *a, **k: reads.append(a))
+    editor = CheckpointEditor(src)
+    editor.rename("dense/bias", "encoder/bias")
+    out = editor.save(tmp_path / "out" / "model", check_kept=False)
+    assert reads == []  # no kept tensor was read at save time
+    np.testing.assert_array_equal(Checkpoint(out).read("encoder/bias"), values["dense/bias"])
+    with pytest.raises(ChecksumMismatchError):
+        Checkpoint(out).read("logits/kernel")  # checked lazily, when read
+    monkeypatch.undo()
+    with pytest.raises(ChecksumMismatchError):  # the default still refuses at save time
+        CheckpointEditor(src).save(tmp_path / "out2" / "model")

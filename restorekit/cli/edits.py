@@ -25,6 +25,9 @@ def _edit_io(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output checkpoint")
     p.add_argument("--update-state-file", action="store_true",
                    help="point the output directory's 'checkpoint' file at the output (for tf.train.latest_checkpoint)")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not read the kept tensors to check their crc32c now (a rename stays index-only; "
+                        "the bytes are checked when read)")
 
 
 def _editor(path):
@@ -52,7 +55,8 @@ def _save(editor, args, *, compact: bool = False) -> int:
 
     try:
         prefix = editor.save(args.out, compact=compact, overwrite=args.overwrite,
-                             update_state_file=args.update_state_file, progress=not _quiet(args))
+                             update_state_file=args.update_state_file, progress=not _quiet(args),
+                             check_kept=not args.no_check)
     except OutputExistsError as e:
         raise cli_exists_error(e, args.out) from None
     if not _quiet(args):

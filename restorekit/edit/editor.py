@@ -336,7 +336,7 @@ class CheckpointEditor:
     # ------------------------------------------------------------------ saving
     def save(self, out, *, format: str = "tf", layout: str | None = None, weights_only: bool = False, ema=None,
              compact: bool = False, num_shards: int | None = None, overwrite: bool = False,
-             update_state_file: bool = False, progress: bool = False) -> str:
+             update_state_file: bool = False, progress: bool = False, check_kept: bool = True) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -362,6 +362,11 @@ class CheckpointEditor:
                 ``.data-NNNNN-of-MMMMM`` shards, matched by name literally.
             update_state_file: point the directory's ``checkpoint`` file at ``out``.
             progress: show a byte counter on stderr while writing (when it is a terminal).
+            check_kept: read every tensor the output keeps from the source's shards and
+                check its crc32c before anything is written (the default). False keeps a
+                rename or delete index-only (milliseconds instead of one read of the
+                checkpoint); the kept bytes are then checked when they are read, by
+                ``Checkpoint.read`` and by TensorFlow's restore, not at save time.
 
         Returns:
             The output prefix (or file).
@@ -411,7 +416,7 @@ class CheckpointEditor:
                     raise OutputExistsError(path=prefix)
                 return save_tf(self._reader, plan, prefix, compact=compact, in_place=False,
                                replacing=existing, update_state_file=update_state_file, progress=progress,
-                               num_shards=num_shards)
+                               num_shards=num_shards, check_kept=check_kept)
         except BaseException:
             _remove_if_empty(made)  # a refused or failed save leaves no directory behind either
             raise
@@ -443,7 +448,7 @@ class CheckpointEditor:
                                      overwrite=overwrite, progress=progress)
 
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
-                      progress: bool = False) -> str:
+                      progress: bool = False, check_kept: bool = True) -> str:
         """Replace the source checkpoint with the edited one; the old one stays until the new one is complete.
 
         A Keras 3 ``.weights.h5`` is rewritten whole (temp file beside it, then renamed
@@ -472,7 +477,8 @@ class CheckpointEditor:
                     "open a new CheckpointEditor and apply the edits again"
                 )
             prefix = save_tf(reader, plan, os.path.abspath(self.prefix), compact=compact, in_place=True,
-                             replacing=True, update_state_file=update_state_file, progress=progress)
+                             replacing=True, update_state_file=update_state_file, progress=progress,
+                             check_kept=check_kept)
         self._source = None
         self._items = None
         return prefix

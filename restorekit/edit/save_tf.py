@@ -46,7 +46,8 @@ class _Shards:
 
 
 def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
-            replacing: bool, update_state_file: bool, progress: bool = False, num_shards: int | None = None) -> str:
+            replacing: bool, update_state_file: bool, progress: bool = False, num_shards: int | None = None,
+            check_kept: bool = True) -> str:
     """Write ``plan`` as the checkpoint ``prefix``; see ``CheckpointEditor.save``.
 
     ``num_shards`` rewrites the tensors into that many data shards, balanced by bytes,
@@ -67,7 +68,11 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     check_shard_set(ckpt)
     shards = _shards(source, plan, prefix, compact=compact, in_place=in_place, replacing=replacing,
                      num_shards=num_shards)
-    check_sources(source, plan, reuse=shards.reuse)  # before anything is staged
+    if not check_kept:
+        # The caller chose the index-only speed: kept bytes are checked when they are read
+        # (Checkpoint.read, TF's restore), not now; a truncated or missing shard still fails here.
+        ckpt.check_shards()
+    check_sources(source, plan, reuse=shards.reuse and check_kept)  # before anything is staged
     if remote:
         check_space(tempfile.gettempdir(), _largest_new_shard(source, plan, shards))
     else:
