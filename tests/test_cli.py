@@ -620,3 +620,51 @@ def test_diff_of_tf2_checkpoints_prints_readable_paths(capsys, tmp_path):
                for line in lines)
     code, data = run_json(capsys, "diff", a, b)
     assert "net/head/kernel" in data["paths"].values()
+
+
+# ------------------------------------------------------------------ output paths (issue 14 items 13, 14)
+
+def test_convert_into_an_existing_directory_or_a_trailing_slash_writes_inside(capsys, small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    st = tmp_path / "model.safetensors"
+    assert run(capsys, "convert", prefix, st)[0] == 0
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert run(capsys, "convert", st, existing)[0] == 0
+    assert os.path.exists(existing / "model.index")  # inside, under the source's name
+    assert not os.path.exists(str(existing) + ".index")
+    assert run(capsys, "convert", prefix, str(tmp_path / "fresh") + "/")[0] == 0
+    assert os.path.exists(tmp_path / "fresh" / (os.path.basename(prefix) + ".index"))
+    np.testing.assert_array_equal(Checkpoint(str(existing / "model")).read("dense/bias"), values["dense/bias"])
+
+
+def test_an_unknown_output_extension_is_refused_not_written_as_a_tf_checkpoint(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    code, _, err = run(capsys, "convert", prefix, out / "model.onnx")
+    assert code == 3 and "does not write '.onnx' files" in err
+    assert os.listdir(out) == []
+    assert run(capsys, "convert", prefix, out / "model.onnx", "--to", "tf")[0] == 0  # when asked, it does
+
+
+def test_saving_under_a_path_whose_parent_is_a_file_is_one_clear_error(capsys, small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run(capsys, "strip", prefix, tmp_path / "afile" / "sub" / "model")
+    assert code == 3 and "is a file, not a directory" in err and "Traceback" not in err
+    from restorekit.edit import CheckpointEditor
+    from restorekit.errors import OutputError
+
+    with pytest.raises(OutputError, match="is a file, not a directory"):
+        CheckpointEditor(prefix).save(tmp_path / "afile" / "model")
+    assert sorted(os.listdir(tmp_path)) == ["afile", "ckpt"]
+
+
+def test_editor_save_to_a_trailing_slash_writes_inside_the_new_directory(small_checkpoint, tmp_path):
+    from restorekit.edit import CheckpointEditor
+
+    prefix, _ = small_checkpoint
+    out = CheckpointEditor(prefix).save(str(tmp_path / "newdir") + "/")
+    assert out == str(tmp_path / "newdir" / os.path.basename(prefix))
+    assert not os.path.exists(str(tmp_path / "newdir") + ".index")

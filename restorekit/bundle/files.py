@@ -309,3 +309,30 @@ class RemoteStaging:
     def __exit__(self, *exc) -> None:
         if not self.committed:
             self.abort()
+
+
+def check_parent(path: str) -> None:
+    """Refuse an output whose would-be parent directory is a file (``os.makedirs`` would fail bare).
+
+    Raises:
+        OutputError: some existing ancestor of ``path`` is not a directory.
+    """
+    from restorekit.errors import OutputError
+
+    if is_remote(path):
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise OutputError(f"cannot write {path!r}: {parent!r} is a file, not a directory; nothing was written")
+
+
+def output_prefix(out: str, source_name: str) -> str:
+    """Where a TF checkpoint named by ``out`` goes: inside ``out`` when it is a directory or ends in '/'.
+
+    ``source_name`` names the file in that directory (the source's own base name).
+    """
+    if out.endswith(("/", os.sep)) or (not is_remote(out) and os.path.isdir(out)):
+        return join(out.rstrip("/" + os.sep) or "/", source_name)
+    return out

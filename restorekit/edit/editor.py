@@ -401,9 +401,8 @@ class CheckpointEditor:
             return self._save_local(plan, os.path.abspath(out), format, layout=layout, compact=compact,
                                     overwrite=overwrite, progress=progress)
         prefix = out[: -len(".index")] if out.endswith(".index") else out
-        if os.path.isdir(prefix):
-            prefix = os.path.join(prefix, os.path.basename(self.prefix))
-        prefix = os.path.abspath(prefix)
+        prefix = os.path.abspath(files.output_prefix(prefix, os.path.basename(self.prefix)))
+        files.check_parent(prefix)
         if not files.is_remote(self.prefix) and os.path.realpath(prefix) == os.path.realpath(self.prefix):
             raise OutputExistsError(path=out, is_source=True)
         # One writer per output: the lock is taken before the exists-check and held to the final rename.

@@ -15,6 +15,7 @@ import numpy as np
 from restorekit.bundle import atomic
 from restorekit.keras_files import KerasCheckpoint, is_keras_path
 from restorekit.errors import InvalidArgumentError, OutputExistsError
+from restorekit.bundle.files import check_parent, output_prefix
 from restorekit.export import formats, keras, sharded
 from restorekit.export.base import (
     ExportResult,
@@ -51,10 +52,30 @@ def source_format(path) -> str:
     return formats.TF
 
 
+# Extensions of other tools' files: an output named so is almost surely not meant to be
+# a TF checkpoint prefix, so it is refused instead of silently written as one.
+_FOREIGN_SUFFIXES = frozenset({".onnx", ".bin", ".pb", ".pbtxt", ".tflite", ".json", ".txt", ".pkl", ".pickle",
+                               ".msgpack", ".gguf", ".ggml", ".mlmodel", ".caffemodel", ".params", ".joblib",
+                               ".zip", ".tar", ".gz", ".engine", ".plan"})
+
+
 def target_format(path, to: str | None) -> str:
-    """``to``, checked, or the format ``path``'s extension names ('tf' when none does)."""
+    """``to``, checked, or the format ``path``'s extension names ('tf' when none does).
+
+    Raises:
+        InvalidArgumentError: ``path`` ends in another tool's extension (``.onnx``, ``.bin``, ...)
+            and no ``to`` says what to write.
+    """
     if to is None:
-        return formats.by_suffix(path) or formats.TF
+        found = formats.by_suffix(path)
+        suffix = os.path.splitext(os.fspath(path))[1].lower()
+        if found is None and suffix in _FOREIGN_SUFFIXES:
+            raise InvalidArgumentError(
+                f"restorekit does not write {suffix!r} files ({os.fspath(path)!r}); name the output with a "
+                f"format's extension ({', '.join(sorted(s for m in formats.modules().values() for s in m.SUFFIXES))}), "
+                "or pass to='tf' to write a TF checkpoint under that name"
+            )
+        return found or formats.TF
     if to != formats.TF:
         formats.module(to)  # InvalidArgumentError for an unknown name
     return to
@@ -451,6 +472,10 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
         return _convert_keras(src, out, to, options, overwrite=overwrite, progress=progress)
     to = _target(out, to, options)
     fmt = source_format(src)
+    if to == formats.TF:
+        # Like the editor: into an existing directory (or 'OUT/'), under the source's name.
+        out = output_prefix(out, _base_name(src, fmt))
+        check_parent(out)
     if fmt == formats.TF:
         if to == formats.TF:
             if layout is not None:
@@ -550,6 +575,16 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
         tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
         return write_tf(out, tensors, progress=progress)
     return _finish(write_tf(out, _tf_stream(source, plan), progress=progress), plan, None)
+
+
+def _base_name(src: str, fmt: str) -> str:
+    """The name an output takes inside a directory: the source prefix's, or the file's without its extension."""
+    if fmt == formats.TF:
+        from restorekit.checkpoint import resolve_prefix
+
+        return os.path.basename(resolve_prefix(src))
+    name = os.path.basename(os.path.normpath(src))
+    return os.path.splitext(name)[0] or "model"
 
 
 def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress: bool) -> ExportResult:

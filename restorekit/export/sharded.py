@@ -281,8 +281,9 @@ def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str 
         CorruptCheckpointError: a data shard of the checkpoint is missing (before anything is written).
     """
     limit = parse_size(max_shard_size)
-    if getattr(checkpoint, "prefix", None) is not None:
-        files.check_shard_files(checkpoint.prefix, checkpoint.header.num_shards)  # before anything is written
+    header = getattr(checkpoint, "header", None)  # views and planned checkpoints check their source when read
+    if getattr(checkpoint, "prefix", None) is not None and header is not None:
+        files.check_shard_files(checkpoint.prefix, header.num_shards)  # before anything is written
     names = dict(names) if names is not None else {n: n for n in checkpoint.entries}
     record = LayoutRecord.for_checkpoint(checkpoint, layout)
     sizes = []
