@@ -238,7 +238,7 @@ class KerasCheckpoint(Mapping):
             ) from None
         try:
             yield f
-        except (OSError, RuntimeError, KeyError, ValueError) as e:
+        except (OSError, RuntimeError, KeyError, ValueError, RecursionError) as e:
             # h5py reports damage inside a file as any of these; a link cycle or deep nesting as RecursionError.
             if isinstance(e, RestoreKitError):
                 raise
