@@ -244,6 +244,7 @@ class ShardWriter:
         """
         key = self.bundle._key(name)
         self._need_open()
+        atomic.crash_point(f"tensor-{len(self.bundle._entries)}")
         code = dtype if isinstance(dtype, int) else dtype_enum(dtype)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         shown = key.decode("utf-8", "replace")
