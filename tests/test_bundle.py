@@ -317,3 +317,29 @@ def test_add_copy_of_a_corrupt_tensor_raises_and_leaves_the_writer_usable(writte
     assert np.array_equal(out.read("bool"), VALUES["bool"])
     assert np.array_equal(out.read("string"), VALUES["string"])
     assert os.path.getsize(out.data_file(0)) == sum(out.bundle_entry(n).size for n in out)
+
+
+def test_add_placed_records_bytes_the_caller_put_in_the_shard(tmp_path):
+    import google_crc32c
+
+    from restorekit.bundle.writer import BundleWriter
+    from restorekit.errors import ChecksumMismatchError
+
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    raw = values.tobytes()
+    with BundleWriter(str(tmp_path / "p" / "model.ckpt")) as writer:
+        shard = writer.shard(0)
+        shard.add("first", np.int64(5))
+        os.lseek(shard.fileno(), 100, os.SEEK_CUR)  # a gap no entry covers
+        offset = os.lseek(shard.fileno(), 0, os.SEEK_CUR)
+        os.write(shard.fileno(), raw)
+        with pytest.raises(ChecksumMismatchError, match="bytes placed"):
+            shard.add_placed("short", "float32", (3, 4), offset, len(raw) - 4, 0)
+        with pytest.raises(ChecksumMismatchError, match="are not in data shard"):
+            shard.add_placed("beyond", "float32", (3, 4), offset + 4, len(raw), 0)
+        shard.add_placed("placed", "float32", (3, 4), offset, len(raw), google_crc32c.value(raw))
+        shard.add("after", np.float32(2.5))
+    reader = tf.train.load_checkpoint(str(tmp_path / "p" / "model.ckpt"))
+    np.testing.assert_array_equal(reader.get_tensor("placed"), values)
+    assert reader.get_tensor("first") == 5 and reader.get_tensor("after") == np.float32(2.5)
+    assert sorted(reader.get_variable_to_shape_map()) == ["after", "first", "placed"]

@@ -227,6 +227,38 @@ class ShardWriter:
         self._offset = start + entry.size
         return self.bundle._record(key, entry.replace(shard_id=self.shard_id, offset=start))
 
+    def fileno(self) -> int:
+        """The shard file's descriptor, for a caller that places bytes itself (then ``add_placed``)."""
+        self._need_open()
+        return self._file.fileno()
+
+    def add_placed(self, name, dtype, shape, offset: int, size: int, crc32c: int) -> BundleEntry:
+        """Record a fixed-size-dtype tensor whose ``size`` bytes the caller already put at ``offset`` of this
+        shard's file (through ``fileno()``, e.g. a kernel copy), with their unmasked crc32c.
+
+        The shard then continues after the furthest byte placed; bytes left between
+        tensors (alignment) are never read.
+
+        Raises:
+            ChecksumMismatchError: ``size`` is not the shape's, or the file does not hold the bytes.
+        """
+        key = self.bundle._key(name)
+        self._need_open()
+        atomic.crash_point(f"tensor-{len(self.bundle._entries)}")
+        code = dtype if isinstance(dtype, int) else dtype_enum(dtype)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        shown = key.decode("utf-8", "replace")
+        if code == STRING or size != count * numpy_dtype(code).itemsize:
+            raise ChecksumMismatchError(f"{shown!r}: {size} bytes placed for a {dtype_name(code)} tensor of shape "
+                                        f"{list(shape)}")
+        if offset < 0 or os.fstat(self._file.fileno()).st_size < offset + size:
+            raise ChecksumMismatchError(f"{shown!r}: bytes {offset}..{offset + size} are not in data shard {self.shard_id}")
+        self._offset = max(self._offset, offset + size)
+        self._file.seek(self._offset)
+        entry = BundleEntry(dtype=code, shape=tuple(shape), shard_id=self.shard_id, offset=offset, size=size,
+                            crc32c=mask_crc(crc32c))
+        return self.bundle._record(key, entry)
+
     def _rewind(self, offset: int) -> None:
         os.ftruncate(self._file.fileno(), offset)
         self._file.seek(offset)

@@ -28,7 +28,7 @@ from restorekit.export.base import (
 from restorekit.export.layout import check_layout
 from restorekit.export.layouts import TorchView, torch_view
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
-from restorekit.export import sources
+from restorekit.export import rawimport, sources
 from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format", "write_tf"]
@@ -406,6 +406,9 @@ def import_checkpoint(
     _check_output(out_prefix, formats.TF, list(reader.files), overwrite)
     arrays, record = open_source(reader, layout, max_output_bytes)
     plan = file_plan(reader, record, options)
+    if plan is None:
+        # tensors whose stored bytes are their TF bytes are copied as they lie (rawimport)
+        arrays = rawimport.source_arrays(reader, record, max_output_bytes) or arrays
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
     result = write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
                        progress=progress)
@@ -415,7 +418,7 @@ def import_checkpoint(
 def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
     """Write ``(name, array, TF dtype or None)`` as the checkpoint ``out_prefix``, replacing exactly its old files
     (staged beside it, published with the ``.index`` last)."""
-    from restorekit.bundle.writer import BundleWriter, array_chunks
+    from restorekit.bundle.writer import BundleWriter
 
     count = nbytes = 0
     strings = []
@@ -424,24 +427,40 @@ def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, 
         writer = BundleWriter(out_prefix, staging=staging)
         try:
             with progress_bar(total, progress, "tf") as bar:
-                for name, array, dtype in tensors:
-                    if dtype == "string":
-                        strings.append(name)
-                    if dtype is not None and dtype != "string":
-                        # add_stream keeps dtypes numpy cannot name (qint8 stored as int8, ...).
-                        writer.add_stream(name, dtype, array.shape, array_chunks(array))
-                    else:
-                        writer.add(name, array)
-                    count += 1
-                    size = array.nbytes if array.dtype != object else 0
-                    nbytes += size
-                    bar.update(size)
+                runs = rawimport.RawRuns(writer.shard(0), bar)
+                try:
+                    for name, array, dtype in tensors:
+                        if dtype == "string":
+                            strings.append(name)
+                        count += 1
+                        nbytes += _add(writer, runs, name, array, dtype, bar)
+                    runs.flush()
+                finally:
+                    runs.close()
             writer.finish(commit=False)
         except BaseException:
             writer.abort()
             raise
         staging.commit(remove_before=old)
     return ExportResult(out_prefix, formats.TF, count, nbytes, layout, tuple(permuted), tuple(strings))
+
+
+def _add(writer, runs, name: str, array, dtype, bar) -> int:
+    """Write one tensor of ``write_tf`` (bytes copied as they lie go to ``runs``); return its byte count."""
+    from restorekit.bundle.writer import array_chunks
+
+    if isinstance(array, rawimport.StoredBytes):
+        runs.add(name, array, dtype)  # the bar moves as the run is copied
+        return array.nbytes
+    runs.flush()  # what the runs hold goes first: the shard is written in order
+    if dtype is not None and dtype != "string":
+        # add_stream keeps dtypes numpy cannot name (qint8 stored as int8, ...).
+        writer.add_stream(name, dtype, array.shape, array_chunks(array))
+    else:
+        writer.add(name, array)
+    size = array.nbytes if array.dtype != object else 0
+    bar.update(size)
+    return size
 
 
 def convert(src, out, *, to: str | None = None, layout: str | None = None, rules=None, weights_only: bool = False,
