@@ -126,9 +126,13 @@ def main(argv=None) -> int:
         conv = report(times, {"cp": "(c) cp", "convert": "(d) convert -> safetensors"})
 
         r1, r2 = restore["restorekit"] / restore["keras"], conv["convert"] / conv["cp"]
+        # On these VMs a large copy takes either its fast time or several times it, at random
+        # (freed memory goes back to the host); the ratio of minimums compares the fast modes.
+        m2 = min(times["convert"]) / min(times["cp"])
         print(f"restore ratio (b)/(a) = {r1:.2f}   goal <= 1.20   {'OK' if r1 <= 1.2 else 'OVER'}")
-        print(f"convert ratio (d)/(c) = {r2:.2f}   goal <= 1.50   {'OK' if r2 <= 1.5 else 'OVER'}")
-        return 0 if r1 <= 1.2 and r2 <= 1.5 else 1
+        print(f"convert ratio (d)/(c) = {r2:.2f} (ratio of medians), {m2:.2f} (ratio of minimums)   "
+              f"goal <= 1.50   {'OK' if max(r2, m2) <= 1.5 else 'OVER'}")
+        return 0 if r1 <= 1.2 and max(r2, m2) <= 1.5 else 1
     finally:
         if not args.keep:
             shutil.rmtree(args.data, ignore_errors=True)
