@@ -167,9 +167,10 @@ class KerasCheckpoint(Mapping):
 
     is_object_based = True
 
-    def __new__(cls, path):
+    def __new__(cls, path=None):  # path=None: copy and pickle call __new__ without it
         # A sharded index opens as its own kind, wherever a KerasCheckpoint is asked for.
-        if cls is KerasCheckpoint and os.fspath(path).lower().endswith(SHARDED_SUFFIX):
+        if cls is KerasCheckpoint and isinstance(path, (str, os.PathLike)) and str(os.fspath(path)).lower().endswith(
+                SHARDED_SUFFIX):
             from restorekit.keras_files.sharded import ShardedKerasCheckpoint
 
             cls = ShardedKerasCheckpoint
