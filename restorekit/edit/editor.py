@@ -437,7 +437,7 @@ class CheckpointEditor:
         if format not in (formats.TF, save_keras.KERAS):
             formats.module(format)
         plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
-        if os.path.realpath(out) == os.path.realpath(self.prefix):
+        if os.path.realpath(out) in {os.path.realpath(f) for f in self.checkpoint.files}:
             raise OutputExistsError(path=out, is_source=True)
         if save_keras.is_keras_output(out, format):
             if layout is not None:
@@ -484,6 +484,11 @@ class CheckpointEditor:
 
     def _save_keras_in_place(self) -> str:
         reader, plan = self._reader, self._plan
+        if len(reader.checkpoint.files) > 1:
+            raise OutputError(
+                f"{self.prefix!r} is a sharded Keras weights set; it is not rewritten in place. save() it as a "
+                f"'.weights.h5' (or load it into the model and save_weights with max_shard_size again)"
+            )
         with atomic.output_lock(self.prefix):
             if _fingerprint(self.prefix) != self._opened:
                 raise OutputError(

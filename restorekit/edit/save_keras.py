@@ -65,6 +65,8 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
         raise InvalidArgumentError(f"{out!r}: Keras 3 loads weights files named '*.weights.h5'; name the output so")
     if os.path.exists(out) and not overwrite and os.path.realpath(out) != os.path.realpath(ckpt.prefix):
         raise OutputExistsError(path=out)
+    if os.path.realpath(out) in {os.path.realpath(f) for f in ckpt.files[1:]}:  # a shard of a sharded set
+        raise OutputExistsError(path=out, is_source=True)
     check_structure(list(plan), list(ckpt.entries), where=repr(out))
     group_attrs = ckpt.group_attrs()
     attrs = {}

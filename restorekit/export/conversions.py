@@ -333,7 +333,7 @@ def export_checkpoint(
     ckpt = checkpoint if isinstance(checkpoint, (Checkpoint, TorchView)) else Checkpoint(checkpoint)
     sources_of = checkpoint_files(ckpt.prefix)
     if isinstance(ckpt, KerasCheckpoint):  # named by readable path; read through h5py
-        sources_of = [ckpt.prefix]
+        sources_of = list(ckpt.files)  # a sharded set: the index and every shard
         ckpt = sources.keras_source(ckpt, weights_only=weights_only)
     path = os.fspath(path)
     fmt = _target(path, format, options)
@@ -587,8 +587,9 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
     if options.layout is not None or options.max_shard_size is not None or options.config:
         raise InvalidArgumentError("layout=, max_shard_size= and config= apply to torch and safetensors outputs, "
                                    "not a TF checkpoint")
-    source = sources.keras_source(Checkpoint(src), weights_only=options.weights_only)
-    _check_output(out, formats.TF, [src], overwrite)
+    keras_ckpt = Checkpoint(src)
+    source = sources.keras_source(keras_ckpt, weights_only=options.weights_only)
+    _check_output(out, formats.TF, list(keras_ckpt.files), overwrite)
     plan = _tf_plan(source, options)
     if plan is None:
         tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())

@@ -48,7 +48,7 @@ def copy_weights(ckpt, out: str, *, weights_only: bool = False, overwrite: bool 
     if not out.lower().endswith(".weights.h5"):
         raise InvalidArgumentError(f"{out!r}: Keras 3 loads weights files named '*.weights.h5'; name the output so")
     if os.path.exists(out):
-        if os.path.realpath(out) == os.path.realpath(ckpt.prefix):
+        if os.path.realpath(out) in {os.path.realpath(f) for f in getattr(ckpt, "files", (ckpt.prefix,))}:
             raise OutputExistsError(path=out, is_source=True)
         if not overwrite:
             raise OutputExistsError(path=out)

@@ -15,6 +15,9 @@ Layouts (learned from Keras' own ``saving_lib`` and ``legacy_h5_format``):
   The weights member is read in place (never extracted by its member name).
 * Legacy Keras 2 HDF5: ``layer_names`` on the root (weights file) or on the
   ``model_weights`` group (model file), ``weight_names`` on each layer group.
+* Sharded Keras 3 weights (``model.save_weights('x.weights.json', max_shard_size=...)``):
+  a JSON index plus ``x_00000.weights.h5``, ... beside it, each shard a ``.weights.h5``
+  holding part of the groups; read as one file by ``sharded.ShardedKerasCheckpoint``.
 
 Readable names are Keras variable paths without the saving model's own name:
 ``enc1/kernel``, ``block/a/kernel``, ``rnn/lstm_cell/kernel``. A Keras 3 file stores
@@ -61,7 +64,8 @@ from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
 
-KERAS_SUFFIXES = (".keras", ".h5", ".hdf5")
+KERAS_SUFFIXES = (".keras", ".h5", ".hdf5", ".weights.json")
+SHARDED_SUFFIX = ".weights.json"
 INSTALL = "pip install 'restorekit[keras]'"
 
 # One root node, no children: Keras files pair by name, never by position in an object graph.
@@ -79,7 +83,8 @@ def _h5py():
 
 
 def is_keras_path(path) -> bool:
-    """True for a local path ending in ``.keras``, ``.h5`` or ``.hdf5`` that is not a TF checkpoint prefix."""
+    """True for a local path ending in ``.keras``, ``.h5``, ``.hdf5`` or ``.weights.json`` (a sharded Keras 3
+    index) that is not a TF checkpoint prefix."""
     if not isinstance(path, (str, os.PathLike)):
         return False
     path = os.fspath(path)
@@ -162,6 +167,15 @@ class KerasCheckpoint(Mapping):
 
     is_object_based = True
 
+    def __new__(cls, path=None):  # path=None: copy and pickle call __new__ without it
+        # A sharded index opens as its own kind, wherever a KerasCheckpoint is asked for.
+        if cls is KerasCheckpoint and isinstance(path, (str, os.PathLike)) and str(os.fspath(path)).lower().endswith(
+                SHARDED_SUFFIX):
+            from restorekit.keras_files.sharded import ShardedKerasCheckpoint
+
+            cls = ShardedKerasCheckpoint
+        return super().__new__(cls)
+
     def __init__(self, path):
         self.prefix = os.fspath(path)
         if not os.path.isfile(self.prefix):
@@ -174,6 +188,10 @@ class KerasCheckpoint(Mapping):
         _h5py()
         with self._h5() as f:
             datasets, readable = self._walk(f)
+        self._index(datasets, readable)
+
+    def _index(self, datasets: list, readable: dict) -> None:
+        """Entries, readable paths and layer names from the datasets a walk found."""
         self._data = {d.key: d for d in datasets}
         self._readable = readable
         entries = {d.key: KerasEntry(d.key, d.shape, d.dtype, d.nbytes, readable.get(d.key)) for d in datasets}
@@ -182,6 +200,15 @@ class KerasCheckpoint(Mapping):
         model_paths = [p for p in by_path if not p.startswith("optimizer/")]
         self.layer_names = tuple(dict.fromkeys(p.split("/", 1)[0] for p in model_paths if "/" in p))
         self._paths = _Paths(dict(sorted(by_path.items())))
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every file the checkpoint reads (an output must be none of them)."""
+        return (self.prefix,)
+
+    def _file_of(self, key: str) -> str:
+        """The file that holds key ``key``'s dataset."""
+        return self.prefix
 
     # -- opening
     def _open_archive(self) -> None:
@@ -219,21 +246,23 @@ class KerasCheckpoint(Mapping):
             )
 
     @contextmanager
-    def _h5(self):
+    def _h5(self, path: str | None = None):
+        """The HDF5 file ``path`` (default: this checkpoint's own file, or its archive member), open for reading."""
         h5py = _h5py()
         raw = None
+        path = path or self.prefix
         try:
             if self._member is not None:
                 raw = MemberFile(self.prefix, *self._member)
                 f = h5py.File(raw, "r")
             else:
-                f = h5py.File(self.prefix, "r")
+                f = h5py.File(path, "r")
         except OSError as e:
             if raw is not None:
                 raw.close()
             what = "the weights inside the .keras archive" if self._member is not None else "it"
             raise CorruptCheckpointError(
-                f"{self.prefix!r} is not a readable Keras file: {what} is not valid HDF5 (truncated or corrupt: {e}). "
+                f"{path!r} is not a readable Keras file: {what} is not valid HDF5 (truncated or corrupt: {e}). "
                 f"Save it again with model.save_weights('model.weights.h5') or model.save('model.keras')"
             ) from None
         try:
@@ -243,7 +272,7 @@ class KerasCheckpoint(Mapping):
             if isinstance(e, RestoreKitError):
                 raise
             raise CorruptCheckpointError(
-                f"{self.prefix!r} is not a readable Keras file: its HDF5 structure is damaged "
+                f"{path!r} is not a readable Keras file: its HDF5 structure is damaged "
                 f"({type(e).__name__}: {e}). Save it again"
             ) from None
         finally:
@@ -337,27 +366,40 @@ class KerasCheckpoint(Mapping):
         if key not in self._data:
             raise self._unknown(name)
         found = self._stored_ranges.get(key)
-        return None if found is None else (self.prefix, *found)
+        return None if found is None else (self._file_of(key), *found)
+
+    def _by_file(self, keys) -> dict:
+        """``{file: [keys it holds]}`` in the order of ``keys``: each file is opened once."""
+        out: dict = {}
+        for key in keys:
+            out.setdefault(self._file_of(key), []).append(key)
+        return out
+
+    def _size_of(self, path: str) -> int:
+        """Bytes available to the datasets of ``path`` (of the weights member in a ``.keras`` archive)."""
+        return self._member[1] if self._member is not None else os.path.getsize(path)
 
     @cached_property
     def _stored_ranges(self) -> dict:
-        """Key -> (offset, size) in ``self.prefix`` of every dataset that ``stored_range`` describes."""
+        """Key -> (offset, size) in its file of every dataset that ``stored_range`` describes."""
         h5py = _h5py()
-        base, limit = self._member if self._member is not None else (0, os.path.getsize(self.prefix))
+        base = self._member[0] if self._member is not None else 0
         ranges, standard = {}, {}
-        with self._h5() as f:
-            for key, data in self._data.items():
-                found = _stored_range(h5py, f.id, data, standard)
-                if found is None:
-                    continue
-                offset, size = found
-                if offset + size > limit:
-                    where = "its model.weights.h5 member" if self._member is not None else "the file"
-                    raise CorruptCheckpointError(
-                        f"{self.prefix!r} is corrupt or truncated: dataset {key!r} claims bytes {offset}..{offset + size}, "
-                        f"past the end of {where} ({limit} bytes); save the model's weights again"
-                    )
-                ranges[key] = (base + offset, size)
+        for path, keys in self._by_file(self._data).items():
+            limit = self._size_of(path)
+            with self._h5(path) as f:
+                for key in keys:
+                    found = _stored_range(h5py, f.id, self._data[key], standard)
+                    if found is None:
+                        continue
+                    offset, size = found
+                    if offset + size > limit:
+                        where = "its model.weights.h5 member" if self._member is not None else "the file"
+                        raise CorruptCheckpointError(
+                            f"{path!r} is corrupt or truncated: dataset {key!r} claims bytes {offset}..{offset + size}, "
+                            f"past the end of {where} ({limit} bytes); save the model's weights again"
+                        )
+                    ranges[key] = (base + offset, size)
         return ranges
 
     def bundle_entry(self, name: str):
@@ -414,27 +456,31 @@ class KerasCheckpoint(Mapping):
         for name, key in zip(names, keys):
             if key not in self._data:
                 raise self._unknown(name)
-        with self._h5() as f:
-            return [self._read_one(f, self._data[k]) for k in keys]
+        values = {}
+        for path, in_file in self._by_file(dict.fromkeys(keys)).items():
+            with self._h5(path) as f:
+                for key in in_file:
+                    values[key] = self._read_one(f, self._data[key], path)
+        return [values[k] for k in keys]
 
-    def _read_one(self, f, data: Dataset) -> np.ndarray:
+    def _read_one(self, f, data: Dataset, path: str) -> np.ndarray:
         # Keras never compresses: a tensor larger than the file is a damaged shape (or a bomb), refused before allocating.
-        available = self._member[1] if self._member is not None else os.path.getsize(self.prefix)
+        available = self._size_of(path)
         if data.nbytes > available:
             raise CorruptCheckpointError(
-                f"{self.prefix!r}: {data.key!r} declares shape {list(data.shape)} of {data.dtype} ({data.nbytes} bytes), "
+                f"{path!r}: {data.key!r} declares shape {list(data.shape)} of {data.dtype} ({data.nbytes} bytes), "
                 f"more than the {available} bytes the file holds: the file is corrupt"
             )
         try:
             value = np.asarray(f[data.key][()])
         except (OSError, KeyError, ValueError) as e:
-            raise CorruptCheckpointError(f"{self.prefix!r}: cannot read {data.key!r} (truncated or corrupt: {e})") from None
+            raise CorruptCheckpointError(f"{path!r}: cannot read {data.key!r} (truncated or corrupt: {e})") from None
         if data.bfloat16:
             import ml_dtypes
 
             value = value.astype(ml_dtypes.bfloat16) if value.dtype.kind == "f" else value.view(ml_dtypes.bfloat16)
         if tuple(value.shape) != data.shape:
-            raise CorruptCheckpointError(f"{self.prefix!r}: {data.key!r} has shape {value.shape}, not {data.shape}")
+            raise CorruptCheckpointError(f"{path!r}: {data.key!r} has shape {value.shape}, not {data.shape}")
         return value
 
 
