@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from restorekit.bundle.files import check_space
 from restorekit.bundle.format import dtype_name
 from restorekit.edit.plan import Item
 from restorekit.edit.source import Source
@@ -66,6 +67,7 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
     if os.path.exists(out) and not overwrite and os.path.realpath(out) != os.path.realpath(ckpt.prefix):
         raise OutputExistsError(path=out)
     check_structure(list(plan), list(ckpt.entries), where=repr(out))
+    check_space(os.path.dirname(os.path.abspath(out)), sum(source.nbytes(it) for it in plan.values()))
     group_attrs = ckpt.group_attrs()
     attrs = {}
     for name, it in plan.items():
@@ -92,6 +94,7 @@ def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, 
         prefix = out[: -len(".index")] if out.endswith(".index") else out
         if os.path.exists(prefix + ".index") and not overwrite:
             raise OutputExistsError(path=prefix)
+        check_space(os.path.dirname(os.path.abspath(prefix)), sum(source.nbytes(it) for it in plan.values()))
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         tensors = ((name, source.value(it), dtype_name(it.dtype)) for name, it in plan.items())
         return write_tf(prefix, tensors, progress=progress).path
