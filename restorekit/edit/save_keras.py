@@ -68,6 +68,7 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
         raise OutputExistsError(path=out)
     check_structure(list(plan), list(ckpt.entries), where=repr(out))
     check_space(os.path.dirname(os.path.abspath(out)), sum(source.nbytes(it) for it in plan.values()))
+    ckpt.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     group_attrs = ckpt.group_attrs()
     attrs = {}
     for name, it in plan.items():
@@ -86,6 +87,7 @@ def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, 
                progress: bool) -> str:
     """Write an edited Keras file as a TF checkpoint or a file of the export registry, under readable paths."""
     plan = _readable(source, _decoded(source, plan))
+    source.checkpoint.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     if format == "tf":
         from restorekit.export.conversions import write_tf
 

@@ -304,7 +304,13 @@ class FileCheckpoint:
 def keras_source(ckpt, *, weights_only: bool = False):
     """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
     the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group.
-    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file."""
+    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file.
+    A ``.keras`` archive's weights member is checked against its zip CRC-32 first (a conversion reads it whole).
+
+    Raises:
+        ChecksumMismatchError: the ``.keras`` weights member's bytes changed.
+    """
+    ckpt.check_crc()
     names = {}
     for key in ckpt.entries:
         if weights_only and key.startswith("optimizer/"):
