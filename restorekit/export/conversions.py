@@ -182,6 +182,7 @@ def _finish(result: ExportResult, plan: OutputPlan | None, config) -> ExportResu
     """The result, with what the plan left out and the config.json written (after the weights)."""
     files = result.files
     if config is not None:
+        atomic.crash_point("before-config")  # the weights are in place; config.json follows them
         path, text = config
         with atomic.atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
