@@ -85,7 +85,9 @@ class Writer:
 
     ``expect(sources)`` gives the output's values; ``old(sources)`` the values an
     overwritten output (or an in-place source) held before. ``output`` is ``'tf'`` (a
-    checkpoint prefix), ``'in-place'``, or a file format (``'safetensors'``, ``'npz'``, ``'torch'``).
+    checkpoint prefix), ``'in-place'``, a file format (``'safetensors'``, ``'npz'``, ``'torch'``,
+    ``'keras'`` for a ``.weights.h5``), or ``'hf'`` (Hugging Face shards + index, and a
+    ``config.json`` where ``config(sources)`` gives one).
     """
 
     name: str
@@ -97,6 +99,7 @@ class Writer:
     old: Callable | None = None
     state_file: bool = False
     needs: str = ""  # 'torch' or 'tensorflow' when the child imports it
+    config: Callable | None = None
 
 
 def _edited(values: dict, **changes) -> dict:
@@ -162,6 +165,15 @@ WRITERS = [
            "npz", "ckpt", lambda s: s.values, out="out/model.npz"),
     Writer("convert-torch", "import restorekit, torch\nready()\nrestorekit.convert(args['src'], args['out'])\n",
            "torch", "ckpt", lambda s: s.values, out="out/model.pt", needs="torch"),
+    Writer("convert-hf-shards",
+           "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'], max_shard_size=600)\n",
+           "hf", "ckpt", lambda s: s.values, out="out/shards/model.safetensors"),
+    Writer("convert-hf-rules",
+           "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'], rules='gpt2-tf-to-hf', "
+           "max_shard_size=1500, config={'n_head': 2})\n",
+           "hf", "gpt2", lambda s: s.hf_values, out="out/hf/model.safetensors", config=lambda s: s.hf_config),
+    Writer("convert-weights-h5", "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'])\n",
+           "keras", "keras", lambda s: s.keras_values, out="out/model.weights.h5"),
     Writer("import-safetensors",
            "import restorekit\nready()\nrestorekit.import_checkpoint(args['src'], args['out'])\n",
            "tf", "safetensors", lambda s: s.values),
@@ -192,10 +204,15 @@ class Sources:
     values: dict
     many_values: dict
     frozen_values: dict
+    keras_values: dict
+    hf_values: dict  # what an unkilled gpt2-tf-to-hf conversion writes, and its config.json
+    hf_config: dict
 
     def path(self, source: str) -> str:
         return {
             "ckpt": os.path.join(self.root, "ckpt", "model.ckpt"),
+            "gpt2": os.path.join(self.root, "gpt2", "model.ckpt"),
+            "keras": os.path.join(self.root, "keras", "model.weights.h5"),
             "safetensors": os.path.join(self.root, "safetensors", "model.safetensors"),
             "many": os.path.join(self.root, "many", "many.npz"),
             "frozen": os.path.join(self.root, "frozen", "frozen.pb"),
@@ -221,7 +238,51 @@ def make_sources(root: str, *, width: int = 8, layers: int = 4, many: int = 40) 
     os.makedirs(os.path.join(root, "many"))
     np.savez(os.path.join(root, "many", "many.npz"), **many_values)
     frozen_values = _frozen_graph(os.path.join(root, "frozen", "frozen.pb"), rng, width)
-    return Sources(root, width, values, many_values, frozen_values)
+    keras_values = _keras_weights(os.path.join(root, "keras", "model.weights.h5"), rng, width)
+    hf_values, hf_config = _gpt2(os.path.join(root, "gpt2", "model.ckpt"), rng, width)
+    return Sources(root, width, values, many_values, frozen_values, keras_values, hf_values, hf_config)
+
+
+def _keras_weights(path: str, rng, width: int) -> dict:
+    """A Keras 3 ``.weights.h5`` (two Dense layers and Adam state), written with h5py in Keras' layout."""
+    import h5py
+
+    values = {}
+    for layer in ("dense", "dense_1"):
+        values[f"layers/{layer}/vars/0"] = rng.randn(width, width).astype(np.float32)
+        values[f"layers/{layer}/vars/1"] = rng.randn(width).astype(np.float32)
+    values["optimizer/vars/0"] = np.array(3, np.int64)
+    for i in range(1, 5):
+        values[f"optimizer/vars/{i}"] = rng.randn(width).astype(np.float32)
+    os.makedirs(os.path.dirname(path))
+    with h5py.File(path, "w") as f:
+        for key, value in values.items():
+            f.create_dataset(key, data=value)
+        for layer in ("dense", "dense_1"):
+            f[f"layers/{layer}/vars"].attrs["name"] = layer
+    return values
+
+
+def _gpt2(prefix: str, rng, width: int) -> tuple[dict, dict]:
+    """A tiny OpenAI GPT-2 TF checkpoint; (the tensors, the config.json) an unkilled conversion to HF writes."""
+    import restorekit
+
+    h = width
+    values = {"model/wte": rng.randn(16, h), "model/wpe": rng.randn(8, h), "model/ln_f/g": rng.randn(h),
+              "model/ln_f/b": rng.randn(h)}
+    for p, shapes in (("model/h0/", {"ln_1/g": (h,), "ln_1/b": (h,), "attn/c_attn/w": (1, h, 3 * h),
+                                     "attn/c_attn/b": (3 * h,), "attn/c_proj/w": (1, h, h), "attn/c_proj/b": (h,),
+                                     "ln_2/g": (h,), "ln_2/b": (h,), "mlp/c_fc/w": (1, h, 4 * h),
+                                     "mlp/c_fc/b": (4 * h,), "mlp/c_proj/w": (1, 4 * h, h), "mlp/c_proj/b": (h,)}),):
+        values.update({p + n: rng.randn(*shape) for n, shape in shapes.items()})
+    _tf_checkpoint(prefix, {n: v.astype(np.float32) for n, v in values.items()})
+    reference = os.path.join(os.path.dirname(prefix), "reference", "model.safetensors")
+    restorekit.convert(prefix, reference, rules="gpt2-tf-to-hf", max_shard_size=1500, config={"n_head": 2})
+    got = _load_hf(os.path.dirname(reference))
+    with open(os.path.join(os.path.dirname(reference), "config.json")) as f:
+        config = json.load(f)
+    shutil.rmtree(os.path.dirname(reference))
+    return got, config
 
 
 def _tf_checkpoint(prefix: str, values: dict) -> None:
@@ -401,7 +462,7 @@ def trace(sources: Sources, writer: Writer, case: str) -> tuple[list[str], float
 
 
 def _source_files(src: str, writer: Writer) -> list[str]:
-    if writer.source != "ckpt":
+    if writer.source not in ("ckpt", "gpt2"):
         return [src]
     directory, base = os.path.split(src)
     return sorted(os.path.join(directory, n) for n in os.listdir(directory)
@@ -431,6 +492,9 @@ def check(sources: Sources, writer: Writer, args: dict, before: dict | None, pro
         old = writer.old(sources) if writer.old is not None else None
         if writer.output == "tf":
             output = _check_checkpoint(args["out"], writer.expect(sources), old, problems)
+        elif writer.output == "hf":
+            config = writer.config(sources) if writer.config is not None else None
+            output = _check_hf(os.path.dirname(args["out"]), writer.expect(sources), config, problems)
         else:
             output = _check_file(args["out"], writer.output, writer.expect(sources), problems)
         if writer.name == "unfreeze" and output == "complete" and not os.path.exists(args["out"] + ".meta"):
@@ -481,7 +545,51 @@ def _check_checkpoint(prefix: str, want: dict, old: dict | None, problems: list,
     return "mixed"
 
 
+def _load_hf(directory: str) -> dict:
+    """Every tensor of the Hugging Face shards its ``model.safetensors.index.json`` names, loaded."""
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    got = {}
+    for shard in shards:
+        got.update(load_file(os.path.join(directory, shard)))
+    return got
+
+
+def _check_hf(directory: str, want: dict, config: dict | None, problems: list) -> str:
+    """Shards + index absent or complete; config.json (written after them) absent, or complete beside complete weights."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    config_path = os.path.join(directory, "config.json")
+    has_config = os.path.exists(config_path)
+    if not os.path.exists(index):
+        if has_config:
+            problems.append("config.json appeared before the weights")
+        return "absent"
+    try:
+        got = _load_hf(directory)
+    except Exception as e:  # a visible index whose shards do not load is what the harness looks for
+        problems.append(f"{directory!r} does not load: {type(e).__name__}: {e}")
+        return "broken"
+    differs = _equal(got, want)
+    if differs is not None:
+        problems.append(f"{directory!r}: {differs}")
+        return "mixed"
+    if config is not None and has_config:
+        with open(config_path) as f:
+            if json.load(f) != config:
+                problems.append("config.json differs from an unkilled conversion's")
+    return "complete"
+
+
 def _load_file(path: str, fmt: str) -> dict:
+    if fmt == "keras":
+        import h5py
+
+        got = {}
+        with h5py.File(path, "r") as f:
+            f.visititems(lambda name, obj: got.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+        return got
     if fmt == "safetensors":
         from safetensors.numpy import load_file
 
@@ -535,6 +643,24 @@ def next_write(sources: Sources, directory: str) -> None:
 
 
 _SHARD = re.compile(r"(.+)\.data-(\d{5})-of-(\d{5})")
+_HF_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
+
+
+def _hf_orphans(directory: str, names: set) -> list[str]:
+    """Hugging Face shards that no ``*.safetensors.index.json`` beside them lists."""
+    found = []
+    for name in sorted(names):
+        match = _HF_SHARD.fullmatch(name)
+        if match is None:
+            continue
+        index = match.group(1) + ".safetensors.index.json"
+        listed = set()
+        if index in names:
+            with open(os.path.join(directory, index)) as f:
+                listed = set(json.load(f)["weight_map"].values())
+        if name not in listed:
+            found.append(f"orphan {name}")
+    return found
 
 
 def leftovers(directory: str) -> list[str]:
@@ -555,7 +681,7 @@ def leftovers(directory: str) -> list[str]:
                                   if prefix + ".index" in names else None)
             if counts[prefix] is None or (shard and int(shard.group(3)) != counts[prefix]):
                 found.append(f"orphan {name}")
-    return found
+    return found + _hf_orphans(directory, names)
 
 
 # ---------------------------------------------------------------- the sweep

@@ -33,6 +33,7 @@ from restorekit.bundle.format import (
 )
 from restorekit.bundle.protos import BundleEntry, BundleHeader, decode_entry, decode_header
 from restorekit.bundle.table import mask_crc, read_table
+from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.bundle.writer import copy_checked
 from restorekit.errors import (
     CheckpointNotFoundError,
@@ -161,39 +162,6 @@ def resolve_prefix(path) -> str:
         if near:
             hint = f" Checkpoints nearby: {format_names(near)}."
     raise CheckpointNotFoundError(f"no checkpoint at {path!r} (looked for {path + '.index'!r}).{hint}", path)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One entry that fails verification: ``kind`` is 'checksum' (bytes changed) or 'corrupt'."""
-
-    name: str
-    kind: str
-    message: str
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """What ``Checkpoint.verify`` checked and found. ``ok`` when ``problems`` is empty."""
-
-    prefix: str
-    tensors: int
-    nbytes: int
-    problems: tuple = ()
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def __str__(self) -> str:
-        head = f"{self.prefix!r}: {self.tensors} tensors, {self.nbytes} bytes checked"
-        if self.ok:
-            return f"{head}: ok"
-        lines = [f"{head}: {len(self.problems)} with problems"]
-        lines += [f"  {p.kind:<9} {p.name}: {p.message}" for p in self.problems[:20]]
-        if len(self.problems) > 20:
-            lines.append(f"  ... and {len(self.problems) - 20} more")
-        return "\n".join(lines)
 
 
 class Checkpoint(Mapping):

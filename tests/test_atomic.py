@@ -196,3 +196,37 @@ def test_a_lock_whose_holder_was_killed_is_free_and_swept(tmp_path):
     open(atomic.lock_path(prefix), "w").write("999999999\n")  # left by a killed holder
     atomic.sweep_stale(str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_the_sweep_removes_hugging_face_shards_a_dead_commit_left_without_their_index(tmp_path):
+    import json
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = tmp_path / f".restorekit-tmp-{child.pid}-{atomic._host_tag()}-0badf00d"
+    dead.mkdir()
+    # 'model' lost its index (killed before renaming it); 'live' has one naming its shard; 'stale' has one that does not.
+    names = ["model-00001-of-00002.safetensors", "live-00001-of-00001.safetensors", "stale-00001-of-00002.safetensors"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"bytes")
+    (tmp_path / "live.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": names[1]}}))
+    (tmp_path / "stale.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "other.safetensors"}}))
+    (dead / ".restorekit-journal").write_text(json.dumps(names))
+    atomic.sweep_stale(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [names[1], "live.safetensors.index.json", "stale.safetensors.index.json"]
+
+
+def test_a_commit_renames_a_hugging_face_index_last_and_removes_the_old_one_first(tmp_path, monkeypatch):
+    order = []
+    (tmp_path / "model.safetensors.index.json").write_text("old")
+    (tmp_path / "model-00001-of-00001.safetensors").write_text("old")
+    real_remove, real_replace = os.remove, os.replace
+    monkeypatch.setattr(os, "remove", lambda p: order.append(("remove", os.path.basename(p))) or real_remove(p))
+    monkeypatch.setattr(os, "replace", lambda a, b: order.append(("rename", os.path.basename(b))) or real_replace(a, b))
+    with atomic.Staging(str(tmp_path)) as staging:
+        for name in ("model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+            with open(staging.path(str(tmp_path / name)), "w") as f:
+                f.write("new")
+        staging.commit()
+    assert order == [("remove", "model.safetensors.index.json"), ("rename", "model-00001-of-00001.safetensors"),
+                     ("rename", "model.safetensors.index.json")]

@@ -44,6 +44,13 @@ POINTS = {
     "convert-safetensors": ["before-replace"],
     "convert-npz": ["before-replace"],
     "convert-torch": ["before-replace"],
+    # Hugging Face shards + index (sharded.py): per shard staged, the index written, the commit renames.
+    "convert-hf-shards": ["tensor-0", "shard-2-staged", "index-json-written", "commit-start",
+                          "rename-model-00002-of-00003.safetensors", "before-index-rename", *COMMIT[3:]],
+    # A rule set to HF names with config.json, written after the weights land.
+    "convert-hf-rules": ["tensor-4", "shard-4-staged", "rename-model-00003-of-00004.safetensors",
+                         "before-index-rename", "before-config"],
+    "convert-weights-h5": ["tensor-0", "tensor-8", "before-replace"],
     "import-safetensors": ["tensor-0", "tensor-5", "index-written", ONE[0], *COMMIT[2:]],
     "bundle-writer": ["tensor-0", "tensor-13", "tensor-26", "tensor-39", "index-written", ONE[0], *COMMIT[2:]],
     # Imports TensorFlow in the child (~5 s each): a few points only.
@@ -54,7 +61,7 @@ CASES = [(writer, point) for writer, points in POINTS.items() for point in point
 # Random kills: a delay drawn (fixed seed) over about the time the writer takes here.
 RANDOM_WINDOW = {"convert-torch": 0.4}
 RANDOM_KILLS = [(writer, k) for writer in POINTS if writer != "unfreeze"
-                for k in range(4 if writer.startswith("convert") else 2)]
+                for k in range(4 if writer in ("convert-safetensors", "convert-npz", "convert-torch") else 2)]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,7 @@ def sources(tmp_path_factory):
 
 def expected_output(writer: kh.Writer, point: str) -> str:
     """What a kill at ``point`` must leave: no output yet, the old one, or the new one complete."""
-    landed = point in ("after-index-rename", "before-state-file") or (writer.state_file and point == "before-replace")
+    landed = point in ("after-index-rename", "before-state-file", "before-config") or (writer.state_file and point == "before-replace")
     if landed:
         return "complete"
     if writer.output == "in-place":

@@ -49,6 +49,14 @@ _LOCK_SUFFIX = ".restorekit-lock"
 # Inside a staging directory: the names a commit renames or removes, for sweep_stale.
 _JOURNAL = ".restorekit-journal"
 _SHARD = re.compile(r"(.+)\.data-\d{5}-of-(\d{5})")
+# A Hugging Face shard and the index that names it (restorekit.export.sharded writes both).
+_HF_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
+_HF_INDEX = ".safetensors.index.json"
+
+
+def _is_index(path: str) -> bool:
+    """An index makes its checkpoint exist: a TF ``.index`` or a Hugging Face ``*.safetensors.index.json``."""
+    return path.endswith((".index", _HF_INDEX))
 # Tests set this to a point name; the process then pauses there so it can be killed.
 CRASH_HOOK_ENV = "RESTOREKIT_CRASH_HOOK"
 
@@ -161,7 +169,8 @@ def _remove_orphans(directory: str, staging: str) -> None:
     Its shards renamed before its index, or the old shards it was to remove after it
     (an in-place save), are data no checkpoint can reach; its journal lists every name
     it touched. A shard stays whenever a live ``.index`` names it (the commit's own, if
-    it landed, or another writer's since).
+    it landed, or another writer's since); a Hugging Face shard, whenever its
+    ``*.safetensors.index.json`` lists it.
     """
     try:
         with open(os.path.join(staging, _JOURNAL)) as f:
@@ -170,6 +179,12 @@ def _remove_orphans(directory: str, staging: str) -> None:
         return  # it died before its commit began: nothing of it is visible
     counts: dict[str, int | None] = {}
     for name in names:
+        hf_shard = _HF_SHARD.fullmatch(name)
+        if hf_shard:
+            if not _hf_index_names(os.path.join(directory, hf_shard.group(1) + _HF_INDEX), name):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(directory, name))
+            continue
         shard = _SHARD.fullmatch(name)
         prefix = shard.group(1) if shard else name[: -len(".meta")] if name.endswith(".meta") else None
         if prefix is None:
@@ -180,6 +195,18 @@ def _remove_orphans(directory: str, staging: str) -> None:
         if count is None or (shard is not None and count != -1 and int(shard.group(2)) != count):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, name))
+
+
+def _hf_index_names(index: str, name: str) -> bool:
+    """True when the Hugging Face index ``index`` names shard ``name`` (or cannot be read: keep it)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        return name in set(weight_map.values())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _shard_count(index: str) -> int | None:
@@ -441,8 +468,8 @@ class Staging:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         finals = set(self._finals.values())
-        indexes = [self._finals[t] for t in staged if t.endswith(".index")]
-        if any(os.path.exists(self._finals[t]) for t in staged if not t.endswith(".index")):
+        indexes = [self._finals[t] for t in staged if _is_index(t)]
+        if any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
             # A shard is about to replace one an existing index points at: that index
             # goes first, or a crash before the new index lands would show the old
             # index over new shards, a checkpoint that is neither.
@@ -456,9 +483,9 @@ class Staging:
         if removed:
             fsync_directory(self.directory)
         crash_point("after-remove-before")
-        for tmp in sorted(staged, key=lambda t: t.endswith(".index")):
+        for tmp in sorted(staged, key=_is_index):
             crash_point(f"rename-{os.path.basename(tmp)}")
-            if tmp.endswith(".index"):
+            if _is_index(tmp):
                 crash_point("before-index-rename")
             os.replace(tmp, self._finals[tmp])
         fsync_directory(self.directory)

@@ -13,13 +13,16 @@ import shutil
 import stat
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.errors import CorruptCheckpointError, OutputError, OutputExistsError
+from restorekit.errors import CorruptCheckpointError, InsufficientSpaceError, OutputError, OutputExistsError
 
 __all__ = [
+    "INDEX_SLACK",
     "basename",
     "check_shard_files",
+    "check_space",
     "dirname",
     "exists",
+    "free_space",
     "glob",
     "is_remote",
     "isdir",
@@ -34,6 +37,8 @@ __all__ = [
     "size",
 ]
 
+# Room for an index, headers and filesystem rounding on top of the tensor bytes in the free-space check.
+INDEX_SLACK = 1 << 20
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -336,3 +341,32 @@ def output_prefix(out: str, source_name: str) -> str:
     if out.endswith(("/", os.sep)) or (not is_remote(out) and os.path.isdir(out)):
         return join(out.rstrip("/" + os.sep) or "/", source_name)
     return out
+
+
+def free_space(directory: str) -> int:
+    """Free bytes on the local filesystem that holds (or would hold) ``directory``."""
+    probe = os.path.abspath(directory or ".")
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+def check_space(directory: str, needed: int) -> None:
+    """Refuse a write of about ``needed`` bytes into ``directory`` that its disk cannot hold.
+
+    Called before anything is staged, so a full disk fails at once with nothing
+    written instead of part-way with a staging directory to clean up. A remote
+    ``directory`` (``gs://``) is not checked here: what a remote write stages locally
+    is checked where it is staged (``$TMPDIR``).
+
+    Raises:
+        InsufficientSpaceError: fewer than ``needed`` bytes (plus ``INDEX_SLACK``) are free.
+    """
+    if is_remote(directory):
+        return
+    free = free_space(directory)
+    if needed + INDEX_SLACK > free:
+        raise InsufficientSpaceError(
+            f"saving to {directory!r} needs about {(needed + INDEX_SLACK) / 1e6:.1f} MB but only "
+            f"{free / 1e6:.1f} MB are free; nothing was written"
+        )

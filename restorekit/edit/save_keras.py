@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from restorekit.bundle.files import check_space
 from restorekit.bundle.format import dtype_name
 from restorekit.edit.plan import Item
 from restorekit.edit.source import Source
@@ -68,6 +69,8 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
     if os.path.realpath(out) in {os.path.realpath(f) for f in ckpt.files[1:]}:  # a shard of a sharded set
         raise OutputExistsError(path=out, is_source=True)
     check_structure(list(plan), list(ckpt.entries), where=repr(out))
+    check_space(os.path.dirname(os.path.abspath(out)), sum(source.nbytes(it) for it in plan.values()))
+    ckpt.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     group_attrs = ckpt.group_attrs()
     attrs = {}
     for name, it in plan.items():
@@ -86,6 +89,7 @@ def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, 
                progress: bool) -> str:
     """Write an edited Keras file as a TF checkpoint or a file of the export registry, under readable paths."""
     plan = _readable(source, _decoded(source, plan))
+    source.checkpoint.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     if format == "tf":
         from restorekit.export.conversions import write_tf
 
@@ -94,6 +98,7 @@ def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, 
         prefix = out[: -len(".index")] if out.endswith(".index") else out
         if os.path.exists(prefix + ".index") and not overwrite:
             raise OutputExistsError(path=prefix)
+        check_space(os.path.dirname(os.path.abspath(prefix)), sum(source.nbytes(it) for it in plan.values()))
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         tensors = ((name, source.value(it), dtype_name(it.dtype)) for name, it in plan.items())
         return write_tf(prefix, tensors, progress=progress).path

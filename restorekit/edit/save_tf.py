@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.bundle import atomic, files, statefile
+from restorekit.bundle.files import INDEX_SLACK, check_space  # noqa: F401  (importable from here as before)
 from restorekit.bundle.format import decode_tensor, encode_slice_key
 from restorekit.bundle.objectgraph import rewrite_keys
 from restorekit.bundle.protos import decode_entry, decode_header
@@ -23,12 +23,10 @@ from restorekit.export.base import checkpoint_files
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
-    InsufficientSpaceError,
     OutputError,
     RestoreKitWarning,
 )
 
-INDEX_SLACK = 1 << 20  # room for the index and filesystem rounding in the free-space check
 # Data shards a compacting save of copied tensors writes at once: one thread's reads and
 # writes (which release the GIL) overlap the other's crc32c; see benchmarks/README.md.
 WORKERS = 2
@@ -293,20 +291,6 @@ def final_plan(source: Source, plan: dict[str, Item]) -> dict[str, Item]:
 
     plan[OBJECT_GRAPH_KEY] = Item(OBJECT_GRAPH_KEY, STRING, (), base=rebuild)
     return plan
-
-
-def check_space(directory: str, needed: int) -> None:
-    """InsufficientSpaceError unless ``directory``'s filesystem has ``needed`` bytes (and some slack) free."""
-    probe = directory
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe) or "."
-    free = shutil.disk_usage(probe).free
-    if needed + INDEX_SLACK > free:
-        raise InsufficientSpaceError(
-            f"saving to {directory!r} needs about {(needed + INDEX_SLACK) / 1e6:.1f} MB but only "
-            f"{free / 1e6:.1f} MB are free; nothing was written"
-        )
-
 
 
 def _same_device(a: str, b: str) -> bool:

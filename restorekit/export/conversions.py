@@ -15,7 +15,8 @@ import numpy as np
 from restorekit.bundle import atomic
 from restorekit.keras_files import KerasCheckpoint, is_keras_path
 from restorekit.errors import InvalidArgumentError, OutputExistsError
-from restorekit.bundle.files import check_parent, output_prefix
+from restorekit.bundle import files as bundle_files
+from restorekit.bundle.files import check_parent, check_space, output_prefix
 from restorekit.export import formats, keras, sharded
 from restorekit.export.base import (
     ExportResult,
@@ -29,7 +30,7 @@ from restorekit.export.layout import check_layout
 from restorekit.export.layouts import TorchView, torch_view
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.export import rawimport, sources
-from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, tf_shapes, tf_tensors
+from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, source_nbytes, tf_shapes, tf_tensors
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format", "write_tf"]
 
@@ -103,6 +104,16 @@ def _check_sharded_output(out: str, sources: list[str], overwrite: bool) -> None
     sharded.check_output(out, overwrite=overwrite)
 
 
+def _out_dir(out: str) -> str:
+    return bundle_files.dirname(out) if bundle_files.is_remote(out) else os.path.dirname(os.path.abspath(out))
+
+
+def _planned_nbytes(ckpt, plan: OutputPlan | None) -> int:
+    """The bytes of the entries a conversion of ``ckpt`` writes: what the free-space check asks for."""
+    entries = ckpt.entries
+    return sum(entries[name].nbytes for name in (plan.names.values() if plan is not None else entries) if name in entries)
+
+
 def _source_files(src: str, fmt: str) -> tuple[str, list[str]]:
     """(resolved source, the files it consists of)."""
     if fmt == formats.TF:
@@ -171,6 +182,7 @@ def _finish(result: ExportResult, plan: OutputPlan | None, config) -> ExportResu
     """The result, with what the plan left out and the config.json written (after the weights)."""
     files = result.files
     if config is not None:
+        atomic.crash_point("before-config")  # the weights are in place; config.json follows them
         path, text = config
         with atomic.atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -234,6 +246,7 @@ def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, pr
     directory = sharded.output_files(path, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(path))
     shapes = {n: e.shape for n, e in ckpt.entries.items()}
     config = _config(options, plan, shapes, directory, overwrite) if plan is not None else None
+    check_space(directory, _planned_nbytes(ckpt, plan))
     if plan is not None and plan.transforms:
         # Only a rule set transforms axes, and a rule set takes no layout (see _options).
         tensors = _tf_stream(ckpt, plan)
@@ -406,6 +419,7 @@ def import_checkpoint(
     _check_output(out_prefix, formats.TF, list(reader.files), overwrite)
     arrays, record = open_source(reader, layout, max_output_bytes)
     plan = file_plan(reader, record, options)
+    check_space(_out_dir(out_prefix), source_nbytes(reader))
     if plan is None:
         # tensors whose stored bytes are their TF bytes are copied as they lie (rawimport)
         arrays = rawimport.source_arrays(reader, record, max_output_bytes) or arrays
@@ -535,6 +549,7 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
     plan = file_plan(reader, record, options)
     directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
     config = _config(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None
+    check_space(directory, source_nbytes(reader))
     metadata = _metadata(options, to)
     if write_layout == "torch":
         # The file as the TF checkpoint it holds, mapped layer by layer as an export from TF maps it.
@@ -591,6 +606,7 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
     source = sources.keras_source(keras_ckpt, weights_only=options.weights_only)
     _check_output(out, formats.TF, list(keras_ckpt.files), overwrite)
     plan = _tf_plan(source, options)
+    check_space(_out_dir(out), _planned_nbytes(source, plan))
     if plan is None:
         tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
         return write_tf(out, tensors, progress=progress)
@@ -615,6 +631,7 @@ def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress
     ckpt = Checkpoint(src)
     _check_output(out, formats.TF, checkpoint_files(ckpt.prefix), overwrite)
     plan = _tf_plan(ckpt, options)
+    check_space(_out_dir(out), _planned_nbytes(ckpt, plan))
     if plan is None:
         entries = ckpt.entries
         tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from restorekit.bundle.files import check_space
 from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.export.base import ExportResult
 
@@ -54,6 +55,8 @@ def copy_weights(ckpt, out: str, *, weights_only: bool = False, overwrite: bool 
             raise OutputExistsError(path=out)
     keys = [k for k in ckpt.entries if not (weights_only and k.startswith("optimizer/"))]
     check_structure(keys, list(ckpt.entries), where=repr(out))
+    check_space(os.path.dirname(os.path.abspath(out)), sum(ckpt.entries[k].nbytes for k in keys))
+    ckpt.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     write_weights(out, [(k, lambda k=k: ckpt.read(k)) for k in keys], attrs=ckpt.group_attrs())
     dropped = tuple(k for k in ckpt.entries if k not in set(keys))
     return ExportResult(out, KERAS, len(keys), sum(ckpt.entries[k].nbytes for k in keys), dropped=dropped)

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from restorekit.bundle import files
+from restorekit.bundle import atomic, files
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 from restorekit.export.base import (
     ExportResult,
@@ -201,6 +201,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
                 entries.append((out, st_dtype, array.shape, offset, offset + array.nbytes))
                 offset += array.nbytes
                 bar.update(array.nbytes)
+                atomic.crash_point(f"tensor-{len(entries) - 1}")
             check_strings(record, "file metadata")
             header = _encode_header(entries, _metadata(metadata, record))
             if len(header) - 8 <= _RESERVE and offset >= _COMPACT_BELOW:
@@ -277,7 +278,10 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
     try:
         with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
             write_all(f, header)
+            done = 0
             for group in groups:
+                atomic.crash_point(f"tensor-{done}")  # before each run of copied bytes or decoded tensor
+                done += len(group)
                 if isinstance(group[0][5], UncheckedRange):
                     copy_unchecked_run([(step[0], step[5]) for step in group], f, handles, bar)
                     continue

@@ -251,15 +251,17 @@ def _publish(out, parts: list, overwrite: bool, write_one) -> ExportResult:
     results = []
     weight_map = {}
     with atomic.Staging(directory) as staging:
-        for path, part in zip(paths, parts):
+        for k, (path, part) in enumerate(zip(paths, parts), 1):
             result = write_one(staging.path(path), part)
             results.append(result)
             weight_map.update({name: os.path.basename(path) for name in safetensors.read_shapes(staging.path(path))})
+            atomic.crash_point(f"shard-{k}-staged")
         if index is not None:
             text = json.dumps({"metadata": {"total_size": sum(r.nbytes for r in results)}, "weight_map": weight_map},
                               indent=2, sort_keys=True)
             with open(staging.path(index), "w", encoding="utf-8") as f:
                 f.write(text + "\n")
+            atomic.crash_point("index-json-written")
         staging.commit(remove_before=[p for p in old if p not in paths and p != index])
     first = results[0]
     return ExportResult(

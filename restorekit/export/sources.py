@@ -12,7 +12,8 @@ from restorekit.export import formats, sharded
 from restorekit.export.base import PlannedCheckpoint
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 
-__all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "tf_shapes", "tf_tensors"]
+__all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "source_nbytes",
+           "tf_shapes", "tf_tensors"]
 
 
 def shard_set(path: str):
@@ -55,6 +56,25 @@ def reader(src: str, fmt: str) -> Reader:
     if not os.path.isfile(src):
         raise CheckpointNotFoundError(f"no file at {src!r}", src)
     return Reader(src, fmt, (src,), src, formats.module(fmt))
+
+
+def source_nbytes(reader: Reader) -> int:
+    """About how many tensor bytes a non-TF source holds, from its files' sizes and zip directories
+    (nothing is read or decompressed): what a conversion of it writes, for the free-space check."""
+    import zipfile
+
+    total = 0
+    for path in reader.files:
+        size = os.path.getsize(path)
+        if zipfile.is_zipfile(path):
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    # deflated .npz members expand: count them as they will be written
+                    size = max(size, sum(info.file_size for info in archive.infolist()))
+            except (zipfile.BadZipFile, OSError):
+                pass  # the reader reports a damaged archive with its own words
+        total += size
+    return total
 
 
 def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
@@ -284,7 +304,13 @@ class FileCheckpoint:
 def keras_source(ckpt, *, weights_only: bool = False):
     """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
     the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group.
-    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file."""
+    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file.
+    A ``.keras`` archive's weights member is checked against its zip CRC-32 first (a conversion reads it whole).
+
+    Raises:
+        ChecksumMismatchError: the ``.keras`` weights member's bytes changed.
+    """
+    ckpt.check_crc()
     names = {}
     for key in ckpt.entries:
         if weights_only and key.startswith("optimizer/"):

@@ -6,9 +6,8 @@ import dataclasses
 import glob
 import os
 import re
-import shutil
 
-from restorekit.bundle import atomic
+from restorekit.bundle import atomic, files
 from restorekit.bundle.format import dtype_name, encode_slice_key
 from restorekit.bundle.writer import BundleWriter, partitioned_entry
 from restorekit.errors import (
@@ -35,7 +34,7 @@ LARGE_CONSTANT_BYTES = 1024
 # unfreeze(max_output_bytes=None) allows at least this much (see _default_max_output_bytes).
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 30
 # Room for the .index beside the data, in the free-space check.
-_INDEX_SLACK = 1 << 20
+_INDEX_SLACK = files.INDEX_SLACK
 
 # The TF1 resource-variable read that convert_variables_to_constants turns into Identity.
 _READ_VARIABLE_LEAF = re.compile(r"(^|/)ReadVariableOp(_\d+)?$")
@@ -258,10 +257,7 @@ def _check_output_size(layouts: dict, prefix: str, extra: int, max_output_bytes:
             f"1 GiB and 64 times the {input_bytes}-byte graph): {largest_text}. Nothing was written; pass a larger "
             f"max_output_bytes if the graph is trusted."
         )
-    probe = os.path.dirname(os.path.abspath(prefix))
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe).free
+    free = files.free_space(os.path.dirname(os.path.abspath(prefix)))
     if total + _INDEX_SLACK > free:
         raise InsufficientSpaceError(
             f"unfreezing to {prefix!r} needs about {format_bytes(total + _INDEX_SLACK)} but only "

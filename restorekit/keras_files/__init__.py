@@ -41,6 +41,7 @@ layer and variable names must still agree.
 from __future__ import annotations
 
 import os
+import sys
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ from restorekit.errors import (
     RestoreKitError,
     format_names,
 )
-from restorekit.keras_files.archive import MemberFile, check_member, json_attr, json_member, member_offset
+from restorekit.bundle.verification import Problem, VerifyResult
+from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -232,6 +234,7 @@ class KerasCheckpoint(Mapping):
                         f"load the model with keras and save it again with model.save('model.keras')"
                     )
                 self._member = (member_offset(self.prefix, info), info.file_size)
+                self._member_crc = info.CRC
         except (zipfile.BadZipFile, EOFError, OSError) as e:
             if isinstance(e, CorruptCheckpointError):
                 raise
@@ -430,6 +433,47 @@ class KerasCheckpoint(Mapping):
 
     def check_shards(self) -> None:
         """Nothing to do: a Keras file is one file, and its datasets were checked when it was opened."""
+
+    def check_crc(self, advance=None) -> None:
+        """Check the weights member of a ``.keras`` archive against its zip CRC-32 (streamed; nothing for
+        other files: HDF5 keeps no checksum of the data). Whole-file conversions call this before writing.
+
+        Raises:
+            ChecksumMismatchError: the member's bytes changed since Keras wrote them.
+        """
+        if self._member is not None:
+            check_crc(self.prefix, "model.weights.h5", *self._member, self._member_crc, advance)
+
+    def verify(self, *, progress: bool = False) -> VerifyResult:
+        """Check the file as ``Checkpoint.verify`` checks a TF checkpoint, and list what is wrong.
+
+        A ``.keras`` archive's weights member is checked against its zip CRC-32 (a
+        'checksum' problem named ``model.weights.h5``); then every dataset is read back
+        and checked against its declared shape ('corrupt' problems). HDF5 keeps no
+        checksum of tensor data, so in a ``.weights.h5`` a changed data byte is not found.
+        """
+        from tqdm import tqdm
+
+        problems, checked = [], 0
+        total = (self._member[1] if self._member is not None else 0) + self.nbytes
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
+                  disable=None if progress else True, leave=False) as bar:
+            try:
+                self.check_crc(bar.update)
+            except CorruptCheckpointError as e:
+                problems.append(Problem("model.weights.h5", "checksum", str(e)))
+            try:
+                with self._h5() as f:
+                    for key, data in self._data.items():
+                        try:
+                            self._read_one(f, data)
+                            checked += data.nbytes
+                        except CorruptCheckpointError as e:
+                            problems.append(Problem(key, "corrupt", str(e)))
+                        bar.update(data.nbytes)
+            except CorruptCheckpointError as e:  # the HDF5 structure itself
+                problems.append(Problem(os.path.basename(self.prefix), "corrupt", str(e)))
+        return VerifyResult(self.prefix, len(self._data), checked, tuple(problems))
 
     def _key(self, name: str) -> str:
         return name if name in self._entries else self._paths.get(name, name)

@@ -6,12 +6,14 @@ import json
 import re
 import struct
 import zipfile
+import zlib
 
-from restorekit.errors import CorruptCheckpointError
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError
 
-__all__ = ["MemberFile", "check_member", "json_attr", "json_member", "member_offset"]
+__all__ = ["MemberFile", "check_crc", "check_member", "json_attr", "json_member", "member_offset"]
 
 _MAX_JSON = 256 << 20
+_CHUNK = 1 << 20  # bytes read at a time by check_crc: memory stays at one chunk whatever the member's size
 
 
 class MemberFile:
@@ -51,6 +53,35 @@ class MemberFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def check_crc(path: str, member: str, offset: int, size: int, crc: int, advance=None) -> None:
+    """Check a stored member's bytes (``size`` of them at ``offset`` in ``path``) against its zip CRC-32.
+
+    h5py reads the weights member in place, where zipfile's own check never runs, so a
+    changed byte in a tensor would read as a changed value. Streamed in chunks;
+    ``advance(n)`` is called after each.
+
+    Raises:
+        ChecksumMismatchError: the bytes do not match the CRC-32 the archive records (or end early).
+    """
+    running, left = 0, size
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while left:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                break
+            running = zlib.crc32(chunk, running)
+            left -= len(chunk)
+            if advance is not None:
+                advance(len(chunk))
+    if left or running != crc:
+        found = f"ends {left} bytes early" if left else f"has CRC-32 {running:08x}, the archive records {crc:08x}"
+        raise ChecksumMismatchError(
+            f"{path!r} is corrupt: its {member} member {found}; its bytes changed since Keras wrote it. "
+            f"Save the model again with model.save('model.keras')"
+        )
 
 
 def check_member(path: str, member: str) -> None:

@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from restorekit.bundle import atomic
 from restorekit.bundle.atomic import atomic_output
 from restorekit.errors import InvalidArgumentError, format_names
 
@@ -97,12 +98,13 @@ def write_weights(path, tensors, *, attrs: dict | None = None) -> str:
     check_structure([k for k, _ in tensors], where=repr(path))
     with atomic_output(path) as tmp:
         with h5py.File(tmp, "w") as f:
-            for key, array in tensors:
+            for i, (key, array) in enumerate(tensors):
                 array = np.asarray(array() if callable(array) else array)
                 bfloat16 = array.dtype.name == "bfloat16"
                 ds = f.create_dataset(key, data=array)
                 if bfloat16:
                     ds.attrs["dtype"] = "bfloat16"
+                atomic.crash_point(f"tensor-{i}")
             for group, values in (attrs or {}).items():
                 target = f.require_group(group) if group else f
                 for name, value in values.items():
