@@ -125,6 +125,14 @@ def test_cli_inspect_lists_every_shards_tensors(saved, capsys):
 
 # ---------------------------------------------------------------- scan + restore
 
+def test_verify_reads_back_every_tensor_of_every_shard(saved, capsys):
+    ckpt = restorekit.Checkpoint(str(saved[1] / "set" / "m.weights.json"))
+    result = ckpt.verify()
+    assert result.ok and result.problems == ()
+    assert result.nbytes == ckpt.nbytes and result.tensors == len(ckpt.entries) > 0
+    assert main(["verify", str(saved[1] / "set" / "m.weights.json")]) == 0
+
+
 def test_scan_restore_into_the_same_model(saved):
     source, tmp = saved
     target = model(seed=1)

@@ -462,17 +462,19 @@ class KerasCheckpoint(Mapping):
                 self.check_crc(bar.update)
             except CorruptCheckpointError as e:
                 problems.append(Problem("model.weights.h5", "checksum", str(e)))
-            try:
-                with self._h5() as f:
-                    for key, data in self._data.items():
-                        try:
-                            self._read_one(f, data)
-                            checked += data.nbytes
-                        except CorruptCheckpointError as e:
-                            problems.append(Problem(key, "corrupt", str(e)))
-                        bar.update(data.nbytes)
-            except CorruptCheckpointError as e:  # the HDF5 structure itself
-                problems.append(Problem(os.path.basename(self.prefix), "corrupt", str(e)))
+            for path, in_file in self._by_file(dict.fromkeys(self._data)).items():  # one file per shard of a set
+                try:
+                    with self._h5(path) as f:
+                        for key in in_file:
+                            data = self._data[key]
+                            try:
+                                self._read_one(f, data, path)
+                                checked += data.nbytes
+                            except CorruptCheckpointError as e:
+                                problems.append(Problem(key, "corrupt", str(e)))
+                            bar.update(data.nbytes)
+                except CorruptCheckpointError as e:  # the HDF5 structure itself
+                    problems.append(Problem(os.path.basename(path or self.prefix), "corrupt", str(e)))
         return VerifyResult(self.prefix, len(self._data), checked, tuple(problems))
 
     def _key(self, name: str) -> str:
