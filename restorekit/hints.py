@@ -7,7 +7,7 @@ import re
 from restorekit.policies import CAST, dtype_cast_applies
 from restorekit.report import Record
 
-__all__ = ["UNIQUIFIED", "restore_hints", "shapes_fit"]
+__all__ = ["UNIQUIFIED", "fits", "restore_hints", "scope_hint", "shapes_fit"]
 
 _SYNONYMS = {"biases": "bias", "weights": "kernel", "gamma": "scale", "embeddings": "embedding"}
 UNIQUIFIED = re.compile(r"_\d+$")
@@ -58,7 +58,54 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"{r.variable_name!r} differs only in dtype (checkpoint {r.checkpoint_dtype}, model {r.dtype}); "
                 f"dtype_policy='cast' restores it cast."
             )
-    return tuple(hints)
+    scoped = scope_hint(missing, unused)
+    return tuple(hints) + ((scoped,) if scoped else ())
+
+
+def _tails(name: str):
+    """(prefix, tail) splits of ``name`` at each '/', longest tail first, tails of two or more components."""
+    parts = name.split("/")
+    for i in range(len(parts) - 1):
+        yield "/".join(parts[:i]), "/".join(parts[i:])
+
+
+def scope_hint(missing, unused) -> str | None:
+    """A hint when missing variables sit in the checkpoint under another scope (``model/conv1/w`` vs ``conv1/w``).
+
+    Pairs each missing variable with the one unused entry of the same tail (two or
+    more path components; shape and dtype agreeing, so following the hint restores
+    them); the scope change most pairs agree on becomes one ``assignment_map`` in
+    ``init_from_checkpoint`` form.
+    """
+    by_tail: dict[str, list] = {}
+    for r in unused:
+        for prefix, tail in _tails(r.checkpoint_path or r.checkpoint_name):
+            by_tail.setdefault(tail, []).append((prefix, r))
+    votes: dict[tuple, list] = {}
+    for r in missing:
+        for var_prefix, tail in _tails(r.checkpoint_name or r.variable_name):
+            fitting = [(p, c) for p, c in by_tail.get(tail, ()) if p != var_prefix and fits(r, c)]
+            if len(fitting) == 1:
+                ckpt_prefix, c = fitting[0]
+                votes.setdefault((ckpt_prefix, var_prefix), []).append((r, c))
+                break
+    if not votes:
+        return None
+    (ckpt_prefix, var_prefix), pairs = max(votes.items(), key=lambda item: len(item[1]))
+    r, c = pairs[0]
+    key, value = (ckpt_prefix + "/") if ckpt_prefix else "/", (var_prefix + "/") if var_prefix else "/"
+    return (
+        f"{len(pairs)} of the {len(missing)} missing variables are in the checkpoint under another scope "
+        f"(e.g. {r.variable_name!r} as {c.checkpoint_path or c.checkpoint_name!r}); "
+        f"pass assignment_map={{{key!r}: {value!r}}}."
+    )
+
+
+def fits(variable, entry) -> bool:
+    """True when ``entry`` (a checkpoint-side record) can restore ``variable`` as it is: shape and dtype agree."""
+    if entry.checkpoint_shape is not None and not shapes_fit(variable.shape, entry.checkpoint_shape):
+        return False
+    return variable.dtype is None or entry.checkpoint_dtype is None or variable.dtype == entry.checkpoint_dtype
 
 
 def shapes_fit(model_shape, checkpoint_shape) -> bool:

@@ -11,9 +11,9 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
-from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
+from restorekit.errors import IncompleteRestoreError, InvalidArgumentError, NoMatchError
 
-__all__ = ["Record", "RestoreReport", "format_bytes", "format_shape", "live_handles"]
+__all__ = ["Record", "RestoreReport", "format_bytes", "format_shape", "live_handles", "nothing_matched"]
 
 
 def format_shape(shape, unknown_rank: str = "?") -> str:
@@ -234,6 +234,11 @@ def live_handles(report) -> dict:
             "call restorekit.scan again in the process that builds the graph"
         )
     return report._handles
+
+
+def nothing_matched(report, what: str = "restore") -> NoMatchError:
+    """The error for a report that matched nothing: its text carries the whole report, hints included."""
+    return NoMatchError(f"nothing in {report.checkpoint!r} matched; there is nothing to {what}\n{report}")
 
 
 def policy_of(report, variable_name: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.report import live_handles
+from restorekit.report import live_handles, nothing_matched
 from restorekit.scan import scan
 from restorekit.targets import collect, flat_variables
 from restorekit.tf1 import build_initializer, partial_saver, restore_ops
@@ -55,6 +55,9 @@ def easy_going_scaffold(
         A Scaffold with an extra attribute ``restore_report``.
 
     Raises:
+        NoMatchError: nothing in ``checkpoint`` matched (the message holds the report
+            and its hints, such as an ``assignment_map`` for a scope that differs).
+            Not raised when resuming from ``checkpoint_dir``.
         IncompleteRestoreError: strict=True and the restore cannot be complete.
 
     Example:
@@ -74,6 +77,9 @@ def easy_going_scaffold(
     report = scan(checkpoint, variables, **scan_options)
     if strict:
         report.assert_complete()
+    if not report.matched:
+        # A warm start that restores nothing would train from scratch without a word.
+        raise nothing_matched(report)
     ops = restore_ops(report)
     with tf1.name_scope("restorekit"):
         for record in ops.initialized:

@@ -11,7 +11,7 @@ from restorekit import distribute, keras_files, remap
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
-from restorekit.report import live_handles, policy_of
+from restorekit.report import live_handles, nothing_matched, policy_of
 from restorekit.rules import KERAS_FROM_TF1, Rules, as_rules
 from restorekit.trackables import is_trackable, live_paths, object_graph_keys
 
@@ -89,7 +89,7 @@ def _nothing_matched(report) -> InvalidArgumentError:
         names = [r.variable_name for r in report.missing + report.shape_mismatched + report.dtype_mismatched]
         if not set(ckpt.layer_names) & {part for n in names for part in n.split("/")[:-1]}:
             return keras_files.no_shared_layers_error(ckpt, names)
-    return InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
+    return nothing_matched(report)
 
 
 def restore(report, *, strict: bool = False):

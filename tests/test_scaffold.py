@@ -207,3 +207,70 @@ def test_restart_with_checkpoint_dir_does_not_need_the_pretrained_checkpoint(sma
         with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=train_dir,
                                                 save_checkpoint_secs=None) as sess:
             np.testing.assert_array_equal(sess.run(kernel), values["dense/kernel"] + 1)
+
+
+def _scoped_graph():
+    """The net of ``small_checkpoint`` built under an extra ``model/`` scope (nothing matches by name)."""
+    with tf1.variable_scope("model"):
+        for layer, shape in (("dense", [4, 3]), ("logits", [3, 5])):
+            tf1.get_variable(f"{layer}/kernel", shape)
+            tf1.get_variable(f"{layer}/bias", shape[-1:])
+    tf1.train.get_or_create_global_step()
+
+
+def test_scaffold_that_matches_nothing_raises_with_the_scope_hint(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        _scoped_graph()
+        with pytest.raises(restorekit.NoMatchError, match="nothing in .* matched") as info:
+            restorekit.easy_going_scaffold(prefix)
+    text = str(info.value)
+    assert "missing        4" in text and "unused         4" in text
+    assert "4 of the 4 missing variables are in the checkpoint under another scope" in text
+    assert "assignment_map={'/': 'model/'}" in text
+
+
+def test_scaffold_following_the_scope_hint_restores_every_value(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    with tf.Graph().as_default():
+        _scoped_graph()
+        scaffold = restorekit.easy_going_scaffold(prefix, assignment_map={"/": "model/"})
+        assert len(scaffold.restore_report.matched) == 4
+        handles = {v.op.name: v for v in tf1.global_variables()}
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=str(tmp_path / "t")) as sess:
+            for name in ("dense/kernel", "dense/bias", "logits/kernel", "logits/bias"):
+                np.testing.assert_array_equal(sess.run(handles["model/" + name]), values[name])
+
+
+def test_scaffold_that_matches_nothing_still_resumes_from_checkpoint_dir(small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    train_dir = str(tmp_path / "train")
+    with tf.Graph().as_default():
+        _scoped_graph()
+        kernel = [v for v in tf1.global_variables() if v.op.name == "model/dense/kernel"][0]
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(kernel.assign(np.full((4, 3), 2.5, np.float32)))
+            sess.run(tf1.train.get_global_step().assign(3))
+            tf1.train.Saver().save(sess, train_dir + "/model.ckpt", global_step=3)
+    with tf.Graph().as_default():
+        _scoped_graph()
+        kernel = [v for v in tf1.global_variables() if v.op.name == "model/dense/kernel"][0]
+        scaffold = restorekit.easy_going_scaffold(prefix, checkpoint_dir=train_dir)
+        assert scaffold.restore_report is None
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=train_dir,
+                                                save_checkpoint_secs=None, save_checkpoint_steps=None) as sess:
+            np.testing.assert_array_equal(sess.run(kernel), np.full((4, 3), 2.5, np.float32))
+            assert sess.run(tf1.train.get_global_step()) == 3
+
+
+def test_scaffold_that_matches_some_still_restores_them(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    with tf.Graph().as_default():
+        kernel = tf1.get_variable("dense/kernel", [4, 3])
+        tf1.get_variable("model/other", [2])
+        tf1.train.get_or_create_global_step()
+        scaffold = restorekit.easy_going_scaffold(prefix)
+        assert [r.variable_name for r in scaffold.restore_report.matched] == ["dense/kernel"]
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=str(tmp_path / "t")) as sess:
+            np.testing.assert_array_equal(sess.run(kernel), values["dense/kernel"])
