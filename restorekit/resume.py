@@ -88,12 +88,18 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     * Otherwise: ``restorekit.scan(pretrained, model, **scan_options)`` and
       ``restorekit.restore``; the optimizer stays fresh.
 
+    Pass the run's ``tf.train.CheckpointManager`` as ``directory`` and the resume goes
+    through its own ``tf.train.Checkpoint``: everything it tracks is restored, its
+    ``save_counter`` included, so ``manager.save()`` continues the numbering
+    (``ckpt-2``, ``ckpt-3``, ...) instead of writing ``ckpt-1`` again on every restart.
+
     Call it after the model is built, inside the strategy's scope when there is one
     (``MirroredStrategy`` variables are restored on every replica). An optimizer
     that is not built yet receives its state when it is built.
 
     Args:
-        directory: the run's checkpoint directory (may not exist yet).
+        directory: the run's ``tf.train.CheckpointManager`` (recommended), or its
+            checkpoint directory (may not exist yet).
         pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
         model: the Keras model or tf.Module being trained.
         optimizer: its optimizer, restored on resume.
@@ -113,19 +119,20 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
 
     Example:
         >>> manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=m, optimizer=o), 'run/', 3)
-        >>> start = restorekit.resume_or_warm_start('run/', 'pretrained.weights.h5', model=m, optimizer=o)
+        >>> start = restorekit.resume_or_warm_start(manager, 'pretrained.weights.h5', model=m, optimizer=o)
         >>> print(start)
     """
     tf = import_tensorflow()
-    latest = _latest(directory)
+    manager = directory if isinstance(directory, tf.train.CheckpointManager) else None
+    latest = manager.latest_checkpoint if manager is not None else _latest(directory)
     if latest is not None:
-        objects = {"model": model}
-        if optimizer is not None:
-            objects["optimizer"] = optimizer
-        if step is not None:
-            objects["step"] = step
-        status = tf.train.Checkpoint(**objects).restore(latest)
-        status.assert_existing_objects_matched().expect_partial()
+        if manager is not None:
+            checkpoint = manager.checkpoint
+            step = step if step is not None else getattr(checkpoint, "step", None)
+        else:
+            objects = {"model": model, "optimizer": optimizer, "step": step}
+            checkpoint = tf.train.Checkpoint(**{k: v for k, v in objects.items() if v is not None})
+        checkpoint.restore(latest).assert_existing_objects_matched().expect_partial()
         start = Start(RESUMED, latest, None, _step_of(step, optimizer))
     else:
         report = scan(pretrained, model, **scan_options)

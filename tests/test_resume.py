@@ -84,6 +84,33 @@ def test_step_variable_is_restored(tmp_path, pretrained):
     assert start.resumed and start.step == 41 and int(fresh_step.numpy()) == 41
 
 
+def test_restarts_through_the_manager_continue_the_checkpoint_numbering(tmp_path, pretrained):
+    source, path = pretrained
+    run = str(tmp_path / "run")
+    enc_after = []
+    for restart in range(3):
+        model, optimizer = model_with("new_head", seed=10 + restart), keras.optimizers.Adam(0.01)
+        step = tf.Variable(0, dtype=tf.int64)
+        manager = tf.train.CheckpointManager(
+            tf.train.Checkpoint(model=model, optimizer=optimizer, step=step), run, max_to_keep=3
+        )
+        start = restorekit.resume_or_warm_start(manager, path, model=model, optimizer=optimizer)
+        if restart == 0:
+            assert start.how == "warm_started"
+            np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), source.get_layer("enc").kernel.numpy())
+        else:
+            assert start.resumed and start.checkpoint == os.path.join(run, f"ckpt-{restart}")
+            assert start.step == 2 * restart and int(step.numpy()) == 2 * restart
+            np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), enc_after[-1])
+        for _ in range(2):
+            train_step(model, optimizer)
+            step.assign_add(1)
+        assert manager.save() == os.path.join(run, f"ckpt-{restart + 1}")
+        enc_after.append(model.get_layer("enc").kernel.numpy())
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert int(optimizer.iterations.numpy()) == 6
+
+
 def test_under_mirrored_strategy(tmp_path, pretrained):
     source, path = pretrained
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
