@@ -35,17 +35,18 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
     for r in unused:
         by_canonical.setdefault(_canonical(r.checkpoint_path or r.checkpoint_name), []).append(r)
     for r in missing:
-        candidates = by_canonical.get(_canonical(r.checkpoint_name), [])
+        # only an entry that would restore as it is: a hint must not lead to a mismatch
+        candidates = [c for c in by_canonical.get(_canonical(r.checkpoint_name), []) if fits(r, c)]
         if len(candidates) == 1:
             c = candidates[0]
-            fits = c.checkpoint_shape == r.shape or r.shape is None
             hints.append(
                 f"{r.variable_name!r} is missing but checkpoint entry {c.checkpoint_path or c.checkpoint_name!r} "
-                f"differs only in naming"
-                + ("" if fits else f" (and shape: checkpoint {list(c.checkpoint_shape)}, model {list(r.shape)})")
-                + f"; pass assignment_map={{{c.checkpoint_path or c.checkpoint_name!r}: {r.variable_name!r}}}."
+                f"differs only in naming; pass assignment_map={{{c.checkpoint_path or c.checkpoint_name!r}: "
+                f"{r.variable_name!r}}}."
             )
     for r in shape_mismatched:
+        if not _only_last_dim_differs(r.shape, r.checkpoint_shape):
+            continue  # other input features too: the overlapping block would mean nothing
         hints.append(
             f"{r.variable_name!r} differs only in shape "
             f"(checkpoint {list(r.checkpoint_shape)}, model {list(r.shape)}); "
@@ -106,6 +107,13 @@ def fits(variable, entry) -> bool:
     if entry.checkpoint_shape is not None and not shapes_fit(variable.shape, entry.checkpoint_shape):
         return False
     return variable.dtype is None or entry.checkpoint_dtype is None or variable.dtype == entry.checkpoint_dtype
+
+
+def _only_last_dim_differs(model_shape, checkpoint_shape) -> bool:
+    """True for a head grown or cut in its classes: same rank, every dimension but the last agreeing."""
+    if model_shape is None or not model_shape or len(model_shape) != len(checkpoint_shape):
+        return False
+    return shapes_fit(model_shape[:-1], checkpoint_shape[:-1])
 
 
 def shapes_fit(model_shape, checkpoint_shape) -> bool:

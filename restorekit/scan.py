@@ -422,15 +422,33 @@ def _ema_hints(state: _Scan) -> tuple:
     return (text,)
 
 
+def _dropped_hints(state: _Scan) -> tuple:
+    """Position pairings dropped because names answer, offered back only where they would restore.
+
+    A pairing whose entry has another shape or dtype than the variable (an inserted
+    Dense(16) taking a [16, 3] head) would only turn into a mismatch, so it is not offered;
+    ``match='object_graph'`` is offered only when every dropped pairing fits.
+    """
+    ckpt, matched = state.ckpt, {r.variable_name for r in state.matched}
+    targets = {t.variable_name: t for t in state.targets}
+    dropped = {name: key for name, key in state.dropped.items() if name not in matched}
+    fitting = {name: key for name, key in dropped.items() if _pair_fits(targets[name], ckpt.entries.get(key))}
+    by_position = "pass match='object_graph' to restore by position, or " if len(fitting) == len(dropped) else "pass "
+    return tuple(
+        f"{name!r} pairs by position with checkpoint entry {_readable(ckpt, key) or key!r} (the object graph's "
+        f"order), but names disagree and other variables match by name; {by_position}"
+        f"assignment_map={{{_readable(ckpt, key) or key!r}: {name!r}}} for this one."
+        for name, key in fitting.items()
+    )
+
+
+def _pair_fits(t: Target, entry) -> bool:
+    """True when ``entry`` restores into ``t`` as it is: same dtype, a shape the variable takes."""
+    return entry is not None and t.dtype == entry.dtype and shapes_fit(t.shape, entry.shape)
+
+
 def _report(state: _Scan) -> RestoreReport:
     ckpt = state.ckpt
-    dropped_hints = tuple(
-        f"{name!r} pairs by position with checkpoint entry {_readable(ckpt, key) or key!r} (the object graph's "
-        f"order), but names disagree and other variables match by name; pass match='object_graph' to restore by "
-        f"position, or assignment_map={{{_readable(ckpt, key) or key!r}: {name!r}}} for this one."
-        for name, key in state.dropped.items()
-        if name not in {r.variable_name for r in state.matched}
-    )
     shared_hints = tuple(
         f"{name!r} and {first!r} both match checkpoint entry {_readable(ckpt, key) or key!r}; {first!r} restores "
         f"from it and {name!r} is left to its initializer (an assignment_map can give one entry to both)."
@@ -446,7 +464,7 @@ def _report(state: _Scan) -> RestoreReport:
         skipped=tuple(state.skipped),
         unused=tuple(state.unused),
         hints=restore_hints(state.missing, state.shape_mismatched, state.dtype_mismatched, state.unused)
-        + shared_hints + dropped_hints + _ema_hints(state),
+        + shared_hints + _dropped_hints(state) + _ema_hints(state),
         _handles=state.handles,
         _policies=state.applied,
     )

@@ -76,7 +76,10 @@ def test_resnet_finetune_report_is_exactly_right(finetune, resnet_checkpoint):
     assert not report.is_complete
     text = str(report)
     assert "missing" in text and "extra/weights [1, 1, 2048, 256]" in text
-    assert "'resnet_v1_50/logits/weights' differs only in shape" in text
+    # slice_or_pad is offered for the classes (last dimension) alone: the weights' input features changed too
+    assert "'resnet_v1_50/logits/weights' differs only in shape" not in text
+    assert ("'resnet_v1_50/logits/biases' differs only in shape (checkpoint [1000], model [10]); "
+            "shape_policy='slice_or_pad'") in text
     # BatchNorm statistics are model state and must be matched.
     assert "resnet_v1_50/conv1/BatchNorm/moving_mean" in _names(report.matched)
 
@@ -138,6 +141,35 @@ def test_name_variants_give_hints(small_checkpoint):
     hints = "\n".join(report.hints)
     assert "'dense_1/weights' is missing but checkpoint entry 'dense/kernel' differs only in naming" in hints
     assert "assignment_map={'dense/bias': 'dense_1/biases'}" in hints
+
+
+def test_a_naming_hint_is_offered_only_for_an_entry_that_fits(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense_1/weights", [4, 7])  # 'dense/kernel' is [4, 3]: renaming would only mismatch
+        tf1.get_variable("dense_1/biases", [3])
+        report = scan(prefix)
+        followed = scan(prefix, assignment_map={"dense/kernel": "dense_1/weights"})
+    hints = "\n".join(report.hints)
+    assert "dense_1/weights" not in hints
+    assert "assignment_map={'dense/bias': 'dense_1/biases'}" in hints
+    assert [r.variable_name for r in followed.shape_mismatched] == ["dense_1/weights"]
+
+
+def test_scope_hint_for_a_checkpoint_saved_under_an_extra_scope(tmp_path):
+    values = {"model/dense/kernel": np.ones((4, 3), np.float32), "model/dense/bias": np.ones(3, np.float32),
+              "model/head/kernel": np.ones((3, 2), np.float32)}
+    prefix = save_variables(tmp_path / "scoped" / "model.ckpt", values)
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", [4, 3])
+        tf1.get_variable("dense/bias", [3])
+        tf1.get_variable("head/kernel", [3, 5])  # another shape: not counted
+        report = scan(prefix)
+        followed = scan(prefix, assignment_map={"model/": "/"})
+    assert len(report.matched) == 0
+    assert ("2 of the 3 missing variables are in the checkpoint under another scope (e.g. 'dense/kernel' as "
+            "'model/dense/kernel'); pass assignment_map={'model/': '/'}.") in report.hints
+    assert sorted(r.variable_name for r in followed.matched) == ["dense/bias", "dense/kernel"]
 
 
 def test_scope_remap_and_root_remap(small_checkpoint):
@@ -549,3 +581,15 @@ def test_bert_style_adam_m_and_adam_v_are_slots(tmp_path):
         "bert/encoder/layer_0/kernel/adam_m": "optimizer slot (Adam (BERT))",
         "bert/encoder/layer_0/kernel/adam_v": "optimizer slot (Adam (BERT))",
     }
+
+
+def test_slice_or_pad_hint_only_when_the_classes_alone_differ(small_checkpoint):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", [6, 3])  # input features changed: no slice_or_pad hint
+        tf1.get_variable("logits/kernel", [3, 10])  # only the classes changed
+        tf1.get_variable("logits/bias", [10])
+        report = scan(prefix)
+    assert sorted(r.variable_name for r in report.shape_mismatched) == ["dense/kernel", "logits/bias", "logits/kernel"]
+    hinted = sorted(h.split("'")[1] for h in report.hints if "slice_or_pad" in h)
+    assert hinted == ["logits/bias", "logits/kernel"]

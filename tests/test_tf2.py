@@ -426,6 +426,21 @@ def test_inserted_layer_before_a_renamed_head_restores_by_name_only(head_checkpo
         np.testing.assert_array_equal(got[name], fresh[name])
 
 
+def test_a_position_pairing_of_another_shape_is_never_offered(head_checkpoint):
+    prefix, _ = head_checkpoint
+    # body(5), head(5) -> body(5), extra(16), new_head(5): extra takes head's position but not its shape
+    new = functional((5, 16, 5), names=["body", "extra", "new_head"])
+    report = scan(prefix, new)
+    assert sorted(r.variable_name for r in report.missing) == [
+        "extra/bias", "extra/kernel", "new_head/bias", "new_head/kernel"]
+    assert not any("pairs by position" in h or "object_graph" in h for h in report.hints)
+    assert not any("'head/kernel': 'extra/kernel'" in h for h in report.hints)
+    # following the old hint would only have turned a missing variable into a mismatched one
+    followed = scan(prefix, new, assignment_map={"head/kernel": "extra/kernel"})
+    assert [(r.variable_name, r.checkpoint_shape, r.shape) for r in followed.shape_mismatched] == [
+        ("extra/kernel", (5, 5), (5, 16))]
+
+
 def test_when_no_name_matches_positions_pair_and_every_pairing_is_printed(head_checkpoint):
     prefix, saved = head_checkpoint
     new = functional((5, 5), names=["trunk", "top"])  # every layer renamed: positions are all there is
