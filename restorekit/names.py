@@ -24,6 +24,7 @@ from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchE
 
 __all__ = [
     "closest_names",
+    "counter_kind",
     "global_step_name",
     "is_global_step",
     "matches",
@@ -200,6 +201,13 @@ _GLOBAL_STEP = re.compile(r"(^|/)global_step$|^save_counter(/\.ATTRIBUTES/VARIAB
 def is_global_step(name: str) -> bool:
     """True for the global_step (TF1) and save_counter (TF2) bookkeeping counters."""
     return bool(_GLOBAL_STEP.search(strip_output_index(name)))
+
+
+def counter_kind(name: str) -> str | None:
+    """``'global_step'`` (TF1) or ``'save counter'`` (TF2's ``save_counter``) for a bookkeeping counter, else None."""
+    if not is_global_step(name):
+        return None
+    return "save counter" if strip_output_index(name).startswith("save_counter") else "global_step"
 
 
 def global_step_name(names: Iterable[str]) -> str | None:

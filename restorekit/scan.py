@@ -18,7 +18,7 @@ from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
 from restorekit.ema import is_shadow_name, shadow_suffix
 from restorekit.errors import InvalidArgumentError, NoMatchError, RestoreKitWarning
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
-from restorekit.names import PatternSet, is_global_step, optimizer_slot_kind
+from restorekit.names import PatternSet, counter_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
 from restorekit.rules import Rules, as_rules
 from restorekit.targets import Target, collect
@@ -273,8 +273,9 @@ def _skip_reason(state: _Scan, name: str) -> str | None:
     slot = optimizer_slot_kind(name)
     if slot and state.skip_optimizer_slots:
         return f"optimizer slot ({slot})"
-    if is_global_step(name) and not state.include_global_step:
-        return "global_step"
+    counter = counter_kind(name)
+    if counter and not state.include_global_step:
+        return counter
     return None
 
 
@@ -400,8 +401,8 @@ def _sort_leftover_entries(state: _Scan) -> None:
         slot = optimizer_slot_kind(readable or name)
         if slot and state.skip_optimizer_slots:
             state.skipped.append(replace(record, reason=f"optimizer slot ({slot})"))
-        elif is_global_step(readable or name) and not state.include_global_step:
-            state.skipped.append(replace(record, reason="global_step"))
+        elif counter_kind(readable or name) and not state.include_global_step:
+            state.skipped.append(replace(record, reason=counter_kind(readable or name)))
         elif name in state.raw_replaced:
             state.skipped.append(replace(record, reason="raw weights (EMA shadow restored instead)"))
         elif is_shadow_name(name, suffix or "ExponentialMovingAverage") and suffix is None:

@@ -593,3 +593,16 @@ def test_slice_or_pad_hint_only_when_the_classes_alone_differ(small_checkpoint):
     assert sorted(r.variable_name for r in report.shape_mismatched) == ["dense/kernel", "logits/bias", "logits/kernel"]
     hinted = sorted(h.split("'")[1] for h in report.hints if "slice_or_pad" in h)
     assert hinted == ["logits/bias", "logits/kernel"]
+
+
+def test_tf2_save_counter_is_skipped_as_the_save_counter_not_global_step(tmp_path):
+    module = tf.Module()
+    module.w = tf.Variable(np.arange(3, dtype=np.float32), name="w")
+    prefix = tf.train.Checkpoint(model=module).save(str(tmp_path / "tf2" / "ckpt"))
+    fresh = tf.Module()
+    fresh.w = tf.Variable(np.zeros(3, np.float32), name="w")
+    report = scan(prefix, fresh)
+    assert {(r.checkpoint_path, r.reason) for r in report.skipped} == {("save_counter", "save counter")}
+    assert "save counter (1)" in str(report) and "global_step" not in str(report)
+    restorekit.restore(report)
+    np.testing.assert_array_equal(fresh.w.numpy(), [0.0, 1.0, 2.0])
