@@ -309,8 +309,32 @@ class Checkpoint(Mapping):
         tracked = graph.by_key.get(name)
         return tracked.path if tracked is not None else name
 
+    def key(self, name: str) -> str:
+        """The checkpoint key of ``name``: a key itself, or the key saved under a TF2 readable path.
+
+        Raises:
+            NoMatchError: neither a key nor a readable path (lists the closest of both).
+        """
+        if name in self._entries:
+            return name
+        key = self._paths().get(name)
+        if key is None:
+            raise self._unknown(name)
+        return key
+
+    def _paths(self) -> Mapping[str, str]:
+        """``object_paths``, empty when the object graph cannot be decoded (the raw keys still read)."""
+        try:
+            return self.object_paths
+        except CorruptCheckpointError:
+            return {}
+
     def _unknown(self, name: str) -> NoMatchError:
-        return NoMatchError(f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name, candidates=self._entries)
+        # readable paths are candidates too: 'head/kernel' is far from its raw TF2 key
+        return NoMatchError(
+            f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name,
+            candidates=list(self._entries) + list(self._paths()),
+        )
 
     def check_shards(self) -> None:
         """Check that every data shard exists and is long enough for what the index places in it.
@@ -390,12 +414,14 @@ class Checkpoint(Mapping):
         return raw
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor stored under ``name``, as a numpy array (crc32c verified).
+        """The tensor stored under ``name`` (a key, or a TF2 readable path), as a numpy array (crc32c verified).
 
         Raises:
-            NoMatchError: no such entry (lists the closest names).
+            NoMatchError: no such entry (lists the closest names and readable paths).
             CorruptCheckpointError: the shard is missing, truncated or fails its checksum.
         """
+        if name not in self._bundle and name != OBJECT_GRAPH_KEY:
+            name = self.key(name)
         entry = self.bundle_entry(name)
         if name not in self._slices:
             check_size(name, entry)

@@ -575,3 +575,17 @@ def test_a_path_that_is_both_a_prefix_and_a_directory_says_which_it_used(tmp_pat
         _warnings.simplefilter("error")
         with pytest.raises(CheckpointNotFoundError):
             Checkpoint(prefix + "/")  # the directory, which holds no checkpoint
+
+
+def test_read_takes_a_tf2_readable_path_and_suggests_paths(tmp_path):
+    module = tf.Module()
+    module.head = tf.Module()
+    module.head.kernel = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), name="head/kernel")
+    prefix = tf.train.Checkpoint(model=module).save(str(tmp_path / "tf2" / "ckpt"))
+    ckpt = Checkpoint(prefix)
+    key = ckpt.object_paths["head/kernel"]
+    assert key != "head/kernel" and ckpt.key("head/kernel") == key and ckpt.key(key) == key
+    np.testing.assert_array_equal(ckpt.read("head/kernel"), np.arange(6).reshape(2, 3))
+    with pytest.raises(NoMatchError, match="Closest: 'head/kernel'") as info:
+        ckpt.read("hed/kernel")
+    assert info.value.closest[0] == "head/kernel"
