@@ -84,3 +84,17 @@ def test_keras_checkpoint_stores_model_weights_under_optimizer_keys(tmp_path):
     weights = [t for t in graph.variables if t.kind == "variable"]
     assert sorted(t.path for t in weights) == sorted(v.path for v in model.weights)
     assert all(t.key.startswith("optimizer/_trainable_variables/") for t in weights)
+
+
+def test_an_unnamed_variable_reads_as_the_attribute_it_is_saved_under(tmp_path):
+    prefix = tf.train.Checkpoint(step=tf.Variable(41), w=tf.Variable([1.5], name="weights")).save(
+        str(tmp_path / "tf2" / "ckpt"))
+    ckpt = Checkpoint(prefix)
+    # 'Variable' is tf.Variable's default name and says nothing; a given name still wins
+    assert dict(ckpt.object_paths) == {
+        "step": "step/.ATTRIBUTES/VARIABLE_VALUE",
+        "weights": "w/.ATTRIBUTES/VARIABLE_VALUE",
+        "save_counter": "save_counter/.ATTRIBUTES/VARIABLE_VALUE",
+    }
+    assert ckpt.readable_name("step/.ATTRIBUTES/VARIABLE_VALUE") == "step"
+    assert int(ckpt.read("step")) == 41

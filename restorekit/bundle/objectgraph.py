@@ -9,6 +9,8 @@ nothing TF wrote is lost (registered savers, Python state, future fields).
 
 from __future__ import annotations
 
+import re
+
 from collections import deque
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,6 +34,8 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _VALUE_SUFFIX = VALUE_SUFFIX
 _SHARDED_DEFAULT_NAME = "ShardedVariable"  # the name ParameterServerStrategy gives every ShardedVariable
+# tf.Variable's own name when none is given: says less than the attribute it is saved under
+_DEFAULT_VARIABLE_NAME = re.compile(r"^Variable(_\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,7 @@ class ObjectGraph:
         for key, full_name, object_path, node_id, kind, attr_name in found:
             if kind != "variable":
                 continue
-            if full_name and counts[full_name] == 1:
+            if full_name and counts[full_name] == 1 and not _DEFAULT_VARIABLE_NAME.match(full_name):
                 path = full_name
             else:
                 path = model_paths.get(node_id) or object_path
