@@ -180,15 +180,16 @@ def _diff(args) -> int:
             print(f"values     {shown(v['name'])}: {how} ({v['differing']} elements differ)")
         verdict = "equal" if result["equal"] else "different"
         same = "identical" if args.atol == 0 else f"equal within {args.atol:g}"
-        if result["paired_by"] == "key":
-            print("paired by key")
-        else:
-            print("paired by readable path" + ("" if args.by else " (it pairs more tensors than the keys; --by key "
-                                                                  "to pair by key)"))
         print(f"{verdict}: {result['same']} tensors {same}, {len(result['only_in_a'])} only in A, "
               f"{len(result['only_in_b'])} only in B, {len(result['changed'])} changed shape/dtype, "
-              f"{len(result['values'])} changed values")
+              f"{len(result['values'])} changed values; {_pairing(result['paired_by'], args.by)}")
     return EXIT_OK if result["equal"] else EXIT_DIFFERENT
+
+
+def _pairing(paired_by: str, forced) -> str:
+    if paired_by == "key":
+        return "paired by key"
+    return "paired by readable path" + ("" if forced else " (the keys pair fewer tensors; --by key to pair by key)")
 
 
 # ------------------------------------------------------------------ scan
