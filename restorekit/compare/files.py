@@ -71,14 +71,18 @@ class FileView:
         from restorekit.export import sources
         from restorekit.export.layouts import LayoutRecord
 
+        from restorekit.export.reading import boundary
+
         self.prefix = os.fspath(path)
         self.format = fmt
         self._reader = sources.reader(self.prefix, fmt)
         found = self._reader.read_record()
-        # layout=None: names and axes as stored, the record's dtypes and strings restored
-        self.record_layout = found.layout if found is not None else None
-        self.has_record = found is not None
-        self._file = sources.FileCheckpoint(self._reader, found if found is not None else LayoutRecord())
+        self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
+        with boundary(self.prefix, f"{fmt} file"):
+            if fmt == "npz":  # npz keeps its notes in a member of its own, which only its reader reads
+                self._file = _NpzArchive(self.prefix, self._reader)
+            else:
+                self._file = sources.FileCheckpoint(self._reader, found if found is not None else LayoutRecord())
         self.entries: Mapping = MappingProxyType(dict(self._file.entries))
 
     def __repr__(self) -> str:
@@ -159,6 +163,39 @@ class FileView:
                     problems.append(Problem(name, "corrupt", str(e)))
         return FileVerifyResult(self.prefix, len(names), max(stored, checked), tuple(problems),
                                 checks=_CHECKS.get(self.format, ""))
+
+
+class _NpzArchive:
+    """An npz file's tensors as restorekit's npz reader gives them back (bfloat16 from its bits, strings exact).
+
+    Listing reads the archive through once, one tensor at a time, since the exact dtypes
+    live in the reader's notes; ``read`` then takes one member alone.
+    """
+
+    def __init__(self, path: str, reader):
+        from restorekit.checkpoint import Entry
+        from restorekit.export.base import tf_dtype_of
+
+        self._path = path
+        self._strings = {}
+        entries = {}
+        for name, array in reader.read():
+            dtype = tf_dtype_of(array)
+            entries[name] = Entry(name, tuple(array.shape), dtype, 0 if dtype == "string" else array.nbytes)
+            if dtype == "string":  # object-graph sized: kept as the reader restored them (exact lengths)
+                self._strings[name] = array
+            del array
+        self.entries = entries
+
+    def read(self, name: str) -> np.ndarray:
+        from restorekit.bundle.format import dtype_enum, numpy_dtype
+
+        if name in self._strings:
+            return self._strings[name]
+        with np.load(self._path, allow_pickle=False) as data:
+            array = data[name]
+        target = numpy_dtype(dtype_enum(self.entries[name].dtype))
+        return array if array.dtype == target else np.ascontiguousarray(array).view(target)
 
 
 @dataclass(frozen=True)
