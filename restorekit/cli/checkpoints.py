@@ -84,7 +84,7 @@ def _inspect(args) -> int:
     for name in _selected(ckpt, args.filter):
         entry = ckpt.entries[name]
         row = {"name": name, "shape": list(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes}
-        if readable:
+        if readable or fmt:  # a file of another format: its path is its name, unless it carries an object graph
             row["path"] = ckpt.readable_name(name)
         if args.stats:
             row["stats"] = tensor_stats(ckpt.read(name))
