@@ -4,7 +4,8 @@
 A safetensors, ``.pt`` or ``.npz`` file (or a Hugging Face set of safetensors shards)
 becomes a ``FileView``: its tensors under the TF names of the checkpoint it holds (a
 restorekit layout record undone; a file from elsewhere keeps its stored names), each
-read on demand, one at a time.
+read on demand, one at a time (an npz file is read through once on opening, one tensor
+at a time, since its exact dtypes live in its reader's notes).
 """
 
 from __future__ import annotations
