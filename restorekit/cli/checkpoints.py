@@ -7,7 +7,7 @@ import math
 import os
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.compare import diff_checkpoints, tensor_stats
+from restorekit.compare import diff_checkpoints, open_checkpoint, tensor_stats
 from restorekit.report import format_bytes, format_shape
 from restorekit.cli.base import (
     _quiet,
@@ -25,7 +25,8 @@ from restorekit.cli.base import (
 
 
 def _inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file or SavedModel")
+    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file, SavedModel, Keras file, "
+                   ".safetensors (or a shard index), .pt or .npz")
     p.add_argument("--filter", metavar="PATTERN",
                    help="only tensors whose name or readable path matches this pattern (a regex from the start)")
     p.add_argument("--stats", action="store_true", help="read every tensor: min, max, mean, NaN count")
@@ -74,24 +75,24 @@ def _print_tensor(ckpt, name: str, as_json: bool) -> int:
 @register("inspect", help="list a checkpoint's tensors (names, readable paths, shapes, dtypes, sizes)",
           configure=_inspect_args)
 def _inspect(args) -> int:
-    from restorekit.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(args.checkpoint)
+    ckpt = open_checkpoint(args.checkpoint)
     if args.tensor:
         return _print_tensor(ckpt, args.tensor, args.json)
     readable = ckpt.is_object_based
+    fmt = getattr(ckpt, "format", None)  # a FileView: safetensors, torch or npz
     rows = []
     for name in _selected(ckpt, args.filter):
         entry = ckpt.entries[name]
         row = {"name": name, "shape": list(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes}
-        if readable:
+        if readable or fmt:  # a file of another format: its path is its name, unless it carries an object graph
             row["path"] = ckpt.readable_name(name)
         if args.stats:
             row["stats"] = tensor_stats(ckpt.read(name))
         rows.append(row)
     total = sum(r["nbytes"] for r in rows)
     if args.json:
-        _print_json({"checkpoint": ckpt.prefix, "count": len(rows), "nbytes": total, "entries": rows})
+        where = {"format": fmt} if fmt else {}
+        _print_json({"checkpoint": ckpt.prefix, **where, "count": len(rows), "nbytes": total, "entries": rows})
         return EXIT_OK
     header = (["PATH"] if readable else []) + ["NAME", "SHAPE", "DTYPE", "SIZE"]
     header += ["MIN", "MAX", "MEAN", "NANS"] if args.stats else []
@@ -104,26 +105,38 @@ def _inspect(args) -> int:
             line += [_num(st["min"]), _num(st["max"]), _num(st["mean"]), str(st["nans"])]
         lines.append(line)
     print(_table(lines, header))
-    print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}")
+    print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}{_file_note(ckpt)}")
     return EXIT_OK
+
+
+def _file_note(ckpt) -> str:
+    """What names a non-TF file's listing shows: its own, or the TF ones its restorekit record gives back."""
+    fmt = getattr(ckpt, "format", None)
+    if fmt is None:
+        return ""
+    if getattr(ckpt, "record_layout", None):
+        return f" ({fmt}; layout {ckpt.record_layout!r} undone: TF names and axes)"
+    return f" ({fmt})"
 
 
 # ------------------------------------------------------------------ verify
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file or SavedModel")
+    p.add_argument("checkpoint", help="checkpoint prefix, directory, .index file, SavedModel, Keras file, "
+                   ".safetensors (or a shard index), .pt or .npz")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-@register("verify", help="check every tensor's bytes against its crc32c and every entry against TF's rules "
-          "(exit 0 when sound, 1 when not)", configure=_verify_args)
+@register("verify", help="check every tensor's bytes against its crc32c and every entry against TF's rules; "
+          "read every tensor of a safetensors, .pt or .npz file back (exit 0 when sound, 1 when not)",
+          configure=_verify_args)
 def _verify(args) -> int:
-    from restorekit.checkpoint import Checkpoint
-
-    result = Checkpoint(args.checkpoint).verify(progress=not _quiet(args) and not args.json)
+    result = open_checkpoint(args.checkpoint).verify(progress=not _quiet(args) and not args.json)
     if args.json:
+        checks = {"checks": result.checks} if getattr(result, "checks", "") else {}
         _print_json({"checkpoint": result.prefix, "ok": result.ok, "tensors": result.tensors, "nbytes": result.nbytes,
-                     "problems": [{"name": p.name, "kind": p.kind, "message": p.message} for p in result.problems]})
+                     "problems": [{"name": p.name, "kind": p.kind, "message": p.message} for p in result.problems],
+                     **checks})
     else:
         print(result)
     return EXIT_OK if result.ok else EXIT_DIFFERENT
@@ -132,8 +145,11 @@ def _verify(args) -> int:
 # ------------------------------------------------------------------ diff
 
 def _diff_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a", help="first checkpoint")
-    p.add_argument("b", help="second checkpoint")
+    p.add_argument("a", help="first checkpoint (TF, Keras, .safetensors, .pt or .npz)")
+    p.add_argument("b", help="second checkpoint (any of the same, in any pairing)")
+    p.add_argument("--by", choices=("key", "path"), default=None,
+                   help="pair tensors by checkpoint key or by readable path (default: by path when that pairs "
+                        "more tensors than keys do)")
     p.add_argument("--atol", type=float, default=0.0, help="values within this max abs difference count as equal")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -142,7 +158,7 @@ def _diff_args(p: argparse.ArgumentParser) -> None:
 def _diff(args) -> int:
     if not args.atol >= 0:
         raise _Usage(f"--atol must be a number >= 0, got {args.atol}")
-    result = diff_checkpoints(args.a, args.b, atol=args.atol)
+    result = diff_checkpoints(args.a, args.b, atol=args.atol, by=args.by or "auto")
     if args.json:
         _print_json(result)
     else:
@@ -166,8 +182,14 @@ def _diff(args) -> int:
         same = "identical" if args.atol == 0 else f"equal within {args.atol:g}"
         print(f"{verdict}: {result['same']} tensors {same}, {len(result['only_in_a'])} only in A, "
               f"{len(result['only_in_b'])} only in B, {len(result['changed'])} changed shape/dtype, "
-              f"{len(result['values'])} changed values")
+              f"{len(result['values'])} changed values; {_pairing(result['paired_by'], args.by)}")
     return EXIT_OK if result["equal"] else EXIT_DIFFERENT
+
+
+def _pairing(paired_by: str, forced) -> str:
+    if paired_by == "key":
+        return "paired by key"
+    return "paired by readable path" + ("" if forced else " (the keys pair fewer tensors; --by key to pair by key)")
 
 
 # ------------------------------------------------------------------ scan
