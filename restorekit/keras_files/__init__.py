@@ -60,6 +60,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit.keras_files.archive import MemberFile, check_member, json_attr, json_member, member_offset
+from restorekit.keras_files.h5nodes import NODES, root
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -290,8 +291,9 @@ class KerasCheckpoint(Mapping):
             return read_legacy(self.prefix, f, h5py)
         if isinstance(f.get("vars"), h5py.Group) or any(isinstance(f.get(c), h5py.Group) for c in CONTAINERS):
             self.kind = "Keras 3 archive (.keras)" if self._member is not None else "Keras 3 weights file (.weights.h5)"
-            walker = Keras3Walk(self.prefix, h5py, config_index(self.config))
-            walker.visit(f, "", "", root=True)
+            # Walked through low-level nodes: h5py's high-level objects cost more than the walk itself.
+            walker = Keras3Walk(self.prefix, NODES, config_index(self.config))
+            walker.visit(root(f, h5py), "", "", root=True)
             return walker.datasets, walker.readable
         top = format_names(sorted(f.keys()), 6) or "nothing"
         raise CorruptCheckpointError(

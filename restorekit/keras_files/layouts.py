@@ -159,13 +159,15 @@ def _guess_kind(class_hint: str | None, name: str) -> str | None:
 def _describe(ds, key: str, path: str) -> Dataset:
     bfloat16 = text(ds.attrs.get("dtype")) == "bfloat16"
     try:
-        dtype = "bfloat16" if bfloat16 else np.dtype(ds.dtype).name
-        if np.dtype(ds.dtype).kind in "OSUV" and not bfloat16:
+        stored = np.dtype(ds.dtype)
+        dtype = "bfloat16" if bfloat16 else stored.name
+        if stored.kind in "OSUV" and not bfloat16:
             dtype = "string"
     except TypeError:
         raise CorruptCheckpointError(f"{path!r}: {key!r} has a dtype numpy does not know ({ds.dtype})") from None
-    shape = tuple(int(d) for d in ds.shape) if ds.shape is not None else ()
-    itemsize = 2 if bfloat16 else np.dtype(ds.dtype).itemsize
+    shape = ds.shape
+    shape = tuple(int(d) for d in shape) if shape is not None else ()
+    itemsize = 2 if bfloat16 else stored.itemsize
     return Dataset(key, shape, dtype, int(np.prod(shape, dtype=np.int64)) * itemsize, bfloat16)
 
 
