@@ -105,6 +105,7 @@ class Keras3Walk:
         self.path, self.h5py, self.index = path, h5py, config_index
         self.datasets: list = []
         self.readable: dict = {}
+        self.objects: dict = {}  # key -> the dataset object it was described from (valid while the file is open)
         self._taken: set = set()
 
     def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
@@ -139,6 +140,7 @@ class Keras3Walk:
             ds = vars_group[index]
             if isinstance(ds, self.h5py.Dataset):
                 found.append(_describe(ds, f"{vars_key}/{index}", self.path))
+                self.objects[found[-1].key] = ds
         names = [str(i) for i in range(len(found))] if optimizer else _variable_names(kind, layer_config, found)
         for data, var in zip(found, names):
             self.datasets.append(data)
