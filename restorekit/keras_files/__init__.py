@@ -423,6 +423,11 @@ class KerasCheckpoint(Mapping):
         return BundleEntry(dtype=dtype_enum(entry.dtype), shape=tuple(entry.shape), size=entry.nbytes)
 
     @property
+    def is_archive(self) -> bool:
+        """True for a ``.keras`` archive (its weights are the ``model.weights.h5`` member)."""
+        return self._member is not None
+
+    @property
     def is_weights_file(self) -> bool:
         """True for a Keras 3 weights layout (a ``.weights.h5``, or the weights inside a ``.keras``)."""
         return self.kind.startswith("Keras 3")
