@@ -104,7 +104,9 @@ class Group:
         encoded = _encode(name)
         # A member with no link by that name is missing: said without an HDF5 error stack (~10x cheaper).
         if b"/" not in encoded and encoded not in (b"", b".") and not _exists(self.id.links.exists, encoded):
-            raise KeyError(f"Unable to open object (object {name!r} doesn't exist)")
+            # HDF5's own words for it, as h5py would raise them
+            raise KeyError(f"Unable to synchronously open object (object '{encoded.decode('utf-8', 'replace')}' "
+                           f"doesn't exist)")
         oid = h5py.h5o.open(self.id, encoded)  # follows soft and external links; KeyError when they lead nowhere
         kind = h5py.h5i.get_type(oid)
         if kind == h5py.h5i.GROUP:
