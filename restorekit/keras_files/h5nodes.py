@@ -1,7 +1,7 @@
 """The few group and dataset verbs the Keras 3 walk asks of an HDF5 file, over h5py's low-level API.
 
 h5py's high-level ``Group`` and ``Dataset`` cost ~25 us an object (a ``File`` back-reference,
-property lists, a Python-level mapping per lookup); a BERT-sized ``.weights.h5`` has ~220
+property lists, a Python-level mapping per lookup); a BERT-sized ``.weights.h5`` has ~300
 objects, so opening it spent more in building them than in HDF5. These nodes answer what
 ``layouts.Keras3Walk`` asks (children by name, ``get``, ``items``, ``attrs.get``, ``shape``,
 ``dtype``) with the same answers: the same name order, encodings, link resolution (soft and
