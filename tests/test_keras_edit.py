@@ -1,9 +1,15 @@
 """Keras files in edit and convert (restorekit/edit/save_keras.py, restorekit/export/keras.py,
-restorekit/keras_files/writer.py): edited .weights.h5 files load with model.load_weights; conversions
-go to every format under readable paths; what cannot load is refused and nothing is written."""
+restorekit/keras_files/writer.py): edited .weights.h5 files load with model.load_weights and .keras archives
+edited in place with load_model; conversions go to every format under readable paths; what cannot load is
+refused and nothing is written."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
+import zipfile
 
 import keras
 import numpy as np
@@ -12,7 +18,7 @@ import pytest
 import restorekit
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
-from restorekit.errors import InvalidArgumentError, OutputExistsError
+from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
 from restorekit.export import safetensors as st
 
 
@@ -150,3 +156,100 @@ def test_cli_convert_a_keras_file(saved, capsys):
     _, tmp = saved
     assert main(["convert", str(tmp / "m.keras"), str(tmp / "out.safetensors"), "--layout", "torch"]) == 0
     assert "enc1.weight" in st.read_shapes(tmp / "out.safetensors")
+
+
+# ------------------------------------------------------------------ save_in_place on a .keras archive
+
+
+def _members(path) -> dict:
+    with zipfile.ZipFile(path) as archive:
+        return {info.filename: archive.read(info) for info in archive.infolist()}
+
+
+def _temporaries(directory) -> list:
+    return [n for n in os.listdir(directory) if n.startswith(".restorekit-tmp")]
+
+
+def test_save_in_place_rewrites_a_keras_archive_that_load_model_loads(saved):
+    original, tmp = saved
+    before = _members(tmp / "m.keras")
+    editor = CheckpointEditor(tmp / "m.keras")
+    editor.set("head/bias", np.array([5, 6], np.float32))
+    editor.set("enc1/kernel", np.full((4, 3), 0.5, np.float32))
+    assert editor.save_in_place() == str(tmp / "m.keras")
+    after = _members(tmp / "m.keras")
+    assert list(after) == list(before)  # same members, same order
+    assert after["config.json"] == before["config.json"] and after["metadata.json"] == before["metadata.json"]
+    assert not _temporaries(tmp)
+    m = keras.models.load_model(tmp / "m.keras")
+    np.testing.assert_array_equal(m.get_layer("head").bias.numpy(), [5, 6])
+    np.testing.assert_array_equal(m.get_layer("enc1").kernel.numpy(), np.full((4, 3), 0.5, np.float32))
+    np.testing.assert_array_equal(m.get_layer("bn").moving_mean.numpy(), original.get_layer("bn").moving_mean.numpy())
+    for a, b in zip(m.optimizer.variables, original.optimizer.variables, strict=True):  # the optimizer state kept
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(CheckpointEditor(tmp / "m.keras").get("head/bias"), [5, 6])  # and reads back
+
+
+def test_a_keras_archive_save_that_fails_midway_leaves_the_old_archive(saved, monkeypatch):
+    from restorekit.keras_files import writer
+
+    _, tmp = saved
+    before, listing = (tmp / "m.keras").read_bytes(), sorted(os.listdir(tmp))
+    editor = CheckpointEditor(tmp / "m.keras")
+    editor.set("head/bias", np.array([5, 6], np.float32))
+    plain = writer._add_member
+
+    def fail_at_weights(archive, like, data, size, compress_type):
+        if like.filename == writer.WEIGHTS_MEMBER:  # config.json and metadata.json are already in the new archive
+            raise OSError(28, "No space left on device")
+        plain(archive, like, data, size, compress_type)
+
+    monkeypatch.setattr(writer, "_add_member", fail_at_weights)
+    with pytest.raises(OSError, match="No space left"):
+        editor.save_in_place()
+    assert (tmp / "m.keras").read_bytes() == before and sorted(os.listdir(tmp)) == listing
+
+
+def test_a_keras_archive_save_killed_before_the_rename_leaves_the_old_archive(saved):
+    from restorekit.bundle import atomic
+
+    _, tmp = saved
+    before = (tmp / "m.keras").read_bytes()
+    marker = tmp / "reached"
+    script = ("import sys, numpy as np; from restorekit.edit import CheckpointEditor; "
+              "ed = CheckpointEditor(sys.argv[1]); ed.set('head/bias', np.array([5, 6], np.float32)); ed.save_in_place()")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(restorekit.__file__)))
+    env = dict(os.environ, PYTHONPATH=root, **{atomic.CRASH_HOOK_ENV: f"before-replace:{marker}"})
+    child = subprocess.Popen([sys.executable, "-c", script, str(tmp / "m.keras")], env=env)
+    try:
+        for _ in range(600):
+            if marker.exists() or child.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert marker.exists(), "the save never reached the rename"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert (tmp / "m.keras").read_bytes() == before and _temporaries(tmp)  # the new archive, complete, not renamed
+    keras.models.load_model(tmp / "m.keras")
+    editor = CheckpointEditor(tmp / "m.keras")  # the next save sweeps what the killed one left
+    editor.set("head/bias", np.array([7, 8], np.float32))
+    editor.save_in_place()
+    assert not _temporaries(tmp)
+    np.testing.assert_array_equal(keras.models.load_model(tmp / "m.keras").get_layer("head").bias.numpy(), [7, 8])
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda ed, tmp: ed.rename("enc1/kernel", "enc1/w"), InvalidArgumentError, "not such a key"),
+    (lambda ed, tmp: ed.delete("layers/dense/vars/1"), InvalidArgumentError, "had 2 variables"),
+    (lambda ed, tmp: (ed.set("head/bias", np.zeros(2, np.float32)), model().save(tmp / "m.keras")), OutputError,
+     "changed since this editor read it"),
+], ids=["renamed-variable", "partial-layer-delete", "archive-replaced-since-opened"])
+def test_a_keras_archive_edit_that_could_not_load_is_refused_in_place_and_nothing_written(saved, edit, error, match):
+    _, tmp = saved
+    editor = CheckpointEditor(tmp / "m.keras")
+    edit(editor, tmp)
+    before, listing = (tmp / "m.keras").read_bytes(), sorted(os.listdir(tmp))
+    with pytest.raises(error, match=match):
+        editor.save_in_place()
+    assert (tmp / "m.keras").read_bytes() == before and sorted(os.listdir(tmp)) == listing

@@ -451,7 +451,8 @@ class CheckpointEditor:
         """Replace the source checkpoint with the edited one; the old one stays until the new one is complete.
 
         A Keras 3 ``.weights.h5`` is rewritten whole (temp file beside it, then renamed
-        over it), checked first to load with ``model.load_weights``.
+        over it), checked first to load with ``model.load_weights``; so is a ``.keras``
+        archive, its ``config.json``, ``metadata.json`` and assets copied as they are.
         """
         if self._keras:
             return self._save_keras_in_place()
@@ -496,7 +497,10 @@ class CheckpointEditor:
                     "open a new CheckpointEditor and apply the edits again"
                 )
             # The new file is complete beside the old one before it replaces it; tensors are read from the old one.
-            save_keras.save_weights_h5(reader, plan, os.path.abspath(self.prefix), overwrite=True)
+            if reader.checkpoint.is_archive:
+                save_keras.save_archive_in_place(reader, plan)
+            else:
+                save_keras.save_weights_h5(reader, plan, os.path.abspath(self.prefix), overwrite=True)
         self._source = None
         self._items = None
         return self.prefix

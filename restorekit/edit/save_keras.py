@@ -53,21 +53,52 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
             load (see ``check_structure``); nothing is written.
         OutputExistsError: ``out`` exists and ``overwrite`` is False.
     """
-    from restorekit.keras_files.writer import check_structure, write_weights
+    from restorekit.keras_files.writer import write_weights
 
     ckpt = source.checkpoint
-    if not getattr(ckpt, "is_weights_file", False):
-        raise InvalidArgumentError(
-            f"{ckpt.prefix!r} is a {getattr(ckpt, 'kind', 'TF checkpoint')}; a .weights.h5 is written from a Keras 3 "
-            f".weights.h5 or .keras file only (its layer groups are what load_weights reads). Save as format='tf' "
-            f"or 'safetensors', or load it into the model and call model.save_weights"
-        )
+    _check_weights_source(ckpt)
     if not out.lower().endswith(".weights.h5"):
         raise InvalidArgumentError(f"{out!r}: Keras 3 loads weights files named '*.weights.h5'; name the output so")
     if os.path.exists(out) and not overwrite and os.path.realpath(out) != os.path.realpath(ckpt.prefix):
         raise OutputExistsError(path=out)
     if os.path.realpath(out) in {os.path.realpath(f) for f in ckpt.files[1:]}:  # a shard of a sharded set
         raise OutputExistsError(path=out, is_source=True)
+    tensors, attrs = _weights(source, plan, out)
+    write_weights(out, tensors, attrs=attrs)
+    return out
+
+
+def save_archive_in_place(source: Source, plan: dict[str, Item]) -> str:
+    """Rewrite the ``.keras`` archive ``source`` was read from with ``plan`` as its weights; its other
+    members are copied as they are. See ``CheckpointEditor.save_in_place``.
+
+    Raises:
+        InvalidArgumentError: the output could not load (see ``check_structure``); nothing is written.
+    """
+    from restorekit.keras_files.writer import write_archive
+
+    ckpt = source.checkpoint
+    _check_weights_source(ckpt)
+    out = os.path.abspath(ckpt.prefix)
+    tensors, attrs = _weights(source, plan, out)
+    return write_archive(out, out, tensors, attrs=attrs)
+
+
+def _check_weights_source(ckpt) -> None:
+    if not getattr(ckpt, "is_weights_file", False):
+        raise InvalidArgumentError(
+            f"{ckpt.prefix!r} is a {getattr(ckpt, 'kind', 'TF checkpoint')}; a .weights.h5 is written from a Keras 3 "
+            f".weights.h5 or .keras file only (its layer groups are what load_weights reads). Save as format='tf' "
+            f"or 'safetensors', or load it into the model and call model.save_weights"
+        )
+
+
+def _weights(source: Source, plan: dict[str, Item], out: str) -> tuple[list, dict]:
+    """``(key, read value)`` pairs and the ``vars`` groups' attributes of a Keras weights output, its
+    structure checked to load (``check_structure``) before anything is read or written."""
+    from restorekit.keras_files.writer import check_structure
+
+    ckpt = source.checkpoint
     check_structure(list(plan), list(ckpt.entries), where=repr(out))
     check_space(os.path.dirname(os.path.abspath(out)), sum(source.nbytes(it) for it in plan.values()))
     ckpt.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
@@ -81,8 +112,7 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
             attrs[f"{group}/vars" if group else "vars"] = group_attrs[origin_vars]
     if "vars" in group_attrs:
         attrs.setdefault("vars", group_attrs["vars"])
-    write_weights(out, [(name, lambda it=it: source.value(it)) for name, it in plan.items()], attrs=attrs)
-    return out
+    return [(name, lambda it=it: source.value(it)) for name, it in plan.items()], attrs
 
 
 def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, layout, overwrite: bool,

@@ -62,6 +62,7 @@ from restorekit.errors import (
 )
 from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
+from restorekit.keras_files.h5nodes import NODES, root
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -168,6 +169,7 @@ class KerasCheckpoint(Mapping):
     """
 
     is_object_based = True
+    _walked_ranges = None  # key -> (offset, size) or None, found while walking a Keras 3 file (see _stored_ranges)
 
     def __new__(cls, path=None):  # path=None: copy and pickle call __new__ without it
         # A sharded index opens as its own kind, wherever a KerasCheckpoint is asked for.
@@ -293,8 +295,13 @@ class KerasCheckpoint(Mapping):
             return read_legacy(self.prefix, f, h5py)
         if isinstance(f.get("vars"), h5py.Group) or any(isinstance(f.get(c), h5py.Group) for c in CONTAINERS):
             self.kind = "Keras 3 archive (.keras)" if self._member is not None else "Keras 3 weights file (.weights.h5)"
-            walker = Keras3Walk(self.prefix, h5py, config_index(self.config))
-            walker.visit(f, "", "", root=True)
+            # Walked through low-level nodes: h5py's high-level objects cost more than the walk itself.
+            walker = Keras3Walk(self.prefix, NODES, config_index(self.config))
+            walker.visit(root(f, h5py), "", "", root=True)
+            # Where the bytes lie is read now, from the datasets the walk has open: reopening each later costs more.
+            standard: dict = {}
+            self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key].id, d, standard)
+                                   for d in walker.datasets}
             return walker.datasets, walker.readable
         top = format_names(sorted(f.keys()), 6) or "nothing"
         raise CorruptCheckpointError(
@@ -390,20 +397,25 @@ class KerasCheckpoint(Mapping):
         ranges, standard = {}, {}
         for path, keys in self._by_file(self._data).items():
             limit = self._size_of(path)
-            with self._h5(path) as f:
-                for key in keys:
-                    found = _stored_range(h5py, f.id, self._data[key], standard)
-                    if found is None:
-                        continue
-                    offset, size = found
-                    if offset + size > limit:
-                        where = "its model.weights.h5 member" if self._member is not None else "the file"
-                        raise CorruptCheckpointError(
-                            f"{path!r} is corrupt or truncated: dataset {key!r} claims bytes {offset}..{offset + size}, "
-                            f"past the end of {where} ({limit} bytes); save the model's weights again"
-                        )
-                    ranges[key] = (base + offset, size)
+            for key, found in self._ranges_in(h5py, path, keys, standard):
+                if found is None:
+                    continue
+                offset, size = found
+                if offset + size > limit:
+                    where = "its model.weights.h5 member" if self._member is not None else "the file"
+                    raise CorruptCheckpointError(
+                        f"{path!r} is corrupt or truncated: dataset {key!r} claims bytes {offset}..{offset + size}, "
+                        f"past the end of {where} ({limit} bytes); save the model's weights again"
+                    )
+                ranges[key] = (base + offset, size)
         return ranges
+
+    def _ranges_in(self, h5py, path: str, keys: list, standard: dict) -> list:
+        """``[(key, (offset, size) or None)]`` for ``keys`` in file ``path``: as the walk found them, or read now."""
+        if self._walked_ranges is not None:
+            return [(key, self._walked_ranges[key]) for key in keys]
+        with self._h5(path) as f:
+            return [(key, _stored_range(h5py, f.id, self._data[key], standard)) for key in keys]
 
     def bundle_entry(self, name: str):
         """The TF view of an entry (dtype code, shape) that the editor plans with; no shard, offset or crc."""
@@ -412,6 +424,11 @@ class KerasCheckpoint(Mapping):
 
         entry = self[name]
         return BundleEntry(dtype=dtype_enum(entry.dtype), shape=tuple(entry.shape), size=entry.nbytes)
+
+    @property
+    def is_archive(self) -> bool:
+        """True for a ``.keras`` archive (its weights are the ``model.weights.h5`` member)."""
+        return self._member is not None
 
     @property
     def is_weights_file(self) -> bool:
@@ -530,15 +547,16 @@ class KerasCheckpoint(Mapping):
         return value
 
 
-def _stored_range(h5py, file_id, data: Dataset, standard: dict) -> tuple[int, int] | None:
+def _stored_range(h5py, where, data: Dataset, standard: dict) -> tuple[int, int] | None:
     """(offset in its HDF5 file, size) of the dataset for ``data`` when its stored bytes are the tensor's
-    little-endian bytes as they are (see ``KerasCheckpoint.stored_range``), else None. Read through h5py's
+    little-endian bytes as they are (see ``KerasCheckpoint.stored_range``), else None. ``where`` is the
+    dataset's open low-level id, or the id of its file to open it from by key. Read through h5py's
     low-level API: the high-level objects cost more than the answer (~0.1 ms a dataset). ``standard``
     caches the standard little-endian HDF5 type of each dtype."""
     if data.dtype == "string" or data.nbytes == 0:
         return None
     try:
-        ds = h5py.h5d.open(file_id, data.key.encode("utf-8"))
+        ds = where if isinstance(where, h5py.h5d.DatasetID) else h5py.h5d.open(where, data.key.encode("utf-8"))
         offset = ds.get_offset()  # None when no storage was allocated
         if offset is None or ds.get_storage_size() != data.nbytes:
             return None

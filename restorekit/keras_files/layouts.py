@@ -105,6 +105,7 @@ class Keras3Walk:
         self.path, self.h5py, self.index = path, h5py, config_index
         self.datasets: list = []
         self.readable: dict = {}
+        self.objects: dict = {}  # key -> the dataset object it was described from (valid while the file is open)
         self._taken: set = set()
 
     def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
@@ -139,6 +140,7 @@ class Keras3Walk:
             ds = vars_group[index]
             if isinstance(ds, self.h5py.Dataset):
                 found.append(_describe(ds, f"{vars_key}/{index}", self.path))
+                self.objects[found[-1].key] = ds
         names = [str(i) for i in range(len(found))] if optimizer else _variable_names(kind, layer_config, found)
         for data, var in zip(found, names):
             self.datasets.append(data)
@@ -159,13 +161,15 @@ def _guess_kind(class_hint: str | None, name: str) -> str | None:
 def _describe(ds, key: str, path: str) -> Dataset:
     bfloat16 = text(ds.attrs.get("dtype")) == "bfloat16"
     try:
-        dtype = "bfloat16" if bfloat16 else np.dtype(ds.dtype).name
-        if np.dtype(ds.dtype).kind in "OSUV" and not bfloat16:
+        stored = np.dtype(ds.dtype)
+        dtype = "bfloat16" if bfloat16 else stored.name
+        if stored.kind in "OSUV" and not bfloat16:
             dtype = "string"
     except TypeError:
         raise CorruptCheckpointError(f"{path!r}: {key!r} has a dtype numpy does not know ({ds.dtype})") from None
-    shape = tuple(int(d) for d in ds.shape) if ds.shape is not None else ()
-    itemsize = 2 if bfloat16 else np.dtype(ds.dtype).itemsize
+    shape = ds.shape
+    shape = tuple(int(d) for d in shape) if shape is not None else ()
+    itemsize = 2 if bfloat16 else stored.itemsize
     return Dataset(key, shape, dtype, int(np.prod(shape, dtype=np.int64)) * itemsize, bfloat16)
 
 

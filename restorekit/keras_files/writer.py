@@ -1,4 +1,4 @@
-"""Writing Keras 3 ``.weights.h5`` files that ``model.load_weights`` accepts: structure checks, atomic h5 writes.
+"""Writing Keras 3 ``.weights.h5`` files and ``.keras`` archives that Keras loads: structure checks, atomic writes.
 
 Keras 3 finds a layer's variables by position: the layer's group (named by attribute or
 by class in a list, ``layers/dense_1``) holds ``vars/0``, ``vars/1``, ... and
@@ -6,20 +6,28 @@ by class in a list, ``layers/dense_1``) holds ``vars/0``, ``vars/1``, ... and
 an output is checked before anything is written: every tensor is a ``.../vars/N`` key,
 each group's indices run 0..n-1, and a layer group of the source keeps its count
 (optimizer groups may change: Keras skips a mismatched optimizer with a warning).
+A ``.keras`` archive is rewritten whole: its other members (``config.json``,
+``metadata.json``, assets) copied as they are, its ``model.weights.h5`` written anew.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import zipfile
 
 import numpy as np
 
 from restorekit.bundle import atomic
-from restorekit.bundle.atomic import atomic_output
+from restorekit.bundle.atomic import atomic_output, temp_name
 from restorekit.errors import InvalidArgumentError, format_names
 
-__all__ = ["check_structure", "write_weights"]
+__all__ = ["WEIGHTS_MEMBER", "check_structure", "write_archive", "write_weights"]
+
+WEIGHTS_MEMBER = "model.weights.h5"
+_COPY_BUFFER = 1 << 20
 
 _KEY = re.compile(r"^(?:(.+)/)?vars/(\d+)$")
 
@@ -90,23 +98,67 @@ def write_weights(path, tensors, *, attrs: dict | None = None) -> str:
         InvalidArgumentError: keys ``model.load_weights`` could not load (nothing written).
         MissingDependencyError: h5py is not installed.
     """
-    from restorekit.keras_files import _h5py
-
-    h5py = _h5py()
     path = os.fspath(path)
     tensors = list(tensors) if not isinstance(tensors, list) else tensors
     check_structure([k for k, _ in tensors], where=repr(path))
     with atomic_output(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            for i, (key, array) in enumerate(tensors):
-                array = np.asarray(array() if callable(array) else array)
-                bfloat16 = array.dtype.name == "bfloat16"
-                ds = f.create_dataset(key, data=array)
-                if bfloat16:
-                    ds.attrs["dtype"] = "bfloat16"
-                atomic.crash_point(f"tensor-{i}")
-            for group, values in (attrs or {}).items():
-                target = f.require_group(group) if group else f
-                for name, value in values.items():
-                    target.attrs[name] = value
+        _write_h5(tmp, tensors, attrs)
     return path
+
+
+def write_archive(path, source, tensors, *, attrs: dict | None = None) -> str:
+    """Write a ``.keras`` archive at ``path``, atomically (temp file beside it, then rename): the members
+    of the archive ``source`` as they are, in their order, with ``model.weights.h5`` holding ``tensors``
+    (as ``write_weights`` writes them; stored, as Keras stores it). ``source`` may be ``path`` itself: it
+    is read to the end before the new archive replaces it.
+
+    Raises:
+        InvalidArgumentError: keys ``model.load_weights`` could not load (nothing written).
+        MissingDependencyError: h5py is not installed.
+    """
+    path, source = os.fspath(path), os.fspath(source)
+    tensors = list(tensors) if not isinstance(tensors, list) else tensors
+    check_structure([k for k, _ in tensors], where=repr(path))
+    with atomic_output(path) as tmp:
+        weights = temp_name(path + ".weights.h5")  # the new member, whole, before it goes into the archive
+        try:
+            _write_h5(weights, tensors, attrs)
+            with zipfile.ZipFile(source) as old, zipfile.ZipFile(tmp, "w") as new:
+                for info in old.infolist():
+                    if info.filename == WEIGHTS_MEMBER:
+                        with open(weights, "rb") as member:
+                            _add_member(new, info, member, os.path.getsize(weights), zipfile.ZIP_STORED)
+                    else:
+                        with old.open(info) as member:
+                            _add_member(new, info, member, info.file_size, info.compress_type)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(weights)
+    return path
+
+
+def _add_member(archive, like: zipfile.ZipInfo, data, size: int, compress_type: int) -> None:
+    """Copy the stream ``data`` (``size`` bytes) into ``archive`` under the name, time and mode of ``like``."""
+    info = zipfile.ZipInfo(like.filename, date_time=like.date_time)
+    info.compress_type, info.external_attr, info.comment = compress_type, like.external_attr, like.comment
+    info.file_size = size  # lets zipfile choose ZIP64 for a member over 4 GB
+    with archive.open(info, "w") as out:
+        shutil.copyfileobj(data, out, _COPY_BUFFER)
+
+
+def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
+    from restorekit.keras_files import _h5py
+
+    h5py = _h5py()
+    with h5py.File(path, "w") as f:
+        for i, (key, array) in enumerate(tensors):
+            array = np.asarray(array() if callable(array) else array)
+            bfloat16 = array.dtype.name == "bfloat16"
+            ds = f.create_dataset(key, data=array)
+            if bfloat16:
+                ds.attrs["dtype"] = "bfloat16"
+            atomic.crash_point(f"tensor-{i}")
+        for group, values in (attrs or {}).items():
+            target = f.require_group(group) if group else f
+            for name, value in values.items():
+                target.attrs[name] = value

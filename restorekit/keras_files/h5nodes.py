@@ -1,0 +1,158 @@
+"""The few group and dataset verbs the Keras 3 walk asks of an HDF5 file, over h5py's low-level API.
+
+h5py's high-level ``Group`` and ``Dataset`` cost ~25 us an object (a ``File`` back-reference,
+property lists, a Python-level mapping per lookup); a BERT-sized ``.weights.h5`` has ~300
+objects, so opening it spent more in building them than in HDF5. These nodes answer what
+``layouts.Keras3Walk`` asks (children by name, ``get``, ``items``, ``attrs.get``, ``shape``,
+``dtype``) with the same answers: the same name order, encodings, link resolution (soft and
+external links followed, a dangling one is missing) and the same exceptions.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+__all__ = ["NODES", "root"]
+
+
+def _encode(name):
+    """As h5py encodes a name: bytes as given, str as ASCII when it can be, else UTF-8."""
+    if isinstance(name, bytes):
+        return name
+    if isinstance(name, str):
+        try:
+            return name.encode("ascii")
+        except UnicodeEncodeError:
+            return name.encode("utf8")
+    raise TypeError(f"A name should be string or bytes, not {type(name)}")
+
+
+def _decode(name: bytes):
+    """As h5py decodes a member name: UTF-8 when it is, else the bytes."""
+    try:
+        return name.decode("utf8")
+    except UnicodeDecodeError:
+        return name
+
+
+def _exists(exists, *args) -> bool:
+    """``exists(*args)``, or True when HDF5 cannot say (damage): the open that follows reports it as h5py would."""
+    try:
+        return exists(*args)
+    except (RuntimeError, OSError, KeyError, ValueError):
+        return True
+
+
+class _Attrs:
+    """``attrs.get(name)`` of one object: None when absent, else the value h5py's ``attrs[name]`` reads."""
+
+    __slots__ = ("id", "_h5py")
+
+    def __init__(self, oid, h5py):
+        self.id, self._h5py = oid, h5py
+
+    def get(self, name, default=None):
+        # exists() first: a missing attribute read through h5a.open costs an HDF5 error stack.
+        if not _exists(self._h5py.h5a.exists, self.id, _encode(name)):
+            return default
+        try:
+            return self._h5py.AttributeManager(self)[name]
+        except KeyError:  # what h5py's attrs.get answers when HDF5 cannot open it
+            return default
+
+
+class Group:
+    """An HDF5 group: member names in h5py's order, each member opened once, on demand."""
+
+    __slots__ = ("id", "_h5py", "_names", "_members")
+
+    def __init__(self, gid, h5py):
+        self.id, self._h5py = gid, h5py
+        self._names = None
+        self._members: dict = {}  # the walk asks for some members twice (``vars``, the containers)
+
+    @property
+    def attrs(self) -> _Attrs:
+        return _Attrs(self.id, self._h5py)
+
+    def __iter__(self):
+        if self._names is None:
+            self._names = self._list()
+        names, count = self._names
+        yield from names[:count]
+        if count > len(names):  # a damaged member count: h5py's iterator runs off its list
+            raise IndexError("list index out of range")
+
+    def _list(self) -> tuple[list, int]:
+        """Member names in h5py's order (by creation where the group tracks it, else by name), and the count
+        HDF5 gives; listed in one H5Literate call, as h5py does, and not at all when the count is 0."""
+        h5py, names = self._h5py, []
+        count = self.id.get_num_objs()
+        if count:
+            tracked = self.id.get_create_plist().get_link_creation_order() & h5py.h5p.CRT_ORDER_TRACKED
+            self.id.links.iterate(names.append, idx_type=h5py.h5.INDEX_CRT_ORDER if tracked else h5py.h5.INDEX_NAME)
+        return [_decode(name) for name in names], count
+
+    def __getitem__(self, name):
+        found = self._members.get(name)
+        if found is None:
+            found = self._members[name] = self._open(name)
+        return found
+
+    def _open(self, name):
+        h5py = self._h5py
+        encoded = _encode(name)
+        # A member with no link by that name is missing: said without an HDF5 error stack (~10x cheaper).
+        if b"/" not in encoded and encoded not in (b"", b".") and not _exists(self.id.links.exists, encoded):
+            # HDF5's own words for it, as h5py would raise them
+            raise KeyError(f"Unable to synchronously open object (object '{encoded.decode('utf-8', 'replace')}' "
+                           f"doesn't exist)")
+        oid = h5py.h5o.open(self.id, encoded)  # follows soft and external links; KeyError when they lead nowhere
+        kind = h5py.h5i.get_type(oid)
+        if kind == h5py.h5i.GROUP:
+            return Group(oid, h5py)
+        if kind == h5py.h5i.DATASET:
+            return Dataset(oid, h5py)
+        if kind == h5py.h5i.DATATYPE:
+            return oid  # a named datatype: neither a group nor a dataset to the walk
+        raise TypeError("Unknown object type")
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def items(self):
+        for name in self:
+            yield name, self.get(name)
+
+
+class Dataset:
+    """An HDF5 dataset: its shape, numpy dtype and attributes (no data read)."""
+
+    __slots__ = ("id", "_h5py")
+
+    def __init__(self, did, h5py):
+        self.id, self._h5py = did, h5py
+
+    @property
+    def shape(self):
+        return self.id.shape
+
+    @property
+    def dtype(self):
+        return self.id.dtype
+
+    @property
+    def attrs(self) -> _Attrs:
+        return _Attrs(self.id, self._h5py)
+
+
+# What Keras3Walk tells groups from datasets by (it is given h5py's classes, or these).
+NODES = SimpleNamespace(Group=Group, Dataset=Dataset)
+
+
+def root(f, h5py) -> Group:
+    """The root group of the open h5py file ``f`` as a node."""
+    return Group(f.id, h5py)
