@@ -86,3 +86,24 @@ def test_cli_words_the_refusals_with_its_flags(capsys, prefix, tmp_path):
     err = capsys.readouterr().err
     assert code == 3 and "Did you mean '.safetensors'?" in err and "--to tf" in err and "to='tf'" not in err
     assert _listing(tmp_path / "s") == []
+
+
+def test_cli_convert_words_an_existing_output_with_its_flag(capsys, prefix, tmp_path):
+    out = tmp_path / "x.safetensors"
+    assert main(["-q", "convert", prefix, str(out)]) == 0
+    capsys.readouterr()
+    assert main(["convert", prefix, str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "pass --overwrite to replace it" in err and "overwrite=True" not in err
+
+
+def test_cli_convert_help_lists_the_keras_sources(capsys):
+    assert main(["convert", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(s in text for s in (".weights.h5", ".keras", ".weights.json", ".safetensors", ".npz", ".pt"))
+
+
+def test_readme_usage_lines_name_the_options_the_commands_take():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    cast = next(line for line in readme.splitlines() if line.startswith("restorekit cast "))
+    assert "[--no-check]" in cast and "[--link]" in cast
