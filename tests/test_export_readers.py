@@ -331,3 +331,72 @@ def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(torch, tmp_path, 
     module = {".pt": torch_format, ".npz": npz_format, ".safetensors": st_format}[suffix]
     with pytest.raises(RestoreKitError, match="not a regular file"):
         module.read_shapes(fifo)
+
+
+# ------------------------------------------------------------------ files named for another format
+
+
+def test_a_torch_file_named_safetensors_is_read_by_its_bytes(torch, tmp_path):
+    # torch.load hands any path ending in '.safetensors' to safetensors, which raised its own
+    # SafetensorError ("header too large") out of convert with a traceback.
+    from restorekit.cli import main
+
+    torch.save({"a": torch.arange(4.0)}, tmp_path / "x.safetensors")
+    import_checkpoint(tmp_path / "x.safetensors", tmp_path / "out" / "m")
+    assert Checkpoint(str(tmp_path / "out" / "m")).read("a").tolist() == [0, 1, 2, 3]
+    assert main(["-q", "convert", str(tmp_path / "x.safetensors"), str(tmp_path / "cli" / "model.ckpt")]) == 0
+    assert Checkpoint(str(tmp_path / "cli" / "model.ckpt")).read("a").tolist() == [0, 1, 2, 3]
+
+
+def _contents(tmp_path):
+    prefix = write_bundle(tmp_path / "src" / "m", {"a": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    export_checkpoint(prefix, tmp_path / "real.safetensors")
+    export_checkpoint(prefix, tmp_path / "real.pt")
+    export_checkpoint(prefix, tmp_path / "real.npz")
+    with zipfile.ZipFile(tmp_path / "plain.zip", "w") as z:
+        z.writestr("a.txt", "hi")
+    return {
+        "safetensors": (tmp_path / "real.safetensors").read_bytes(),
+        "torch": (tmp_path / "real.pt").read_bytes(),
+        "npz": (tmp_path / "real.npz").read_bytes(),
+        "zip": (tmp_path / "plain.zip").read_bytes(),
+        "random": np.random.RandomState(0).bytes(300),
+        "text": b"hello world\n" * 10,
+        "empty": b"",
+    }
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".bin", ".npz"])
+def test_a_file_of_another_format_or_none_reads_by_its_bytes_or_is_corrupt_never_a_foreign_error(
+    torch, tmp_path, suffix
+):
+    from restorekit.cli import main
+
+    for kind, data in _contents(tmp_path).items():
+        path = tmp_path / f"{kind}_as{suffix}"
+        path.write_bytes(data)
+        out = tmp_path / f"out_{kind}"
+        try:
+            import_checkpoint(path, out / "m")
+        except CorruptCheckpointError as e:
+            assert str(path) in str(e)
+            assert _listing(out) == [], kind
+            continue
+        # Only a real export can read back (sniffed by its bytes, whatever its name).
+        assert kind in ("safetensors", "torch", "npz") and not (kind == "torch" and suffix == ".npz"), kind
+        assert Checkpoint(str(out / "m")).read("a").tolist() == [[0, 1, 2], [3, 4, 5]]
+    # The shell: one line, exit 3, for the random bytes.
+    assert main(["-q", "convert", str(tmp_path / f"random_as{suffix}"), str(tmp_path / "cli" / "m")]) == 3
+
+
+def test_a_parsing_library_s_own_exception_becomes_corrupt_checkpoint_error():
+    from restorekit.export.reading import boundary
+
+    SafetensorError = type("SafetensorError", (Exception,), {"__module__": "safetensors._safetensors_rust"})
+    with pytest.raises(CorruptCheckpointError, match=r"'f.safetensors' is not a readable safetensors file "
+                                                     r"\(SafetensorError: header too large\)"):
+        with boundary("f.safetensors", "safetensors file"):
+            raise SafetensorError("Error while deserializing header: header too large".split(": ")[1])
+    with pytest.raises(ZeroDivisionError):  # restorekit's own bugs still surface
+        with boundary("f.safetensors", "safetensors file"):
+            1 / 0

@@ -11,6 +11,7 @@ from restorekit.report import format_bytes
 from restorekit.cli.base import (
     cli_exists_error,
     EXIT_OK,
+    reworded_exists_error,
     Usage as _Usage,
     _quiet,
     register,
@@ -122,8 +123,10 @@ def _cast(args) -> int:
 def _convert_args(p: argparse.ArgumentParser) -> None:
     from restorekit.export import FORMATS
 
-    p.add_argument("src", help="TF checkpoint, .pt/.pth, .safetensors or .npz file")
-    p.add_argument("out", help="output file, or checkpoint prefix for --to tf")
+    p.add_argument("src", help="TF checkpoint, .pt/.pth/.bin, .safetensors (a file, a directory of shards or its "
+                               "index.json), .npz, or Keras .weights.h5, .keras or sharded .weights.json set")
+    p.add_argument("out", help="output file (.pt, .safetensors, .npz, .weights.h5 from a Keras 3 source), "
+                               "or checkpoint prefix for --to tf")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
     p.add_argument("--layout", choices=["torch"], help="PyTorch names and axes (reversed on the way back)")
     p.add_argument("--rules", metavar="NAME",
@@ -167,15 +170,21 @@ def _ema_arg(args):
     return (args.ema_suffix or True) if args.ema else None
 
 
-@register("convert", help="convert between TF checkpoints, PyTorch, safetensors and npz", configure=_convert_args)
+@register("convert", help="convert between TF checkpoints, PyTorch, safetensors, npz and Keras weights files",
+          configure=_convert_args)
 def _convert(args) -> int:
     from restorekit.export import convert
+    from restorekit.export.targets import OutputNameError
 
     max_shard_size = int(args.max_shard_size) if args.max_shard_size and args.max_shard_size.isdigit() else args.max_shard_size
-    result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
-                     weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
-                     config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
-                     max_output_bytes=args.max_output_bytes)
+    try:
+        with reworded_exists_error(args.out):
+            result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
+                             weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
+                             config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
+                             max_output_bytes=args.max_output_bytes)
+    except OutputNameError as e:
+        raise e.for_cli() from None
     if not _quiet(args):
         print(result)
     return EXIT_OK

@@ -30,7 +30,8 @@ def _graph_args(parser: argparse.ArgumentParser) -> None:
     repair.set_defaults(run=_graph_repair)
 
 
-@register("graph", help="inspect graph files (graph inspect FILE)", configure=_graph_args)
+@register("graph", help="inspect or repair graph files (graph inspect FILE, graph repair FILE OUT)",
+          configure=_graph_args)
 def _graph(args) -> int:
     raise _Usage("'graph' needs a subcommand: graph inspect FILE, or graph repair FILE OUT")
 

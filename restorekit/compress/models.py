@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
 from dataclasses import dataclass
 
+# A private helper of the one module that owns TensorFlow's import and its stderr; it has no public name yet.
+from restorekit._tensorflow import _native_stderr_silenced as native_stderr_silenced
+from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import (
     CheckpointNotFoundError,
     GraphError,
@@ -21,9 +25,18 @@ _EXTRA = "pip install 'restorekit[compress]'"
 
 
 def _tf():
-    import tensorflow as tf
+    return import_tensorflow()  # the first import of TensorFlow keeps its native log lines off the CLI
 
-    return tf
+
+def _quiet_native():
+    """Silence the native stderr while LiteRT sets up, when TF's log level says no INFO or warnings.
+
+    LiteRT prints "INFO: Created TensorFlow Lite XNNPACK delegate for CPU." straight to
+    stderr whatever ``TF_CPP_MIN_LOG_LEVEL`` says; the CLI sets that level to 3.
+    """
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0").strip() in ("3",):
+        return native_stderr_silenced()
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -107,12 +120,14 @@ class _Lite:
     """The compressed model, run by LiteRT's interpreter (TF's deprecated one if LiteRT is missing)."""
 
     def __init__(self, content: bytes, original):
-        self.interpreter = _interpreter_class()(model_content=content)
-        self.signature = getattr(original, "signature", None)
-        if self.signature is not None:
-            self.runner = self.interpreter.get_signature_runner(self.signature)
-            return
-        self.interpreter.allocate_tensors()
+        interpreter = _interpreter_class()  # outside: its warning goes to Python's stderr
+        with _quiet_native():
+            self.interpreter = interpreter(model_content=content)
+            self.signature = getattr(original, "signature", None)
+            if self.signature is not None:
+                self.runner = self.interpreter.get_signature_runner(self.signature)
+                return
+            self.interpreter.allocate_tensors()
         details = self.interpreter.get_input_details()
         # The TF1 converter names tensors by their node names, in the order it was given.
         by_name = {d["name"]: d for d in details}
@@ -147,9 +162,7 @@ def _interpreter_class():
     except ImportError:
         pass
     try:
-        import tensorflow as tf
-
-        interpreter = tf.lite.Interpreter
+        interpreter = _tf().lite.Interpreter
     except (ImportError, AttributeError):
         raise MissingDependencyError(
             f"running a compressed model needs the LiteRT runtime: {_EXTRA} (ai-edge-litert)."

@@ -294,13 +294,17 @@ class CheckpointEditor:
 
         An exact name is cast whatever its numeric dtype; a pattern casts only the
         floating-point entries it matches (so ``'.*'`` leaves ``global_step`` alone).
-        Pure casts are streamed on save, one chunk at a time.
+        Pure casts are streamed on save, one chunk at a time. Rounding floats to a
+        narrower float is allowed; a cast that changes a value (a finite float that
+        overflows to inf, an integer that wraps or that the target cannot hold exactly)
+        is refused when the value is seen (on save, for stored tensors), nothing written.
 
         Returns:
             The names cast.
 
         Raises:
-            EditError: an unknown dtype, or an exact name that is a string or bool.
+            EditError: an unknown dtype, an exact name that is a string or bool, or
+                (possibly on save) a value the cast would change.
             NoMatchError: nothing to cast.
         """
         code = values.cast_code(dtype)

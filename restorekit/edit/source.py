@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Iterator
 
 import google_crc32c
@@ -14,7 +13,7 @@ from restorekit.bundle.format import DTYPE_NAMES, decode_tensor, dtype_name, num
 from restorekit.bundle.table import mask_crc
 from restorekit.bundle.writer import CHUNK_SIZE, array_chunks
 from restorekit.edit.plan import STRING, Concat, Item, nbytes
-from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, RestoreKitWarning
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, EditError
 from restorekit.report import format_shape
 
 
@@ -32,7 +31,7 @@ class Source:
         if item.base is None:
             value = self.load(item.origin)
             if item.cast is not None:
-                value = value.astype(numpy_dtype(item.cast))
+                value = cast_array(value, numpy_dtype(item.cast), item.origin)
         elif isinstance(item.base, np.ndarray):
             value = item.base.copy() if item.ops else item.base
         elif isinstance(item.base, Concat):
@@ -103,15 +102,11 @@ class Source:
         check_readable(item.origin, entry)
         source, target = numpy_dtype(entry.dtype), numpy_dtype(item.cast)
         pending = b""
-        overflow = 0
         for chunk in self.checked_chunks(item.origin):
             chunk = pending + chunk
             usable = len(chunk) - len(chunk) % source.itemsize
             pending = chunk[usable:]
-            values, lost = cast_counting(np.frombuffer(chunk[:usable], source), target)
-            overflow += lost
-            yield values.tobytes()
-        warn_overflow(item.origin, overflow, target)
+            yield cast_array(np.frombuffer(chunk[:usable], source), target, item.origin).tobytes()
         if pending:
             raise CorruptCheckpointError(f"{item.origin!r}: stored size is not a whole number of {source} values")
 
@@ -166,25 +161,70 @@ def check_readable(name: str, entry) -> None:
         )
 
 
-def cast_counting(array: np.ndarray, target: np.dtype) -> tuple[np.ndarray, int]:
-    """``array.astype(target)`` and how many finite values it turned into inf or nan."""
+def cast_array(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
+    """``array.astype(target)``, or EditError naming a value the cast would change.
+
+    Rounding a float to a narrower float is what such a cast is for and passes. A finite
+    float that overflows to inf (or nan), and an integer that wraps, or that the target
+    cannot hold exactly, change the value itself and are refused, as truncation is.
+    The check runs a block at a time, so it holds no second copy of a whole tensor.
+    """
+    array = np.asarray(array)
     with np.errstate(over="ignore", invalid="ignore"):
         out = array.astype(target)
-    if out.dtype.kind in "iub":
-        return out, 0
-    return out, int(np.count_nonzero(np.isfinite(array) & ~np.isfinite(out)))
-
-
-def warn_overflow(name: str, count: int, target: np.dtype) -> None:
-    if count:
-        warnings.warn(
-            f"{name!r}: {count} finite values are out of {np.dtype(target).name}'s range and became inf or nan",
-            RestoreKitWarning,
-            stacklevel=3,
+    flat_in, flat_out = array.reshape(-1), out.reshape(-1)
+    step = max(1, CHUNK_SIZE // max(array.itemsize, 1))
+    count, first = 0, None
+    for start in range(0, flat_in.size, step):
+        bad = np.flatnonzero(_changed(flat_in[start : start + step], flat_out[start : start + step]))
+        if bad.size and first is None:
+            first = start + int(bad[0])
+        count += bad.size
+    if first is not None:
+        what = "value" if count == 1 else "values"
+        raise EditError(
+            f"casting {name!r} from {_name(array.dtype)} to {_name(out.dtype)} would change {count} {what} "
+            f"(e.g. {flat_in[first].item()!r} -> {flat_out[first].item()!r}): rounding a float is allowed, "
+            f"overflow and wrap-around are not; nothing was written. If that is meant, set() it to value.astype({_name(out.dtype)!r}) "
+            "with allow_dtype_change=True"
         )
-
-
-def cast_array(array: np.ndarray, target: np.dtype, name: str) -> np.ndarray:
-    out, lost = cast_counting(np.asarray(array), target)
-    warn_overflow(name, lost, target)
     return out
+
+
+def _name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _int_range(dtype: np.dtype) -> tuple[int, int]:
+    try:
+        info = np.iinfo(dtype)
+    except ValueError:  # int4, int2, ...: ml_dtypes types
+        import ml_dtypes
+
+        info = ml_dtypes.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _is_int(dtype: np.dtype) -> bool:
+    return dtype.kind in "iu" or dtype.name in ("int4", "uint4", "int2", "uint2")
+
+
+def _changed(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Mask of the values of ``a`` that ``out`` (its cast) does not hold, beyond float rounding."""
+    if a.dtype.kind == "b":
+        return np.zeros(a.shape, bool)
+    if not _is_int(a.dtype):  # float (bfloat16 and float8 are kind 'V') or complex: only overflow counts
+        return np.isfinite(a) & ~np.isfinite(out)
+    if a.dtype.kind not in "iu":
+        a = a.astype(np.int64)
+    if out.dtype.kind == "b":
+        return (a != 0) & (a != 1)
+    if _is_int(out.dtype):
+        (lo, hi), (a_lo, a_hi) = _int_range(out.dtype), _int_range(a.dtype)
+        return (a < max(lo, a_lo)) | (a > min(hi, a_hi))
+    # Integer to float: exact only if the float is finite, inside the integer range and equal on the way back.
+    real = (out.real if out.dtype.kind == "c" else out).astype(np.float64)
+    lo, hi = _int_range(a.dtype)
+    inside = np.isfinite(real) & (real >= float(lo)) & (real < float(hi + 1))
+    back = np.where(inside, real, 0.0).astype(a.dtype)
+    return ~inside | (back != a)

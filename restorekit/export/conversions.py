@@ -18,6 +18,7 @@ from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.bundle import files as bundle_files
 from restorekit.bundle.files import check_parent, check_space, output_prefix
 from restorekit.export import formats, keras, sharded
+from restorekit.export.targets import target_format
 from restorekit.export.base import (
     ExportResult,
     PlannedCheckpoint,
@@ -51,35 +52,6 @@ def source_format(path) -> str:
     if not os.path.exists(path):
         return formats.by_suffix(path) or formats.TF
     return formats.TF
-
-
-# Extensions of other tools' files: an output named so is almost surely not meant to be
-# a TF checkpoint prefix, so it is refused instead of silently written as one.
-_FOREIGN_SUFFIXES = frozenset({".onnx", ".bin", ".pb", ".pbtxt", ".tflite", ".json", ".txt", ".pkl", ".pickle",
-                               ".msgpack", ".gguf", ".ggml", ".mlmodel", ".caffemodel", ".params", ".joblib",
-                               ".zip", ".tar", ".gz", ".engine", ".plan"})
-
-
-def target_format(path, to: str | None) -> str:
-    """``to``, checked, or the format ``path``'s extension names ('tf' when none does).
-
-    Raises:
-        InvalidArgumentError: ``path`` ends in another tool's extension (``.onnx``, ``.bin``, ...)
-            and no ``to`` says what to write.
-    """
-    if to is None:
-        found = formats.by_suffix(path)
-        suffix = os.path.splitext(os.fspath(path))[1].lower()
-        if found is None and suffix in _FOREIGN_SUFFIXES:
-            raise InvalidArgumentError(
-                f"restorekit does not write {suffix!r} files ({os.fspath(path)!r}); name the output with a "
-                f"format's extension ({', '.join(sorted(s for m in formats.modules().values() for s in m.SUFFIXES))}), "
-                "or pass to='tf' to write a TF checkpoint under that name"
-            )
-        return found or formats.TF
-    if to != formats.TF:
-        formats.module(to)  # InvalidArgumentError for an unknown name
-    return to
 
 
 def _check_output(out: str, fmt: str, sources: list[str], overwrite: bool) -> None:
@@ -349,7 +321,7 @@ def export_checkpoint(
         sources_of = list(ckpt.files)  # a sharded set: the index and every shard
         ckpt = sources.keras_source(ckpt, weights_only=weights_only)
     path = os.fspath(path)
-    fmt = _target(path, format, options)
+    fmt = _target(path, format, options, option="format")
     if fmt == formats.TF:
         raise InvalidArgumentError("export_checkpoint writes torch, safetensors or npz; use CheckpointEditor.save for tf")
     if options.max_shard_size is not None:
@@ -359,10 +331,10 @@ def export_checkpoint(
     return _export(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
 
 
-def _target(path: str, to: str | None, options: _Options) -> str:
+def _target(path: str, to: str | None, options: _Options, *, option: str = "to") -> str:
     """The output format; ``max_shard_size`` means safetensors shards."""
     if options.max_shard_size is None:
-        return target_format(path, to)
+        return target_format(path, to, option=option)
     if to not in (None, "safetensors"):
         raise InvalidArgumentError(f"max_shard_size= writes safetensors shards, not {to}")
     return "safetensors"
@@ -593,6 +565,8 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
                 )
             resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
         return keras.copy_weights(Checkpoint(src), out, weights_only=options.weights_only, overwrite=overwrite)
+    if os.path.exists(out):  # being the source (a shard of a set) outranks a name that contradicts ``to``
+        _check_output(out, "file", list(Checkpoint(src).files), overwrite=True)
     to = _target(out, to, options)
     if to != formats.TF:
         return export_checkpoint(src, out, format=to, layout=options.layout, rules=options.rules,

@@ -63,6 +63,9 @@ _FOREIGN = (
     SyntaxError,  # numpy parses .npy headers with ast.literal_eval
     tokenize.TokenError,  # ... after tokenizing them
 )
+# Libraries that parse the files and raise their own exception types (safetensors'
+# SafetensorError derives from Exception alone).
+_PARSERS = ("safetensors", "torch", "numpy", "h5py", "ml_dtypes")
 
 
 def regular_file(path: str, what: str) -> int:
@@ -100,7 +103,9 @@ def boundary(path: str, what: str):
         raise CorruptCheckpointError(f"{path!r}: reading this {what} needs more memory than is available") from None
     except RecursionError:
         raise CorruptCheckpointError(f"{path!r} is not a readable {what}: it is nested too deeply") from None
-    except _FOREIGN as e:
+    except Exception as e:
+        if not isinstance(e, _FOREIGN) and not type(e).__module__.startswith(_PARSERS):
+            raise  # a bug in restorekit, not a bad file
         detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
         detail = f"{type(e).__name__}: {detail}" if detail else type(e).__name__
         raise CorruptCheckpointError(f"{path!r} is not a readable {what} ({detail})") from None

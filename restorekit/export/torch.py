@@ -251,6 +251,11 @@ def _torch_load(path: str):
     refusals and errors as restorekit's."""
     torch = _torch()
     try:
+        if os.fspath(path).endswith(".safetensors"):
+            # torch.load hands a path so named to safetensors whatever its bytes; this one
+            # holds torch's format (it was sniffed so), so it goes in as an open file.
+            with open(path, "rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=True)
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:

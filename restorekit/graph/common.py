@@ -26,6 +26,7 @@ def _tf():
 
 
 def _protos():
+    _tf()  # TensorFlow's first import goes through import_tensorflow, which keeps its native log lines off the CLI
     from tensorflow.core.framework import graph_pb2
     from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
