@@ -12,6 +12,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working::
     │   ├── NameCollisionError                              two things onto one name
     │   ├── AssignmentMapError                              an assignment_map that cannot work
     │   ├── EditError                                       an edit that does not fit (shape, dtype)
+    │   ├── OutputNameError                                 an output name that contradicts `to` or is not ours
     │   ├── GroupError                                      variable groups used wrongly
     │   │   └── UnknownVariableError       (NoMatchError)       a variable the groups do not hold
     │   └── VocabularyError                                 a vocabulary file or size that does not fit
@@ -34,7 +35,7 @@ carries ``path`` and ``is_source`` so the CLI can reword it without reading the 
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Callable, Iterable
 
 __all__ = [
     "AssignmentMapError",
@@ -54,6 +55,7 @@ __all__ = [
     "NoMatchError",
     "OutputError",
     "OutputExistsError",
+    "OutputNameError",
     "RestoreKitError",
     "RestoreKitWarning",
     "UnknownVariableError",
@@ -86,6 +88,26 @@ class ChecksumMismatchError(CorruptCheckpointError):
 
 class InvalidArgumentError(RestoreKitError, ValueError):
     """An argument that cannot work, rejected before anything is built or written."""
+
+
+class OutputNameError(InvalidArgumentError):
+    """An output name that contradicts ``to``, or that names a file restorekit does not write.
+
+    ``path`` is the output. ``words`` builds the message given how to write an option
+    (``option(name, value)``): the Python way (``to='tf'``) by default, and
+    :meth:`for_cli` words the same facts for the shell (``--to tf``).
+    """
+
+    def __init__(self, path: str, words: Callable[[Callable[[str, str], str]], str], *, cli: bool = False):
+        self.path = path
+        self.cli = cli
+        self._words = words
+        option = (lambda name, value: f"--{name} {value}") if cli else (lambda name, value: f"{name}={value!r}")
+        super().__init__(words(option))
+
+    def for_cli(self) -> "OutputNameError":
+        """The same error, its options worded as command-line flags."""
+        return OutputNameError(self.path, self._words, cli=True)
 
 
 class NoMatchError(InvalidArgumentError):

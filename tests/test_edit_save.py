@@ -107,3 +107,24 @@ def test_strip_optimizer_slots_keeps_keras_model_weights(tmp_path):
     restored = Checkpoint(out)
     for v in model.weights:
         np.testing.assert_array_equal(restored.read(restored.object_paths[v.path]), v.numpy())
+
+
+# ---------------------------------------------------------------- the output's name picks or checks the format
+
+def test_save_takes_the_format_its_extension_names_and_refuses_a_contradiction(tmp_path):
+    from safetensors.numpy import load_file
+
+    from restorekit.errors import OutputNameError
+
+    v = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    prefix = tf.train.Checkpoint(v=v).write(str(tmp_path / "src" / "ckpt"))
+    ed = CheckpointEditor(prefix)
+    out = ed.save(tmp_path / "out.safetensors")
+    stored = load_file(out)
+    np.testing.assert_array_equal(stored["v/.ATTRIBUTES/VARIABLE_VALUE"], v.numpy())
+    assert not os.path.exists(str(tmp_path / "out.safetensors") + ".index")
+    for name, fmt in (("bad.safetensors", "tf"), ("bad.onnx", None), ("bad.st", None)):
+        with pytest.raises(OutputNameError):
+            ed.save(tmp_path / name, format=fmt)
+    assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "src"]
+    assert Checkpoint(ed.save(tmp_path / "model.ckpt-7")).read("v/.ATTRIBUTES/VARIABLE_VALUE").shape == (2, 3)

@@ -19,6 +19,7 @@ from restorekit.edit.save_remote import save_remote
 from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
 from restorekit.export import formats
+from restorekit.export.targets import target_format
 from restorekit.errors import (
     CorruptCheckpointError,
     EditError,
@@ -338,7 +339,7 @@ class CheckpointEditor:
         return names
 
     # ------------------------------------------------------------------ saving
-    def save(self, out, *, format: str = "tf", layout: str | None = None, weights_only: bool = False, ema=None,
+    def save(self, out, *, format: str | None = None, layout: str | None = None, weights_only: bool = False, ema=None,
              compact: bool = False, num_shards: int | None = None, overwrite: bool = False,
              update_state_file: bool = False, progress: bool = False, check_kept: bool = True) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
@@ -349,7 +350,8 @@ class CheckpointEditor:
                 ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
                 first, then uploaded file by file, the ``.index`` last; it must not exist.
             format: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
-                ``'safetensors'``, ``'npz'``). Those keep what ``convert`` keeps: string
+                ``'safetensors'``, ``'npz'``); by default the one ``out``'s extension names
+                (``x.safetensors``, ``x.pt``, ``x.npz``), else a TF checkpoint. Those keep what ``convert`` keeps: string
                 tensors and the TF2 object graph (rewritten to the edits) travel in the
                 file, so importing it back restores with ``tf.train.Checkpoint.read``.
             layout: for ``'torch'`` and ``'safetensors'``: None, or ``'torch'`` (PyTorch
@@ -378,6 +380,8 @@ class CheckpointEditor:
         Raises:
             OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
             InsufficientSpaceError: the disk cannot hold the output; nothing is written.
+            OutputNameError: ``format`` contradicts ``out``'s extension, or ``out`` has an
+                extension restorekit does not write (``.onnx``, ``.h5``, ``.st``); nothing is written.
             InvalidArgumentError: a layout the format cannot take, ``ema`` without shadows,
                 ``num_shards`` that is not a positive int or is given for another format.
             ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
@@ -385,11 +389,10 @@ class CheckpointEditor:
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
         if self._keras:
-            return self._save_keras(out, format=format, layout=layout, weights_only=weights_only, ema=ema,
+            return self._save_keras(out, format=format or formats.TF, layout=layout, weights_only=weights_only, ema=ema,
                                     overwrite=overwrite, progress=progress)
-        if format != formats.TF:
-            formats.module(format)  # InvalidArgumentError for an unknown format, before anything is read
-        elif layout is not None:
+        format = target_format(out, format, option="format")  # before anything is read or written
+        if format == formats.TF and layout is not None:
             raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
         if num_shards is not None and format != formats.TF:
             raise InvalidArgumentError(f"num_shards= applies to format='tf'; {format} files take no shard count")

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Callable
 
-from restorekit.errors import InvalidArgumentError
+from restorekit.errors import OutputNameError
 from restorekit.export import formats
 
 __all__ = ["OutputNameError", "target_format"]
@@ -40,25 +39,6 @@ _HINTS = {
 
 # Misspellings of these (".safetensor", ".safetensorss", ".npzz") are refused with "did you mean".
 _SPELLED = (".safetensors", ".npz", ".pth")
-
-
-class OutputNameError(InvalidArgumentError):
-    """An output name that contradicts ``to``, or that names a file restorekit does not write.
-
-    ``path`` is the output. The message names options the Python way (``to='tf'``);
-    :meth:`for_cli` words the same facts for the shell (``--to tf``).
-    """
-
-    def __init__(self, path: str, words: Callable[[Callable[[str, str], str]], str], *, cli: bool = False):
-        self.path = path
-        self.cli = cli
-        self._words = words
-        option = (lambda name, value: f"--{name} {value}") if cli else (lambda name, value: f"{name}={value!r}")
-        super().__init__(words(option))
-
-    def for_cli(self) -> "OutputNameError":
-        """The same error, its options worded as command-line flags."""
-        return OutputNameError(self.path, self._words, cli=True)
 
 
 def _suffixes() -> dict[str, str]:
