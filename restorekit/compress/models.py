@@ -110,7 +110,12 @@ class _SavedModel:
         return lambda: (dict(feed) for feed in feeds)
 
     def nodes_of(self, ops) -> list[str]:
-        return []
+        # The signature's own graph holds only a call; the ops sit in the functions of its library.
+        graph_def = self.function.graph.as_graph_def()
+        nodes = list(graph_def.node)
+        for function in graph_def.library.function:
+            nodes.extend(function.node_def)
+        return list(dict.fromkeys(n.name for n in nodes if n.op in ops))
 
     def close(self) -> None:
         pass
