@@ -487,8 +487,10 @@ def test_output_equal_to_source_or_existing(small_checkpoint, tmp_path):
         ed.save(prefix + ".index")
     assert digest(prefix) == before
     out = ed.save(tmp_path / "o" / "m")
+    written = digest(out)
     with pytest.raises(OutputExistsError):
         ed.save(out)
+    assert digest(out) == written
     ed.rename("b", "bias2")
     ed.save(out, overwrite=True)
     assert "bias2" in Checkpoint(out)
@@ -498,16 +500,20 @@ def test_output_errors_carry_the_path_and_whether_it_is_the_source(small_checkpo
     prefix = small_checkpoint[0]
     ed = CheckpointEditor(prefix)
     ed.rename("dense/bias", "b")
+    source_files = digest(prefix)
     with pytest.raises(OutputExistsError) as source:
         ed.save(prefix)
     assert source.value.is_source and source.value.path == prefix
     out = ed.save(tmp_path / "o" / "m")
+    written = digest(out)
     with pytest.raises(OutputExistsError) as existing:
         ed.save(tmp_path / "o" / "m")
     assert not existing.value.is_source and existing.value.path == out
+    assert digest(out) == written and sorted(os.listdir(tmp_path / "o")) == sorted(written)
     with pytest.raises(OutputExistsError) as exported:
         ed.save(prefix + ".index", format="npz")
     assert not exported.value.is_source and exported.value.path == prefix + ".index"
+    assert digest(prefix) == source_files
 
 
 @pytest.mark.parametrize(

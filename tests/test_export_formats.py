@@ -107,6 +107,7 @@ def test_convert_applies_a_layout_to_the_side_that_has_one(tmp_path):
         assert list(data.files) == ["dense/kernel"] and data["dense/kernel"].shape == (2, 3)
     with pytest.raises(InvalidArgumentError, match="applies to neither npz nor npz"):
         convert(tmp_path / "m.npz", tmp_path / "n.npz", layout="torch")
+    assert not (tmp_path / "n.npz").exists()
     back = import_checkpoint(tmp_path / "m.npz", tmp_path / "back" / "m")
     assert back.count == 1
 
@@ -128,9 +129,11 @@ def test_output_errors_of_conversions_carry_the_path_and_whether_it_is_the_sourc
         convert(prefix, prefix, to="tf", overwrite=True)
     assert source.value.is_source and source.value.path == prefix
     export_checkpoint(prefix, tmp_path / "m.npz")
+    written = (tmp_path / "m.npz").read_bytes()
     with pytest.raises(OutputExistsError) as existing:
         export_checkpoint(prefix, tmp_path / "m.npz")
     assert not existing.value.is_source and existing.value.path == str(tmp_path / "m.npz")
+    assert (tmp_path / "m.npz").read_bytes() == written
 
 
 @pytest.mark.parametrize("target, neighbour", [("model[1].ckpt", "model1.ckpt"), ("ckpt-1?", "ckpt-10")],

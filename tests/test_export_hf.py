@@ -386,3 +386,4 @@ def test_rules_and_layout_together_are_refused(bert_ckpt, tmp_path):
     prefix, _ = bert_ckpt
     with pytest.raises(InvalidArgumentError, match="leave layout=None"):
         convert(prefix, tmp_path / "m.safetensors", rules="bert-tf-to-hf", layout="torch")
+    assert [p.name for p in tmp_path.glob("m.safetensors*")] == []

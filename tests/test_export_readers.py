@@ -142,6 +142,7 @@ def test_pt_legacy_format_still_imports_and_a_truncated_one_is_refused(torch, tm
     (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:-6])
     with pytest.raises(CorruptCheckpointError, match="declare"):
         import_checkpoint(tmp_path / "cut.pt", tmp_path / "out2" / "m")
+    assert _listing(tmp_path / "out2") == []
 
 
 def test_pt_compressed_or_broken_archive_is_a_restorekit_error(torch, tmp_path):
@@ -319,6 +320,7 @@ def test_deeply_nested_safetensors_header_is_a_corrupt_file_not_a_recursion_erro
     path = _st_file(tmp_path / "x.safetensors", {}, raw_header=b'{"a":' * 100_000 + b"1" + b"}" * 100_000)
     with pytest.raises(CorruptCheckpointError, match="not JSON"):
         import_checkpoint(path, tmp_path / "out" / "m")
+    assert _listing(tmp_path / "out") == []
 
 
 # ------------------------------------------------------------------ one error type at the boundary
