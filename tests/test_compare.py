@@ -10,7 +10,7 @@ from restorekit.bundle.format import DT_FLOAT, encode_slice_key
 from restorekit.bundle.protos import BundleEntry
 from restorekit.bundle.writer import BundleWriter
 from restorekit.compare import diff_checkpoints, tensor_stats
-from restorekit.errors import CorruptCheckpointError
+from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError
 
 
 def test_a_checkpoint_equals_itself_and_a_changed_value_is_reported(tmp_path):
@@ -60,7 +60,7 @@ def test_diff_of_a_damaged_shard_raises_instead_of_reporting_differences(tmp_pat
     prefix = write_bundle(tmp_path / "m", {"w": np.arange(4, dtype=np.float32)})
     with open(prefix + ".data-00000-of-00001", "r+b") as f:
         f.write(b"\xff")
-    with pytest.raises(CorruptCheckpointError, match="'w'"):
+    with pytest.raises(ChecksumMismatchError, match="'w'"):
         diff_checkpoints(prefix, prefix)
 
 

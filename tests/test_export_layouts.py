@@ -491,8 +491,10 @@ def test_split_tensors_in_different_shards_join_on_import(trained, tmp_path):
 
 def test_a_view_refuses_the_options_that_choose_its_tensors_and_writes_nothing(trained, tmp_path):
     prefix, _, _ = trained("dense")
-    for options in ({"weights_only": True}, {"rules": [("a", "b")]}, {"layout": "tf"}):
-        with pytest.raises(InvalidArgumentError):
+    for options, match in (({"weights_only": True}, "choose the tensors a torch_view maps"),
+                           ({"rules": [("a", "b")]}, "choose the tensors a torch_view maps"),
+                           ({"layout": "tf"}, "exported with layout 'torch', not layout='tf'")):
+        with pytest.raises(InvalidArgumentError, match=match):
             export_checkpoint(torch_view(Checkpoint(prefix)), tmp_path / "m.safetensors", **options)
     with pytest.raises(InvalidArgumentError, match="npz"):
         restorekit.convert(prefix, tmp_path / "m.npz", layout="torch")

@@ -163,14 +163,15 @@ def test_variables_that_are_not_variables_are_a_group_error(variables):
 
 
 @pytest.mark.parametrize(
-    "rules",
-    ["logits", [("logits", 1), ("logits", 2)], {"(": 1}],
+    "rules, match",
+    [("logits", "rules must be a mapping"), ([("logits", 1), ("logits", 2)], "'logits' is given twice"),
+     ({"(": 1}, r"pattern '\(' is not a valid regular expression")],
     ids=["not-a-mapping", "pattern-twice", "bad-regex"],
 )
-def test_bad_rules_are_rejected(rules):
+def test_bad_rules_are_rejected(rules, match):
     with tf.Graph().as_default():
         variables = _model_vars()
-        with pytest.raises(InvalidArgumentError):
+        with pytest.raises(InvalidArgumentError, match=match):
             group_variables(rules, variables)
 
 

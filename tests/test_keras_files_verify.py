@@ -10,7 +10,7 @@ import pytest
 import restorekit
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
-from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, InsufficientSpaceError
+from restorekit.errors import ChecksumMismatchError, InsufficientSpaceError
 from restorekit.export import convert
 from test_keras_files import functional, trained
 
@@ -74,7 +74,7 @@ def test_a_flipped_byte_reads_as_a_changed_value_and_verify_reports_it(saved, fl
 ], ids=["safetensors", "tf", "weights_h5", "npz", "pt", "hf_shards"])
 def test_converting_a_corrupt_keras_archive_raises_with_nothing_written(saved, flipped, out, kwargs):
     bad, _ = flipped
-    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+    with pytest.raises(ChecksumMismatchError, match="CRC-32"):
         convert(bad, saved / out, **kwargs)
     assert _written(saved) == []
     convert(saved / "m.keras", saved / out, **kwargs)  # the sound archive converts
@@ -84,7 +84,7 @@ def test_converting_a_corrupt_keras_archive_raises_with_nothing_written(saved, f
                          ids=["weights_h5", "tf", "safetensors"])
 def test_saving_an_edited_corrupt_keras_archive_raises_with_nothing_written(saved, flipped, out, format):
     bad, _ = flipped
-    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+    with pytest.raises(ChecksumMismatchError, match="CRC-32"):
         CheckpointEditor(bad).save(saved / out, format=format)
     assert _written(saved) == []
 

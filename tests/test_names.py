@@ -44,9 +44,12 @@ def test_pattern_rule(pattern, name, expected):
     assert matches(pattern, name) is expected
 
 
-@pytest.mark.parametrize("bad", [3, "(", None], ids=["int", "unbalanced-paren", "none"])
-def test_bad_patterns_are_invalid_arguments(bad):
-    with pytest.raises(InvalidArgumentError):
+@pytest.mark.parametrize("bad, match", [(3, "must be a str or a compiled re.Pattern, got int"),
+                                        ("(", r"pattern '\(' is not a valid regular expression"),
+                                        (None, "must be a str or a compiled re.Pattern, got NoneType")],
+                         ids=["int", "unbalanced-paren", "none"])
+def test_bad_patterns_are_invalid_arguments(bad, match):
+    with pytest.raises(InvalidArgumentError, match=match):
         matches(bad, "x")
 
 
