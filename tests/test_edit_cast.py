@@ -83,7 +83,6 @@ def test_casts_that_keep_every_value_pass(tmp_path):
 
 
 def test_a_cast_to_safetensors_that_overflows_is_refused_and_nothing_written(tmp_path):
-    pytest.importorskip("safetensors")
     prefix = _source(tmp_path, {"global_step": np.int64(100001)})
     ed = CheckpointEditor(prefix)
     ed.cast("global_step", "float16")

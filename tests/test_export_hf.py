@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import transformers  # in the [test] extra: a missing one is a broken setup, not a skip
 
 from conftest import save_variables
 from restorekit.checkpoint import Checkpoint
@@ -15,8 +16,7 @@ from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreK
 from restorekit.export import convert, export_checkpoint, import_checkpoint
 from restorekit.export.hf import RULE_SETS, RuleSet, Rule, rule_set
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # an optional extra; transformers' models need it
 
 VOCAB, HIDDEN, LAYERS, INNER, POSITIONS = 30, 16, 2, 32, 12
 
