@@ -9,6 +9,7 @@ import zipfile
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from restorekit.checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
@@ -21,6 +22,12 @@ from conftest import write_bundle
 
 def _listing(directory):
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+
+
+def _tf_values(prefix):
+    """Every tensor of an imported checkpoint as TensorFlow's own reader sees it (not restorekit's)."""
+    reader = tf.train.load_checkpoint(str(prefix))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
 
 
 def _rezip(src, dst, replace=None):
@@ -49,6 +56,9 @@ def test_pt_rewritten_by_zipfile_still_imports(torch, tmp_path):
     copy = _rezip(tmp_path / "m.pt", tmp_path / "copy.pt")
     import_checkpoint(copy, tmp_path / "out" / "m")
     assert Checkpoint(str(tmp_path / "out" / "m")).read("a").tolist() == [0, 1, 2, 3]
+    values = _tf_values(tmp_path / "out" / "m")
+    assert sorted(values) == ["a", "b"]
+    assert values["a"].dtype == np.float32 and values["a"].tolist() == [0, 1, 2, 3] and values["b"].tolist() == [1] * 3
 
 
 def test_pt_storage_record_shorter_than_its_tensor_is_refused(torch, tmp_path):
@@ -89,6 +99,7 @@ def test_pt_small_expanded_view_imports_within_the_limit_and_a_caller_can_lower_
         import_checkpoint(path, tmp_path / "out" / "m", max_output_bytes=100)
     import_checkpoint(path, tmp_path / "out" / "m", max_output_bytes=4000)
     assert Checkpoint(str(tmp_path / "out" / "m")).read("e").tolist() == [2.5] * 1000
+    assert _tf_values(tmp_path / "out" / "m")["e"].tolist() == [2.5] * 1000
     with pytest.raises(InvalidArgumentError, match="positive number of bytes"):
         torch_format.read(path, max_output_bytes=True)
 
@@ -132,6 +143,10 @@ def test_pt_tensors_overlapping_in_one_storage_are_refused_but_tied_weights_impo
     import_checkpoint(tmp_path / "tied.pt", tmp_path / "out" / "m")
     ckpt = Checkpoint(str(tmp_path / "out" / "m"))
     assert ckpt.read("lm_head").tolist() == base.tolist() and ckpt.read("rows").tolist() == [4, 5, 6, 7]
+    values = _tf_values(tmp_path / "out" / "m")
+    assert sorted(values) == ["embed", "lm_head", "rows"]
+    assert values["embed"].tolist() == values["lm_head"].tolist() == base.tolist()
+    assert values["rows"].tolist() == [4, 5, 6, 7]
 
 
 def test_pt_legacy_format_still_imports_and_a_truncated_one_is_refused(torch, tmp_path):
@@ -139,6 +154,8 @@ def test_pt_legacy_format_still_imports_and_a_truncated_one_is_refused(torch, tm
     torch.save({"a": torch.arange(5, dtype=torch.int32)}, path, _use_new_zipfile_serialization=False)
     import_checkpoint(path, tmp_path / "out" / "m")
     assert Checkpoint(str(tmp_path / "out" / "m")).read("a").tolist() == [0, 1, 2, 3, 4]
+    a = _tf_values(tmp_path / "out" / "m")["a"]
+    assert a.dtype == np.int32 and a.tolist() == [0, 1, 2, 3, 4]
     (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:-6])
     with pytest.raises(CorruptCheckpointError, match="declare"):
         import_checkpoint(tmp_path / "cut.pt", tmp_path / "out2" / "m")
@@ -200,6 +217,13 @@ def test_npz_round_trip_is_bit_exact_for_bfloat16_float8_and_strings_ending_in_n
             assert got.tolist() == value.tolist()
         else:
             assert got.tobytes() == value.tobytes(), name
+    by_tf = _tf_values(tmp_path / "back" / "m")
+    assert sorted(by_tf) == sorted(values)
+    for name, value in values.items():
+        if value.dtype == object:
+            assert by_tf[name].tolist() == value.tolist(), name
+        else:
+            assert by_tf[name].dtype == value.dtype and by_tf[name].tobytes() == value.tobytes(), name
     read = dict(npz_format.read(tmp_path / "m.npz"))
     assert read["strings"].tolist() == [b"a\x00", b"\x00\x00", b"", b"x\x00y"]
     assert read["bf16"].dtype == values["bf16"].dtype
@@ -348,6 +372,8 @@ def test_a_torch_file_named_safetensors_is_read_by_its_bytes(torch, tmp_path):
     assert Checkpoint(str(tmp_path / "out" / "m")).read("a").tolist() == [0, 1, 2, 3]
     assert main(["-q", "convert", str(tmp_path / "x.safetensors"), str(tmp_path / "cli" / "model.ckpt")]) == 0
     assert Checkpoint(str(tmp_path / "cli" / "model.ckpt")).read("a").tolist() == [0, 1, 2, 3]
+    for prefix in (tmp_path / "out" / "m", tmp_path / "cli" / "model.ckpt"):
+        assert {k: v.tolist() for k, v in _tf_values(prefix).items()} == {"a": [0, 1, 2, 3]}
 
 
 def _contents(tmp_path):
