@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -225,7 +226,13 @@ def test_cast_to_bfloat16_with_filter(capsys, small_checkpoint, tmp_path):
     ckpt = Checkpoint(tmp_path / "m")
     assert ckpt.entries["dense/kernel"].dtype == "bfloat16"
     assert ckpt.entries["logits/kernel"].dtype == "float32"
-    assert ckpt.read("dense/kernel").tobytes() == values["dense/kernel"].astype(ckpt.read("dense/kernel").dtype).tobytes()
+    expected = values["dense/kernel"].astype(ml_dtypes.bfloat16)
+    assert ckpt.read("dense/kernel").dtype == ml_dtypes.bfloat16
+    assert ckpt.read("dense/kernel").tobytes() == expected.tobytes()
+    reader = tf.train.load_checkpoint(str(tmp_path / "m"))  # TensorFlow's own reader agrees
+    assert reader.get_tensor("dense/kernel").dtype == ml_dtypes.bfloat16
+    assert reader.get_tensor("dense/kernel").tobytes() == expected.tobytes()
+    assert reader.get_tensor("logits/kernel").tobytes() == values["logits/kernel"].tobytes()
 
 
 # ------------------------------------------------------------------ convert
