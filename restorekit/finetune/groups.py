@@ -419,7 +419,7 @@ def _unused_rule(pattern, pairs, found, names_of) -> None:
             tuple(shadowed[:5]),
         )
     own = sorted({f[1] for f in found})
-    paths = sorted({n for names in names_of.values() for n in names[1:]})
+    paths = list(dict.fromkeys(n for f in found for n in names_of[id(f[2])][1:]))  # in model order
     kinds = "variable names" + (" and paths through the model's layers or attributes" if paths else "")
     text = _rule_text(pattern)
     message = f"group rule {text!r} matches no name among {len(own)} ({kinds})."
