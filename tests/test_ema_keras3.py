@@ -113,9 +113,11 @@ def test_scan_and_convert_share_one_average_lookup(ema_checkpoint):
     prefix, _, average = ema_checkpoint
     ckpt = restorekit.Checkpoint(prefix)
     found = keras_averages(ckpt.entries, ckpt.object_graph)
-    assert {ckpt.readable_name(k): ckpt.readable_name(v) for k, v in found.items()} == {
-        p: "optimizer/sgd/" + p.replace("/", "_") + "_average" for p in average
-    }
+    named = {ckpt.readable_name(k): ckpt.readable_name(v) for k, v in found.items()}
+    assert sorted(named) == sorted(average)
+    # Keras numbers optimizer names per process ('sgd', 'sgd_1'), so only the tail is fixed
+    assert all(v.startswith("optimizer/sgd") and v.endswith("/" + k.replace("/", "_") + "_average")
+               for k, v in named.items())
     assert keras_averages(ckpt.entries, None) == {}
 
 
