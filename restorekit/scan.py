@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from restorekit import policies as policy_rules
 from restorekit.assignment import mapper
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
-from restorekit.ema import is_shadow_name, shadow_suffix
-from restorekit.errors import InvalidArgumentError, NoMatchError, RestoreKitWarning
+from restorekit import keras_files
+from restorekit.ema import KERAS_AVERAGE_SUFFIX, is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit.names import PatternSet, counter_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
@@ -173,6 +174,7 @@ class _Scan:
     suffix: str | None = None
     ema: object = None  # the ExponentialMovingAverage, when one was given (it knows its shadows' names)
     scoped_shadows: dict = None  # variable name -> shadow entry saved under an extra scope, if unique
+    keras_averages: dict = None  # weight's key -> its Keras 3 use_ema average's key
     policies: object = None
     dtype_policy: object = None
     vocabularies: dict = field(default_factory=dict)
@@ -294,15 +296,19 @@ def _checkpoint_name(state: _Scan, t: Target) -> str | None:
 def _scoped_shadows(state: _Scan) -> dict:
     """Shadows that ``ema.apply()`` inside a variable scope saved as ``scope/v/<suffix>``: tail name -> entry."""
     if state.scoped_shadows is None:
-        found: dict[str, list] = {}
-        tail = "/" + state.suffix
-        for name in state.ckpt.entries:
-            if name.endswith(tail):
-                parts = name[: -len(tail)].split("/")
-                for i in range(1, len(parts)):
-                    found.setdefault("/".join(parts[i:]), []).append(name)
-        state.scoped_shadows = {base: names[0] for base, names in found.items() if len(names) == 1}
+        state.scoped_shadows = scoped_shadows(state.ckpt.entries, state.suffix)
     return state.scoped_shadows
+
+
+def _keras_averages(state: _Scan) -> dict:
+    """Keras 3 ``use_ema`` averages: weight's key -> its average's key (object-based checkpoints)."""
+    if state.keras_averages is None:
+        try:
+            graph = state.ckpt.object_graph if state.ckpt.is_object_based else None
+        except CorruptCheckpointError:  # the raw keys still restore; only the averages' names are lost
+            graph = None
+        state.keras_averages = keras_averages(state.ckpt.entries, graph)
+    return state.keras_averages
 
 
 def _shadow_of(state: _Scan, t: Target, ckpt_name: str) -> str | None:
@@ -317,7 +323,7 @@ def _shadow_of(state: _Scan, t: Target, ckpt_name: str) -> str | None:
     shadow = f"{ckpt_name}/{state.suffix}"
     if shadow in entries:
         return shadow
-    return _scoped_shadows(state).get(ckpt_name)
+    return _keras_averages(state).get(ckpt_name) or _scoped_shadows(state).get(ckpt_name)
 
 
 def _ema_entry(state: _Scan, t: Target, ckpt_name: str) -> tuple[str, str]:
@@ -416,9 +422,15 @@ def _ema_hints(state: _Scan) -> tuple:
     if state.suffix is None or not state.matched or any(r.reason.startswith("ema;") or r.reason == "ema"
                                                          for r in state.matched):
         return ()
-    text = (f"ema= was given but {state.ckpt.prefix!r} holds no shadow entries ('.../{state.suffix}'); "
-            f"all {len(state.matched)} matches restore the raw weights. Was the checkpoint saved without the "
-            "ExponentialMovingAverage variables?")
+    text = (f"ema= was given but {state.ckpt.prefix!r} holds no shadow entries ('.../{state.suffix}') and no "
+            f"Keras use_ema '...{KERAS_AVERAGE_SUFFIX}' optimizer variables; all {len(state.matched)} matches "
+            "restore the raw weights. ")
+    if keras_files.is_keras_path(state.ckpt.prefix):
+        text += ("A Keras weights file keeps optimizer variables by position only ('optimizer/vars/N'), so use_ema "
+                 "averages cannot be told apart there; model.fit copies them into the weights at the end of "
+                 "training, and a tf.train.Checkpoint of the optimizer keeps them by name.")
+    else:
+        text += "Was the checkpoint saved without the ExponentialMovingAverage (or the optimizer's) variables?"
     warnings.warn(text, RestoreKitWarning, stacklevel=3)
     return (text,)
 

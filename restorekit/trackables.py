@@ -12,7 +12,7 @@ from collections import deque
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph
 
-__all__ = ["is_keras_variable", "is_trackable", "live_paths", "object_graph_keys", "tf_variable"]
+__all__ = ["is_keras_variable", "is_trackable", "layer_paths", "live_paths", "object_graph_keys", "tf_variable"]
 
 
 def is_keras_variable(var) -> bool:
@@ -81,6 +81,33 @@ def live_paths(root) -> dict[int, str]:
                 paths.setdefault(id(tf_variable(child)), here)
             else:
                 queue.append((child, here))
+    return paths
+
+
+def layer_paths(root) -> dict[int, str]:
+    """id(variable) -> its path through ``root``'s named sublayers (``backbone/d1/kernel``), shortest first.
+
+    Keras 3 names a variable by the layer that made it (``d1/kernel``), without the
+    model it is nested in; this path names every enclosing layer (``root`` itself left
+    out), so a nested model or block can be selected by its name. A ``tf.Module`` (not
+    a Keras layer) gets its attribute path instead (``encoder/w``), as ``live_paths``.
+    """
+    if not hasattr(root, "_layers"):
+        return live_paths(root)
+    paths: dict[int, str] = {}
+    seen = {id(root)}
+    queue = deque([(root, "")])
+    while queue:
+        layer, prefix = queue.popleft()
+        for variable in list(getattr(layer, "_trainable_variables", ())) + list(
+            getattr(layer, "_non_trainable_variables", ())
+        ):
+            if prefix:  # the root's own variables keep their Keras path
+                paths.setdefault(id(variable), f"{prefix}/{variable.name}")
+        for sub in getattr(layer, "_layers", ()):  # Keras 3 keeps a layer's direct sublayers here
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                queue.append((sub, f"{prefix}/{sub.name}" if prefix else sub.name))
     return paths
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from restorekit.ema import shadow_suffix
+from restorekit.ema import is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
 from restorekit.errors import InvalidArgumentError
 from restorekit.names import is_global_step, optimizer_slot_kind
 
@@ -87,44 +87,13 @@ def select(names, *, graph=None, weights_only: bool = False, ema=None) -> Select
 def _shadows(names: list, graph, state: set, ema) -> dict:
     """{weight: its shadow entry}."""
     suffix = shadow_suffix(ema)
-    tail = "/" + suffix
     present = set(names)
-    found = {}
-    scoped: dict[str, list] = {}
-    for name in names:
-        if name.endswith(tail):
-            base = name[: -len(tail)]
-            if base in present:
-                found[base] = name
-                continue
-            parts = base.split("/")
-            for i in range(1, len(parts)):
-                scoped.setdefault("/".join(parts[i:]), []).append(name)
-    for base, shadows in scoped.items():
-        if base in present and base not in found and len(shadows) == 1 and base not in state:
-            found[base] = shadows[0]
-    if graph is not None:
-        found.update(_keras_averages(names, graph))
-    return found
-
-
-def _keras_averages(names: list, graph) -> dict:
-    """Keras 3 ``use_ema``: the optimizer's ``<variable path, '/' as '_'>_average`` variable of each weight."""
-    by_key = graph.by_key
-    averages = {}
-    for name in names:
-        tracked = by_key.get(name)
-        if tracked is not None and tracked.kind == "optimizer" and tracked.path.endswith("_average"):
-            averages[tracked.path.rpartition("/")[2][: -len("_average")]] = name
-    found = {}
-    for name in names:
-        tracked = by_key.get(name)
-        if tracked is not None and tracked.kind == "variable":
-            for path in (tracked.path, tracked.full_name):
-                average = averages.get((path or "").replace("/", "_"))
-                if average is not None:
-                    found[name] = average
-                    break
+    found = {name[: -len(suffix) - 1]: name for name in names
+             if is_shadow_name(name, suffix) and name[: -len(suffix) - 1] in present}
+    for base, shadow in scoped_shadows(names, suffix).items():
+        if base in present and base not in found and base not in state:
+            found[base] = shadow
+    found.update(keras_averages(names, graph))
     return found
 
 

@@ -18,8 +18,9 @@ from typing import Iterable, Mapping
 
 from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import GroupError, InvalidArgumentError, NoMatchError, UnknownVariableError, format_names
-from restorekit.names import PatternSet, matches, strip_output_index, strip_partition
+from restorekit.names import PatternSet, matches, pattern_hint, strip_output_index, strip_partition
 from restorekit.targets import is_keras_variable, is_partitioned, tf_variable, variable_name
+from restorekit.trackables import is_trackable, layer_paths
 
 __all__ = [
     "DEFAULT_EMBEDDINGS",
@@ -383,6 +384,52 @@ def _num_parameters(variable) -> int | None:
     return variable.shape.num_elements()
 
 
+def _names_to_match(variables, found) -> dict:
+    """id(tf.Variable) -> the names rules are matched against: its own, then its path through the model.
+
+    Keras 3 names a variable ``d1/kernel`` even inside a nested model ``backbone``; the
+    path through the model's layers (``backbone/d1/kernel``) lets a rule name the nested
+    model. A tf.Module's variables get their attribute path (``encoder/w``) the same way.
+    """
+    paths = layer_paths(variables) if is_trackable(variables) else {}
+    names = {}
+    for _, match_name, tf_var, keras_var in found:
+        path = paths.get(id(keras_var)) if keras_var is not None else None
+        path = path or paths.get(id(tf_var))
+        names[id(tf_var)] = (match_name,) if path in (None, match_name) else (match_name, path)
+    return names
+
+
+def _first_rule(pairs, names) -> int | None:
+    """Index of the first rule whose pattern takes any of ``names``, or None."""
+    for index, (pattern, _) in enumerate(pairs):
+        if any(matches(pattern, name) for name in names):
+            return index
+    return None
+
+
+def _unused_rule(pattern, pairs, found, names_of) -> None:
+    """Raise NoMatchError for a rule that took no variable: earlier rules took its names, or it matches none."""
+    shadowed = [f[1] for f in found if any(matches(pattern, n) for n in names_of[id(f[2])])]
+    if shadowed:
+        taker = pairs[_first_rule(pairs, [shadowed[0]]) or 0][0]
+        raise NoMatchError(
+            f"group rule {_rule_text(pattern)!r} takes no variable: earlier rules took every name "
+            f"it matches ({shadowed[0]!r} went to rule {_rule_text(taker)!r}); reorder or drop it",
+            tuple(shadowed[:5]),
+        )
+    own = sorted({f[1] for f in found})
+    paths = list(dict.fromkeys(n for f in found for n in names_of[id(f[2])][1:]))  # in model order
+    kinds = "variable names" + (" and paths through the model's layers or attributes" if paths else "")
+    text = _rule_text(pattern)
+    message = f"group rule {text!r} matches no name among {len(own)} ({kinds})."
+    if isinstance(pattern, str):
+        message += pattern_hint(text, own + paths)
+    if paths:
+        message += f" Paths look like {paths[0]!r}."
+    raise NoMatchError(message, name=text, candidates=own + paths, label="Closest names")
+
+
 def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableGroups:
     """Put every variable in exactly one group by ordered rules.
 
@@ -399,7 +446,9 @@ def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableG
         variables: None for the default graph's trainable variables (TF1); or a list
             of tf.Variables / PartitionedVariables / Keras variables, a Keras model or
             a tf.Module (their ``trainable_variables``). Keras variables are named by
-            ``variable.path``.
+            ``variable.path``; given a model or module, a rule also matches each
+            variable's path through its layers (``backbone/d1/kernel`` for a nested
+            model ``backbone``) or attributes (``encoder/w``).
         default: the multiplier of variables no rule takes.
 
     Returns:
@@ -417,22 +466,17 @@ def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableG
     pairs = _rule_pairs(rules)
     default = _check_multiplier(default, "default")
     found = _collect(variables)
-    patterns = PatternSet([p for p, _ in pairs], what="group rule")
-    index = {p: i for i, (p, _) in enumerate(pairs)}
+    names_of = _names_to_match(variables, found)
     members_of = [[] for _ in range(len(pairs) + 1)]
-    for name, match_name, tf_var, keras_var in found:
-        pattern = patterns.first_match(match_name)
-        members_of[len(pairs) if pattern is None else index[pattern]].append((name, tf_var, keras_var))
-    for (pattern, _), used in zip(pairs, patterns.used):
-        shadowed = [f[1] for f in found if not used and matches(pattern, f[1])]
-        if shadowed:
-            taker = patterns.first_match(shadowed[0])
-            raise NoMatchError(
-                f"group rule {_rule_text(pattern)!r} takes no variable: earlier rules took every name "
-                f"it matches ({shadowed[0]!r} went to rule {_rule_text(taker)!r}); reorder or drop it",
-                tuple(shadowed[:5]),
-            )
-    patterns.check_all_used(sorted({f[1] for f in found}))
+    taken = [False] * len(pairs)
+    for item in found:
+        index = _first_rule(pairs, names_of[id(item[2])])
+        if index is not None:
+            taken[index] = True
+        members_of[len(pairs) if index is None else index].append((item[0], item[2], item[3]))
+    for (pattern, _), used in zip(pairs, taken):
+        if not used:
+            _unused_rule(pattern, pairs, found, names_of)
 
     groups, members = [], []
     specs = [(p, m) for p, m in pairs] + [(None, default)]
