@@ -137,9 +137,10 @@ def _options(layout, rules, weights_only, ema, max_shard_size, config) -> _Optio
 
 
 def _config(options: _Options, plan: OutputPlan, shapes: dict, directory: str, overwrite: bool):
-    """(config.json path, its text) to write beside the output, or None; checked before anything is written."""
+    """{config.json path: its text} to publish with the weights, or None; checked before anything is written."""
     if not options.config:
         return None
+    atomic.sweep_stale(directory)  # a dead conversion's config.json, renamed ahead of weights that never landed
     from restorekit.export.hf import config_text, hf_config
 
     out_shapes = {out: out_shape(plan, out, shapes[src]) for out, src in plan.names.items() if src in shapes}
@@ -147,21 +148,21 @@ def _config(options: _Options, plan: OutputPlan, shapes: dict, directory: str, o
     path = os.path.join(directory, "config.json")
     if os.path.exists(path) and not overwrite:
         raise OutputExistsError(path=path)
-    return path, text
+    return {path: text}
 
 
-def _finish(result: ExportResult, plan: OutputPlan | None, config) -> ExportResult:
-    """The result, with what the plan left out and the config.json written (after the weights)."""
-    files = result.files
-    if config is not None:
-        atomic.crash_point("before-config")  # the weights are in place; config.json follows them
-        path, text = config
-        with atomic.atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        files = (files or (result.path,)) + (path,)
+def _single(write, path: str, config):
+    """``write(path)``, or with a config.json: both staged and published in one commit (config first)."""
+    if config is None:
+        return write(path)
+    return sharded.publish_file(path, write, texts=config)
+
+
+def _finish(result: ExportResult, plan: OutputPlan | None) -> ExportResult:
+    """The result, with what the plan left out."""
     if plan is None:
-        return dataclasses.replace(result, files=files)
-    return dataclasses.replace(result, dropped=plan.dropped, fallback=plan.fallback, renamed=plan.renamed, files=files)
+        return result
+    return dataclasses.replace(result, dropped=plan.dropped, fallback=plan.fallback, renamed=plan.renamed)
 
 
 # ------------------------------------------------------------------ TF checkpoint -> file
@@ -226,22 +227,22 @@ def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, pr
             sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
                      for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
             result = sharded.write(path, tensors, sizes=sizes, metadata=metadata, max_shard_size=shard,
-                                   overwrite=overwrite, progress=progress)
+                                   overwrite=overwrite, progress=progress, texts=config)
         else:
-            result = module.write(path, tensors, metadata=metadata, progress=progress)
-        return _finish(result, plan, config)
+            result = _single(lambda p: module.write(p, tensors, metadata=metadata, progress=progress), path, config)
+        return _finish(result, plan)
     source, names = _export_source(ckpt, plan, layout)
     if shard is not None:
         result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                          max_shard_size=shard, overwrite=overwrite, progress=progress)
+                                          max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)
     else:
-        result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                         progress=progress)
+        result = _single(lambda p: module.write_checkpoint(source, p, names=names, layout=layout, metadata=metadata,
+                                                           progress=progress), path, config)
     if layout == "torch" and shard is not None:
         # every shard's record starts from the view's: each lists all of the unmapped and kept names
         result = dataclasses.replace(result, unmapped=tuple(source.layout_record.unmapped),
                                      kept=tuple(dict.fromkeys(result.kept)))
-    return _finish(result, plan, config)
+    return _finish(result, plan)
 
 
 def export_checkpoint(
@@ -398,7 +399,7 @@ def import_checkpoint(
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
     result = write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
                        progress=progress)
-    return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan, None)
+    return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan)
 
 
 def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
@@ -531,18 +532,19 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
         view = torch_view(source)
         if shard is not None:
             result = sharded.write_checkpoint(view, out, layout=write_layout, metadata=metadata, max_shard_size=shard,
-                                              overwrite=overwrite, progress=progress)
+                                              overwrite=overwrite, progress=progress, texts=config)
             result = dataclasses.replace(result, kept=tuple(dict.fromkeys(result.kept)))
         else:
-            result = target.write_checkpoint(view, out, layout=write_layout, metadata=metadata, progress=progress)
-        return _finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan, config)
+            result = _single(lambda p: target.write_checkpoint(view, p, layout=write_layout, metadata=metadata,
+                                                               progress=progress), out, config)
+        return _finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan)
     tensors = tf_tensors(arrays, record, plan)
     if shard is not None:
         result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), metadata=metadata,
-                               max_shard_size=shard, overwrite=overwrite, progress=progress)
+                               max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)
     else:
-        result = target.write(out, tensors, metadata=metadata, progress=progress)
-    return _finish(result, plan, config)
+        result = _single(lambda p: target.write(p, tensors, metadata=metadata, progress=progress), out, config)
+    return _finish(result, plan)
 
 
 def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, overwrite: bool,
@@ -584,7 +586,7 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
     if plan is None:
         tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
         return write_tf(out, tensors, progress=progress)
-    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress), plan, None)
+    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress), plan)
 
 
 def _base_name(src: str, fmt: str) -> str:
@@ -610,5 +612,5 @@ def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress
         entries = ckpt.entries
         tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
         return write_tf(out, tensors, progress=progress)
-    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
+    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan)
 
