@@ -172,6 +172,11 @@ WRITERS = [
            "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'], rules='gpt2-tf-to-hf', "
            "max_shard_size=1500, config={'n_head': 2})\n",
            "hf", "gpt2", lambda s: s.hf_values, out="out/hf/model.safetensors", config=lambda s: s.hf_config),
+    Writer("convert-hf-overwrite",
+           "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'], rules='gpt2-tf-to-hf', "
+           "max_shard_size=1500, config={'n_head': 2}, overwrite=True)\n",
+           "hf", "gpt2", lambda s: s.hf_values, out="out/hf/model.safetensors", config=lambda s: s.hf_config,
+           old=lambda s: s.values),
     Writer("convert-weights-h5", "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'])\n",
            "keras", "keras", lambda s: s.keras_values, out="out/model.weights.h5"),
     Writer("import-safetensors",
@@ -409,12 +414,22 @@ def _args(sources: Sources, writer: Writer, case: str) -> dict:
             "width": sources.width}
 
 
+# The config.json of the old output a Hugging Face overwrite replaces (its weights: the 'ckpt' source's).
+OLD_CONFIG = {"old": True}
+
+
 def _prepare(sources: Sources, writer: Writer, args: dict) -> None:
     """An overwrite needs an old output in place first."""
     if writer.old is not None and writer.output == "tf":
         from restorekit.edit import CheckpointEditor
 
         CheckpointEditor(args["src"]).save(args["out"], compact=True)
+    elif writer.old is not None and writer.output == "hf":
+        import restorekit
+
+        restorekit.convert(sources.path("ckpt"), args["out"], max_shard_size=600)
+        with open(os.path.join(os.path.dirname(args["out"]), "config.json"), "w") as f:
+            json.dump(OLD_CONFIG, f)
 
 
 def run_case(sources: Sources, writer: Writer, case: str, *, point: str | None = None,
@@ -494,7 +509,7 @@ def check(sources: Sources, writer: Writer, args: dict, before: dict | None, pro
             output = _check_checkpoint(args["out"], writer.expect(sources), old, problems)
         elif writer.output == "hf":
             config = writer.config(sources) if writer.config is not None else None
-            output = _check_hf(os.path.dirname(args["out"]), writer.expect(sources), config, problems)
+            output = _check_hf(os.path.dirname(args["out"]), writer.expect(sources), config, problems, old)
         else:
             output = _check_file(args["out"], writer.output, writer.expect(sources), problems)
         if writer.name == "unfreeze" and output == "complete" and not os.path.exists(args["out"] + ".meta"):
@@ -557,29 +572,36 @@ def _load_hf(directory: str) -> dict:
     return got
 
 
-def _check_hf(directory: str, want: dict, config: dict | None, problems: list) -> str:
-    """Shards + index absent or complete; config.json (written after them) absent, or complete beside complete weights."""
+def _check_hf(directory: str, want: dict, config: dict | None, problems: list, old: dict | None = None) -> str:
+    """Shards + index absent, complete, or (an overwrite) the old ones; visible weights come with their
+    own config.json, whole, where one is expected (never the new weights with the old config, or the reverse).
+
+    A config.json without the index is allowed here (it is renamed just before the
+    weights); the next write's sweep must remove it (``leftovers``).
+    """
     index = os.path.join(directory, "model.safetensors.index.json")
     config_path = os.path.join(directory, "config.json")
-    has_config = os.path.exists(config_path)
     if not os.path.exists(index):
-        if has_config:
-            problems.append("config.json appeared before the weights")
         return "absent"
     try:
         got = _load_hf(directory)
     except Exception as e:  # a visible index whose shards do not load is what the harness looks for
         problems.append(f"{directory!r} does not load: {type(e).__name__}: {e}")
         return "broken"
-    differs = _equal(got, want)
-    if differs is not None:
-        problems.append(f"{directory!r}: {differs}")
+    state = "complete" if _equal(got, want) is None else "old" if old is not None and _equal(got, old) is None else None
+    if state is None:
+        problems.append(f"{directory!r}: {_equal(got, want)}")
         return "mixed"
-    if config is not None and has_config:
+    expected = config if state == "complete" else OLD_CONFIG
+    if config is not None:
+        if not os.path.exists(config_path):
+            problems.append(f"the {state} weights are visible without config.json")
+            return "broken"
         with open(config_path) as f:
-            if json.load(f) != config:
-                problems.append("config.json differs from an unkilled conversion's")
-    return "complete"
+            if json.load(f) != expected:
+                problems.append(f"config.json beside the {state} weights is not theirs")
+                return "mixed"
+    return state
 
 
 def _load_file(path: str, fmt: str) -> dict:
@@ -663,8 +685,14 @@ def _hf_orphans(directory: str, names: set) -> list[str]:
     return found
 
 
+def _orphan_config(names: set) -> list[str]:
+    """A config.json with no weights beside it (renamed ahead of weights that never landed)."""
+    weights = any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names)
+    return ["orphan config.json"] if "config.json" in names and not weights else []
+
+
 def leftovers(directory: str) -> list[str]:
-    """Temporaries, lock files, and visible shards or ``.meta`` files that no index names."""
+    """Temporaries, lock files, visible shards or ``.meta`` files that no index names, a config.json without weights."""
     from restorekit.checkpoint import Checkpoint
 
     found = []
@@ -681,7 +709,7 @@ def leftovers(directory: str) -> list[str]:
                                   if prefix + ".index" in names else None)
             if counts[prefix] is None or (shard and int(shard.group(3)) != counts[prefix]):
                 found.append(f"orphan {name}")
-    return found + _hf_orphans(directory, names)
+    return found + _hf_orphans(directory, names) + _orphan_config(names)
 
 
 # ---------------------------------------------------------------- the sweep

@@ -233,3 +233,19 @@ def test_a_commit_renames_a_hugging_face_index_last_and_removes_the_old_one_firs
         staging.commit()
     assert order == [("remove", "model.safetensors.index.json"), ("rename", "model-00001-of-00001.safetensors"),
                      ("rename", "model.safetensors.index.json")]
+
+
+@pytest.mark.parametrize("weights_visible", [False, True], ids=["weights never landed", "weights landed"])
+def test_the_sweep_removes_a_dead_commits_config_json_only_when_none_of_its_weights_is_visible(tmp_path,
+                                                                                                weights_visible):
+    import json
+
+    (tmp_path / "config.json").write_text("{}")
+    if weights_visible:
+        (tmp_path / "model.safetensors").write_bytes(b"weights")
+    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00d"
+    dead.mkdir()
+    (dead / ".restorekit-journal").write_text(json.dumps(["config.json", "model.safetensors"]))
+    atomic.sweep_stale(str(tmp_path))
+    assert (tmp_path / "config.json").exists() == weights_visible
+    assert not dead.exists()

@@ -387,3 +387,31 @@ def test_rules_and_layout_together_are_refused(bert_ckpt, tmp_path):
     with pytest.raises(InvalidArgumentError, match="leave layout=None"):
         convert(prefix, tmp_path / "m.safetensors", rules="bert-tf-to-hf", layout="torch")
     assert [p.name for p in tmp_path.glob("m.safetensors*")] == []
+
+
+@pytest.mark.parametrize("shard", [None, 1500], ids=["one file", "shards"])
+def test_an_existing_config_json_is_refused_without_overwrite_and_nothing_is_written(gpt2_ckpt, tmp_path, shard):
+    from restorekit.errors import OutputExistsError
+
+    prefix, _ = gpt2_ckpt
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(OutputExistsError) as caught:
+        convert(prefix, tmp_path / "hf" / "model.safetensors", rules="gpt2-tf-to-hf", config={"n_head": 2},
+                max_shard_size=shard)
+    assert caught.value.path == str(tmp_path / "hf" / "config.json")
+    assert os.listdir(tmp_path / "hf") == ["config.json"]
+    assert (tmp_path / "hf" / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("shard", [None, 1500], ids=["one file", "shards"])
+def test_config_json_is_published_with_the_weights_replacing_an_old_output(gpt2_ckpt, tmp_path, shard):
+    prefix, _ = gpt2_ckpt
+    out = tmp_path / "hf" / "model.safetensors"
+    convert(prefix, out, rules="gpt2-tf-to-hf", config={"n_head": 1}, max_shard_size=shard)
+    result = convert(prefix, out, rules="gpt2-tf-to-hf", config={"n_head": 2}, max_shard_size=shard, overwrite=True)
+    assert result.files[-1] == str(tmp_path / "hf" / "config.json")
+    assert result.path == str(out) if shard is None else result.path.endswith(".index.json")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_head"] == 2
+    assert not [n for n in os.listdir(tmp_path / "hf") if n.startswith(".restorekit")]
+    load(transformers.GPT2LMHeadModel, tmp_path / "hf")

@@ -47,9 +47,12 @@ POINTS = {
     # Hugging Face shards + index (sharded.py): per shard staged, the index written, the commit renames.
     "convert-hf-shards": ["tensor-0", "shard-2-staged", "index-json-written", "commit-start",
                           "rename-model-00002-of-00003.safetensors", "before-index-rename", *COMMIT[3:]],
-    # A rule set to HF names with config.json, written after the weights land.
-    "convert-hf-rules": ["tensor-4", "shard-4-staged", "rename-model-00003-of-00004.safetensors",
-                         "before-index-rename", "before-config"],
+    # A rule set to HF names with config.json, staged with the weights and renamed just before them.
+    "convert-hf-rules": ["tensor-4", "shard-4-staged", "index-json-written", "commit-start", "rename-config.json",
+                         "rename-model-00003-of-00004.safetensors", "before-index-rename", *COMMIT[3:]],
+    # The same over an old output (other weights, another config.json): removed first, index first.
+    "convert-hf-overwrite": ["shard-4-staged", *COMMIT[:2], "rename-config.json",
+                             "rename-model-00002-of-00004.safetensors", *COMMIT[2:]],
     "convert-weights-h5": ["tensor-0", "tensor-8", "before-replace"],
     "import-safetensors": ["tensor-0", "tensor-5", "index-written", ONE[0], *COMMIT[2:]],
     "bundle-writer": ["tensor-0", "tensor-13", "tensor-26", "tensor-39", "index-written", ONE[0], *COMMIT[2:]],
@@ -71,7 +74,7 @@ def sources(tmp_path_factory):
 
 def expected_output(writer: kh.Writer, point: str) -> str:
     """What a kill at ``point`` must leave: no output yet, the old one, or the new one complete."""
-    landed = point in ("after-index-rename", "before-state-file", "before-config") or (writer.state_file and point == "before-replace")
+    landed = point in ("after-index-rename", "before-state-file") or (writer.state_file and point == "before-replace")
     if landed:
         return "complete"
     if writer.output == "in-place":

@@ -52,6 +52,9 @@ _SHARD = re.compile(r"(.+)\.data-\d{5}-of-(\d{5})")
 # A Hugging Face shard and the index that names it (restorekit.export.sharded writes both).
 _HF_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
 _HF_INDEX = ".safetensors.index.json"
+# Files published just before the weights they describe (a Hugging Face config.json):
+# a dead commit's copy stays only if some weights file its journal names is visible.
+_COMPANIONS = ("config.json",)
 
 
 def _is_index(path: str) -> bool:
@@ -170,7 +173,8 @@ def _remove_orphans(directory: str, staging: str) -> None:
     (an in-place save), are data no checkpoint can reach; its journal lists every name
     it touched. A shard stays whenever a live ``.index`` names it (the commit's own, if
     it landed, or another writer's since); a Hugging Face shard, whenever its
-    ``*.safetensors.index.json`` lists it.
+    ``*.safetensors.index.json`` lists it; a ``config.json`` renamed ahead of its
+    weights, whenever any weights file the journal names is visible.
     """
     try:
         with open(os.path.join(staging, _JOURNAL)) as f:
@@ -195,6 +199,17 @@ def _remove_orphans(directory: str, staging: str) -> None:
         if count is None or (shard is not None and count != -1 and int(shard.group(2)) != count):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(directory, name))
+    _remove_orphan_companions(directory, names)
+
+
+def _remove_orphan_companions(directory: str, names: list) -> None:
+    """Remove a dead commit's ``config.json`` when none of the weights its journal names (new or old) is visible."""
+    companions = [n for n in names if n in _COMPANIONS]
+    if not companions or any(os.path.exists(os.path.join(directory, n)) for n in names if n not in _COMPANIONS):
+        return
+    for name in companions:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(directory, name))
 
 
 def _hf_index_names(index: str, name: str) -> bool:
@@ -450,7 +465,10 @@ class Staging:
         return tmp
 
     def commit(self, *, remove_before=(), remove_after=()) -> None:
-        """Rename staged files into place: data shards first, ``.index`` files last.
+        """Rename staged files into place in the order staged, ``.index`` files last.
+
+        Files staged first are renamed first: a Hugging Face ``config.json`` staged before
+        a single ``model.safetensors`` lands before it (the weights make the output visible).
 
         A checkpoint appears when its index does, so a crash at any point leaves the old
         checkpoint, the new one, or none, never an index over shards it did not write.

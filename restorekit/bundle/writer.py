@@ -27,7 +27,7 @@ from restorekit.errors import (
     NameCollisionError,
 )
 
-__all__ = ["BundleWriter", "CHUNK_SIZE", "ShardWriter", "array_chunks", "check_num_shards", "copy_checked", "partitioned_entry"]
+__all__ = ["BundleWriter", "CHUNK_SIZE", "ShardWriter", "array_chunks", "balance", "check_num_shards", "copy_checked", "partitioned_entry"]
 
 CHUNK_SIZE = 8 << 20
 # Copies go through one reused buffer about the size of a core's L2 cache: the crc
@@ -489,3 +489,21 @@ def check_num_shards(num_shards) -> int:
     if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or not 1 <= num_shards <= 1_000_000:
         raise InvalidArgumentError(f"num_shards={num_shards!r} is not a shard count: give an int from 1 to 1000000")
     return int(num_shards)
+
+
+def balance(sizes, count: int) -> tuple:
+    """Names cut into ``count`` runs (in order) of about equal bytes; ``sizes`` is ``[(name, bytes)]`` in order.
+
+    Each tensor goes to the shard its middle byte falls in when the total is laid out
+    evenly over the shards, so runs stay in order and no shard exceeds its share
+    by more than half of one tensor on each side. Shards may be empty (fewer tensors
+    than shards); TF reads empty shards.
+    """
+    sizes = list(sizes)
+    total = sum(size for _, size in sizes) or 1
+    parts: list[list] = [[] for _ in range(count)]
+    done = 0
+    for name, size in sizes:
+        parts[min(count - 1, (2 * done + size) * count // (2 * total))].append(name)
+        done += size
+    return tuple(tuple(part) for part in parts)

@@ -141,6 +141,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="write Hugging Face-style safetensors shards of at most SIZE (5GB, 500MiB) plus an index; "
                         "OUT is then a directory")
+    p.add_argument("--num-shards", type=int, metavar="N",
+                   help="a TF checkpoint output: write N data shards balanced by bytes")
     p.add_argument("--config", action="store_true",
                    help="with a *-tf-to-hf rule set, write config.json beside OUT (sizes read from the shapes)")
     p.add_argument("--heads", type=int, metavar="N",
@@ -182,7 +184,7 @@ def _convert(args) -> int:
             result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
                              weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
                              config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
-                             max_output_bytes=args.max_output_bytes)
+                             max_output_bytes=args.max_output_bytes, num_shards=args.num_shards)
     except OutputNameError as e:
         raise e.for_cli() from None
     if not _quiet(args):

@@ -15,7 +15,7 @@ from restorekit.bundle.format import decode_tensor, encode_slice_key
 from restorekit.bundle.objectgraph import rewrite_keys
 from restorekit.bundle.protos import decode_entry, decode_header
 from restorekit.bundle.table import mask_crc, read_table
-from restorekit.bundle.writer import BundleWriter, check_num_shards, copy_checked
+from restorekit.bundle.writer import BundleWriter, balance, check_num_shards, copy_checked
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import ATTRIBUTES, STRING, Concat, Item
 from restorekit.edit.source import Source, check_readable
@@ -126,21 +126,8 @@ def _shards(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
 
 
 def balanced(source: Source, plan: dict[str, Item], count: int) -> tuple:
-    """The plan's names cut into ``count`` runs (in order) of about equal bytes.
-
-    Each tensor goes to the shard its middle byte falls in when the total is laid out
-    evenly over the shards, so runs stay in plan order and no shard exceeds its share
-    by more than half of one tensor on each side. Shards may be empty (fewer tensors
-    than shards); TF reads empty shards.
-    """
-    sizes = [(name, source.nbytes(item)) for name, item in plan.items()]
-    total = sum(size for _, size in sizes) or 1
-    parts: list[list[str]] = [[] for _ in range(count)]
-    done = 0
-    for name, size in sizes:
-        parts[min(count - 1, (2 * done + size) * count // (2 * total))].append(name)
-        done += size
-    return tuple(tuple(part) for part in parts)
+    """The plan's names cut into ``count`` runs (in order) of about equal bytes (``bundle.writer.balance``)."""
+    return balance(((name, source.nbytes(item)) for name, item in plan.items()), count)
 
 
 def _old_shard_count(prefix: str) -> int:

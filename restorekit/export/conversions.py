@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from restorekit.bundle import atomic
+from restorekit.bundle.writer import balance, check_num_shards
 from restorekit.keras_files import KerasCheckpoint, is_keras_path
 from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.bundle import files as bundle_files
@@ -24,14 +25,15 @@ from restorekit.export.base import (
     PlannedCheckpoint,
     WithObjectGraph,
     checkpoint_files,
-    progress_bar,
     refuse,
 )
 from restorekit.export.layout import check_layout
 from restorekit.export.layouts import TorchView, torch_view
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.export import rawimport, sources
-from restorekit.export.sources import file_plan, file_sizes, open_source, shard_set, source_nbytes, tf_shapes, tf_tensors
+from restorekit.export.tfwrite import write_tf
+from restorekit.export.sources import (file_plan, file_sizes, open_source, shard_set, source_nbytes, tf_shapes,
+                                       tf_sizes, tf_tensors)
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format", "write_tf"]
 
@@ -107,6 +109,7 @@ class _Options:
     ema: object = None
     max_shard_size: object = None
     config: object = None
+    num_shards: int | None = None  # TF outputs: data shards balanced by bytes
 
     @property
     def planned(self) -> bool:
@@ -120,9 +123,11 @@ class _Options:
         return None
 
 
-def _options(layout, rules, weights_only, ema, max_shard_size, config) -> _Options:
+def _options(layout, rules, weights_only, ema, max_shard_size, config, num_shards=None) -> _Options:
     check_layout(layout)
-    options = _Options(layout, rules, bool(weights_only), ema, max_shard_size, config)
+    if num_shards is not None:
+        num_shards = check_num_shards(num_shards)
+    options = _Options(layout, rules, bool(weights_only), ema, max_shard_size, config, num_shards)
     ruleset = options.ruleset()
     if ruleset is not None and layout is not None:
         raise InvalidArgumentError(f"rule set {ruleset.name!r} sets names and axes itself; leave layout=None")
@@ -137,9 +142,10 @@ def _options(layout, rules, weights_only, ema, max_shard_size, config) -> _Optio
 
 
 def _config(options: _Options, plan: OutputPlan, shapes: dict, directory: str, overwrite: bool):
-    """(config.json path, its text) to write beside the output, or None; checked before anything is written."""
+    """{config.json path: its text} to publish with the weights, or None; checked before anything is written."""
     if not options.config:
         return None
+    atomic.sweep_stale(directory)  # a dead conversion's config.json, renamed ahead of weights that never landed
     from restorekit.export.hf import config_text, hf_config
 
     out_shapes = {out: out_shape(plan, out, shapes[src]) for out, src in plan.names.items() if src in shapes}
@@ -147,21 +153,32 @@ def _config(options: _Options, plan: OutputPlan, shapes: dict, directory: str, o
     path = os.path.join(directory, "config.json")
     if os.path.exists(path) and not overwrite:
         raise OutputExistsError(path=path)
-    return path, text
+    return {path: text}
 
 
-def _finish(result: ExportResult, plan: OutputPlan | None, config) -> ExportResult:
-    """The result, with what the plan left out and the config.json written (after the weights)."""
-    files = result.files
-    if config is not None:
-        atomic.crash_point("before-config")  # the weights are in place; config.json follows them
-        path, text = config
-        with atomic.atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        files = (files or (result.path,)) + (path,)
+def _parts(options: _Options, sizes) -> tuple | None:
+    """``write_tf``'s ``parts``: the names in ``options.num_shards`` runs balanced by bytes, or None for one shard."""
+    return None if options.num_shards is None else balance(sizes, options.num_shards)
+
+
+def _refuse_num_shards(options: _Options, to: str) -> None:
+    if options.num_shards is not None:
+        raise InvalidArgumentError(f"num_shards= applies to TF checkpoint outputs; {to} files take no shard count "
+                                   "(max_shard_size= splits safetensors)")
+
+
+def _single(write, path: str, config):
+    """``write(path)``, or with a config.json: both staged and published in one commit (config first)."""
+    if config is None:
+        return write(path)
+    return sharded.publish_file(path, write, texts=config)
+
+
+def _finish(result: ExportResult, plan: OutputPlan | None) -> ExportResult:
+    """The result, with what the plan left out."""
     if plan is None:
-        return dataclasses.replace(result, files=files)
-    return dataclasses.replace(result, dropped=plan.dropped, fallback=plan.fallback, renamed=plan.renamed, files=files)
+        return result
+    return dataclasses.replace(result, dropped=plan.dropped, fallback=plan.fallback, renamed=plan.renamed)
 
 
 # ------------------------------------------------------------------ TF checkpoint -> file
@@ -226,22 +243,22 @@ def _export(ckpt, path: str, fmt: str, options: _Options, *, overwrite: bool, pr
             sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
                      for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
             result = sharded.write(path, tensors, sizes=sizes, metadata=metadata, max_shard_size=shard,
-                                   overwrite=overwrite, progress=progress)
+                                   overwrite=overwrite, progress=progress, texts=config)
         else:
-            result = module.write(path, tensors, metadata=metadata, progress=progress)
-        return _finish(result, plan, config)
+            result = _single(lambda p: module.write(p, tensors, metadata=metadata, progress=progress), path, config)
+        return _finish(result, plan)
     source, names = _export_source(ckpt, plan, layout)
     if shard is not None:
         result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                          max_shard_size=shard, overwrite=overwrite, progress=progress)
+                                          max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)
     else:
-        result = module.write_checkpoint(source, path, names=names, layout=layout, metadata=metadata,
-                                         progress=progress)
+        result = _single(lambda p: module.write_checkpoint(source, p, names=names, layout=layout, metadata=metadata,
+                                                           progress=progress), path, config)
     if layout == "torch" and shard is not None:
         # every shard's record starts from the view's: each lists all of the unmapped and kept names
         result = dataclasses.replace(result, unmapped=tuple(source.layout_record.unmapped),
                                      kept=tuple(dict.fromkeys(result.kept)))
-    return _finish(result, plan, config)
+    return _finish(result, plan)
 
 
 def export_checkpoint(
@@ -352,6 +369,7 @@ def import_checkpoint(
     overwrite: bool = False,
     progress: bool = False,
     max_output_bytes: int | None = None,
+    num_shards: int | None = None,
 ) -> ExportResult:
     """Write a ``.safetensors`` (or a directory of shards, or their ``*.index.json``), PyTorch (``.pt``)
     or ``.npz`` file as a TF checkpoint.
@@ -366,7 +384,8 @@ def import_checkpoint(
     With ``overwrite``, exactly the old checkpoint's files are replaced (its ``.index``
     and ``.data-NNNNN-of-MMMMM`` shards, matched by name literally). ``max_output_bytes``
     bounds what a ``.pt`` or ``.npz`` may expand to (stride-0 views, deflated members);
-    the default is the larger of 1 GiB and 64 times the file.
+    the default is the larger of 1 GiB and 64 times the file. ``num_shards`` writes
+    that many data shards, balanced by bytes in write order (as ``CheckpointEditor.save``).
 
         import_checkpoint('model.safetensors', 'converted/model.ckpt')
         import_checkpoint('hf-model/', 'tf/model.ckpt', rules='bert-hf-to-tf')
@@ -377,9 +396,10 @@ def import_checkpoint(
             missing from a set (nothing is written).
         OutputExistsError: the output exists (without overwrite) or is the source.
         OutputError: the tensors would expand past ``max_output_bytes``.
+        InvalidArgumentError: ``num_shards`` is not a positive int (nothing is written).
         MissingDependencyError: a .pt file without torch installed.
     """
-    options = _options(layout, rules, weights_only, ema, None, None)
+    options = _options(layout, rules, weights_only, ema, None, None, num_shards)
     src, out_prefix = os.fspath(src), os.fspath(out_prefix)
     fmt = source_format(src)
     if fmt == formats.TF:
@@ -396,62 +416,15 @@ def import_checkpoint(
         # tensors whose stored bytes are their TF bytes are copied as they lie (rawimport)
         arrays = rawimport.source_arrays(reader, record, max_output_bytes) or arrays
     permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
+    parts = _parts(options, tf_sizes(reader, record, plan)) if options.num_shards else None
     result = write_tf(out_prefix, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
-                       progress=progress)
-    return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan, None)
-
-
-def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False) -> ExportResult:
-    """Write ``(name, array, TF dtype or None)`` as the checkpoint ``out_prefix``, replacing exactly its old files
-    (staged beside it, published with the ``.index`` last)."""
-    from restorekit.bundle.writer import BundleWriter
-
-    count = nbytes = 0
-    strings = []
-    old = checkpoint_files(out_prefix)  # the .index first: the old checkpoint stops existing at once
-    with atomic.Staging(os.path.dirname(os.path.abspath(out_prefix))) as staging:
-        writer = BundleWriter(out_prefix, staging=staging)
-        try:
-            with progress_bar(total, progress, "tf") as bar:
-                runs = rawimport.RawRuns(writer.shard(0), bar)
-                try:
-                    for name, array, dtype in tensors:
-                        if dtype == "string":
-                            strings.append(name)
-                        count += 1
-                        nbytes += _add(writer, runs, name, array, dtype, bar)
-                    runs.flush()
-                finally:
-                    runs.close()
-            writer.finish(commit=False)
-        except BaseException:
-            writer.abort()
-            raise
-        staging.commit(remove_before=old)
-    return ExportResult(out_prefix, formats.TF, count, nbytes, layout, tuple(permuted), tuple(strings))
-
-
-def _add(writer, runs, name: str, array, dtype, bar) -> int:
-    """Write one tensor of ``write_tf`` (bytes copied as they lie go to ``runs``); return its byte count."""
-    from restorekit.bundle.writer import array_chunks
-
-    if isinstance(array, rawimport.StoredBytes):
-        runs.add(name, array, dtype)  # the bar moves as the run is copied
-        return array.nbytes
-    runs.flush()  # what the runs hold goes first: the shard is written in order
-    if dtype is not None and dtype != "string":
-        # add_stream keeps dtypes numpy cannot name (qint8 stored as int8, ...).
-        writer.add_stream(name, dtype, array.shape, array_chunks(array))
-    else:
-        writer.add(name, array)
-    size = array.nbytes if array.dtype != object else 0
-    bar.update(size)
-    return size
+                      progress=progress, parts=parts)
+    return _finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan)
 
 
 def convert(src, out, *, to: str | None = None, layout: str | None = None, rules=None, weights_only: bool = False,
             ema=None, max_shard_size=None, config=None, overwrite: bool = False,
-            progress: bool = False, max_output_bytes: int | None = None) -> ExportResult:
+            progress: bool = False, max_output_bytes: int | None = None, num_shards: int | None = None) -> ExportResult:
     """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards) and npz.
 
     The source format is read from the file; the target from ``to`` or else the
@@ -459,7 +432,9 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     ``max_shard_size``: a directory of safetensors shards). ``rules``,
     ``weights_only``, ``ema``, ``max_shard_size`` and ``config`` are as in
     :func:`export_checkpoint`; ``rules`` applies to TF-side names (after a restorekit
-    file's record is undone) and ``config`` needs a Hugging Face rule set.
+    file's record is undone) and ``config`` needs a Hugging Face rule set. ``num_shards``
+    writes a TF checkpoint output as that many data shards balanced by bytes (refused
+    for other outputs).
 
         convert('train/model.ckpt-1000', 'model.pt', layout='torch')
         convert('model.safetensors', 'back/model.ckpt')
@@ -468,14 +443,17 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
 
     Raises:
         InvalidArgumentError: an unknown ``to``, layout or rule set, a layout the target
-            cannot honour, a name the rule set does not cover.
+            cannot honour, a name the rule set does not cover; ``num_shards`` that is not a
+            positive int, or given for an output that is not a TF checkpoint.
         OutputExistsError: the output is the source, or exists without overwrite.
     """
-    options = _options(layout, rules, weights_only, ema, max_shard_size, config)
+    options = _options(layout, rules, weights_only, ema, max_shard_size, config, num_shards)
     src, out = os.fspath(src), os.fspath(out)
     if keras.is_keras_target(out, to) or is_keras_path(src):
         return _convert_keras(src, out, to, options, overwrite=overwrite, progress=progress)
     to = _target(out, to, options)
+    if to != formats.TF:
+        _refuse_num_shards(options, to)
     fmt = source_format(src)
     if to == formats.TF:
         # Like the editor: into an existing directory (or 'OUT/'), under the source's name.
@@ -495,7 +473,8 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
         if options.config:
             raise InvalidArgumentError("config= writes config.json beside a Hugging Face output, not a TF checkpoint")
         return import_checkpoint(src, out, layout=layout, rules=rules, weights_only=weights_only, ema=ema,
-                                 overwrite=overwrite, progress=progress, max_output_bytes=max_output_bytes)
+                                 overwrite=overwrite, progress=progress, max_output_bytes=max_output_bytes,
+                                 num_shards=num_shards)
     return _convert_files(src, out, fmt, to, options, overwrite=overwrite, progress=progress,
                           max_output_bytes=max_output_bytes)
 
@@ -531,18 +510,19 @@ def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, 
         view = torch_view(source)
         if shard is not None:
             result = sharded.write_checkpoint(view, out, layout=write_layout, metadata=metadata, max_shard_size=shard,
-                                              overwrite=overwrite, progress=progress)
+                                              overwrite=overwrite, progress=progress, texts=config)
             result = dataclasses.replace(result, kept=tuple(dict.fromkeys(result.kept)))
         else:
-            result = target.write_checkpoint(view, out, layout=write_layout, metadata=metadata, progress=progress)
-        return _finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan, config)
+            result = _single(lambda p: target.write_checkpoint(view, p, layout=write_layout, metadata=metadata,
+                                                               progress=progress), out, config)
+        return _finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan)
     tensors = tf_tensors(arrays, record, plan)
     if shard is not None:
         result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), metadata=metadata,
-                               max_shard_size=shard, overwrite=overwrite, progress=progress)
+                               max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)
     else:
-        result = target.write(out, tensors, metadata=metadata, progress=progress)
-    return _finish(result, plan, config)
+        result = _single(lambda p: target.write(p, tensors, metadata=metadata, progress=progress), out, config)
+    return _finish(result, plan)
 
 
 def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, overwrite: bool,
@@ -551,6 +531,7 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
     from restorekit.checkpoint import Checkpoint
 
     if keras.is_keras_target(out, to):
+        _refuse_num_shards(options, "a .weights.h5")
         if options.layout or options.rules is not None or options.ema or options.max_shard_size or options.config:
             raise InvalidArgumentError("a .weights.h5 keeps Keras' own names and layout; of the options it takes "
                                        "weights_only= and overwrite= only")
@@ -569,6 +550,7 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
         _check_output(out, "file", list(Checkpoint(src).files), overwrite=True)
     to = _target(out, to, options)
     if to != formats.TF:
+        _refuse_num_shards(options, to)
         return export_checkpoint(src, out, format=to, layout=options.layout, rules=options.rules,
                                  weights_only=options.weights_only, ema=options.ema,
                                  max_shard_size=options.max_shard_size, config=options.config, overwrite=overwrite,
@@ -581,10 +563,11 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
     _check_output(out, formats.TF, list(keras_ckpt.files), overwrite)
     plan = _tf_plan(source, options)
     check_space(_out_dir(out), _planned_nbytes(source, plan))
+    parts = _parts(options, _entry_sizes(source, plan))
     if plan is None:
         tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
-        return write_tf(out, tensors, progress=progress)
-    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress), plan, None)
+        return write_tf(out, tensors, progress=progress, parts=parts)
+    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress, parts=parts), plan)
 
 
 def _base_name(src: str, fmt: str) -> str:
@@ -606,9 +589,18 @@ def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress
     _check_output(out, formats.TF, checkpoint_files(ckpt.prefix), overwrite)
     plan = _tf_plan(ckpt, options)
     check_space(_out_dir(out), _planned_nbytes(ckpt, plan))
+    parts = _parts(options, _entry_sizes(ckpt, plan))
     if plan is None:
         entries = ckpt.entries
         tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
-        return write_tf(out, tensors, progress=progress)
-    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress), plan, None)
+        return write_tf(out, tensors, progress=progress, parts=parts)
+    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress, parts=parts), plan)
+
+
+def _entry_sizes(ckpt, plan: OutputPlan | None) -> list:
+    """(output name, bytes) of a checkpoint-like source's entries, in the order they are written."""
+    entries = ckpt.entries
+    if plan is None:
+        return [(name, entry.nbytes) for name, entry in entries.items()]
+    return [(out, entries[src].nbytes) for out, src in plan.names.items() if src in entries]
 

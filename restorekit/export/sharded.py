@@ -13,10 +13,13 @@ complete safetensors file carrying restorekit's layout record for its own tensor
 import undoes everything an export did. One shard is written as ``model.safetensors``
 without an index, as ``save_pretrained`` does. Every file is staged, then published
 shards first and the index last: a crash leaves the old output, the new one, or none.
+A ``config.json`` is staged with them and renamed first (the old output removed before
+it), so the weights never become visible without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -244,13 +247,40 @@ def check_output(out, *, overwrite: bool) -> list[str]:
     return old
 
 
-def _publish(out, parts: list, overwrite: bool, write_one) -> ExportResult:
-    """Stage ``write_one(tmp, part)`` for every shard, write the index, then publish shards first, index last."""
+def stage_texts(staging, texts: dict | None) -> tuple:
+    """Stage small text files (path -> text, e.g. a ``config.json``); return their paths.
+
+    Staged before the weights, they are renamed before them: a crash leaves them beside
+    no new weights (``sweep_stale`` removes them) or beside complete ones.
+    """
+    for path, text in (texts or {}).items():
+        with open(staging.path(path), "w", encoding="utf-8") as f:
+            f.write(text)
+    return tuple(texts or ())
+
+
+def publish_file(out, write, *, texts: dict) -> ExportResult:
+    """``write(tmp)`` one weights file, published with ``texts`` (path -> text) in one commit: texts first, ``out`` last.
+
+    An existing ``out`` is removed first, so a crash never shows old weights beside a new ``config.json``.
+    """
+    final = os.path.abspath(os.fspath(out))
+    with atomic.Staging(os.path.dirname(final)) as staging:
+        extra = stage_texts(staging, texts)
+        result = write(staging.path(final))
+        staging.commit(remove_before=[final] if os.path.exists(final) else [])
+    return dataclasses.replace(result, path=os.fspath(out), files=(os.fspath(out),) + extra)
+
+
+def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = None) -> ExportResult:
+    """Stage ``texts`` and ``write_one(tmp, part)`` for every shard, write the index, then publish texts first,
+    shards next, the index (or the single file) last."""
     old = check_output(out, overwrite=overwrite)
     directory, paths, index = output_files(out, len(parts))
     results = []
     weight_map = {}
     with atomic.Staging(directory) as staging:
+        extra = stage_texts(staging, texts)
         for k, (path, part) in enumerate(zip(paths, parts), 1):
             result = write_one(staging.path(path), part)
             results.append(result)
@@ -262,20 +292,26 @@ def _publish(out, parts: list, overwrite: bool, write_one) -> ExportResult:
             with open(staging.path(index), "w", encoding="utf-8") as f:
                 f.write(text + "\n")
             atomic.crash_point("index-json-written")
-        staging.commit(remove_before=[p for p in old if p not in paths and p != index])
+        if extra:
+            # A new config.json must never sit beside old weights: the old output goes first, index first.
+            staging.commit(remove_before=old)
+        else:
+            staging.commit(remove_before=[p for p in old if p not in paths and p != index])
     first = results[0]
     return ExportResult(
         index or paths[0], "safetensors", sum(r.count for r in results), sum(r.nbytes for r in results), first.layout,
         tuple(n for r in results for n in r.permuted), tuple(n for r in results for n in r.strings),
-        tuple(n for r in results for n in r.kept), files=tuple(paths) + ((index,) if index else ()),
+        tuple(n for r in results for n in r.kept), files=tuple(paths) + ((index,) if index else ()) + extra,
     )
 
 
 def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str | None = None,
                      metadata: dict | None = None, max_shard_size, overwrite: bool = False,
-                     progress: bool = False) -> ExportResult:
+                     progress: bool = False, texts: dict | None = None) -> ExportResult:
     """Write a TF checkpoint (or the renamed subset ``names``) as sharded safetensors; each shard
     is written by ``safetensors.write_checkpoint``, raw shard bytes copied where possible.
+
+    ``texts`` (path -> text, a ``config.json``) are published in the same commit, before the weights.
 
     Raises:
         OutputExistsError: an earlier output is there (without ``overwrite``).
@@ -302,11 +338,11 @@ def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str 
         return safetensors.write_checkpoint(checkpoint, tmp, names={n: names[n] for n in part}, layout=layout,
                                             metadata=metadata, progress=progress)
 
-    return _publish(out, parts, overwrite, write_one)
+    return _publish(out, parts, overwrite, write_one, texts)
 
 
 def write(out, tensors, *, sizes: list, layout: str | None = None, metadata: dict | None = None, graph=None,
-          max_shard_size, overwrite: bool = False, progress: bool = False) -> ExportResult:
+          max_shard_size, overwrite: bool = False, progress: bool = False, texts: dict | None = None) -> ExportResult:
     """Write ``(name, ndarray[, TF dtype])`` items as sharded safetensors, one tensor at a time.
 
     ``sizes`` lists ``(name, shape, bytes)`` of the numeric tensors in the order ``tensors``
@@ -341,7 +377,7 @@ def write(out, tensors, *, sizes: list, layout: str | None = None, metadata: dic
         return safetensors.write(tmp, part_tensors(part, last), layout=layout, metadata=metadata, graph=graph,
                                  progress=progress)
 
-    return _publish(out, parts, overwrite, write_one)
+    return _publish(out, parts, overwrite, write_one, texts)
 
 
 def _is_string(item) -> bool:

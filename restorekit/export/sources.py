@@ -13,7 +13,7 @@ from restorekit.export.base import PlannedCheckpoint
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 
 __all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "source_nbytes",
-           "tf_shapes", "tf_tensors"]
+           "tf_shapes", "tf_sizes", "tf_tensors"]
 
 
 def shard_set(path: str):
@@ -202,6 +202,15 @@ def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
             shape = out_shape(plan, name, shape)
         sizes.append((name, shape, sum(infos[s].end - infos[s].begin for s in stored)))
     return sizes
+
+
+def tf_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
+    """(output name, bytes) of every tensor of a source (strings count 0), from headers and shapes only:
+    what balancing an import over several TF data shards needs."""
+    entries = FileCheckpoint(reader, record).entries
+    if plan is None:
+        return [(name, entry.nbytes) for name, entry in entries.items()]
+    return [(out, entries[src].nbytes) for out, src in plan.names.items() if src in entries]
 
 
 def _stored_tensors(reader: Reader) -> dict:
