@@ -194,7 +194,7 @@ class CheckpointEditor:
                 raise InvalidArgumentError(f"a new name is a non-empty str, got {new!r}")
             self._layer_names, _ = keras_renames.layer_renames(
                 self.checkpoint, self._plan, self._layer_names, keras_renames.prefix_rule(old, new),
-                asked=f"rename({old!r}, {new!r})")
+                asked=f"rename({old!r}, {new!r})", name=old)
             return
         old = self._key(old)
         self._item(old)

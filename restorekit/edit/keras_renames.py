@@ -83,7 +83,8 @@ def prefix_rule(old: str, new: str):
     return lambda path: new + path[len(old):] if path == old or path.startswith(old + "/") else path
 
 
-def layer_renames(ckpt, plan: dict[str, Item], names: dict, rule, *, asked: str) -> tuple[dict, dict]:
+def layer_renames(ckpt, plan: dict[str, Item], names: dict, rule, *, asked: str,
+                  name: str | None = None) -> tuple[dict, dict]:
     """``(new {vars group: layer name}, {old path: new path})`` after ``rule`` renames the readable paths.
 
     Raises:
@@ -97,7 +98,7 @@ def layer_renames(ckpt, plan: dict[str, Item], names: dict, rule, *, asked: str)
     target = {k: mapping[current[k]] for k in keys}
     changed = {k: (current[k], target[k]) for k in keys if current[k] != target[k]}
     if not changed:
-        raise NoMatchError(f"{asked} changes no readable path of {ckpt.prefix!r}.", name=asked,
+        raise NoMatchError(f"{asked} changes no readable path of {ckpt.prefix!r}.", name=name or asked,
                            candidates=sorted(set(current.values()) | {o for o in owners.values() if o}))
     by_owner: dict = {}
     for group, owner in owners.items():

@@ -103,9 +103,9 @@ def _check_weights_source(ckpt) -> None:
 
 def _weights(source: Source, plan: dict[str, Item], out: str, layer_names: dict | None) -> tuple[list, dict]:
     """``(key, read value)`` pairs and the ``vars`` groups' attributes of a Keras weights output, its
-    structure checked to load (``check_structure``) before anything is read or written. A layer that
-    holds no variables of its own but contains kept ones keeps its attributes too: its name is the
-    scope of their readable paths."""
+    structure checked to load (``check_structure``) before anything is read or written. Layers without
+    variables of their own keep their attributes too (a parent's name scopes its sub-layers' paths);
+    a layer whose variables were all deleted leaves with them."""
     from restorekit.keras_files.writer import check_structure
 
     ckpt = source.checkpoint
@@ -124,11 +124,14 @@ def _weights(source: Source, plan: dict[str, Item], out: str, layer_names: dict 
             attrs[f"{group}/vars" if group else "vars"] = group_attrs[origin_vars]
     if "vars" in group_attrs:
         attrs.setdefault("vars", group_attrs["vars"])
+    had = {name.rpartition("/vars/")[0] for name in ckpt.entries}
     kept = {name.rpartition("/vars/")[0] for name in plan}
     for group, values in group_attrs.items():
         owner = group[: -len("/vars")] if group.endswith("/vars") else ""
-        if owner and group not in attrs and any(k.startswith(owner + "/") for k in kept):
-            attrs[group] = values
+        if group in attrs or not owner:
+            continue
+        if owner not in had or any(k == owner or k.startswith(owner + "/") for k in kept):
+            attrs[group] = values  # a layer without variables (Flatten, a parent): its name scopes what it holds
     return [(name, lambda it=it: source.value(it)) for name, it in plan.items()], attrs
 
 
