@@ -86,7 +86,7 @@ def test_save_in_place_moves_a_whole_layer_group_for_an_inserted_layer(saved):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda ed: ed.rename("enc1/kernel", "enc1/w"), "not such a key"),
+    (lambda ed: ed.rename("layers/dense/vars/0", "layers/dense/w"), "not such a key"),
     (lambda ed: ed.delete("layers/dense/vars/1"), "had 2 variables"),
     (lambda ed: ed.rename("layers/dense/vars/1", "layers/dense/vars/5"), "no gap"),
 ], ids=["renamed-variable", "partial-layer-delete", "index-gap"])
@@ -240,7 +240,7 @@ def test_a_keras_archive_save_killed_before_the_rename_leaves_the_old_archive(sa
 
 
 @pytest.mark.parametrize("edit, error, match", [
-    (lambda ed, tmp: ed.rename("enc1/kernel", "enc1/w"), InvalidArgumentError, "not such a key"),
+    (lambda ed, tmp: ed.rename("layers/dense/vars/0", "layers/dense/w"), InvalidArgumentError, "not such a key"),
     (lambda ed, tmp: ed.delete("layers/dense/vars/1"), InvalidArgumentError, "had 2 variables"),
     (lambda ed, tmp: (ed.set("head/bias", np.zeros(2, np.float32)), model().save(tmp / "m.keras")), OutputError,
      "changed since this editor read it"),

@@ -12,7 +12,7 @@ from restorekit import keras_files
 from restorekit.bundle import atomic, files
 from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix, state_file_points_outside
-from restorekit.edit import renames, save_keras, values
+from restorekit.edit import keras_renames, renames, save_keras, values
 from restorekit.edit.plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
 from restorekit.edit.save_export import save_export, with_options
 from restorekit.edit.save_remote import save_remote
@@ -85,6 +85,7 @@ class CheckpointEditor:
         self._source: Source | None = None
         self._opened: tuple | None = None
         self._items: dict[str, Item] | None = None
+        self._layer_names: dict[str, str] = {}  # Keras 3 files: '<group>/vars' -> its layer's new name
 
     def __repr__(self) -> str:
         return f"CheckpointEditor({self.prefix!r})"
@@ -115,6 +116,9 @@ class CheckpointEditor:
         VARIABLE_VALUE``); ``set('fc1/kernel', ...)`` means the entry ``Checkpoint.
         object_paths`` gives for that path, as long as it has not been renamed.
         """
+        if isinstance(name, str) and name not in self._plan and self._layer_names:
+            found = {path: key for key, path in self._keras_paths().items()}.get(name)
+            return found if found in self._plan else name
         if isinstance(name, str) and name not in self._plan:
             try:
                 key = self.checkpoint.object_paths.get(name)
@@ -123,6 +127,13 @@ class CheckpointEditor:
             if key is not None and key in self._plan:
                 return key
         return name
+
+    def _keras_paths(self) -> dict:
+        return keras_renames.readable_paths(self.checkpoint, self._layer_names)[0]
+
+    def _by_layer(self, name) -> bool:
+        """True when ``name`` is a readable path of a Keras 3 file: renamed as a layer, not as a key."""
+        return self._keras and isinstance(name, str) and name not in self._plan and self.checkpoint.is_weights_file
 
     def _item(self, name) -> Item:
         return lookup(self._plan, name, self.prefix)
@@ -167,10 +178,24 @@ class CheckpointEditor:
     def rename(self, old: str, new: str) -> None:
         """Rename one entry (partitioned slices follow).
 
+        In a Keras 3 file (``.weights.h5``, ``.keras``, a sharded set) ``old`` may be a
+        readable path: a layer (``rename('enc1', 'enc9')``) is renamed whole, by its name
+        attribute, so the file still loads with ``model.load_weights`` and its paths read
+        ``enc9/...``. Keras names variables by position, so renaming one variable of a
+        layer (``'enc1/kernel' -> 'enc9/kernel'`` when the layer has a bias too) is refused.
+
         Raises:
             NoMatchError: ``old`` does not exist.
             NameCollisionError: ``new`` already exists.
+            EditError: a Keras rename that does not move whole layers (nothing changes).
         """
+        if self._by_layer(old):
+            if not isinstance(new, str) or not new:
+                raise InvalidArgumentError(f"a new name is a non-empty str, got {new!r}")
+            self._layer_names, _ = keras_renames.layer_renames(
+                self.checkpoint, self._plan, self._layer_names, keras_renames.prefix_rule(old, new),
+                asked=f"rename({old!r}, {new!r})", name=old)
+            return
         old = self._key(old)
         self._item(old)
         if new == old:
@@ -211,6 +236,10 @@ class CheckpointEditor:
 
         if isinstance(rule, RuleSet) or (isinstance(rule, str) and rule in RULE_SETS):
             self._items, changed = renames.apply_rule_set(self._plan, rule)
+            return changed
+        if self._keras and self.checkpoint.is_weights_file and not keras_renames.changes_keys(self._plan, rule):
+            # No key of the file is named: the rule is about readable paths, so it renames whole layers.
+            self._layer_names, changed = keras_renames.rename_all(self.checkpoint, self._plan, self._layer_names, rule)
             return changed
         self._items, changed = renames.rename_all(self._plan, rule, self.prefix)
         return changed
@@ -341,7 +370,8 @@ class CheckpointEditor:
     # ------------------------------------------------------------------ saving
     def save(self, out, *, format: str | None = None, layout: str | None = None, weights_only: bool = False, ema=None,
              compact: bool = False, num_shards: int | None = None, overwrite: bool = False,
-             update_state_file: bool = False, progress: bool = False, check_kept: bool = True) -> str:
+             update_state_file: bool = False, progress: bool = False, check_kept: bool = True,
+             max_shard_size=None) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -373,6 +403,10 @@ class CheckpointEditor:
                 rename or delete index-only (milliseconds instead of one read of the
                 checkpoint); the kept bytes are then checked when they are read, by
                 ``Checkpoint.read`` and by TensorFlow's restore, not at save time.
+            max_shard_size: for a Keras 3 file saved as ``NAME.weights.json``: a sharded set
+                as ``model.save_weights(..., max_shard_size=)`` writes it, shards of at most
+                this many bytes (or ``'500MB'``, ``'2GiB'``; Keras' GB float 2 is ``'2GiB'``).
+                From a sharded set it defaults to the largest shard of the source.
 
         Returns:
             The output prefix (or file).
@@ -390,7 +424,10 @@ class CheckpointEditor:
         """
         if self._keras:
             return self._save_keras(out, format=format or formats.TF, layout=layout, weights_only=weights_only, ema=ema,
-                                    overwrite=overwrite, progress=progress)
+                                    overwrite=overwrite, progress=progress, max_shard_size=max_shard_size)
+        if max_shard_size is not None:
+            raise InvalidArgumentError("max_shard_size= writes Keras sharded sets from Keras files; for a TF "
+                                       "checkpoint use num_shards=, or restorekit.convert for safetensors shards")
         format = target_format(out, format, option="format")  # before anything is read or written
         if format == formats.TF and layout is not None:
             raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
@@ -434,7 +471,8 @@ class CheckpointEditor:
                            update_state_file=False, progress=progress, num_shards=num_shards)
         return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
-    def _save_keras(self, out, *, format: str, layout, weights_only: bool, ema, overwrite: bool, progress: bool) -> str:
+    def _save_keras(self, out, *, format: str, layout, weights_only: bool, ema, overwrite: bool, progress: bool,
+                    max_shard_size=None) -> str:
         """``save`` for a Keras file: a ``.weights.h5`` (Keras' own keys, checked to load) or another format."""
         out = os.fspath(out)
         if files.is_remote(out):
@@ -446,23 +484,34 @@ class CheckpointEditor:
         plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
         if os.path.realpath(out) in {os.path.realpath(f) for f in self.checkpoint.files}:
             raise OutputExistsError(path=out, is_source=True)
+        sharded = out.lower().endswith(save_keras.SHARDED)
+        if max_shard_size is not None and not sharded:
+            raise InvalidArgumentError(f"{out!r}: max_shard_size= writes a Keras sharded set; name the output "
+                                       f"'*{save_keras.SHARDED}'")
         if save_keras.is_keras_output(out, format):
             if layout is not None:
                 raise InvalidArgumentError(f"a .weights.h5 keeps Keras' own layout; layout={layout!r} does not apply")
-            return save_keras.save_weights_h5(self._reader, plan, os.path.abspath(out), overwrite=overwrite)
+            if sharded:
+                return save_keras.save_sharded(self._reader, plan, os.path.abspath(out), overwrite=overwrite,
+                                               max_shard_size=max_shard_size, layer_names=self._layer_names)
+            return save_keras.save_weights_h5(self._reader, plan, os.path.abspath(out), overwrite=overwrite,
+                                              layer_names=self._layer_names)
         return save_keras.save_other(self._reader, plan, os.path.abspath(out), format, layout=layout,
-                                     overwrite=overwrite, progress=progress)
+                                     overwrite=overwrite, progress=progress, layer_names=self._layer_names)
 
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
-                      progress: bool = False, check_kept: bool = True) -> str:
+                      progress: bool = False, check_kept: bool = True, max_shard_size=None) -> str:
         """Replace the source checkpoint with the edited one; the old one stays until the new one is complete.
 
         A Keras 3 ``.weights.h5`` is rewritten whole (temp file beside it, then renamed
         over it), checked first to load with ``model.load_weights``; so is a ``.keras``
-        archive, its ``config.json``, ``metadata.json`` and assets copied as they are.
+        archive, its ``config.json``, ``metadata.json`` and assets copied as they are. A
+        sharded Keras set is replaced whole: new shards (cut at ``max_shard_size``, by default
+        the old set's largest shard), the new index last, then the old shards it no longer
+        names are removed; a failure before the new index is in place leaves the old set.
         """
         if self._keras:
-            return self._save_keras_in_place()
+            return self._save_keras_in_place(max_shard_size)
         if files.is_remote(self.prefix):
             raise OutputError(
                 f"{self.prefix!r}: a remote checkpoint cannot be replaced atomically (its files are separate "
@@ -490,13 +539,11 @@ class CheckpointEditor:
         self._items = None
         return prefix
 
-    def _save_keras_in_place(self) -> str:
+    def _save_keras_in_place(self, max_shard_size) -> str:
         reader, plan = self._reader, self._plan
-        if len(reader.checkpoint.files) > 1:
-            raise OutputError(
-                f"{self.prefix!r} is a sharded Keras weights set; it is not rewritten in place. save() it as a "
-                f"'.weights.h5' (or load it into the model and save_weights with max_shard_size again)"
-            )
+        sharded = self.prefix.lower().endswith(save_keras.SHARDED)
+        if max_shard_size is not None and not sharded:
+            raise InvalidArgumentError(f"{self.prefix!r} is one Keras file; max_shard_size= applies to a sharded set")
         with atomic.output_lock(self.prefix):
             if _fingerprint(self.prefix) != self._opened:
                 raise OutputError(
@@ -504,12 +551,17 @@ class CheckpointEditor:
                     "open a new CheckpointEditor and apply the edits again"
                 )
             # The new file is complete beside the old one before it replaces it; tensors are read from the old one.
-            if reader.checkpoint.is_archive:
-                save_keras.save_archive_in_place(reader, plan)
+            if sharded:
+                save_keras.save_sharded(reader, plan, os.path.abspath(self.prefix), overwrite=True, in_place=True,
+                                        max_shard_size=max_shard_size, layer_names=self._layer_names)
+            elif reader.checkpoint.is_archive:
+                save_keras.save_archive_in_place(reader, plan, self._layer_names)
             else:
-                save_keras.save_weights_h5(reader, plan, os.path.abspath(self.prefix), overwrite=True)
+                save_keras.save_weights_h5(reader, plan, os.path.abspath(self.prefix), overwrite=True,
+                                           layer_names=self._layer_names)
         self._source = None
         self._items = None
+        self._layer_names = {}
         return self.prefix
 
 

@@ -27,7 +27,7 @@ def rename_all(plan: dict[str, Item], rule, prefix: str) -> tuple[dict[str, Item
                 name=str(missing[0]), candidates=names,
             )
     elif isinstance(rule, (list, tuple)):
-        _check_regex_rules(names, rule, prefix)
+        check_regex_rules(names, rule, prefix)
     mapping = apply_renames(names, rule)
     changed = {old: new for old, new in mapping.items() if old != new}
     if not changed:
@@ -59,7 +59,7 @@ def apply_rule_set(plan: dict[str, Item], rules) -> tuple[dict[str, Item], dict[
     return out, {old: new for old, new in result.names.items() if old != new}
 
 
-def _check_regex_rules(names: list[str], rule, prefix: str) -> None:
+def check_regex_rules(names: list[str], rule, prefix: str) -> None:
     """Each ``(regex, replacement)`` must compile and match a name as the rules before it left them."""
     current = names
     for item in rule:

@@ -106,6 +106,7 @@ class Keras3Walk:
         self.datasets: list = []
         self.readable: dict = {}
         self.objects: dict = {}  # key -> the dataset object it was described from (valid while the file is open)
+        self.owners: dict = {}  # '<group>/vars' -> the readable path of the object that owns it ('enc1', 'block/a')
         self._taken: set = set()
 
     def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
@@ -119,6 +120,7 @@ class Keras3Walk:
         kind, layer_config = self.index.get(name, (None, None))
         kind = kind or _guess_kind(class_hint, name)
         own = name if root else scope + name
+        self.owners[f"{key}/vars" if key else "vars"] = "" if root else own
         self._own_variables(vars_group, f"{key}/vars" if key else "vars", own, kind, layer_config, key == "optimizer")
         functional = kind == "functional" or any(
             isinstance(group.get(c), self.h5py.Group) and any(_UNIQUIFIED.sub("", k) == "input_layer" for k in group[c])

@@ -150,6 +150,17 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
     def _file_of(self, key: str) -> str:
         return self._where[key]
 
+    def shard_of(self, name: str) -> str:
+        """The shard file holding key (or readable path) ``name``.
+
+        Raises:
+            NoMatchError: no such entry.
+        """
+        key = self._key(name)
+        if key not in self._where:
+            raise self._unknown(name)
+        return self._where[key]
+
     def check_shards(self) -> None:
         """Check that every shard the index names is still a file (one ``stat`` each, no reads).
 

@@ -8,11 +8,18 @@ each group's indices run 0..n-1, and a layer group of the source keeps its count
 (optimizer groups may change: Keras skips a mismatched optimizer with a warning).
 A ``.keras`` archive is rewritten whole: its other members (``config.json``,
 ``metadata.json``, assets) copied as they are, its ``model.weights.h5`` written anew.
+
+A sharded set (``write_sharded``) is laid out as Keras 3's ``ShardedH5IOStore`` lays it
+out: groups in order, a new shard ``NAME_0000N.weights.h5`` once the running size passes
+``max_shard_size`` (so one layer's ``vars`` may run over two shards; its ``name``
+attribute stays in the shard that was current when the layer began), a tensor larger
+than the limit refused, and the index ``NAME.weights.json`` naming each group's shards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -24,7 +31,8 @@ from restorekit.bundle import atomic
 from restorekit.bundle.atomic import atomic_output, temp_name
 from restorekit.errors import InvalidArgumentError, format_names
 
-__all__ = ["WEIGHTS_MEMBER", "check_structure", "write_archive", "write_weights"]
+__all__ = ["WEIGHTS_MEMBER", "check_structure", "keras_size", "set_files", "shard_layout", "shard_paths", "write_archive",
+           "write_order", "write_sharded", "write_weights"]
 
 WEIGHTS_MEMBER = "model.weights.h5"
 _COPY_BUFFER = 1 << 20
@@ -162,3 +170,137 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
             target = f.require_group(group) if group else f
             for name, value in values.items():
                 target.attrs[name] = value
+
+
+# ---------------------------------------------------------------- sharded sets
+
+SHARDED_SUFFIX = ".weights.json"
+
+
+def keras_size(shape, dtype: str) -> float:
+    """The bytes Keras counts a tensor as when it cuts shards: elements times its dtype's bits / 8 (a bool is 1 bit)."""
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if dtype == "bool":
+        return count / 8
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    return float(count * itemsize)
+
+
+def shard_layout(sizes, max_shard_size: float, *, where: str = "the output") -> tuple[list, dict]:
+    """``([[key, ...] per shard], {group: shard index its attributes go in})`` for ``(key, size)`` pairs in
+    write order, cut as Keras cuts them (see the module docstring).
+
+    Raises:
+        InvalidArgumentError: a tensor larger than ``max_shard_size``.
+    """
+    parts: list = [[]]
+    starts: dict = {}
+    current = 0.0
+    for key, size in sizes:
+        if size > max_shard_size:
+            raise InvalidArgumentError(
+                f"{where}: {key!r} takes {int(size)} bytes, more than max_shard_size ({int(max_shard_size)} bytes); "
+                f"Keras keeps each variable whole in one shard: pass a larger max_shard_size"
+            )
+        group = _group_of(key)[0]
+        starts.setdefault(group, len(parts) - 1)  # the group is made before its first tensor may open a shard
+        current += size
+        if current > max_shard_size:
+            parts.append([])
+            current = size
+        parts[-1].append(key)
+    return parts, starts
+
+
+def shard_paths(index, count: int) -> list[str]:
+    """The shards of a set at ``index`` in ``count`` parts, named as Keras names them: ``x.weights.json`` ->
+    ``x_00000.weights.h5``, ... (Keras' ``Path.stem`` without ``'.weights'``)."""
+    index = os.path.abspath(os.fspath(index))
+    base = os.path.basename(index)[: -len(".json")].replace(".weights", "")
+    return [os.path.join(os.path.dirname(index), f"{base}_{i:05d}.weights.h5") for i in range(count)]
+
+
+def set_files(index) -> list[str]:
+    """The files of an existing sharded set at ``index``: the shards its weight map names (plain names beside
+    it), then the index itself; only the index when it cannot be read."""
+    index = os.path.abspath(os.fspath(index))
+    names: list = []
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        for shards in weight_map.values():
+            for name in [shards] if isinstance(shards, str) else shards:
+                if isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", ".."):
+                    names.append(name)
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    directory = os.path.dirname(index)
+    return [os.path.join(directory, n) for n in dict.fromkeys(names)] + [index]
+
+
+def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: dict | None = None,
+                  replace: tuple = ()) -> tuple[str, ...]:
+    """Write ``(key, array or callable)`` pairs as a Keras 3 sharded set: ``NAME_00000.weights.h5``, ... and
+    the index ``index`` (``NAME.weights.json``) that ``model.load_weights`` reads.
+
+    ``sizes``: key -> bytes as Keras counts them (``keras_size``). Every file is staged in a
+    hidden directory beside ``index``, then published shards first and the index last.
+    ``replace``: the files of a set being replaced; shards that are not in the new set are
+    removed once the new index is in place. When a new shard takes the name of an existing
+    file, the old index is removed first: a crash then leaves no set rather than an old
+    index over new shards.
+
+    Returns:
+        The index and shard paths written.
+
+    Raises:
+        InvalidArgumentError: keys ``model.load_weights`` could not load, an output not named
+            ``*.weights.json``, or a tensor over ``max_shard_size`` (nothing written).
+    """
+    index = os.path.abspath(os.fspath(index))
+    if not index.endswith(SHARDED_SUFFIX):
+        raise InvalidArgumentError(f"{index!r}: Keras reads a sharded set through an index named '*{SHARDED_SUFFIX}'")
+    tensors = dict(tensors)
+    check_structure(list(tensors), where=repr(index))
+    order = write_order(tensors)
+    parts, starts = shard_layout([(k, sizes[k]) for k in order], max_shard_size, where=repr(index))
+    directory = os.path.dirname(index)
+    shards = shard_paths(index, len(parts))
+    weight_map: dict = {}
+    with atomic.Staging(directory) as staging:
+        for i, (path, part) in enumerate(zip(shards, parts)):
+            part_attrs = {g: a for g, a in (attrs or {}).items() if starts.get(_vars_owner(g), 0) == i}
+            _write_h5(staging.path(path), [(k, tensors[k]) for k in part], part_attrs)
+            for key in part:  # as Keras: a group's first tensor names its shard, a second makes that a list
+                group, name = "/" + key.rpartition("/")[0], os.path.basename(path)
+                if group not in weight_map:
+                    weight_map[group] = name
+                else:
+                    names = weight_map[group] = weight_map[group] if isinstance(weight_map[group], list) else [
+                        weight_map[group]]
+                    names.extend([] if name in names else [name])
+            atomic.crash_point(f"keras-shard-{i}-staged")
+        text = json.dumps({"metadata": {"total_size": float(sum(sizes[k] for k in order))}, "weight_map": weight_map},
+                          indent=4)
+        with open(staging.path(index), "w", encoding="utf-8") as f:  # staged last: Staging renames in this order
+            f.write(text)
+        taken = [p for p in shards if os.path.exists(p)]
+        old = [os.path.abspath(p) for p in replace]
+        staging.commit(remove_before=[index] if taken and os.path.exists(index) else [],
+                       remove_after=[p for p in old if p not in shards and p != index])
+    return (index, *shards)
+
+
+def write_order(keys) -> list[str]:
+    """``.../vars/N`` keys in the order a sharded set holds them: groups as first given, each group's
+    variables by index (``vars/2`` before ``vars/10``)."""
+    keys = list(keys)
+    seen: dict = {}
+    for key in keys:
+        seen.setdefault(_group_of(key)[0], len(seen))
+    return sorted(keys, key=lambda k: (seen[_group_of(k)[0]], _group_of(k)[1]))
+
+
+def _vars_owner(vars_group: str) -> str:
+    """``'layers/dense/vars'`` -> ``'layers/dense'`` (``'vars'`` -> ``''``): the layer group whose attributes these are."""
+    return vars_group[: -len("/vars")] if vars_group.endswith("/vars") else ""
