@@ -249,3 +249,23 @@ def test_the_sweep_removes_a_dead_commits_config_json_only_when_none_of_its_weig
     atomic.sweep_stale(str(tmp_path))
     assert (tmp_path / "config.json").exists() == weights_visible
     assert not dead.exists()
+
+
+def test_the_sweep_removes_keras_shards_no_weights_json_names_and_keeps_the_named_ones(tmp_path):
+    """A writer killed mid-commit of a Keras sharded set: shards renamed before its index are swept
+    when the set's ``.weights.json`` does not name them (a layer may list several shards)."""
+    import json
+
+    for i in range(3):
+        (tmp_path / f"m_{i:05d}.weights.h5").write_bytes(b"h5")
+    (tmp_path / "m.weights.json").write_text(json.dumps(
+        {"metadata": {"total_size": 1.0},
+         "weight_map": {"/layers/dense/vars": ["m_00000.weights.h5", "m_00001.weights.h5"]}}))
+    (tmp_path / "n_00000.weights.h5").write_bytes(b"h5")  # a set whose index never landed
+    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00e"
+    dead.mkdir()
+    (dead / ".restorekit-journal").write_text(json.dumps(
+        ["m_00000.weights.h5", "m_00001.weights.h5", "m_00002.weights.h5", "n_00000.weights.h5"]))
+    atomic.sweep_stale(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.json", "m_00000.weights.h5", "m_00001.weights.h5"]
+    assert atomic._is_index(str(tmp_path / "m.weights.json"))

@@ -52,14 +52,18 @@ _SHARD = re.compile(r"(.+)\.data-\d{5}-of-(\d{5})")
 # A Hugging Face shard and the index that names it (restorekit.export.sharded writes both).
 _HF_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
 _HF_INDEX = ".safetensors.index.json"
+# A Keras 3 sharded weights set: ``NAME_00000.weights.h5``, ... named by ``NAME.weights.json``.
+_KERAS_SHARD = re.compile(r"(.+)_\d{5}\.weights\.h5")
+_KERAS_INDEX = ".weights.json"
 # Files published just before the weights they describe (a Hugging Face config.json):
 # a dead commit's copy stays only if some weights file its journal names is visible.
 _COMPANIONS = ("config.json",)
 
 
 def _is_index(path: str) -> bool:
-    """An index makes its checkpoint exist: a TF ``.index`` or a Hugging Face ``*.safetensors.index.json``."""
-    return path.endswith((".index", _HF_INDEX))
+    """An index makes its checkpoint exist: a TF ``.index``, a Hugging Face ``*.safetensors.index.json``
+    or a Keras ``*.weights.json``."""
+    return path.endswith((".index", _HF_INDEX, _KERAS_INDEX))
 # Tests set this to a point name; the process then pauses there so it can be killed.
 CRASH_HOOK_ENV = "RESTOREKIT_CRASH_HOOK"
 
@@ -172,8 +176,8 @@ def _remove_orphans(directory: str, staging: str) -> None:
     Its shards renamed before its index, or the old shards it was to remove after it
     (an in-place save), are data no checkpoint can reach; its journal lists every name
     it touched. A shard stays whenever a live ``.index`` names it (the commit's own, if
-    it landed, or another writer's since); a Hugging Face shard, whenever its
-    ``*.safetensors.index.json`` lists it; a ``config.json`` renamed ahead of its
+    it landed, or another writer's since); a Hugging Face or Keras shard, whenever its
+    ``*.safetensors.index.json`` / ``*.weights.json`` lists it; a ``config.json`` renamed ahead of its
     weights, whenever any weights file the journal names is visible.
     """
     try:
@@ -183,9 +187,10 @@ def _remove_orphans(directory: str, staging: str) -> None:
         return  # it died before its commit began: nothing of it is visible
     counts: dict[str, int | None] = {}
     for name in names:
-        hf_shard = _HF_SHARD.fullmatch(name)
-        if hf_shard:
-            if not _hf_index_names(os.path.join(directory, hf_shard.group(1) + _HF_INDEX), name):
+        json_shard = _HF_SHARD.fullmatch(name) or _KERAS_SHARD.fullmatch(name)
+        if json_shard:
+            index = json_shard.group(1) + (_HF_INDEX if name.endswith(".safetensors") else _KERAS_INDEX)
+            if not _json_index_names(os.path.join(directory, index), name):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(directory, name))
             continue
@@ -212,12 +217,16 @@ def _remove_orphan_companions(directory: str, names: list) -> None:
             os.remove(os.path.join(directory, name))
 
 
-def _hf_index_names(index: str, name: str) -> bool:
-    """True when the Hugging Face index ``index`` names shard ``name`` (or cannot be read: keep it)."""
+def _json_index_names(index: str, name: str) -> bool:
+    """True when the JSON index ``index`` (Hugging Face or Keras) names shard ``name`` in its
+    ``weight_map`` (a Keras group may map to a list of shards), or cannot be read: keep it."""
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
-        return name in set(weight_map.values())
+        named = set()
+        for value in weight_map.values():
+            named.update(value if isinstance(value, list) else [value])
+        return name in named
     except FileNotFoundError:
         return False
     except (OSError, ValueError, AttributeError):
