@@ -107,3 +107,13 @@ def test_readme_usage_lines_name_the_options_the_commands_take():
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     cast = next(line for line in readme.splitlines() if line.startswith("restorekit cast "))
     assert "[--no-check]" in cast and "[--link]" in cast
+
+
+def test_a_keras_sharded_output_is_refused_by_convert_with_the_editor_named(tmp_path):
+    import keras
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+    model.save_weights(str(tmp_path / "k.weights.h5"))
+    with pytest.raises(OutputNameError, match=r"CheckpointEditor\(src\)\.save\(out, max_shard_size="):
+        convert(str(tmp_path / "k.weights.h5"), str(tmp_path / "m.weights.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.weights.h5"]

@@ -18,6 +18,7 @@ from restorekit.export import formats
 __all__ = ["OutputNameError", "target_format"]
 
 KERAS_WEIGHTS = ".weights.h5"
+KERAS_SHARDED = ".weights.json"
 
 # Extensions of other tools' files: an output named so is almost surely not meant to be
 # a TF checkpoint prefix.
@@ -31,6 +32,8 @@ _HINTS = {
            f"{KERAS_WEIGHTS} or .keras source).",
     ".hdf5": f"Keras 3 weights files are named '*{KERAS_WEIGHTS}'.",
     ".keras": f"A .keras archive holds a model's config as well; restorekit writes the weights as '*{KERAS_WEIGHTS}'.",
+    KERAS_SHARDED: "A Keras sharded set is written from a Keras 3 file by CheckpointEditor(src).save(out, "
+                   "max_shard_size='500MB'); convert writes one '*.weights.h5'.",
     ".npy": "A .npy file holds one array; a checkpoint's tensors go in an '.npz'.",
     ".st": "Did you mean '.safetensors'?",
     ".torch": "Did you mean '.pt'?",
@@ -50,7 +53,10 @@ def _suffixes() -> dict[str, str]:
 
 def _suffix(path: str) -> str:
     lower = path.lower()
-    return KERAS_WEIGHTS if lower.endswith(KERAS_WEIGHTS) else os.path.splitext(lower)[1]
+    for double in (KERAS_WEIGHTS, KERAS_SHARDED):
+        if lower.endswith(double):
+            return double
+    return os.path.splitext(lower)[1]
 
 
 def _odd_suffix(suffix: str) -> str | None:
