@@ -24,7 +24,7 @@ def quiet_logs() -> None:
 
 
 @contextlib.contextmanager
-def _native_stderr_silenced():
+def native_stderr_silenced():
     try:
         saved = os.dup(2)
     except OSError:  # no fd 2 (an embedded interpreter): nothing to silence
@@ -52,7 +52,7 @@ def import_tensorflow():
     """
     try:
         if _quiet and "tensorflow" not in sys.modules:
-            with _native_stderr_silenced():
+            with native_stderr_silenced():
                 import tensorflow
         else:
             import tensorflow
@@ -64,3 +64,6 @@ def import_tensorflow():
             "(or 'restorekit[tf-cpu]', or keep the TensorFlow build you already use)"
         ) from None
     return tensorflow
+
+
+_native_stderr_silenced = native_stderr_silenced  # the old private name

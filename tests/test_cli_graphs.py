@@ -30,16 +30,22 @@ def frozen(tmp_path_factory):
     return prefix, str(directory / "f.pb")
 
 
-_NATIVE = ("absl::InitializeLog", "I0000", "W0000", "oneDNN", "cudart", "XNNPACK", "TensorFlow Lite")
+_NATIVE = ("absl::InitializeLog", "I0000", "W0000", "oneDNN", "cudart", "XNNPACK", "TensorFlow Lite",
+           "fully_quantize")
 
 
-@pytest.mark.parametrize("command", ["freeze", "unfreeze", "compress"])
+@pytest.mark.parametrize("command", ["freeze", "unfreeze", "compress", "compress-int8"])
 def test_commands_that_load_tensorflow_print_no_native_log_lines(frozen, tmp_path, command):
     prefix, pb = frozen
+    samples = tmp_path / "samples.npz"
+    np.savez(samples, x=np.random.default_rng(0).standard_normal((20, 4)).astype(np.float32))
     argv = {
         "freeze": ["freeze", prefix, prefix + ".meta", "--outputs", "y", "--out", str(tmp_path / "g.pb")],
         "unfreeze": ["unfreeze", pb, str(tmp_path / "un" / "m")],
         "compress": ["compress", pb, str(tmp_path / "m.tflite"), "--outputs", "y"],
+        # the int8 calibrator prints "fully_quantize: 0, inference_type: 6, ..." to the native stderr
+        "compress-int8": ["compress", pb, str(tmp_path / "q.tflite"), "--outputs", "y", "--precision", "int8",
+                          "--representative", str(samples), "--max-error", "10"],
     }[command]
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-m", "restorekit", *argv], capture_output=True, text=True,

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from restorekit.bundle import atomic
-from restorekit.compress.models import _Lite, _open_source, _Spec, _tf
+from restorekit.compress.models import _Lite, _open_source, _quiet_native, _Spec, _tf
 from restorekit.compress.result import CompressResult
 from restorekit.compress.samples import _concrete_shape, _random_feeds, _sample_feeds
 from restorekit.errors import (
@@ -51,7 +51,8 @@ def _convert(model, precision: str, shapes: dict, feeds: list[dict]) -> bytes:
         # Every op in int8: an op without an int8 kernel is an error, not a silent float island.
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
     try:
-        return converter.convert()
+        with _quiet_native():  # the int8 calibrator prints "fully_quantize: 0, ..." to the native stderr
+            return converter.convert()
     except Exception as e:  # the converter's own errors (ConverterError, RuntimeError, ValueError)
         ops = _converter_ops(e)
         if not ops:

@@ -8,9 +8,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
-# A private helper of the one module that owns TensorFlow's import and its stderr; it has no public name yet.
-from restorekit._tensorflow import _native_stderr_silenced as native_stderr_silenced
-from restorekit._tensorflow import import_tensorflow
+from restorekit._tensorflow import import_tensorflow, native_stderr_silenced
 from restorekit.errors import (
     CheckpointNotFoundError,
     GraphError,
