@@ -11,20 +11,14 @@ layers on one name has no such attribute to change and is refused.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
 
 import numpy as np
 
 from restorekit.edit.plan import Item
 from restorekit.errors import EditError, NoMatchError, format_names
 from restorekit.keras_files.layouts import Keras3Walk, config_index, text
+from restorekit.keras_files.memtree import Group, node, sorted_tree, tree_types
 from restorekit.names import apply_renames, rename_rule
-
-
-class _Group(dict):
-    def __init__(self):
-        super().__init__()
-        self.attrs: dict = {}
 
 
 class _Stub:
@@ -37,44 +31,28 @@ class _Stub:
         self.attrs = {"dtype": "bfloat16"} if bfloat16 else {}
 
 
-_TREE = SimpleNamespace(Group=_Group, Dataset=_Stub)
-
-
-def _node(root: _Group, path: str) -> _Group:
-    node = root
-    for part in path.split("/") if path else ():
-        node = node.setdefault(part, _Group())
-    return node
-
-
-def _sorted(group: _Group) -> _Group:
-    out = _Group()
-    out.attrs = group.attrs
-    for name in sorted(group):
-        child = group[name]
-        out[name] = _sorted(child) if isinstance(child, _Group) else child
-    return out
+_TREE = tree_types(_Stub)
 
 
 def readable_paths(ckpt, names: dict) -> tuple[dict, dict]:
     """``({key: readable path}, {'<group>/vars': owner path})`` of a Keras 3 file whose ``vars`` groups
     in ``names`` (``{'layers/dense/vars': 'enc9'}``) carry those layer names."""
     attrs = ckpt.group_attrs()
-    root = _Group()
+    root = Group()
     for group, values in attrs.items():
-        _node(root, group).attrs = {**values, **({"name": names[group]} if group in names else {})}
+        node(root, group).attrs = {**values, **({"name": names[group]} if group in names else {})}
     for group, new in names.items():
-        _node(root, group).attrs.setdefault("name", new)
+        node(root, group).attrs.setdefault("name", new)
     for key, entry in ckpt.entries.items():
         parent, _, last = key.rpartition("/")
-        _node(root, parent)[last] = _Stub(entry)
+        node(root, parent)[last] = _Stub(entry)
     index = config_index(ckpt.config)
     for group, new in names.items():  # a renamed layer keeps its class and config (its variables' names)
         old = text(attrs.get(group, {}).get("name"))
         if old in index:
             index.setdefault(new, index[old])
     walker = Keras3Walk(ckpt.prefix, _TREE, index)
-    walker.visit(_sorted(root), "", "", root=True)
+    walker.visit(sorted_tree(root), "", "", root=True)
     return walker.readable, walker.owners
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -34,19 +33,12 @@ from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, f
 from restorekit.keras_files import KerasCheckpoint, _h5py
 from restorekit.keras_files.archive import json_attr
 from restorekit.keras_files.layouts import CONTAINERS, Keras3Walk
+from restorekit.keras_files.memtree import Group, sorted_tree, tree_types
 
 __all__ = ["ShardedKerasCheckpoint"]
 
 _MAX_INDEX = 64 << 20  # an index lists one line per layer; anything this large is not one
 _DRIVE = re.compile(r"^[A-Za-z]:")
-
-
-class _Group(dict):
-    """A group of the merged tree: children by name, plus the group's attributes."""
-
-    def __init__(self):
-        super().__init__()
-        self.attrs: dict = {}
 
 
 class _Stub:
@@ -59,7 +51,7 @@ class _Stub:
 
 
 # Keras3Walk tells groups from datasets by these types; over the merged tree they are ours.
-_TREE = SimpleNamespace(Group=_Group, Dataset=_Stub)
+_TREE = tree_types(_Stub)
 
 
 class ShardedKerasCheckpoint(KerasCheckpoint):
@@ -90,14 +82,14 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
         self._shards = tuple(os.path.join(folder, name) for name in names)
         self.check_shards()
         h5py = _h5py()
-        self._root, self._where, held = _Group(), {}, {}
+        self._root, self._where, held = Group(), {}, {}
         for shard in self._shards:
             with self._h5(shard) as f:
                 self._merge(h5py, f, shard, held)
         self._check_placement(placed, held)
-        self._root = _sorted(self._root)
-        if self._shards and not (isinstance(self._root.get("vars"), _Group)
-                                 or any(isinstance(self._root.get(c), _Group) for c in CONTAINERS)):
+        self._root = sorted_tree(self._root)
+        if self._shards and not (isinstance(self._root.get("vars"), Group)
+                                 or any(isinstance(self._root.get(c), Group) for c in CONTAINERS)):
             raise CorruptCheckpointError(
                 f"{self.prefix!r}: its shards are HDF5 files but not Keras 3 weights (their top level holds "
                 f"{format_names(sorted(self._root), 6) or 'nothing'}); save the model with model.save_weights"
@@ -182,8 +174,8 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
             *parents, last = name.split("/")
             parent = self._root
             for part in parents:
-                parent = parent.setdefault(part, _Group())
-                if not isinstance(parent, _Group):
+                parent = parent.setdefault(part, Group())
+                if not isinstance(parent, Group):
                     raise self._mismatch(f"{name!r} lies under a dataset of another shard", shard)
             if isinstance(obj, h5py.Dataset):
                 if last in parent:
@@ -195,8 +187,8 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
                 self._where[name] = shard
                 held.setdefault("/" + "/".join(parents), set()).add(name_of_shard)
                 return
-            group = parent.setdefault(last, _Group())
-            if not isinstance(group, _Group):
+            group = parent.setdefault(last, Group())
+            if not isinstance(group, Group):
                 raise self._mismatch(f"{name!r} is a group here and a dataset in another shard", shard)
             for key, value in obj.attrs.items():
                 if key in group.attrs and not _same(group.attrs[key], value):
@@ -230,7 +222,7 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
         while stack:
             key, group = stack.pop()
             for name, child in group.items():
-                if isinstance(child, _Group):
+                if isinstance(child, Group):
                     child_key = f"{key}/{name}" if key else name
                     if name == "vars" and child.attrs:
                         out[child_key] = dict(child.attrs)
@@ -243,13 +235,3 @@ def _same(a, b) -> bool:
         return bool(np.array_equal(np.asarray(a), np.asarray(b)))
     except (TypeError, ValueError):
         return False
-
-
-def _sorted(group: _Group) -> _Group:
-    """The merged tree with children in name order, the order h5py lists one file's members in."""
-    out = _Group()
-    out.attrs = group.attrs
-    for name in sorted(group):
-        child = group[name]
-        out[name] = _sorted(child) if isinstance(child, _Group) else child
-    return out
