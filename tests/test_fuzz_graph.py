@@ -10,18 +10,15 @@ case it died on and starts a new worker after it. An alarm per case catches hang
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import resource
-import signal
-import subprocess
 import sys
+
+from fuzzworker import outcome_counts, run_all, run_cases
 
 SEED = 20250612
 CASE_SECONDS = 30  # a hang guard, not a speed bar: a loaded 2-core machine must not trip it
 RSS_GROWTH_LIMIT = 400 << 20  # bytes; the seeds are a few KB, a damaged size field may claim terabytes
-MARK = "FUZZCASE "
 SEEDS = ("graph.pb", "graph.pbtxt", "frozen.pb", "model.meta", "v1_saved/saved_model.pb", "v2_saved/saved_model.pb")
 MAX_OUTPUT_BYTES = 64 << 20
 
@@ -279,31 +276,6 @@ def _corpus(directory: str) -> list:
 # ------------------------------------------------------------------ the worker
 
 
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Hang()
-
-
-def _peak_rss(reset: bool = False) -> int:
-    """The process's peak resident memory in bytes; ``reset`` starts a new peak (Linux), so each case has its own."""
-    try:
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
-    except OSError:  # not Linux: the peak since the process started
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-
-
-def _report(**fields) -> None:
-    sys.stdout.write(MARK + json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
 def _place(directory: str, seed: str, data: bytes) -> str:
     """Write a case where its kind of reader looks for it; the path to pass."""
     case_dir = os.path.join(directory, "cases", seed.replace("/", "_"))
@@ -329,84 +301,27 @@ def _run_case(index, path, out) -> None:
                  max_output_bytes=MAX_OUTPUT_BYTES, overwrite=True)
 
 
-def _where(error) -> str:
-    """The innermost restorekit frame a foreign exception passed through: where to fix it."""
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/restorekit/" in f.filename]
-    return f"at {frames[-1].filename.rsplit('/restorekit/', 1)[1]}:{frames[-1].lineno}" if frames else ""
-
-
 def worker(directory: str, start: int) -> None:
     """Run the corpus from case ``start``, one JSON line per case start and outcome."""
-    from restorekit.errors import RestoreKitError
-
     if not os.path.exists(os.path.join(directory, "model.meta")):
         _build_seeds(directory)
     cases = _corpus(directory)
-    _report(total=len(cases), rss=_peak_rss(reset=True))
-    signal.signal(signal.SIGALRM, _alarm)
     out = os.path.join(directory, "out", "m")
-    for index in range(start, len(cases)):
-        name, seed, data = cases[index]
-        path = _place(directory, seed, data)
-        _report(start=index, name=name)
-        _peak_rss(reset=True)
-        signal.alarm(CASE_SECONDS)
-        try:
-            _run_case(index, path, out)
-            outcome = "ok"
-        except RestoreKitError:
-            outcome = "error"
-        except _Hang:
-            outcome = "hang"
-        except BaseException as e:  # noqa: BLE001 - the point: no other type may escape
-            outcome = f"foreign {type(e).__name__} {_where(e)}: {str(e)[:200]}"
-        finally:
-            signal.alarm(0)
-        _report(case=index, name=name, outcome=outcome, rss=_peak_rss())
+
+    def run_one(index, case) -> None:
+        _, seed, data = case
+        _run_case(index, _place(directory, seed, data), out)
+
+    run_cases(cases, start, CASE_SECONDS, run_one)
 
 
 # ------------------------------------------------------------------ the test
 
 
-def _run_worker(directory, start: int) -> tuple[list, int]:
-    import restorekit
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(restorekit.__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3")
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), str(directory), str(start)], env=env,
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=600)
-        stdout, code = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or "", "timeout"
-    lines = [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)]
-    return lines, code
-
-
 def test_damaged_graph_files_load_or_raise_restorekit_errors(tmp_path):
-    failures, outcomes, start, total, base_rss, peak_rss = [], {}, 0, None, None, (0, None)
-    while total is None or start < total:
-        lines, code = _run_worker(tmp_path, start)
-        started = None
-        for line in lines:
-            if "total" in line:
-                total, base_rss = line["total"], base_rss or line["rss"]
-            elif "start" in line:
-                started = line
-            else:
-                started = None
-                peak_rss = max(peak_rss, (line["rss"], line["name"]))
-                kind = line["outcome"].split()[0]
-                outcomes[kind] = outcomes.get(kind, 0) + 1
-                if kind not in ("ok", "error"):
-                    failures.append(f"{line['name']}: {line['outcome']}")
-        if started is None:
-            assert code == 0 and total is not None, f"the fuzz worker failed outside any case (exit {code})"
-            break
-        failures.append(f"{started['name']}: the worker died (exit {code})")
-        start = started["start"] + 1
+    total, base_rss, finished, failures = run_all(__file__, tmp_path, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    outcomes = outcome_counts(finished)
+    peak_rss = max(((line["rss"], line["name"]) for line in finished), default=(0, None))
     assert total >= 250
     assert not failures, "\n".join(failures)
     grown = peak_rss[0] - base_rss

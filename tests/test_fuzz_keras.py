@@ -16,11 +16,11 @@ import json
 import os
 import random
 import resource
-import signal
 import struct
-import subprocess
 import sys
 import zipfile
+
+from fuzzworker import outcome_counts, run_all, run_cases
 
 SEED = 20250613
 CASE_SECONDS = 30  # a hang guard, not a speed bar: a loaded 2-core machine must not trip it
@@ -29,7 +29,6 @@ RSS_GROWTH_LIMIT = 400 << 20  # bytes; the seeds are a few KB, a damaged shape m
 # notices the damage (2 GiB in case h5-overwrite-15): a refused file may cost up to this much.
 REFUSED_RSS_GROWTH_LIMIT = (4 << 30) + RSS_GROWTH_LIMIT
 ADDRESS_SPACE_LIMIT = 6 << 30  # the worker imports numpy and h5py, never TensorFlow
-MARK = "FUZZCASE "
 
 
 # ------------------------------------------------------------------ seeds (in the test process: they need Keras)
@@ -256,39 +255,6 @@ def _corpus(directory) -> list:
 # ------------------------------------------------------------------ the worker
 
 
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Hang()
-
-
-def _peak_rss(reset: bool = False) -> int:
-    """The process's peak resident memory in bytes; ``reset`` starts a new peak (Linux), so each case has its own."""
-    try:
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
-    except OSError:  # not Linux: the peak since the process started
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-
-
-def _report(**fields) -> None:
-    sys.stdout.write(MARK + json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
-def _where(error) -> str:
-    """The innermost restorekit frame a foreign exception passed through: where to fix it."""
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/restorekit/" in f.filename]
-    return f"at {frames[-1].filename.rsplit('/restorekit/', 1)[1]}:{frames[-1].lineno}" if frames else ""
-
-
 def _read_all(path) -> None:
     import restorekit
 
@@ -303,49 +269,15 @@ def _read_all(path) -> None:
 
 def worker(directory: str, start: int) -> None:
     """Read the cases listed in ``directory/cases.json`` from ``start``, one JSON line per case start and outcome."""
-    from restorekit.errors import RestoreKitError
-
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
     with open(os.path.join(directory, "cases.json")) as f:
         cases = json.load(f)
     import h5py  # noqa: F401 - loaded before the baseline, like the reader will
 
-    _report(total=len(cases), rss=_peak_rss(reset=True))
-    signal.signal(signal.SIGALRM, _alarm)
-    for index in range(start, len(cases)):
-        name, path = cases[index]
-        _report(start=index, name=name)
-        _peak_rss(reset=True)
-        signal.alarm(CASE_SECONDS)
-        try:
-            _read_all(path)
-            outcome = "ok"
-        except RestoreKitError:
-            outcome = "error"
-        except _Hang:
-            outcome = "hang"
-        except BaseException as e:  # noqa: BLE001 - the point: no other type may escape
-            outcome = f"foreign {type(e).__name__} {_where(e)}: {str(e)[:200]}"
-        finally:
-            signal.alarm(0)
-        _report(case=index, name=name, outcome=outcome, rss=_peak_rss())
+    run_cases(cases, start, CASE_SECONDS, lambda index, case: _read_all(case[1]))
 
 
 # ------------------------------------------------------------------ the test
-
-
-def _run_worker(directory, start: int) -> tuple[list, object]:
-    import restorekit
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(restorekit.__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), str(directory), str(start)], env=env,
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=600)
-        stdout, code = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout, code = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""), "timeout"
-    return [json.loads(line[len(MARK):]) for line in stdout.splitlines() if line.startswith(MARK)], code
 
 
 def test_damaged_keras_files_read_or_raise_restorekit_errors(tmp_path):
@@ -356,30 +288,11 @@ def test_damaged_keras_files_read_or_raise_restorekit_errors(tmp_path):
         path.write_bytes(data)
         listed.append((name, str(path)))
     (tmp_path / "cases.json").write_text(json.dumps(listed))
-    failures, outcomes, start, total, base_rss = [], {}, 0, None, None
-    peak_rss = peak_refused = (0, None)
-    while total is None or start < total:
-        lines, code = _run_worker(tmp_path, start)
-        started = None
-        for line in lines:
-            if "total" in line:
-                total, base_rss = line["total"], base_rss or line["rss"]
-            elif "start" in line:
-                started = line
-            else:
-                started = None
-                kind = line["outcome"].split()[0]
-                if kind != "error":
-                    peak_rss = max(peak_rss, (line["rss"], line["name"]))
-                peak_refused = max(peak_refused, (line["rss"], line["name"]))
-                outcomes[kind] = outcomes.get(kind, 0) + 1
-                if kind not in ("ok", "error"):
-                    failures.append(f"{line['name']}: {line['outcome']}")
-        if started is None:
-            assert code == 0 and total is not None, f"the fuzz worker failed outside any case (exit {code})"
-            break
-        failures.append(f"{started['name']}: the worker died (exit {code})")
-        start = started["start"] + 1
+    total, base_rss, finished, failures = run_all(__file__, tmp_path)
+    outcomes = outcome_counts(finished)
+    peak_rss = max(((line["rss"], line["name"]) for line in finished if line["outcome"].split()[0] != "error"),
+                   default=(0, None))
+    peak_refused = max(((line["rss"], line["name"]) for line in finished), default=(0, None))
     assert total >= 200
     assert not failures, "\n".join(failures)
     grown = peak_rss[0] - base_rss
