@@ -26,7 +26,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_DRIVER = """
+# One operation in a fresh process: seconds and peak memory above the RSS before it (bench_scale uses it too).
+DRIVER = """
 import json, os, sys, time
 sys.path.insert(0, {code!r})
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -133,7 +134,7 @@ with tf.Graph().as_default():
 
 
 def run(setup: str, body: str, src: str, out: str, code_dir: str = REPO) -> dict:
-    code = _DRIVER.format(code=code_dir, setup=setup, body=body)
+    code = DRIVER.format(code=code_dir, setup=setup, body=body)
     proc = subprocess.run([sys.executable, "-c", code, src, out], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])

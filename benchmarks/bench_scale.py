@@ -26,29 +26,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_edit import DRIVER  # noqa: E402 - one operation per process, timed with its peak memory
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_DRIVER = """
-import json, os, sys, time
-sys.path.insert(0, {code!r})
-
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) * 1024
-
-{setup}
-try:  # reset VmHWM to the current RSS (Linux >= 4.0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
-base = status("VmRSS:")
-start = time.perf_counter()
-{body}
-seconds = time.perf_counter() - start
-print(json.dumps({{"seconds": seconds, "peak": status("VmHWM:") - base}}))
-"""
 
 SETUP = """import numpy as np
 import restorekit.edit.save_tf as save_tf
@@ -100,7 +81,7 @@ def make_checkpoint(prefix: str, total: int, shards: int) -> dict:
 
 
 def run(body: str, src: str, out: str, workers: int) -> dict:
-    code = _DRIVER.format(code=REPO, setup=SETUP, body=body)
+    code = DRIVER.format(code=REPO, setup=SETUP, body=body)
     proc = subprocess.run([sys.executable, "-c", code, src, out, str(workers)], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
