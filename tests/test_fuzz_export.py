@@ -12,10 +12,12 @@ import resource
 import signal
 import struct
 import zipfile
+from functools import partial
 
 import numpy as np
 import pytest
 
+from fuzzing import Hang, flip, on_alarm, overwrite, truncate
 from restorekit.errors import RestoreKitError
 from restorekit.export import import_checkpoint
 from restorekit.export import npz as npz_format
@@ -52,24 +54,9 @@ def _seeds(tmp_path):
     return seeds
 
 
-def _flip(rng, data):
-    data = bytearray(data)
-    for _ in range(rng.randint(1, 8)):
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    return bytes(data)
-
-
-def _truncate(rng, data):
-    return data[: rng.randrange(len(data))]
-
-
-def _overwrite(rng, data):
-    data = bytearray(data)
-    start = rng.randrange(len(data))
-    fill = rng.choice([b"\xff", b"\x00", b"\x7f", bytes([rng.randrange(256)])])
-    for i in range(start, min(len(data), start + rng.randint(1, 16))):
-        data[i] = fill[0]
-    return bytes(data)
+# This corpus's own mutation sizes (the seed corpus depends on them).
+_flip = partial(flip, most=8)
+_overwrite = partial(overwrite, fills=(b"\xff", b"\x00", b"\x7f"), longest=16)
 
 
 def _rezipped(rng, data, mutate_member):
@@ -142,7 +129,7 @@ def _corpus(tmp_path):
     cases = []
     for kind, data in seeds.items():
         suffix = "." + kind.split(".")[-1]
-        generic = [_flip, _truncate, _overwrite]
+        generic = [_flip, truncate, _overwrite]
         for i in range(45):
             cases.append((f"{kind}-{i}", suffix, rng.choice(generic)(rng, data), kind))
         if kind in ("pt", "npz", "deflated.npz"):
@@ -174,19 +161,11 @@ _CRC_PROTECTED = ("pt", "npz", "deflated.npz")
 _MODULES = {".pt": torch_format, ".npz": npz_format, ".safetensors": st_format}
 
 
-class _Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Hang()
-
-
 def test_damaged_files_read_or_raise_restorekit_errors(tmp_path):
     cases, originals = _corpus(tmp_path)
     assert len(cases) >= 300
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    old = signal.signal(signal.SIGALRM, _alarm)
+    old = signal.signal(signal.SIGALRM, on_alarm)
     foreign, hangs, changed, outcomes = [], [], [], {"read": 0, "refused": 0}
     try:
         for i, (name, suffix, data, kind) in enumerate(cases):
@@ -202,7 +181,7 @@ def test_damaged_files_read_or_raise_restorekit_errors(tmp_path):
                 outcomes["read"] += 1
             except RestoreKitError:
                 outcomes["refused"] += 1
-            except _Hang:
+            except Hang:
                 hangs.append(name)
             except Exception as e:  # noqa: BLE001 - the point: no other type may escape
                 foreign.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")

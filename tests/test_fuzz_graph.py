@@ -14,7 +14,7 @@ import os
 import random
 import sys
 
-from fuzzworker import outcome_counts, run_all, run_cases
+from fuzzing import flip, outcome_counts, overwrite, run_all, run_cases, truncate
 
 SEED = 20250612
 CASE_SECONDS = 30  # a hang guard, not a speed bar: a loaded 2-core machine must not trip it
@@ -67,26 +67,6 @@ def _build_seeds(directory: str) -> None:
 
 
 # ------------------------------------------------------------------ byte-level damage
-
-
-def _flip(rng, data):
-    data = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    return bytes(data)
-
-
-def _truncate(rng, data):
-    return data[: rng.randrange(len(data))]
-
-
-def _overwrite(rng, data):
-    data = bytearray(data)
-    start = rng.randrange(len(data))
-    fill = rng.choice([b"\xff", b"\x00", b"\x7f", b"\x80", bytes([rng.randrange(256)])])
-    for i in range(start, min(len(data), start + rng.randint(1, 12))):
-        data[i] = fill[0]
-    return bytes(data)
 
 
 # ------------------------------------------------------------------ structured damage (decode, change, encode)
@@ -265,8 +245,8 @@ def _corpus(directory: str) -> list:
         with open(os.path.join(directory, seed), "rb") as f:
             data = f.read()
         for i in range(25):
-            damage = rng.choice([_flip, _truncate, _overwrite])
-            cases.append((f"{seed}-{damage.__name__[1:]}-{i}", seed, damage(rng, data)))
+            damage = rng.choice([flip, truncate, overwrite])
+            cases.append((f"{seed}-{damage.__name__}-{i}", seed, damage(rng, data)))
         for i in range(30):
             damaged = _structured(rng, data, classes[seed], binary=not seed.endswith("txt"))
             cases.append((f"{seed}-structured-{i}", seed, damaged))

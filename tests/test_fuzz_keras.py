@@ -20,7 +20,7 @@ import struct
 import sys
 import zipfile
 
-from fuzzworker import outcome_counts, run_all, run_cases
+from fuzzing import flip, outcome_counts, overwrite, run_all, run_cases, truncate
 
 SEED = 20250613
 CASE_SECONDS = 30  # a hang guard, not a speed bar: a loaded 2-core machine must not trip it
@@ -61,26 +61,6 @@ def _seeds(directory) -> dict:
 
 
 # ------------------------------------------------------------------ byte-level damage
-
-
-def _flip(rng, data):
-    data = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    return bytes(data)
-
-
-def _truncate(rng, data):
-    return data[: rng.randrange(len(data))]
-
-
-def _overwrite(rng, data):
-    data = bytearray(data)
-    start = rng.randrange(len(data))
-    fill = rng.choice([b"\xff", b"\x00", b"\x7f", b"\x80", bytes([rng.randrange(256)])])
-    for i in range(start, min(len(data), start + rng.randint(1, 12))):
-        data[i] = fill[0]
-    return bytes(data)
 
 
 # ------------------------------------------------------------------ structured damage, written with h5py
@@ -224,7 +204,7 @@ def _structured_zip(rng, data, weights_h5):
         struct.pack_into("<I", data, at + field, rng.choice([0, 0xFFFFFFFF, len(data) * 2, 7]))
         return bytes(data)
     if choice == 6:  # bytes overwritten inside the stored weights member, the zip CRC left as it was
-        return _overwrite(rng, data)
+        return overwrite(rng, data)
     return _rezip(data, lambda n, b: [] if n == rng.choice(["config.json", "model.weights.h5"]) else [(n, b, stored)])
 
 
@@ -239,8 +219,8 @@ def _corpus(directory) -> list:
             data = f.read()
         suffix = ".keras" if kind == "keras" else (".weights.h5" if kind == "weights.h5" else ".h5")
         for i in range(30):
-            damage = rng.choice([_flip, _truncate, _overwrite])
-            cases.append((f"{kind}-{damage.__name__[1:]}-{i}", suffix, damage(rng, data)))
+            damage = rng.choice([flip, truncate, overwrite])
+            cases.append((f"{kind}-{damage.__name__}-{i}", suffix, damage(rng, data)))
         for i in range(30):
             if kind == "keras":
                 with open(paths["weights.h5"], "rb") as f:

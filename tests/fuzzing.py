@@ -1,4 +1,5 @@
-"""The process side of the fuzz harnesses that run their cases in a child process (test_fuzz_graph, test_fuzz_keras).
+"""What the fuzz harnesses share: byte mutations (test_fuzz_export, test_fuzz_graph, test_fuzz_keras),
+and the child-process runner of the harnesses that run their cases in a child process (graph, keras).
 
 A test file runs itself as a script (``python tests/test_fuzz_X.py DIR START``); its
 ``worker`` calls ``run_cases``, which prints one JSON line per case start and outcome.
@@ -18,12 +19,43 @@ import sys
 
 MARK = "FUZZCASE "
 
+# ------------------------------------------------------------------ byte mutations (seeded: the corpus is fixed)
+
+
+def flip(rng, data: bytes, most: int = 4) -> bytes:
+    """Flip one bit in each of 1..``most`` random bytes."""
+    data = bytearray(data)
+    for _ in range(rng.randint(1, most)):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def truncate(rng, data: bytes) -> bytes:
+    return data[: rng.randrange(len(data))]
+
+
+OVERWRITE_FILLS = (b"\xff", b"\x00", b"\x7f", b"\x80")
+
+
+def overwrite(rng, data: bytes, fills=OVERWRITE_FILLS, longest: int = 12) -> bytes:
+    """Overwrite a run of 1..``longest`` bytes with one of ``fills`` or a random byte."""
+    data = bytearray(data)
+    start = rng.randrange(len(data))
+    fill = rng.choice([*fills, bytes([rng.randrange(256)])])
+    for i in range(start, min(len(data), start + rng.randint(1, longest))):
+        data[i] = fill[0]
+    return bytes(data)
+
+
+# ------------------------------------------------------------------ the child-process runner
+
 
 class Hang(Exception):
     pass
 
 
-def _alarm(signum, frame):
+def on_alarm(signum, frame):
+    """The SIGALRM handler: a case past its time raises Hang where it is."""
     raise Hang()
 
 
@@ -60,7 +92,7 @@ def run_cases(cases: list, start: int, case_seconds: int, run_one) -> None:
     from restorekit.errors import RestoreKitError
 
     _report(total=len(cases), rss=peak_rss(reset=True))
-    signal.signal(signal.SIGALRM, _alarm)
+    signal.signal(signal.SIGALRM, on_alarm)
     for index in range(start, len(cases)):
         name = cases[index][0]
         _report(start=index, name=name)
