@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from restorekit._tensorflow import import_tensorflow
 from restorekit import remap
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
-from restorekit.report import RestoreReport, live_handles, plain_records, policy_of
+from restorekit.report import RestoreReport, live_handles, nothing_matched, plain_records, policy_of
 
 __all__ = [
     "RestoreOps",
@@ -113,7 +113,8 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
     Raises:
         AssignmentMapError: one checkpoint tensor feeds several variables (a Saver
             cannot); use ``warm_start`` for that.
-        InvalidArgumentError: nothing matched, or the report lost its variables.
+        NoMatchError: nothing matched (an InvalidArgumentError, as before).
+        InvalidArgumentError: the report lost its variables.
     """
     tf = import_tensorflow()
 
@@ -124,7 +125,7 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
                 "every match goes through a shape policy or vocabulary remap, which a Saver cannot apply; "
                 "use restorekit.warm_start(report) or restorekit.easy_going_scaffold"
             )
-        raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to restore\n{report}")
+        raise nothing_matched(report)
     saver_kwargs.setdefault("name", "restorekit_partial_saver")
     return tf.compat.v1.train.Saver(var_list=var_list, **saver_kwargs)
 
@@ -152,6 +153,6 @@ def warm_start(report: RestoreReport) -> None:
     """
     _same_graph_handles(report)
     if not report.matched:
-        raise InvalidArgumentError(f"nothing in {report.checkpoint!r} matched; there is nothing to warm-start\n{report}")
+        raise nothing_matched(report, "warm-start")
     for record in report.matched:
         build_initializer(report, record)
