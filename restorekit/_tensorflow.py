@@ -64,6 +64,3 @@ def import_tensorflow():
             "(or 'restorekit[tf-cpu]', or keep the TensorFlow build you already use)"
         ) from None
     return tensorflow
-
-
-_native_stderr_silenced = native_stderr_silenced  # the old private name
