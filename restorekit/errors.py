@@ -1,7 +1,7 @@
 """The restorekit exception hierarchy.
 
 Every error restorekit raises derives from ``RestoreKitError`` and, where one fits,
-also from a built-in, so ``except FileNotFoundError`` keeps working::
+also from a built-in, so ``except FileNotFoundError`` keeps working:
 
     RestoreKitError
     ├── CheckpointNotFoundError        (FileNotFoundError)  no checkpoint at a path

@@ -98,11 +98,12 @@ def scan(
             variables or lists of them: ``{'old/': 'new/'}``, ``{'/': 'scope/'}``,
             ``{'emb': ['enc/emb', 'dec/emb']}``. Variables it does not cover are
             skipped. Or a callable ``variable_name -> checkpoint_name | None``.
-        include, exclude: patterns over variable names (see ``restorekit.names``:
-            a regex matched from the start and ending at a '/' boundary, so plain
-            scope prefixes work as tf-slim users expect; compiled patterns use
-            ``search``). A variable must match an include pattern (when given)
-            and no exclude pattern. A pattern that matches nothing is an error.
+        include: patterns over variable names (see ``restorekit.names``: a regex
+            matched from the start and ending at a '/' boundary, so plain scope
+            prefixes work as tf-slim users expect; compiled patterns use
+            ``search``). A variable must match an include pattern (when given).
+            A pattern that matches nothing is an error.
+        exclude: patterns as for ``include``; a variable must match none of them.
         skip_optimizer_slots: leave optimizer slots (Momentum, Adam, adam_m, ...)
             to their initializers, and do not count the checkpoint's as unused.
         include_global_step: also restore global_step.
