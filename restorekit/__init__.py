@@ -60,7 +60,7 @@ from restorekit.initializers import initialize_uninitialized, uninitialized_init
 from restorekit.report import Record, RestoreReport
 from restorekit.scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
-from restorekit.policies import VocabRemap
+from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit.rules import KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
 from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
@@ -86,6 +86,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "KERAS_FROM_TF1",
+    "AdaptInputChannels",
     "Alignment",
     "AssignmentMapError",
     "Checkpoint",
@@ -117,6 +118,7 @@ __all__ = [
     "Record",
     "RestoreKitError",
     "RestoreKitWarning",
+    "ResizePositions",
     "RestoreReport",
     "Rules",
     "TensorSummary",
