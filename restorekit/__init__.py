@@ -4,6 +4,7 @@
 functions that need them.
 """
 
+from restorekit.averaging import AverageResult, average, interpolate
 from restorekit.checkpoint import Checkpoint, Entry, Problem, VerifyResult
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
@@ -28,6 +29,7 @@ from restorekit.errors import (
     OutputNameError,
     RestoreKitError,
     RestoreKitWarning,
+    SourceMismatchError,
     UnknownVariableError,
     VocabularyError,
 )
@@ -89,6 +91,7 @@ __all__ = [
     "AdaptInputChannels",
     "Alignment",
     "AssignmentMapError",
+    "AverageResult",
     "Checkpoint",
     "CheckpointEditor",
     "CheckpointNotFoundError",
@@ -121,6 +124,7 @@ __all__ = [
     "ResizePositions",
     "RestoreReport",
     "Rules",
+    "SourceMismatchError",
     "TensorSummary",
     "UnknownVariableError",
     "UnfreezeResult",
@@ -132,6 +136,7 @@ __all__ = [
     "VocabularyError",
     "WarmStart",
     "assign_from_checkpoint_fn",
+    "average",
     "compress",
     "convert",
     "diff_checkpoints",
@@ -144,6 +149,7 @@ __all__ = [
     "initialize_uninitialized",
     "import_meta_graph",
     "inspect_graph",
+    "interpolate",
     "layerwise_decay",
     "partial_saver",
     "repair_graph",
