@@ -42,6 +42,11 @@ def test_resize_positions_shrinks_a_grid_too():
     np.testing.assert_allclose(got, _tf_resized(POSITIONS, 7, "bilinear"), rtol=1e-5, atol=1e-5)
 
 
+def test_resize_positions_of_a_table_without_a_batch_axis():
+    np.testing.assert_array_equal(ResizePositions().adapt(POSITIONS[0], (257, 8)),
+                                  ResizePositions().adapt(POSITIONS, (1, 257, 8))[0])
+
+
 def test_resize_positions_of_a_sequence_is_linear_interpolation_with_half_pixel_centres():
     table = RNG.randn(10, 4).astype(np.float64)  # BERT-style [length, width], no prefix
     got = ResizePositions(num_prefix_tokens=0, grid=False).adapt(table, (25, 4))
@@ -168,6 +173,17 @@ def test_keras_model_restores_through_both_adapters(tmp_path):
     restorekit.restore(report)
     np.testing.assert_allclose(new.pos_embed.numpy(), _tf_resized(POSITIONS, 16, "bilinear"), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(new.stem.numpy()[:, :, 0], KERNEL.sum(axis=2), rtol=1e-5)
+
+
+def test_a_policy_for_every_name_leaves_what_it_does_not_fit_mismatched(vit_checkpoint):
+    with tf.Graph().as_default():
+        with tf1.variable_scope("vit"):
+            tf1.get_variable("pos_embed", (1, 257, 8))
+            tf1.get_variable("conv1/kernel", (3, 3, 1, 5))
+            tf1.get_variable("head/bias", (6,))
+        report = scan(vit_checkpoint, shape_policy="resize_positions")
+    assert [(r.variable_name, r.reason) for r in report.matched] == [("vit/pos_embed", "resize_positions")]
+    assert sorted(r.variable_name for r in report.shape_mismatched) == ["vit/conv1/kernel", "vit/head/bias"]
 
 
 def test_keras_functional_model_gray_input_from_an_rgb_checkpoint(tmp_path):
