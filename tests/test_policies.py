@@ -149,6 +149,22 @@ def test_tf1_graph_warm_starts_through_both_adapters(vit_checkpoint):
     np.testing.assert_array_equal(got_bias, np.arange(5))
 
 
+def test_tf1_scaffold_in_a_monitored_session_through_both_adapters(vit_checkpoint, tmp_path):
+    with tf.Graph().as_default():
+        with tf1.variable_scope("vit"):
+            pos = tf1.get_variable("pos_embed", (1, 257, 8))
+            kernel = tf1.get_variable("conv1/kernel", (3, 3, 1, 5))
+            tf1.get_variable("head/bias", (5,))
+        tf1.train.get_or_create_global_step()
+        scaffold = restorekit.easy_going_scaffold(vit_checkpoint, shape_policy=POLICY)
+        assert {r.variable_name: r.reason for r in scaffold.restore_report.matched} == EXPECTED_REASONS
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=str(tmp_path / "train"),
+                                                save_checkpoint_secs=None) as sess:
+            got_pos, got_kernel = sess.run([pos, kernel])
+    np.testing.assert_allclose(got_pos, _tf_resized(POSITIONS, 16, "bilinear"), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_kernel[:, :, 0], KERNEL.sum(axis=2), rtol=1e-5)
+
+
 class _Vit(keras.Model):
     def __init__(self, tokens, channels, **kwargs):
         super().__init__(**kwargs)
