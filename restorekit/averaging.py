@@ -197,7 +197,8 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     written in their stored dtype. Integer, boolean and string entries (step counters,
     vocabularies) must be equal in every source, or ``mismatch`` says whose to take.
     Each tensor is read from each source in turn: memory holds a few tensors, not the
-    model. The output appears whole or not at all (the format's writer commits it).
+    model (a torch output excepted: ``torch.save`` pickles one dict). The output appears
+    whole or not at all (the format's writer commits it).
 
         average(['run/ckpt-1000', 'run/ckpt-2000', 'run/ckpt-3000'], 'avg/model.ckpt')
         average(['a.safetensors', 'b.safetensors'], 'mean.safetensors', weights=[3, 1])
@@ -250,17 +251,17 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     weights = _check_weights(weights, len(sources))
     if mismatch not in MISMATCH:
         raise InvalidArgumentError(f"mismatch is one of {MISMATCH}, got {mismatch!r}")
+    out = os.fspath(out)
+    fmt = target_format(out, to)
     srcs = [_open(s, bool(weights_only)) for s in sources]
+    if fmt == formats.TF:
+        # like convert: into an existing directory (or 'OUT/') under the first source's name
+        out = output_prefix(out, _base_name(srcs[0]))
+        check_parent(out)
+    _check_output(out, fmt, [f for s in srcs for f in s.files], overwrite)
     names, skipped = _compare_entries(srcs, intersection)
     names = _filtered(names, include, exclude)
     chosen, taken = _compare_values(srcs, names, mismatch)
-
-    out = os.fspath(out)
-    fmt = target_format(out, to)
-    if fmt == formats.TF:
-        out = output_prefix(out, os.path.basename(os.path.normpath(srcs[0].path)))
-        check_parent(out)
-    _check_output(out, fmt, [f for s in srcs for f in s.files], overwrite)
     entries = srcs[0].ckpt.entries
     nbytes = sum(entries[n].nbytes for n in names)
     check_space(os.path.dirname(os.path.abspath(out)), nbytes)
@@ -287,6 +288,14 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     return AverageResult(out, fmt, tuple(s.path for s in srcs), tuple(w / total for w in weights),
                          tuple(n for n in names if n not in chosen), tuple(chosen), tuple(taken),
                          srcs[0].dropped, tuple(skipped), nbytes)
+
+
+def _base_name(src: _Source) -> str:
+    """The name an output takes inside a directory: the source prefix's, or the file's without its extension."""
+    prefix = getattr(src.ckpt, "prefix", None)
+    if prefix and os.path.exists(prefix + ".index"):
+        return os.path.basename(prefix)
+    return os.path.splitext(os.path.basename(os.path.normpath(src.path)))[0] or "model"
 
 
 def _filtered(names: list, include, exclude) -> list:

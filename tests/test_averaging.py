@@ -189,6 +189,9 @@ def test_bad_sources_and_outputs(three, tmp_path):
     average(paths, out)
     with pytest.raises(OutputExistsError):
         average(paths, out)
+    into = tmp_path / "into"
+    into.mkdir()
+    assert average(paths, str(into)).path == str(into / "model.ckpt")  # a directory: the source's name inside
     average(paths, out, overwrite=True, weights=[0, 0, 1])
     np.testing.assert_array_equal(tf.train.load_checkpoint(out).get_tensor("dense/kernel"),
                                   tf.train.load_checkpoint(paths[2]).get_tensor("dense/kernel"))
