@@ -15,7 +15,8 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     │   ├── OutputNameError                                 an output name that contradicts `to` or is not ours
     │   ├── GroupError                                      variable groups used wrongly
     │   │   └── UnknownVariableError       (NoMatchError)       a variable the groups do not hold
-    │   └── VocabularyError                                 a vocabulary file or size that does not fit
+    │   ├── VocabularyError                                 a vocabulary file or size that does not fit
+    │   └── SourceMismatchError                             sources that must agree differ (average)
     ├── IncompleteRestoreError         (ValueError)         strict restore with gaps; has .report
     ├── OutputError                    (OSError)            an output that cannot be written safely
     │   ├── OutputExistsError          (FileExistsError)    output would overwrite the source
@@ -58,6 +59,7 @@ __all__ = [
     "OutputNameError",
     "RestoreKitError",
     "RestoreKitWarning",
+    "SourceMismatchError",
     "UnknownVariableError",
     "VocabularyError",
 ]
@@ -162,6 +164,20 @@ class UnknownVariableError(GroupError, NoMatchError):
 
 class VocabularyError(InvalidArgumentError):
     """A vocabulary file or size that does not fit a remap."""
+
+
+class SourceMismatchError(InvalidArgumentError):
+    """Sources that must agree do not: names, shapes or dtypes, or non-float values (``restorekit.average``).
+
+    ``problems`` is every ``(entry name, what differs)``, all of them in the message;
+    ``hint`` says which option gets past them. Nothing was written.
+    """
+
+    def __init__(self, what: str, problems, hint: str = ""):
+        self.problems = tuple(problems)
+        self.names = tuple(name for name, _ in self.problems)
+        lines = "".join(f"\n  {text}" for _, text in self.problems)
+        super().__init__(f"{what} ({len(self.problems)}):{lines}" + (f"\n{hint}" if hint else ""))
 
 
 class IncompleteRestoreError(RestoreKitError, ValueError):

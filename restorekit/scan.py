@@ -115,7 +115,10 @@ def scan(
             matches no variable is an error. Not together with ``assignment_map``.
         shape_policy: what to do with an entry whose shape differs from its variable:
             ``'skip'`` (default; the record is ``shape_mismatched``), ``'slice_or_pad'``
-            (copy the overlapping block, initialize the rest), a callable
+            (copy the overlapping block, initialize the rest), ``'resize_positions'``
+            or ``ResizePositions(...)`` (interpolate a position-embedding table to a new
+            length or grid), ``'adapt_input_channels'`` or ``AdaptInputChannels(...)`` (a
+            first convolution for another number of input channels), a callable
             ``(checkpoint_value, variable) -> value``, or a dict ``{pattern: policy}``.
             Records restored through a policy are ``matched`` with that ``reason``.
         dtype_policy: None (default; an entry of another dtype is ``dtype_mismatched``)

@@ -24,7 +24,7 @@ LAYERS = [
     ["scan"],
     ["remap", "tf1", "tf2", "initializers", "distribute"],
     ["scaffold", "finetune", "resume"],
-    ["compare", "export", "edit", "graph", "compress"],
+    ["compare", "export", "edit", "graph", "compress", "averaging"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)
 ]
 
