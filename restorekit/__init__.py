@@ -28,6 +28,7 @@ from restorekit.errors import (
     OutputNameError,
     RestoreKitError,
     RestoreKitWarning,
+    RunDirectoryError,
     UnknownVariableError,
     VocabularyError,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "RestoreKitWarning",
     "RestoreReport",
     "Rules",
+    "RunDirectoryError",
     "TensorSummary",
     "UnknownVariableError",
     "UnfreezeResult",

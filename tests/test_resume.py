@@ -223,3 +223,124 @@ def test_warm_start_with_neither_pretrained_nor_backup(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="no backup_dir was given"):
         restorekit.WarmStart(str(tmp_path / "bad.weights.h5"))
     assert sorted(os.listdir(tmp_path)) == ["bad.weights.h5"]
+
+
+# ---------------------------------------------------------------- which checkpoint a restart resumes from
+
+def saved_run(run: str, saves: int = 2):
+    """A run of ``saves`` manager saves (``ckpt-1``...), one training step apart; the enc kernel after each."""
+    model, optimizer = model_with(seed=20), keras.optimizers.Adam(0.01)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), run, max_to_keep=5)
+    kernels = []
+    for _ in range(saves):
+        train_step(model, optimizer)
+        manager.save()
+        kernels.append(model.get_layer("enc").kernel.numpy())
+    return kernels
+
+
+def restarted(run: str):
+    model, optimizer = model_with(seed=21), keras.optimizers.Adam(0.01)
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), run, max_to_keep=5)
+    return model, optimizer, manager
+
+
+def file_bytes(directory: str) -> dict:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+def test_a_state_file_naming_a_vanished_checkpoint_resumes_from_the_newest_intact_one(tmp_path, pretrained):
+    _, path = pretrained
+    run = str(tmp_path / "run")
+    kernels = saved_run(run)
+    # the state file names ckpt-9, whose files are gone; ckpt-1 and ckpt-2 are intact
+    tf.compat.v1.train.update_checkpoint_state(run, os.path.join(run, "ckpt-9"), all_model_checkpoint_paths=[
+        os.path.join(run, f"ckpt-{n}") for n in (1, 2, 9)])
+    ckpt_1 = {k: v for k, v in file_bytes(run).items() if k.startswith("ckpt-1.")}
+    model, optimizer, manager = restarted(run)
+    with pytest.warns(restorekit.RestoreKitWarning, match=r"(?s)from '.*ckpt-2'.*ckpt-9'.*missing"):
+        start = restorekit.resume_or_warm_start(manager, path, model=model, optimizer=optimizer)
+    assert start.resumed and start.checkpoint == os.path.join(run, "ckpt-2") and start.step == 2
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), kernels[1])
+    # the numbering goes on from ckpt-2: the next save is ckpt-3, and ckpt-1 is untouched
+    assert manager.save() == os.path.join(run, "ckpt-3")
+    assert {k: v for k, v in file_bytes(run).items() if k.startswith("ckpt-1.")} == ckpt_1
+
+
+def test_a_lost_state_file_resumes_from_the_newest_checkpoint_in_the_directory(tmp_path, pretrained):
+    _, path = pretrained
+    run = str(tmp_path / "run")
+    kernels = saved_run(run)
+    os.remove(os.path.join(run, "checkpoint"))
+    model, optimizer, manager = restarted(run)
+    start = restorekit.resume_or_warm_start(manager, path, model=model, optimizer=optimizer)
+    assert start.resumed and start.checkpoint == os.path.join(run, "ckpt-2")
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), kernels[1])
+    assert manager.save() == os.path.join(run, "ckpt-3")
+
+
+def truncate(path: str, keep: float = 0.5) -> None:
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: int(len(data) * keep)])
+
+
+def flip_last_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+
+
+DAMAGE = {
+    "truncated-index": ("ckpt-2.index", truncate, "unreadable"),
+    "truncated-data": ("ckpt-2.data-00000-of-00001", truncate, "truncated"),
+    "flipped-data-byte": ("ckpt-2.data-00000-of-00001", flip_last_byte, "crc32c"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_a_damaged_latest_checkpoint_is_skipped_with_a_warning(tmp_path, pretrained, damage):
+    _, path = pretrained
+    run = str(tmp_path / "run")
+    kernels = saved_run(run)
+    name, harm, why = DAMAGE[damage]
+    harm(os.path.join(run, name))
+    model, optimizer, manager = restarted(run)
+    with pytest.warns(restorekit.RestoreKitWarning, match=rf"(?s)from '.*ckpt-1'.*ckpt-2'.*{why}"):
+        start = restorekit.resume_or_warm_start(run, path, model=model, optimizer=optimizer)
+    assert start.resumed and start.checkpoint == os.path.join(run, "ckpt-1") and start.step == 1
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), kernels[0])
+
+
+def test_no_readable_checkpoint_is_an_error_and_nothing_is_warm_started_or_written(tmp_path, pretrained):
+    _, path = pretrained
+    run = str(tmp_path / "run")
+    saved_run(run, saves=1)
+    truncate(os.path.join(run, "ckpt-1.data-00000-of-00001"))
+    before = file_bytes(run)
+    model, optimizer, manager = restarted(run)
+    untouched = model.get_layer("enc").kernel.numpy()
+    with pytest.raises(restorekit.RunDirectoryError, match=r"(?s)none is complete and readable.*ckpt-1.*truncated") as e:
+        restorekit.resume_or_warm_start(manager, path, model=model, optimizer=optimizer)
+    assert [p for p, _ in e.value.skipped] == [os.path.join(run, "ckpt-1")] and e.value.directory == run
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), untouched)  # not warm-started
+    assert file_bytes(run) == before
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"], ids=["dot-dot-other-run", "absolute-path-elsewhere"])
+def test_a_state_file_naming_another_directory_is_refused_by_name(tmp_path, pretrained, where):
+    _, path = pretrained
+    other, run = str(tmp_path / "other"), str(tmp_path / "run")
+    saved_run(other, saves=1)
+    os.makedirs(run)
+    named = "../other/ckpt-1" if where == "relative" else os.path.join(other, "ckpt-1")
+    with open(os.path.join(run, "checkpoint"), "w") as f:
+        f.write(f'model_checkpoint_path: "{named}"\nall_model_checkpoint_paths: "{named}"\n')
+    before = file_bytes(run)
+    model, optimizer, _ = restarted(run)
+    untouched = model.get_layer("enc").kernel.numpy()
+    with pytest.raises(restorekit.RunDirectoryError, match=r"(?s)names '.*other/ckpt-1', outside that directory"):
+        restorekit.resume_or_warm_start(run, path, model=model, optimizer=optimizer)
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), untouched)
+    assert file_bytes(run) == before
