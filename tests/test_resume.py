@@ -344,3 +344,69 @@ def test_a_state_file_naming_another_directory_is_refused_by_name(tmp_path, pret
         restorekit.resume_or_warm_start(run, path, model=model, optimizer=optimizer)
     np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), untouched)
     assert file_bytes(run) == before
+
+
+# ---------------------------------------------------------------- what Keras' BackupAndRestore resumes from
+
+def interrupted_backup(tmp_path, path):
+    """A fit with BackupAndRestore(double_checkpoint=True) interrupted after epoch 1: latest + .bkp (epoch 0)."""
+    backup = str(tmp_path / "backup")
+    model = compiled()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(X, Y, epochs=4, batch_size=8, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(backup, double_checkpoint=True), restorekit.WarmStart(path, verbose=0),
+            Interrupt()])
+    assert sorted(os.listdir(backup)) == ["latest.weights.h5", "latest.weights.h5.bkp", "training_metadata.json",
+                                          "training_metadata.json.bkp"]
+    previous = compiled(seed=30)
+    copy = str(tmp_path / "previous.weights.h5")
+    with open(os.path.join(backup, "latest.weights.h5.bkp"), "rb") as src, open(copy, "wb") as dst:
+        dst.write(src.read())
+    previous.load_weights(copy)
+    return backup, previous.get_layer("enc").kernel.numpy()
+
+
+def restart_fit(backup, path, warm_first, seed=31):
+    model, seen = compiled(seed=seed), {}
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.setdefault("enc", self.model.get_layer("enc").kernel.numpy())
+
+    warm = restorekit.WarmStart(path, backup_dir=backup, verbose=0)
+    pair = [keras.callbacks.BackupAndRestore(backup, double_checkpoint=True), warm]
+    model.fit(X, Y, epochs=4, batch_size=8, verbose=0, callbacks=(pair[::-1] if warm_first else pair) + [Look()])
+    return warm.start, seen["enc"]
+
+
+@pytest.mark.parametrize("warm_first", [False, True], ids=["backup_first", "warm_start_first"])
+def test_a_lone_bkp_is_not_a_backup_keras_resumes_from_so_the_run_warm_starts(tmp_path, pretrained, warm_first):
+    source, path = pretrained
+    backup, _ = interrupted_backup(tmp_path, path)
+    os.remove(os.path.join(backup, "latest.weights.h5"))  # Keras loads the .bkp only when this fails to load
+    start, enc = restart_fit(backup, path, warm_first)
+    assert start.how == "warm_started"
+    np.testing.assert_array_equal(enc, source.get_layer("enc").kernel.numpy())  # not random weights
+
+
+@pytest.mark.parametrize("warm_first", [False, True], ids=["backup_first", "warm_start_first"])
+def test_a_damaged_latest_backup_resumes_from_the_bkp_as_keras_does(tmp_path, pretrained, warm_first):
+    _, path = pretrained
+    backup, previous_enc = interrupted_backup(tmp_path, path)
+    truncate(os.path.join(backup, "latest.weights.h5"), keep=0.3)
+    start, enc = restart_fit(backup, path, warm_first)
+    # BackupAndRestore, when it runs first, has already copied the .bkp over latest.weights.h5
+    named = "latest.weights.h5.bkp" if warm_first else "latest.weights.h5"
+    assert start.resumed and start.checkpoint == os.path.join(backup, named)
+    np.testing.assert_array_equal(enc, previous_enc)  # Keras loaded the .bkp
+
+
+def test_a_damaged_latest_backup_without_bkp_is_a_clear_error(tmp_path, pretrained):
+    _, path = pretrained
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    (backup / "latest.weights.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)
+    with pytest.raises(CorruptCheckpointError, match=r"latest.weights.h5' is not a readable HDF5 file.*no "
+                                                     r"'latest.weights.h5.bkp'"):
+        restorekit.WarmStart(path, backup_dir=str(backup))
+    assert sorted(os.listdir(backup)) == ["latest.weights.h5"]
