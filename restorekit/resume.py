@@ -159,9 +159,12 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
 
 def _tracked_variables(tf, root) -> list:
     """Every variable ``root`` (a tf.train.Checkpoint) reaches through its children, its save counter included."""
+    def is_variable(obj) -> bool:  # a Keras optimizer has an 'assign' method too, so ask by type
+        return isinstance(obj, (tf.Variable, keras.Variable)) or is_sharded(obj)
+
     found, seen = [], set()
     for child in [root.save_counter, *tf.train.TrackableView(root).children(root).values()]:
-        for var in [child] if hasattr(child, "assign") else list(getattr(child, "variables", ())):
+        for var in [child] if is_variable(child) else list(getattr(child, "variables", ())):
             if id(var) not in seen:
                 seen.add(id(var))
                 found.append(var)
