@@ -47,7 +47,7 @@ def _by_age(prefixes: list[str]) -> list[str]:
     return sorted(prefixes, key=age, reverse=True)
 
 
-def _candidates(directory: str) -> tuple[list[str], list[str], statefile.State | None]:
+def _candidates(directory: str) -> tuple[list[str], list[str]]:
     """The state file's prefixes (its latest, then the ones it keeps, newest first), then every other index."""
     state = statefile.read(directory)
     named: list[str] = []
@@ -57,7 +57,7 @@ def _candidates(directory: str) -> tuple[list[str], list[str], statefile.State |
             if path not in named:
                 named.append(path)
     others = [p[: -len(".index")] for p in files.glob(directory, "*.index")]
-    return named, _by_age([p for p in others if p not in named]), state
+    return named, _by_age([p for p in others if p not in named])
 
 
 def _why_unreadable(prefix: str) -> str | None:
@@ -73,6 +73,10 @@ def _why_unreadable(prefix: str) -> str | None:
         more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
         return f"damaged: {first.name!r}: {first.message}{more}"
     return None
+
+
+def _state_file_exists(directory: str) -> bool:
+    return files.exists(files.join(directory, statefile.STATE_FILE))
 
 
 def _listed(skipped) -> str:
@@ -106,7 +110,7 @@ def resume_point(directory) -> ResumePoint | None:
     directory = str(directory)
     if not files.isdir(directory):
         return None
-    named, others, state = _candidates(directory)
+    named, others = _candidates(directory)
     outside = [p for p in named if statefile.is_outside(directory, p)]
     if outside:
         raise RunDirectoryError(
@@ -124,8 +128,11 @@ def resume_point(directory) -> ResumePoint | None:
                 warnings.warn(f"restorekit: resuming the run in {directory!r} from {prefix!r}, not from newer "
                               f"checkpoints that cannot be restored:\n{_listed(skipped)}", RestoreKitWarning,
                               stacklevel=3)
-            latest = named[0] if named else None
-            return ResumePoint(prefix, tuple(skipped), latest == prefix)
+            elif not named:
+                what = "names no checkpoint (it does not parse)" if _state_file_exists(directory) else "is missing"
+                warnings.warn(f"restorekit: the 'checkpoint' state file in {directory!r} {what}; resuming from "
+                              f"{prefix!r}, the newest checkpoint there", RestoreKitWarning, stacklevel=3)
+            return ResumePoint(prefix, tuple(skipped), bool(named) and named[0] == prefix)
         skipped.append((prefix, why))
     if not skipped:
         return None

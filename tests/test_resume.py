@@ -273,7 +273,8 @@ def test_a_lost_state_file_resumes_from_the_newest_checkpoint_in_the_directory(t
     kernels = saved_run(run)
     os.remove(os.path.join(run, "checkpoint"))
     model, optimizer, manager = restarted(run)
-    start = restorekit.resume_or_warm_start(manager, path, model=model, optimizer=optimizer)
+    with pytest.warns(restorekit.RestoreKitWarning, match="state file .* is missing; resuming from '.*ckpt-2'"):
+        start = restorekit.resume_or_warm_start(manager, path, model=model, optimizer=optimizer)
     assert start.resumed and start.checkpoint == os.path.join(run, "ckpt-2")
     np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), kernels[1])
     assert manager.save() == os.path.join(run, "ckpt-3")
