@@ -271,9 +271,15 @@ class WarmStart(keras.callbacks.Callback):
     Attributes:
         start: the ``Start`` once training began (None before).
 
+    A backup counts exactly when Keras' ``BackupAndRestore`` resumes from it: a
+    ``latest.weights.h5`` (or, when that cannot be opened, its ``.bkp``). A lone
+    ``.bkp`` is not loaded by Keras, so the run warm-starts.
+
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: ``pretrained`` cannot be read
             and ``backup_dir`` holds no backup (checked when made and again at the start).
+        CorruptCheckpointError: ``latest.weights.h5`` cannot be opened and has no
+            ``.bkp`` (BackupAndRestore would fail on it too).
     """
 
     def __init__(self, pretrained, *, backup_dir=None, strict: bool = False, verbose: int = 1, **scan_options):
