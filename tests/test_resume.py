@@ -411,3 +411,16 @@ def test_a_damaged_latest_backup_without_bkp_is_a_clear_error(tmp_path, pretrain
                                                      r"'latest.weights.h5.bkp'"):
         restorekit.WarmStart(path, backup_dir=str(backup))
     assert sorted(os.listdir(backup)) == ["latest.weights.h5"]
+
+
+def test_a_state_file_that_does_not_parse_resumes_from_the_newest_checkpoint(tmp_path, pretrained):
+    _, path = pretrained
+    run = str(tmp_path / "run")
+    kernels = saved_run(run)
+    with open(os.path.join(run, "checkpoint"), "wb") as f:
+        f.write(b"\xff\xfe\x00garbage")  # tf.train.latest_checkpoint raises UnicodeDecodeError here
+    model, optimizer = model_with(seed=22), keras.optimizers.Adam(0.01)
+    with pytest.warns(restorekit.RestoreKitWarning, match="names no checkpoint .*resuming from '.*ckpt-2'"):
+        start = restorekit.resume_or_warm_start(run, path, model=model, optimizer=optimizer)
+    assert start.resumed and start.checkpoint == os.path.join(run, "ckpt-2")
+    np.testing.assert_array_equal(model.get_layer("enc").kernel.numpy(), kernels[1])
