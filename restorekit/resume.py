@@ -139,7 +139,8 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     """
     tf = import_tensorflow()
     manager = directory if isinstance(directory, tf.train.CheckpointManager) else None
-    point = resume_point(manager.directory if manager is not None else directory) if directory is not None else None
+    run = manager.directory if manager is not None else directory
+    point = resume_point(run, pretrained=pretrained) if run is not None else None
     if point is not None:
         if manager is not None:
             checkpoint = manager.checkpoint

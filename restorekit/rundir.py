@@ -10,6 +10,7 @@ every caller that resumes (``resume_or_warm_start``, ``easy_going_scaffold``).
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -83,7 +84,17 @@ def _listed(skipped) -> str:
     return "\n".join(f"  {prefix!r}: {why}" for prefix, why in skipped)
 
 
-def resume_point(directory) -> ResumePoint | None:
+def _same_prefix(prefix: str, other) -> bool:
+    if other is None:
+        return False
+    other = getattr(other, "prefix", other)  # a Checkpoint, or a path
+    other = str(other).removesuffix(".index")
+    if files.is_remote(prefix) or files.is_remote(other):
+        return prefix == other
+    return os.path.realpath(prefix) == os.path.realpath(other)
+
+
+def resume_point(directory, *, pretrained=None) -> ResumePoint | None:
     """The newest complete and readable checkpoint of the run in ``directory``; None for a fresh run.
 
     Considered newest first: the prefix the ``checkpoint`` state file names, the
@@ -95,6 +106,8 @@ def resume_point(directory) -> ResumePoint | None:
 
     Args:
         directory: the run's checkpoint directory (it may not exist yet).
+        pretrained: the checkpoint a fresh run warm-starts from; when it lies in
+            ``directory`` it is not the run's own and is never resumed from.
 
     Returns:
         A ``ResumePoint``, or None when ``directory`` holds no checkpoint and no state
@@ -111,6 +124,7 @@ def resume_point(directory) -> ResumePoint | None:
     if not files.isdir(directory):
         return None
     named, others = _candidates(directory)
+    others = [p for p in others if not _same_prefix(p, pretrained)]
     outside = [p for p in named if statefile.is_outside(directory, p)]
     if outside:
         raise RunDirectoryError(

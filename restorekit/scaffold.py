@@ -76,7 +76,7 @@ def easy_going_scaffold(
     tf = import_tensorflow()
 
     tf1 = tf.compat.v1
-    point = resume_point(checkpoint_dir) if checkpoint_dir is not None else None
+    point = resume_point(checkpoint_dir, pretrained=checkpoint) if checkpoint_dir is not None else None
     if point is not None:
         # The session restores everything from the prefix the state file names and runs
         # no init op or init_fn; so the state file must name the one decided here.

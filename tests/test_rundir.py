@@ -90,3 +90,15 @@ def test_a_state_file_naming_only_vanished_checkpoints_is_refused(tmp_path):
         resume_point(tmp_path)
     assert e.value.skipped == ((prefixes[0], "missing (no .index)"),)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+
+
+def test_the_pretrained_checkpoint_kept_in_the_run_directory_is_not_a_resume_point(tmp_path):
+    # tf.train.latest_checkpoint ignores it too (no state file names it): a fresh run warm-starts from it
+    pretrained = save_variables(tmp_path / "pretrained.ckpt", {"v": np.float32(0)})
+    os.remove(tmp_path / "checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resume_point(tmp_path, pretrained=pretrained) is None
+        assert resume_point(tmp_path, pretrained=pretrained + ".index") is None
+    later = saver_run(tmp_path, steps=(5,))
+    assert resume_point(tmp_path, pretrained=pretrained).prefix == later[0]
