@@ -30,6 +30,7 @@ from restorekit.errors import (
     RestoreKitError,
     RestoreKitWarning,
     SourceMismatchError,
+    RunDirectoryError,
     UnknownVariableError,
     VocabularyError,
 )
@@ -125,6 +126,7 @@ __all__ = [
     "RestoreReport",
     "Rules",
     "SourceMismatchError",
+    "RunDirectoryError",
     "TensorSummary",
     "UnknownVariableError",
     "UnfreezeResult",

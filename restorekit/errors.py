@@ -18,6 +18,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     │   ├── VocabularyError                                 a vocabulary file or size that does not fit
     │   └── SourceMismatchError                             sources that must agree differ (average)
     ├── IncompleteRestoreError         (ValueError)         strict restore with gaps; has .report
+    ├── RunDirectoryError              (ValueError)         a run directory no restart may resume from
     ├── OutputError                    (OSError)            an output that cannot be written safely
     │   ├── OutputExistsError          (FileExistsError)    output would overwrite the source
     │   └── InsufficientSpaceError                          not enough free disk
@@ -60,6 +61,7 @@ __all__ = [
     "RestoreKitError",
     "RestoreKitWarning",
     "SourceMismatchError",
+    "RunDirectoryError",
     "UnknownVariableError",
     "VocabularyError",
 ]
@@ -186,6 +188,19 @@ class IncompleteRestoreError(RestoreKitError, ValueError):
     def __init__(self, message: str, report=None):
         super().__init__(message)
         self.report = report
+
+
+class RunDirectoryError(RestoreKitError, ValueError):
+    """A run directory holds checkpoints, but none that a restart may resume from.
+
+    ``directory`` is the run directory; ``skipped`` pairs each prefix considered with
+    why it was passed over (missing, damaged, outside the directory).
+    """
+
+    def __init__(self, message: str, directory: str = "", skipped: tuple = ()):
+        super().__init__(message)
+        self.directory = directory
+        self.skipped = tuple(skipped)
 
 
 class OutputError(RestoreKitError, OSError):

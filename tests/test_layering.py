@@ -19,7 +19,7 @@ LAYERS = [
     ["names", "_tensorflow"],
     ["bundle"],
     ["checkpoint", "keras_files"],
-    ["report", "ema"],
+    ["report", "ema", "rundir"],
     ["trackables", "targets", "rules", "policies", "assignment", "hints"],
     ["scan"],
     ["remap", "tf1", "tf2", "initializers", "distribute"],
