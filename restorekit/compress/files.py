@@ -186,7 +186,10 @@ def verify_model(path) -> list[str]:
         except GraphError as e:
             return [str(e)]
         return []
-    onnx, _ = _load_onnx(path)
+    try:
+        onnx, _ = _load_onnx(path)
+    except GraphError as e:
+        return [str(e)]
     try:
         onnx.checker.check_model(path, full_check=True)
     except Exception as e:  # onnx.checker.ValidationError, shape inference errors
