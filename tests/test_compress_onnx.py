@@ -246,6 +246,19 @@ def test_dynamic_int8_is_refused_with_the_reason(convnet, backend, tmp_path):  #
     assert _files(tmp_path) == []
 
 
+def test_op_tf2onnx_cannot_map_is_named(tmp_path):
+    with tf.Graph().as_default() as g:
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        tf.identity(tf.linalg.svd(tf.reshape(x, [-1, 2, 2]), compute_uv=False), name="y")
+    out = tmp_path / "out"
+
+    with pytest.raises(CompressionError) as info:
+        restorekit.compress(g.as_graph_def(), str(out / "m.onnx"), backend="onnx", precision="fp32")
+
+    assert info.value.ops == ("Svd",) and "no ONNX (opset 17) equivalent" in str(info.value)
+    assert _files(out) == []
+
+
 def test_missing_tf2onnx_names_the_extra(convnet, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setitem(sys.modules, "tf2onnx", None)  # what an environment without it imports
     with pytest.raises(MissingDependencyError, match=r"restorekit\[onnx\]"):
