@@ -279,6 +279,22 @@ def test_compress_keeps_native_log_lines_off_stderr(convnet, tmp_path, capfd):  
     assert "deprecated" not in err and "tf2onnx" not in err
 
 
+@pytest.mark.slow  # a fresh process imports TensorFlow, tf2onnx and ONNX Runtime: ~10-20 s here
+def test_cli_process_prints_nothing_on_stderr(convnet, tmp_path):  # noqa: F811
+    import subprocess
+
+    npz = tmp_path / "samples.npz"
+    np.savez(npz, x=convnet.calibration[:20])
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(restorekit.__file__)))}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "restorekit", "compress", convnet.frozen, str(tmp_path / "m.onnx"), "--backend", "onnx",
+         "--precision", "int8", "--representative", str(npz)], capture_output=True, text=True, env=env, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and "(onnx int8, 20 representative samples)" in done.stdout
+
+
 # ---------------------------------------------------------------- inspect / verify of .tflite and .onnx
 
 
