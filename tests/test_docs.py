@@ -406,6 +406,13 @@ def check_deploy(ns, out):
     assert out.startswith("restorekit: frozen.pb -> model.tflite (tflite int8, 100 representative samples)")
 
 
+def check_deploy_onnx(ns, out):
+    result = ns["result"]
+    assert result.backend == "tensorrt" and result.precision == "int8" and os.path.getsize("model.onnx") > 0
+    assert 0 < result.max_abs_error["probs:0"] <= 0.05 and not os.path.exists("model.plan")
+    assert "trtexec --onnx=model.onnx --saveEngine=model.plan" in out
+
+
 SETUPS = {
     "scaffold": (setup_scaffold, check_scaffold),
     "tf1-partial": (setup_tf1_partial, check_tf1_partial),
@@ -420,6 +427,7 @@ SETUPS = {
     "graphs": (setup_graphs, check_graphs),
     "deploy": (setup_deploy, check_deploy),
     "deploy-frozen": (setup_deploy_frozen, check_deploy),
+    "deploy-onnx": (setup_deploy_frozen, check_deploy_onnx),
 }
 
 
