@@ -24,6 +24,7 @@ __all__ = [
     "exists",
     "free_space",
     "glob",
+    "identity",
     "is_remote",
     "isdir",
     "join",
@@ -35,6 +36,7 @@ __all__ = [
     "read_range",
     "remove",
     "size",
+    "stat_regular",
 ]
 
 # Room for an index, headers and filesystem rounding on top of the tensor bytes in the free-space check.
@@ -131,6 +133,25 @@ def open_regular(path: str):
     return os.fdopen(fd, "rb", buffering=0)
 
 
+def stat_regular(path: str) -> os.stat_result:
+    """``os.stat(path)`` of a local file, refusing anything but a regular file (checked before a library that
+    opens by path, such as HDF5, would block on a FIFO or read a device without end).
+
+    Raises:
+        CorruptCheckpointError: ``path`` is a FIFO, device, socket or directory.
+        OSError: ``path`` does not exist.
+    """
+    st = os.stat(path)
+    _refuse_special(path, st.st_mode)
+    return st
+
+
+def identity(st: os.stat_result) -> tuple:
+    """What tells one version of a file from another: a file renamed over it (another inode) or rewritten
+    in place (another size or mtime) gives another identity."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def size(path: str) -> int:
     """Length of a file in bytes (a local one must be a regular file).
 
@@ -139,9 +160,7 @@ def size(path: str) -> int:
     """
     if is_remote(path):
         return int(_gfile().stat(path).length)
-    st = os.stat(path)
-    _refuse_special(path, st.st_mode)
-    return st.st_size
+    return stat_regular(path).st_size
 
 
 def read_bytes(path: str) -> bytes:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-__all__ = ["NODES", "root"]
+from restorekit.errors import CorruptCheckpointError, ExternalDataError
+
+__all__ = ["NODES", "check_contained", "check_dataset", "root"]
 
 
 def _encode(name):
@@ -29,6 +31,8 @@ def _encode(name):
 
 def _decode(name: bytes):
     """As h5py decodes a member name: UTF-8 when it is, else the bytes."""
+    if isinstance(name, str):
+        return name
     try:
         return name.decode("utf8")
     except UnicodeDecodeError:
@@ -156,3 +160,79 @@ NODES = SimpleNamespace(Group=Group, Dataset=Dataset)
 def root(f, h5py) -> Group:
     """The root group of the open h5py file ``f`` as a node."""
     return Group(f.id, h5py)
+
+
+# ---------------------------------------------------------------- what a file may hold before anything is read
+
+_REFUSE = "restorekit reads only what is inside the file it is given; refused before anything was read"
+
+
+def check_contained(f, h5py, path: str) -> None:
+    """Refuse an HDF5 file that would make a reader read another file: an external link (or a link of a
+    user-defined type), a dataset with external storage, or a virtual dataset.
+
+    Keras never writes any of these. Checked over the whole file before the walk, so no link
+    is followed and no dataset's shape or bytes are asked for (a virtual dataset's shape can
+    open its source files, which may be FIFOs): the links are listed with H5Lvisit and each
+    dataset's creation properties read, neither of which leaves the file.
+
+    Raises:
+        ExternalDataError: names the object and the file it points at.
+    """
+    found: list = []
+
+    def link(name, info):
+        if info.type not in (h5py.h5l.TYPE_HARD, h5py.h5l.TYPE_SOFT):
+            found.append((name, info.type))
+            return True  # stops the visit
+        return None
+
+    f.id.links.visit(link, info=True)
+    if found:
+        name, kind = found[0]
+        target = "a link of a user-defined type"
+        if kind == h5py.h5l.TYPE_EXTERNAL:
+            other, inside = f.id.links.get_val(name)
+            target = f"an external link to {_decode(inside)!r} in {_decode(other)!r}"
+        raise ExternalDataError(f"{path!r}: {_decode(name)!r} is {target}; {_REFUSE}")
+    datasets: list = []
+    h5py.h5o.visit(f.id, lambda name, info: datasets.append(name) if info.type == h5py.h5o.TYPE_DATASET else None,
+                   info=True)
+    for name in datasets:
+        plist = h5py.h5d.open(f.id, name).get_create_plist()
+        if plist.get_layout() == h5py.h5d.VIRTUAL:
+            sources = plist.get_virtual_count()
+            other = _decode(plist.get_virtual_filename(0)) if sources else "no file"
+            raise ExternalDataError(f"{path!r}: {_decode(name)!r} is a virtual dataset whose data lie in {other!r}"
+                                    f"{f' and {sources - 1} more' if sources > 1 else ''}; {_REFUSE}")
+        if plist.get_external_count():
+            other = _decode(plist.get_external(0)[0])
+            raise ExternalDataError(f"{path!r}: {_decode(name)!r} keeps its data in the external file {other!r}; "
+                                    f"{_REFUSE}")
+
+
+def check_dataset(ds, h5py, key: str, path: str, *, bfloat16: bool = False) -> None:
+    """Refuse a dataset whose value is not a tensor restorekit can hold: a null dataspace (no value), a
+    compound, array or non-string variable-length type, object or region references, or opaque bytes
+    other than Keras' bfloat16. ``ds`` is an h5py Dataset; nothing is read.
+
+    Raises:
+        CorruptCheckpointError: names the dataset and its type.
+    """
+    why = None
+    dt = ds.dtype
+    if ds.shape is None:
+        why = "has a null dataspace (no value at all)"
+    elif h5py.check_ref_dtype(dt) is not None:
+        why = f"holds {'region' if h5py.check_ref_dtype(dt) is h5py.RegionReference else 'object'} references"
+    elif dt.names is not None and dt.kind != "c":
+        why = f"has a compound type ({dt})"
+    elif dt.subdtype is not None:
+        why = f"has an array type ({dt})"
+    elif dt.kind == "O" and h5py.check_string_dtype(dt) is None:
+        why = f"has a variable-length type that is not a string ({h5py.check_vlen_dtype(dt) or dt})"
+    elif dt.kind == "V" and not (bfloat16 and dt.itemsize == 2):
+        why = f"holds opaque {dt.itemsize}-byte values"
+    if why is not None:
+        raise CorruptCheckpointError(f"{path!r}: dataset {key!r} {why}, which no Keras weight has; "
+                                     f"restorekit cannot read it as a tensor")

@@ -29,15 +29,14 @@ import re
 
 import numpy as np
 
+from restorekit.bundle.jsonfile import read_json
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, format_names
 from restorekit.keras_files import KerasCheckpoint, _h5py
-from restorekit.keras_files.archive import json_attr
 from restorekit.keras_files.layouts import CONTAINERS, Keras3Walk
 from restorekit.keras_files.memtree import Group, sorted_tree, tree_types
 
 __all__ = ["ShardedKerasCheckpoint"]
 
-_MAX_INDEX = 64 << 20  # an index lists one line per layer; anything this large is not one
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
@@ -101,11 +100,8 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
     # -- the index
     def _read_index(self) -> dict:
         """``{'/group/vars': [shard name, ...]}`` from the index, every shard name checked to be a plain file name."""
-        size = os.path.getsize(self.prefix)
-        if size > _MAX_INDEX:
-            raise self._not_an_index(f"it is {size} bytes, far more than an index of shards")
-        with open(self.prefix, "rb") as fh:
-            index = json_attr(self.prefix, fh.read(), "the shard index")
+        index, st = read_json(self.prefix, "Keras sharded weights index")
+        self._version(self.prefix, st)  # what every later read checks the index against
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise self._not_an_index("it has no 'weight_map' object")
