@@ -64,7 +64,7 @@ from restorekit.errors import (
 )
 from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
-from restorekit.keras_files.h5nodes import NODES, check_contained, check_dataset, root
+from restorekit.keras_files.h5nodes import NODES, check_contained, check_dataset, check_links, root
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -283,8 +283,8 @@ class KerasCheckpoint(Mapping):
                                                                          else f.id.get_vfd_handle()))
             if path != self.prefix and self.prefix in self._versions:  # a shard: its index must be the same too
                 self._version(self.prefix, _regular(self.prefix, True))
-            if path not in self._contained:
-                check_contained(f, h5py, path)
+            if path not in self._contained:  # once per file: the walks check each dataset they open
+                check_links(f, h5py, path)
                 self._contained.add(path)
             yield f
         except (OSError, RuntimeError, KeyError, ValueError, RecursionError) as e:
@@ -306,7 +306,7 @@ class KerasCheckpoint(Mapping):
 
     @cached_property
     def _contained(self) -> set:
-        return set()  # paths checked to hold no external links, storage or virtual datasets
+        return set()  # paths checked to hold no external links
 
     def _version(self, path: str, st: os.stat_result) -> None:
         """Note the version of ``path`` this checkpoint reads (the first time), or refuse another one: a file
@@ -325,15 +325,16 @@ class KerasCheckpoint(Mapping):
             self.kind = "legacy Keras model file (HDF5)" if "model_weights" in f else "legacy Keras weights file (HDF5)"
             if self.config is None and "model_config" in f.attrs:
                 self.config = json_attr(self.prefix, f.attrs["model_config"])
+            check_contained(f, h5py, self.prefix)  # read_legacy opens datasets through h5py, unchecked
             return read_legacy(self.prefix, f, h5py)
         if isinstance(f.get("vars"), h5py.Group) or any(isinstance(f.get(c), h5py.Group) for c in CONTAINERS):
             self.kind = "Keras 3 archive (.keras)" if self._member is not None else "Keras 3 weights file (.weights.h5)"
             # Walked through low-level nodes: h5py's high-level objects cost more than the walk itself.
             walker = Keras3Walk(self.prefix, NODES, config_index(self.config))
-            walker.visit(root(f, h5py), "", "", root=True)
+            walker.visit(root(f, h5py, self.prefix), "", "", root=True)
             # Where the bytes lie is read now, from the datasets the walk has open: reopening each later costs more.
             standard: dict = {}
-            self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key].id, d, standard)
+            self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key], d, standard)
                                    for d in walker.datasets}
             return walker.datasets, walker.readable
         top = format_names(sorted(f.keys()), 6) or "nothing"
@@ -600,17 +601,20 @@ def _regular(path: str, known: bool) -> os.stat_result:
 def _stored_range(h5py, where, data: Dataset, standard: dict) -> tuple[int, int] | None:
     """(offset in its HDF5 file, size) of the dataset for ``data`` when its stored bytes are the tensor's
     little-endian bytes as they are (see ``KerasCheckpoint.stored_range``), else None. ``where`` is the
-    dataset's open low-level id, or the id of its file to open it from by key. Read through h5py's
+    dataset's node (or open low-level id), or the id of its file to open it from by key. Read through h5py's
     low-level API: the high-level objects cost more than the answer (~0.1 ms a dataset). ``standard``
     caches the standard little-endian HDF5 type of each dtype."""
     if data.dtype == "string" or data.nbytes == 0:
         return None
+    plist = None
+    if isinstance(where, NODES.Dataset):  # a walked node, its creation properties already read
+        where, plist = where.id, where.plist
     try:
         ds = where if isinstance(where, h5py.h5d.DatasetID) else h5py.h5d.open(where, data.key.encode("utf-8"))
         offset = ds.get_offset()  # None when no storage was allocated
         if offset is None or ds.get_storage_size() != data.nbytes:
             return None
-        plist = ds.get_create_plist()
+        plist = plist or ds.get_create_plist()
         if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count():
             return None
         stored = ds.get_type()

@@ -32,6 +32,7 @@ import numpy as np
 from restorekit.bundle.jsonfile import read_json
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, format_names
 from restorekit.keras_files import KerasCheckpoint, _h5py
+from restorekit.keras_files.h5nodes import check_storage
 from restorekit.keras_files.layouts import CONTAINERS, Keras3Walk
 from restorekit.keras_files.memtree import Group, sorted_tree, tree_types
 
@@ -174,6 +175,7 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
                 if not isinstance(parent, Group):
                     raise self._mismatch(f"{name!r} lies under a dataset of another shard", shard)
             if isinstance(obj, h5py.Dataset):
+                check_storage(obj.id.get_create_plist(), h5py, name, shard)  # before _Stub asks its shape
                 if last in parent:
                     raise self._mismatch(f"{name!r} is also in {os.path.basename(self._where.get(name, '?'))!r}", shard)
                 try:
