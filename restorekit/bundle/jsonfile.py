@@ -34,8 +34,9 @@ class JsonFile(NamedTuple):
     stat: os.stat_result
 
 
-def read_json(path, what: str, *, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> JsonFile:
-    """Parse the JSON file ``path`` (a ``what``, for the messages), bounded in size and depth.
+def read_json(path, what: str, *, max_bytes: int | None = None, max_depth: int | None = None) -> JsonFile:
+    """Parse the JSON file ``path`` (a ``what``, for the messages), bounded in size and depth
+    (``MAX_BYTES`` and ``MAX_DEPTH`` unless given).
 
     Raises:
         CheckpointNotFoundError: nothing at ``path``.
@@ -43,6 +44,8 @@ def read_json(path, what: str, *, max_bytes: int = MAX_BYTES, max_depth: int = M
             JSON, or nested deeper than ``max_depth``.
     """
     path = os.fspath(path)
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    max_depth = MAX_DEPTH if max_depth is None else max_depth
     try:
         with files.open_regular(path) as fh:
             st = os.fstat(fh.fileno())

@@ -29,6 +29,7 @@ import re
 
 import numpy as np
 
+from restorekit.bundle import files
 from restorekit.bundle.jsonfile import read_json
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, format_names
 from restorekit.keras_files import KerasCheckpoint, _h5py
@@ -151,17 +152,19 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
         return self._where[key]
 
     def check_shards(self) -> None:
-        """Check that every shard the index names is still a file (one ``stat`` each, no reads).
+        """Check that every shard the index names is still a regular file (one ``stat`` each, no reads).
 
         Raises:
-            CorruptCheckpointError: a shard is missing.
+            CorruptCheckpointError: a shard is missing, or a FIFO, device or directory.
         """
         for shard in self._shards:
-            if not os.path.isfile(shard):
+            try:
+                files.stat_regular(shard)
+            except OSError:
                 raise CorruptCheckpointError(
                     f"shard {os.path.basename(shard)!r} of {self.prefix!r} is missing (expected at {shard!r}); "
                     f"copy every file the index names, or save the weights again"
-                )
+                ) from None
 
     def _merge(self, h5py, f, shard: str, held: dict) -> None:
         """Add one shard's groups and datasets to the merged tree; note which groups hold datasets here."""
