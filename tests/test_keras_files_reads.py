@@ -293,3 +293,24 @@ def test_a_dataset_type_no_keras_weight_has_is_refused_by_name(tmp_path, fill, w
         assert code == 3 and "layers/dense/vars/0" in text and words in text, (argv, text)
     assert not out.exists()
 
+
+
+# ------------------------------------------------------------------ the shard index is read bounded (bundle/jsonfile.py)
+
+
+def test_a_keras_shard_index_larger_than_any_index_is_refused_before_it_is_read(tmp_path):
+    index = _sharded(tmp_path, None)
+    with open(index, "r+b") as f:
+        f.truncate(300 << 20)  # sparse: 300 MB long, no disk used
+    with pytest.raises(CorruptCheckpointError, match=f"{300 << 20} bytes, more than the {64 << 20}"):
+        restorekit.Checkpoint(index)
+
+
+@pytest.mark.parametrize("depth", [100, 100_000], ids=["deeper-than-an-index", "deeper-than-python"])
+def test_a_deeply_nested_keras_shard_index_is_a_restorekit_error(tmp_path, depth):
+    index = _sharded(tmp_path, None)
+    nested = "[" * depth + "]" * depth
+    with open(index, "w") as f:
+        f.write('{"metadata": {"x": ' + nested + '}, "weight_map": {"/layers/dense/vars": "m_00000.weights.h5"}}')
+    with pytest.raises(CorruptCheckpointError, match="nests"):
+        restorekit.Checkpoint(index)

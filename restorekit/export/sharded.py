@@ -88,8 +88,8 @@ def find(path) -> ShardSet | None:
         CorruptCheckpointError: shards missing, mixed, or an unreadable index.
     """
     path = os.fspath(path)
-    if os.path.isfile(path) and path.endswith(".index.json"):
-        return _from_index(path)
+    if path.endswith(".index.json") and os.path.exists(path) and not os.path.isdir(path):
+        return _from_index(path)  # refuses a FIFO or device by name
     if not os.path.isdir(path):
         return None
     names = sorted(os.listdir(path))

@@ -31,7 +31,7 @@ import numpy as np
 
 from restorekit.bundle import files
 from restorekit.bundle.jsonfile import read_json
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, format_names
+from restorekit.errors import CorruptCheckpointError, format_names
 from restorekit.keras_files import KerasCheckpoint, _h5py
 from restorekit.keras_files.h5nodes import check_storage
 from restorekit.keras_files.layouts import CONTAINERS, Keras3Walk
@@ -71,8 +71,6 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
 
     def __init__(self, path):
         self.prefix = os.fspath(path)
-        if not os.path.isfile(self.prefix):
-            raise CheckpointNotFoundError(f"no Keras shard index at {self.prefix!r}", self.prefix)
         self.config = None
         self.metadata = None
         self._member = None
