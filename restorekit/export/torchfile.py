@@ -289,7 +289,7 @@ def views_of(path: str, scan: Scan) -> dict:
         from restorekit.errors import format_names
 
         raise InvalidArgumentError(
-            f"{path!r} holds tensors under keys that are not names ({format_names([repr(k) for k in unnamed])}); "
+            f"{path!r} holds tensors under keys that are not names ({format_names(unnamed)}); "
             f"a state_dict is keyed by parameter names: save model.state_dict(), or rename the keys to strings"
         )
     others = [k for k, v in state.items() if not isinstance(v, View)]
