@@ -166,7 +166,11 @@ class KerasCheckpoint(Mapping):
     Raises:
         CheckpointNotFoundError: no file at the path.
         CorruptCheckpointError: not a Keras file, truncated, or a ``.keras`` archive
-            with members that would escape its folder.
+            with members that would escape its folder; a FIFO or device at the path.
+        ExternalDataError: an HDF5 external link, external storage or virtual dataset
+            (data in another file), refused by name before anything is read from it.
+        CheckpointChangedError: (on a later read) the file was replaced or rewritten
+            since it was opened; every read is from the version that was opened, or raises.
         MissingDependencyError: h5py is not installed.
     """
 

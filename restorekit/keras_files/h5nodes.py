@@ -4,8 +4,13 @@ h5py's high-level ``Group`` and ``Dataset`` cost ~25 us an object (a ``File`` ba
 property lists, a Python-level mapping per lookup); a BERT-sized ``.weights.h5`` has ~300
 objects, so opening it spent more in building them than in HDF5. These nodes answer what
 ``layouts.Keras3Walk`` asks (children by name, ``get``, ``items``, ``attrs.get``, ``shape``,
-``dtype``) with the same answers: the same name order, encodings, link resolution (soft and
-external links followed, a dangling one is missing) and the same exceptions.
+``dtype``) with the same answers: the same name order, encodings, link resolution (soft
+links followed, a dangling one is missing) and the same exceptions.
+
+Below them, the checks that keep every read inside the file: no external link
+(``check_links``, once per file), no dataset whose data lie in another file
+(``check_storage``, on each dataset as the walk opens it, before its shape is asked),
+and no dataset type that is not a tensor (``check_dataset``, before a read).
 """
 
 from __future__ import annotations
