@@ -467,3 +467,20 @@ def test_an_entry_at_an_impossible_offset_is_refused_when_exported_to_safetensor
     with pytest.raises(CorruptCheckpointError, match="'bad' needs bytes"):
         export_checkpoint(prefix, out)
     assert _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_tf_data_shard_that_is_a_fifo_is_refused_unopened_when_exported(tmp_path, suffix):
+    from conftest import Sentinel
+
+    prefix = write_bundle(tmp_path / "src" / "m", {"a": np.arange(4, dtype=np.float32)})
+    shard = prefix + ".data-00000-of-00001"
+    os.remove(shard)
+    sentinel = Sentinel(shard)  # a reader that opened it would see an empty shard (and, unguarded, block)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="FIFO"):
+            export_checkpoint(prefix, tmp_path / "out" / f"m{suffix}")
+    finally:
+        sentinel.close()
+    assert not sentinel.opened
+    assert _listing(tmp_path / "out") == []

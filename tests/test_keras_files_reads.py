@@ -10,7 +10,6 @@ weight has are refused at read and verify with the dataset's name.
 import io
 import json
 import os
-import threading
 import zipfile
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -24,44 +23,6 @@ from restorekit.errors import CheckpointChangedError, CorruptCheckpointError, Ex
 
 KERNEL = np.arange(6, dtype="<f4").reshape(2, 3)
 BIAS = np.array([1, 2, 3], dtype="<f4")
-
-
-class Sentinel:
-    """A FIFO that records whether anything opened it for reading, and never blocks that reader for long.
-
-    A thread waits to open the FIFO's write end: a reader's open completes it, the thread
-    notes it and closes at once (the reader sees an empty file, so old code fails instead
-    of hanging). ``close`` unblocks the thread by opening the read end itself, after
-    marking that open as its own.
-    """
-
-    def __init__(self, path):
-        self.path, self.opened, self._closing = str(path), False, False
-        os.mkfifo(self.path)
-        self._thread = threading.Thread(target=self._wait, daemon=True)
-        self._thread.start()
-
-    def _wait(self):
-        while True:
-            fd = os.open(self.path, os.O_WRONLY)  # blocks until a reader opens the other end
-            os.close(fd)
-            if self._closing:
-                return
-            self.opened = True
-
-    def close(self):
-        self._closing = True
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        self._thread.join(5)
-        os.close(fd)
-
-
-@pytest.fixture
-def fifo(tmp_path):
-    sentinel = Sentinel(tmp_path / "elsewhere.fifo")
-    yield sentinel
-    sentinel.close()
-    assert not sentinel.opened, "something opened the file the HDF5 file points at"
 
 
 def _weights(path, fill=None, *, kernel=KERNEL):
