@@ -6,7 +6,9 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     RestoreKitError
     ├── CheckpointNotFoundError        (FileNotFoundError)  no checkpoint at a path
     ├── CorruptCheckpointError         (ValueError)         unreadable index or shard
-    │   └── ChecksumMismatchError                           crc32c of a tensor is wrong
+    │   ├── ChecksumMismatchError                           crc32c of a tensor is wrong
+    │   ├── ExternalDataError                               a file whose data would be read from another file
+    │   └── CheckpointChangedError                          a file replaced or rewritten while it was open
     ├── InvalidArgumentError           (ValueError)         a bad argument, caught early
     │   ├── NoMatchError                                    a name, rule or pattern matches nothing
     │   ├── NameCollisionError                              two things onto one name
@@ -41,11 +43,13 @@ from typing import Callable, Iterable
 
 __all__ = [
     "AssignmentMapError",
+    "CheckpointChangedError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CompressionError",
     "CorruptCheckpointError",
     "EditError",
+    "ExternalDataError",
     "GraphError",
     "GraphTooLargeError",
     "GroupError",
@@ -88,6 +92,15 @@ class CorruptCheckpointError(RestoreKitError, ValueError):
 
 class ChecksumMismatchError(CorruptCheckpointError):
     """A tensor's bytes do not match the crc32c recorded in the index."""
+
+
+class ExternalDataError(CorruptCheckpointError):
+    """A checkpoint file that would make a reader read another file (HDF5 external storage, external links,
+    virtual datasets): refused before anything is read from it."""
+
+
+class CheckpointChangedError(CorruptCheckpointError):
+    """A checkpoint file was replaced or rewritten after it was opened: reading on would mix two versions."""
 
 
 class InvalidArgumentError(RestoreKitError, ValueError):

@@ -9,6 +9,7 @@ torch is an optional extra: a case that needs it carries ``@requires_torch`` (or
 
 import functools
 import os
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -149,3 +150,45 @@ def resnet_checkpoint(tmp_path_factory):
             sess.run(tf1.global_variables_initializer())
             sess.run(train)
             return saver.save(sess, str(directory / "model.ckpt"), global_step=step, write_meta_graph=False)
+
+
+# ------------------------------------------------------------------ a FIFO that tells whether it was opened
+
+
+class Sentinel:
+    """A FIFO that records whether anything opened it for reading, and never blocks that reader for long.
+
+    A thread waits to open the FIFO's write end: a reader's open completes it, the thread
+    notes it and closes at once (the reader sees an empty file, so old code fails instead
+    of hanging). ``close`` unblocks the thread by opening the read end itself, after
+    marking that open as its own.
+    """
+
+    def __init__(self, path):
+        self.path, self.opened, self._closing = str(path), False, False
+        os.mkfifo(self.path)
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def _wait(self):
+        while True:
+            fd = os.open(self.path, os.O_WRONLY)  # blocks until a reader opens the other end
+            os.close(fd)
+            if self._closing:
+                return
+            self.opened = True
+
+    def close(self):
+        self._closing = True
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        self._thread.join(5)
+        os.close(fd)
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """A ``Sentinel`` FIFO at ``tmp_path/elsewhere.fifo``; the test fails if anything opened it for reading."""
+    sentinel = Sentinel(tmp_path / "elsewhere.fifo")
+    yield sentinel
+    sentinel.close()
+    assert not sentinel.opened, f"something opened {sentinel.path!r} for reading"

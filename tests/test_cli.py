@@ -673,3 +673,18 @@ def test_editor_save_to_a_trailing_slash_writes_inside_the_new_directory(small_c
     out = CheckpointEditor(prefix).save(str(tmp_path / "newdir") + "/")
     assert out == str(tmp_path / "newdir" / os.path.basename(prefix))
     assert not os.path.exists(str(tmp_path / "newdir") + ".index")
+
+
+def test_a_remote_path_tensorflow_cannot_reach_is_one_error_line_naming_it(capsys, monkeypatch):
+    # What `inspect gs://no-such-bucket/x` meets offline, raised here without the network (and its 20 s of retries):
+    # TF's first line names neither the path nor the bucket.
+    def unreachable(path):
+        raise tf.errors.FailedPreconditionError(
+            None, None, "Error executing an HTTP request: libcurl code 6 meaning 'Could not resolve hostname'\n"
+                        f"\t when reading metadata of {path}")
+
+    monkeypatch.setattr(tf.io.gfile, "exists", unreachable)
+    code, out, err = run(capsys, "inspect", "gs://no-such-bucket/x")
+    assert code == 3 and out == ""
+    assert err.count("\n") == 1 and err.startswith("restorekit: error: cannot read 'gs://no-such-bucket/x")
+    assert "FailedPreconditionError" in err and "Could not resolve hostname" in err

@@ -428,3 +428,59 @@ def test_a_parsing_library_s_own_exception_becomes_corrupt_checkpoint_error():
     with pytest.raises(ZeroDivisionError):  # restorekit's own bugs still surface
         with boundary("f.safetensors", "safetensors file"):
             1 / 0
+
+
+# ------------------------------------------------------------------ foreign exceptions of odd inputs (issue 22, finding 11)
+
+
+@pytest.mark.parametrize("layout", [None, "torch"], ids=["as-stored", "layout-torch"])
+def test_pt_with_int_keys_is_refused_by_name_not_an_attribute_error(torch, tmp_path, layout):
+    torch.save({0: torch.ones(2, 3), 1: torch.zeros(3)}, tmp_path / "m.pt")
+    with pytest.raises(InvalidArgumentError, match=r"keys that are not names \(0, 1\)"):
+        import_checkpoint(tmp_path / "m.pt", tmp_path / "out" / "m", layout=layout)
+    with pytest.raises(InvalidArgumentError, match="not names"):
+        torch_format.read_shapes(tmp_path / "m.pt")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_a_name_longer_than_a_zip_member_name_is_refused_before_npz_is_written(tmp_path):
+    prefix = write_bundle(tmp_path / "src" / "m", {"ok": np.arange(3, dtype=np.float32),
+                                                   "a" * 100_000: np.arange(4, dtype=np.float32)})
+    out = tmp_path / "out" / "m.npz"
+    with pytest.raises(InvalidArgumentError, match="100000 characters.*at most 65535 bytes"):
+        export_checkpoint(prefix, out)
+    with pytest.raises(InvalidArgumentError, match="at most 65535 bytes"):
+        npz_format.write(out, [("b" * 70_000, np.zeros(2))])
+    assert _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("offset", [2**63, 2**64 - 16, 1 << 40], ids=["2**63", "2**64-16", "past-the-end"])
+def test_an_entry_at_an_impossible_offset_is_refused_when_exported_to_safetensors(tmp_path, offset):
+    from restorekit.bundle.protos import BundleEntry
+    from restorekit.bundle.writer import BundleWriter
+
+    prefix = str(tmp_path / "src" / "m")
+    with BundleWriter(prefix) as w:
+        w.add("ok", np.arange(4, dtype=np.float32))
+        w.add_entry_only("bad", BundleEntry(dtype=1, shape=(2,), offset=offset, size=8, crc32c=0))
+    out = tmp_path / "out" / "m.safetensors"
+    with pytest.raises(CorruptCheckpointError, match="'bad' needs bytes"):
+        export_checkpoint(prefix, out)
+    assert _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_tf_data_shard_that_is_a_fifo_is_refused_unopened_when_exported(tmp_path, suffix):
+    from conftest import Sentinel
+
+    prefix = write_bundle(tmp_path / "src" / "m", {"a": np.arange(4, dtype=np.float32)})
+    shard = prefix + ".data-00000-of-00001"
+    os.remove(shard)
+    sentinel = Sentinel(shard)  # a reader that opened it would see an empty shard (and, unguarded, block)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="FIFO"):
+            export_checkpoint(prefix, tmp_path / "out" / f"m{suffix}")
+    finally:
+        sentinel.close()
+    assert not sentinel.opened
+    assert _listing(tmp_path / "out") == []

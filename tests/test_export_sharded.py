@@ -216,3 +216,43 @@ def test_editor_deletions_then_sharded_export_of_the_result(five, tmp_path):
     convert(out, tmp_path / "sh", max_shard_size=KERNEL)
     import_checkpoint(tmp_path / "sh", tmp_path / "b" / "m.ckpt")
     _same(tmp_path / "b" / "m.ckpt", {k: v for k, v in values.items() if k != "global_step"})
+
+
+# ------------------------------------------------------------------ the index is read bounded (bundle/jsonfile.py)
+
+
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("named", ["the-directory", "the-index"])
+def test_an_index_that_is_a_fifo_or_device_is_refused_without_reading_it(five, tmp_path, special, named):
+    out = _sharded(five, tmp_path)
+    index = out / "model.safetensors.index.json"
+    os.remove(index)
+    if special == "fifo":
+        os.mkfifo(index)
+    else:
+        os.symlink("/dev/zero", index)
+    with pytest.raises(CorruptCheckpointError, match="FIFO|character device"):
+        convert(out if named == "the-directory" else index, tmp_path / "back" / "m.ckpt")
+    assert not (tmp_path / "back").exists()
+
+
+def test_an_index_larger_than_any_index_is_refused_before_it_is_read(five, tmp_path):
+    out = _sharded(five, tmp_path)
+    index = out / "model.safetensors.index.json"
+    with open(index, "r+b") as f:
+        f.truncate(300 << 20)  # sparse: 300 MB long, no disk used
+    with pytest.raises(CorruptCheckpointError, match=f"{300 << 20} bytes, more than the {64 << 20}"):
+        import_checkpoint(out, tmp_path / "back" / "m.ckpt")
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("depth", [100, 100_000], ids=["deeper-than-an-index", "deeper-than-python"])
+def test_a_deeply_nested_index_is_a_restorekit_error(five, tmp_path, depth):
+    out = _sharded(five, tmp_path)
+    index = out / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["metadata"]["nested"] = "@"
+    index.write_text(json.dumps(data).replace('"@"', "[" * depth + "]" * depth))
+    with pytest.raises(CorruptCheckpointError, match="nests"):
+        import_checkpoint(out, tmp_path / "back" / "m.ckpt")
+    assert not (tmp_path / "back").exists()

@@ -6,6 +6,7 @@ Local paths never import TensorFlow, so listing a checkpoint stays fast; ``gs://
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -13,7 +14,7 @@ import shutil
 import stat
 
 from restorekit._tensorflow import import_tensorflow
-from restorekit.errors import CorruptCheckpointError, InsufficientSpaceError, OutputError, OutputExistsError
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InsufficientSpaceError, OutputError, OutputExistsError
 
 __all__ = [
     "INDEX_SLACK",
@@ -24,6 +25,7 @@ __all__ = [
     "exists",
     "free_space",
     "glob",
+    "identity",
     "is_remote",
     "isdir",
     "join",
@@ -35,6 +37,7 @@ __all__ = [
     "read_range",
     "remove",
     "size",
+    "stat_regular",
 ]
 
 # Room for an index, headers and filesystem rounding on top of the tensor bytes in the free-space check.
@@ -50,6 +53,19 @@ def _gfile():
     tf = import_tensorflow()
 
     return tf.io.gfile
+
+
+@contextlib.contextmanager
+def _remote(path: str):
+    """TensorFlow's errors for a remote ``path`` it cannot reach (no such bucket, no network, no credentials) as
+    one restorekit error naming the path: TF's own first line does not."""
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith("tensorflow"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointNotFoundError(f"cannot read {path!r}: {type(e).__name__}: {first}", path) from None
 
 
 def join(*parts: str) -> str:
@@ -71,17 +87,24 @@ def basename(path: str) -> str:
 
 
 def exists(path: str) -> bool:
-    return _gfile().exists(path) if is_remote(path) else os.path.exists(path)
+    if is_remote(path):
+        with _remote(path):
+            return _gfile().exists(path)
+    return os.path.exists(path)
 
 
 def isdir(path: str) -> bool:
-    return _gfile().isdir(path) if is_remote(path) else os.path.isdir(path)
+    if is_remote(path):
+        with _remote(path):
+            return _gfile().isdir(path)
+    return os.path.isdir(path)
 
 
 def glob(directory: str, pattern: str) -> list[str]:
     """Files in ``directory`` whose names match a shell ``pattern``."""
     if is_remote(directory):
-        names = _gfile().listdir(directory)
+        with _remote(directory):
+            names = _gfile().listdir(directory)
     else:
         names = os.listdir(directory)
     return sorted(join(directory, n.rstrip("/")) for n in names if fnmatch.fnmatch(n.rstrip("/"), pattern))
@@ -89,7 +112,8 @@ def glob(directory: str, pattern: str) -> list[str]:
 
 def mtime(path: str) -> float:
     if is_remote(path):
-        return _gfile().stat(path).mtime_nsec / 1e9
+        with _remote(path):
+            return _gfile().stat(path).mtime_nsec / 1e9
     return os.path.getmtime(path)
 
 
@@ -131,6 +155,25 @@ def open_regular(path: str):
     return os.fdopen(fd, "rb", buffering=0)
 
 
+def stat_regular(path: str) -> os.stat_result:
+    """``os.stat(path)`` of a local file, refusing anything but a regular file (checked before a library that
+    opens by path, such as HDF5, would block on a FIFO or read a device without end).
+
+    Raises:
+        CorruptCheckpointError: ``path`` is a FIFO, device, socket or directory.
+        OSError: ``path`` does not exist.
+    """
+    st = os.stat(path)
+    _refuse_special(path, st.st_mode)
+    return st
+
+
+def identity(st: os.stat_result) -> tuple:
+    """What tells one version of a file from another: a file renamed over it (another inode) or rewritten
+    in place (another size or mtime) gives another identity."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def size(path: str) -> int:
     """Length of a file in bytes (a local one must be a regular file).
 
@@ -138,10 +181,9 @@ def size(path: str) -> int:
         CorruptCheckpointError: a local ``path`` that is not a regular file.
     """
     if is_remote(path):
-        return int(_gfile().stat(path).length)
-    st = os.stat(path)
-    _refuse_special(path, st.st_mode)
-    return st.st_size
+        with _remote(path):
+            return int(_gfile().stat(path).length)
+    return stat_regular(path).st_size
 
 
 def read_bytes(path: str) -> bytes:
@@ -151,7 +193,7 @@ def read_bytes(path: str) -> bytes:
         CorruptCheckpointError: a local ``path`` that is not a regular file.
     """
     if is_remote(path):
-        with _gfile().GFile(path, "rb") as f:
+        with _remote(path), _gfile().GFile(path, "rb") as f:
             return f.read()
     with open_regular(path) as f:
         return f.readall()
@@ -164,7 +206,7 @@ def read_range(path: str, offset: int, size: int) -> bytes:
         CorruptCheckpointError: a local ``path`` that is not a regular file.
     """
     if is_remote(path):
-        with _gfile().GFile(path, "rb") as f:
+        with _remote(path), _gfile().GFile(path, "rb") as f:
             f.seek(offset)
             return f.read(size)
     with open_regular(path) as f:

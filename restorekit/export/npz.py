@@ -37,6 +37,7 @@ SUFFIXES = (".npz",)
 LAYOUTS = (None,)  # the layout= values write and write_checkpoint accept
 RECORD = "__restorekit__"  # the member holding how to read tensors back exactly
 _RECORD_LIMIT = 64 << 20
+_MAX_MEMBER_NAME = 0xFFFF  # the zip format's 16-bit name length
 _WHAT = "npz file"
 
 
@@ -87,8 +88,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
     with atomic_output(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         with progress_bar(None, progress, "npz") as bar:
             for name, array, *_ in tensors:
-                if name == RECORD:
-                    raise InvalidArgumentError(f"npz files cannot hold a tensor named {RECORD!r}; rename it first")
+                _check_name(name)
                 array, note = _stored(name, np.asarray(array))
                 if note is not None:
                     notes[name] = note
@@ -111,8 +111,22 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
     Each tensor is read (crc32c checked) and written before the next is read.
     """
     refuse(FORMAT, layout=layout, metadata=metadata)
+    for name, _ in checkpoint_entries(checkpoint, names):  # refused before anything is read or written
+        _check_name(name)
     tensors = ((name, checkpoint.read(source)) for name, source in checkpoint_entries(checkpoint, names))
     return write(path, tensors, progress=progress)
+
+
+def _check_name(name: str) -> None:
+    """Refuse a name npz cannot hold: ours (the record), or one longer than a zip member name can be."""
+    if name == RECORD:
+        raise InvalidArgumentError(f"npz files cannot hold a tensor named {RECORD!r}; rename it first")
+    size = len(f"{name}.npy".encode("utf-8", "surrogatepass"))
+    if size > _MAX_MEMBER_NAME:
+        raise InvalidArgumentError(
+            f"npz cannot hold tensor {name[:60]!r}... ({len(name)} characters): a zip member name is at most "
+            f"{_MAX_MEMBER_NAME} bytes; rename it first, or write safetensors"
+        )
 
 
 def read_record(path) -> None:

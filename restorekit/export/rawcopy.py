@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from restorekit.bundle import files
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError
 
 __all__ = ["UncheckedRange", "copy_raw", "copy_raw_run", "copy_unchecked_run", "write_all"]
@@ -33,13 +34,26 @@ class UncheckedRange:
 
 
 def _shard(checkpoint, name: str, entry, handles: dict):
+    """The open data shard holding ``entry`` (a regular file: a FIFO would block, a device read without end),
+    checked to hold the entry's bytes before anything is read (a corrupt offset such as 2**63 must not reach
+    ``preadv``)."""
     path = checkpoint.data_file(entry.shard_id)
     if path not in handles:
         try:
-            handles[path] = open(path, "rb", buffering=0)
+            handles[path] = files.open_regular(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing") from None
+    _check_bounds(path, handles[path].fileno(), name, entry)
     return path, handles[path]
+
+
+def _check_bounds(path: str, fd: int, name: str, entry) -> None:
+    length = os.fstat(fd).st_size
+    if entry.offset < 0 or entry.size < 0 or entry.offset + entry.size > length:
+        raise CorruptCheckpointError(
+            f"data shard {path!r} is truncated or the index is corrupt: {name!r} needs bytes "
+            f"{entry.offset}..{entry.offset + entry.size} of its {length}"
+        )
 
 
 def _check(crc, name: str, entry, path: str) -> None:
@@ -85,6 +99,8 @@ def copy_raw_run(checkpoint, run: list, out, handles: dict, bar=None) -> None:
 
     first_name, first = run[0]
     path, shard = _shard(checkpoint, first_name, first, handles)
+    for name, entry in run[1:]:
+        _check_bounds(path, shard.fileno(), name, entry)
     start = first.offset
     size = run[-1][1].offset + run[-1][1].size - start
     copy = _KernelCopy(shard.fileno(), out.fileno(), start, size)
@@ -119,7 +135,7 @@ def copy_unchecked_run(run: list, out, handles: dict, bar=None) -> None:
     path = first.path
     if path not in handles:
         try:
-            handles[path] = open(path, "rb", buffering=0)
+            handles[path] = files.open_regular(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path!r}, the source of {first_name!r}, is gone") from None
     fd = handles[path].fileno()

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from restorekit.bundle import atomic, files
+from restorekit.bundle.jsonfile import read_json
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputExistsError
 from restorekit.export import safetensors
 from restorekit.export.base import ExportResult
@@ -87,8 +88,8 @@ def find(path) -> ShardSet | None:
         CorruptCheckpointError: shards missing, mixed, or an unreadable index.
     """
     path = os.fspath(path)
-    if os.path.isfile(path) and path.endswith(".index.json"):
-        return _from_index(path)
+    if path.endswith(".index.json") and os.path.exists(path) and not os.path.isdir(path):
+        return _from_index(path)  # refuses a FIFO or device by name
     if not os.path.isdir(path):
         return None
     names = sorted(os.listdir(path))
@@ -116,14 +117,11 @@ def find(path) -> ShardSet | None:
 
 
 def _from_index(index: str) -> ShardSet:
-    try:
-        with open(index, encoding="utf-8") as f:
-            data = json.load(f)
-        weight_map = data["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map is not an object of name -> file")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{index!r} is not a safetensors index ({e})") from None
+    data = read_json(index, "safetensors index").value
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptCheckpointError(f"{index!r} is not a safetensors index (its weight_map is not an object of "
+                                     f"name -> file)")
     directory = os.path.dirname(os.path.abspath(index))
     files = list(dict.fromkeys(weight_map.values()))
     if not files:

@@ -284,12 +284,20 @@ def views_of(path: str, scan: Scan) -> dict:
         raise InvalidArgumentError(f"{path!r} holds a {_type_name(state)}, not a state_dict of tensors")
     if not state:
         raise InvalidArgumentError(f"{path!r} holds an empty state_dict: there are no tensors to import")
+    unnamed = [k for k in state if not isinstance(k, str)]
+    if unnamed:
+        from restorekit.errors import format_names
+
+        raise InvalidArgumentError(
+            f"{path!r} holds tensors under keys that are not names ({format_names(unnamed)}); "
+            f"a state_dict is keyed by parameter names: save model.state_dict(), or rename the keys to strings"
+        )
     others = [k for k, v in state.items() if not isinstance(v, View)]
     if others:
         from restorekit.errors import format_names
 
         raise InvalidArgumentError(f"{path!r}: these entries are not tensors: {format_names([str(k) for k in others])}")
-    return {str(k): v for k, v in state.items()}
+    return dict(state)
 
 
 def _type_name(obj) -> str:

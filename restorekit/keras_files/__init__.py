@@ -51,8 +51,10 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from restorekit.bundle import files
 from restorekit.bundle.objectgraph import decode_object_graph
 from restorekit.errors import (
+    CheckpointChangedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MissingDependencyError,
@@ -62,7 +64,7 @@ from restorekit.errors import (
 )
 from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
-from restorekit.keras_files.h5nodes import NODES, root
+from restorekit.keras_files.h5nodes import NODES, check_contained, check_dataset, check_links, root
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -164,7 +166,11 @@ class KerasCheckpoint(Mapping):
     Raises:
         CheckpointNotFoundError: no file at the path.
         CorruptCheckpointError: not a Keras file, truncated, or a ``.keras`` archive
-            with members that would escape its folder.
+            with members that would escape its folder; a FIFO or device at the path.
+        ExternalDataError: an HDF5 external link, external storage or virtual dataset
+            (data in another file), refused by name before anything is read from it.
+        CheckpointChangedError: (on a later read) the file was replaced or rewritten
+            since it was opened; every read is from the version that was opened, or raises.
         MissingDependencyError: h5py is not installed.
     """
 
@@ -182,12 +188,13 @@ class KerasCheckpoint(Mapping):
 
     def __init__(self, path):
         self.prefix = os.fspath(path)
-        if not os.path.isfile(self.prefix):
-            raise CheckpointNotFoundError(f"no Keras file at {self.prefix!r}", self.prefix)
+        _regular(self.prefix, False)
         self.config = None
         self.metadata = None
         self._member = None  # (offset, size) of model.weights.h5 inside a .keras archive
-        if zipfile.is_zipfile(self.prefix) or self.prefix.lower().endswith(".keras"):
+        with files.open_regular(self.prefix) as fh:
+            is_zip = zipfile.is_zipfile(fh)
+        if is_zip or self.prefix.lower().endswith(".keras"):
             self._open_archive()
         _h5py()
         with self._h5() as f:
@@ -217,7 +224,8 @@ class KerasCheckpoint(Mapping):
     # -- opening
     def _open_archive(self) -> None:
         try:
-            with zipfile.ZipFile(self.prefix) as archive:
+            with files.open_regular(self.prefix) as fh, zipfile.ZipFile(fh) as archive:
+                self._version(self.prefix, os.fstat(fh.fileno()))  # the member's place is this version's
                 infos = archive.infolist()
                 for info in infos:
                     check_member(self.prefix, info.filename)
@@ -252,7 +260,8 @@ class KerasCheckpoint(Mapping):
 
     @contextmanager
     def _h5(self, path: str | None = None):
-        """The HDF5 file ``path`` (default: this checkpoint's own file, or its archive member), open for reading."""
+        """The HDF5 file ``path`` (default: this checkpoint's own file, or its archive member), open for reading:
+        the version this checkpoint was made from (see ``_version``), checked to hold nothing from other files."""
         h5py = _h5py()
         raw = None
         path = path or self.prefix
@@ -261,16 +270,26 @@ class KerasCheckpoint(Mapping):
                 raw = MemberFile(self.prefix, *self._member)
                 f = h5py.File(raw, "r")
             else:
+                self._version(path, _regular(path, self._versions.get(path) is not None))  # before HDF5 opens it
                 f = h5py.File(path, "r")
         except OSError as e:
             if raw is not None:
                 raw.close()
+            if isinstance(e, RestoreKitError):
+                raise
             what = "the weights inside the .keras archive" if self._member is not None else "it"
             raise CorruptCheckpointError(
                 f"{path!r} is not a readable Keras file: {what} is not valid HDF5 (truncated or corrupt: {e}). "
                 f"Save it again with model.save_weights('model.weights.h5') or model.save('model.keras')"
             ) from None
         try:
+            self._version(path if raw is None else self.prefix, os.fstat(raw.fileno() if raw is not None
+                                                                         else f.id.get_vfd_handle()))
+            if path != self.prefix and self.prefix in self._versions:  # a shard: its index must be the same too
+                self._version(self.prefix, _regular(self.prefix, True))
+            if path not in self._contained:  # once per file: the walks check each dataset they open
+                check_links(f, h5py, path)
+                self._contained.add(path)
             yield f
         except (OSError, RuntimeError, KeyError, ValueError, RecursionError) as e:
             # h5py reports damage inside a file as any of these; a link cycle or deep nesting as RecursionError.
@@ -285,6 +304,24 @@ class KerasCheckpoint(Mapping):
             if raw is not None:
                 raw.close()
 
+    @cached_property
+    def _versions(self) -> dict:
+        return {}  # path -> identity of the version of it this checkpoint was made from
+
+    @cached_property
+    def _contained(self) -> set:
+        return set()  # paths checked to hold no external links
+
+    def _version(self, path: str, st: os.stat_result) -> None:
+        """Note the version of ``path`` this checkpoint reads (the first time), or refuse another one: a file
+        replaced (``save_in_place`` renames a new file over it) or rewritten since would mix two versions."""
+        found = files.identity(st)
+        if self._versions.setdefault(path, found) != found:
+            raise CheckpointChangedError(
+                f"{path!r} changed after {self.prefix!r} was opened (replaced or rewritten by another save?); "
+                f"reading on would mix tensors of two versions. Open it again with restorekit.Checkpoint"
+            )
+
     # -- structure
     def _walk(self, f) -> tuple[list, dict]:
         h5py = _h5py()
@@ -292,15 +329,16 @@ class KerasCheckpoint(Mapping):
             self.kind = "legacy Keras model file (HDF5)" if "model_weights" in f else "legacy Keras weights file (HDF5)"
             if self.config is None and "model_config" in f.attrs:
                 self.config = json_attr(self.prefix, f.attrs["model_config"])
+            check_contained(f, h5py, self.prefix)  # read_legacy opens datasets through h5py, unchecked
             return read_legacy(self.prefix, f, h5py)
         if isinstance(f.get("vars"), h5py.Group) or any(isinstance(f.get(c), h5py.Group) for c in CONTAINERS):
             self.kind = "Keras 3 archive (.keras)" if self._member is not None else "Keras 3 weights file (.weights.h5)"
             # Walked through low-level nodes: h5py's high-level objects cost more than the walk itself.
             walker = Keras3Walk(self.prefix, NODES, config_index(self.config))
-            walker.visit(root(f, h5py), "", "", root=True)
+            walker.visit(root(f, h5py, self.prefix), "", "", root=True)
             # Where the bytes lie is read now, from the datasets the walk has open: reopening each later costs more.
             standard: dict = {}
-            self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key].id, d, standard)
+            self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key], d, standard)
                                    for d in walker.datasets}
             return walker.datasets, walker.readable
         top = format_names(sorted(f.keys()), 6) or "nothing"
@@ -535,7 +573,12 @@ class KerasCheckpoint(Mapping):
                 f"more than the {available} bytes the file holds: the file is corrupt"
             )
         try:
-            value = np.asarray(f[data.key][()])
+            ds = f[data.key]
+        except (OSError, KeyError, ValueError) as e:
+            raise CorruptCheckpointError(f"{path!r}: cannot read {data.key!r} (truncated or corrupt: {e})") from None
+        check_dataset(ds, _h5py(), data.key, path, bfloat16=data.bfloat16)
+        try:
+            value = np.asarray(ds[()])
         except (OSError, KeyError, ValueError) as e:
             raise CorruptCheckpointError(f"{path!r}: cannot read {data.key!r} (truncated or corrupt: {e})") from None
         if data.bfloat16:
@@ -547,20 +590,35 @@ class KerasCheckpoint(Mapping):
         return value
 
 
+def _regular(path: str, known: bool) -> os.stat_result:
+    """``os.stat`` of ``path``, refused unless a regular file (HDF5 would block on a FIFO, read a device without
+    end); a file gone that this checkpoint has read before was replaced or removed since."""
+    try:
+        return files.stat_regular(path)
+    except FileNotFoundError:
+        if known:
+            raise CheckpointChangedError(f"{path!r} was removed after it was opened (replaced by another save?); "
+                                         f"open the checkpoint again") from None
+        raise CheckpointNotFoundError(f"no Keras file at {path!r}", path) from None
+
+
 def _stored_range(h5py, where, data: Dataset, standard: dict) -> tuple[int, int] | None:
     """(offset in its HDF5 file, size) of the dataset for ``data`` when its stored bytes are the tensor's
     little-endian bytes as they are (see ``KerasCheckpoint.stored_range``), else None. ``where`` is the
-    dataset's open low-level id, or the id of its file to open it from by key. Read through h5py's
+    dataset's node (or open low-level id), or the id of its file to open it from by key. Read through h5py's
     low-level API: the high-level objects cost more than the answer (~0.1 ms a dataset). ``standard``
     caches the standard little-endian HDF5 type of each dtype."""
     if data.dtype == "string" or data.nbytes == 0:
         return None
+    plist = None
+    if isinstance(where, NODES.Dataset):  # a walked node, its creation properties already read
+        where, plist = where.id, where.plist
     try:
         ds = where if isinstance(where, h5py.h5d.DatasetID) else h5py.h5d.open(where, data.key.encode("utf-8"))
         offset = ds.get_offset()  # None when no storage was allocated
         if offset is None or ds.get_storage_size() != data.nbytes:
             return None
-        plist = ds.get_create_plist()
+        plist = plist or ds.get_create_plist()
         if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count():
             return None
         stored = ds.get_type()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import struct
 import zipfile
 import zlib
 
+from restorekit.bundle import files
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError
 
 __all__ = ["MemberFile", "check_crc", "check_member", "json_attr", "json_member", "member_offset"]
@@ -20,7 +22,7 @@ class MemberFile:
     """A read-only, seekable view of a stored (uncompressed) zip member, for h5py."""
 
     def __init__(self, path: str, offset: int, size: int):
-        self._file = open(path, "rb")
+        self._file = io.BufferedReader(files.open_regular(path))  # buffered: HDF5 reads its metadata in small pieces
         self._offset, self._size, self._pos = offset, size, 0
 
     def seekable(self) -> bool:
@@ -51,6 +53,9 @@ class MemberFile:
         buffer[: len(data)] = data
         return len(data)
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def close(self) -> None:
         self._file.close()
 
@@ -66,7 +71,7 @@ def check_crc(path: str, member: str, offset: int, size: int, crc: int, advance=
         ChecksumMismatchError: the bytes do not match the CRC-32 the archive records (or end early).
     """
     running, left = 0, size
-    with open(path, "rb") as f:
+    with files.open_regular(path) as f:
         f.seek(offset)
         while left:
             chunk = f.read(min(_CHUNK, left))
@@ -95,7 +100,7 @@ def check_member(path: str, member: str) -> None:
 
 def member_offset(path: str, info: zipfile.ZipInfo) -> int:
     """Where a member's bytes start: after its local header, whose name and extra lengths may differ from the directory's."""
-    with open(path, "rb") as f:
+    with files.open_regular(path) as f:
         f.seek(info.header_offset)
         header = f.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":

@@ -29,15 +29,16 @@ import re
 
 import numpy as np
 
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, format_names
+from restorekit.bundle import files
+from restorekit.bundle.jsonfile import read_json
+from restorekit.errors import CorruptCheckpointError, format_names
 from restorekit.keras_files import KerasCheckpoint, _h5py
-from restorekit.keras_files.archive import json_attr
+from restorekit.keras_files.h5nodes import check_storage
 from restorekit.keras_files.layouts import CONTAINERS, Keras3Walk
 from restorekit.keras_files.memtree import Group, sorted_tree, tree_types
 
 __all__ = ["ShardedKerasCheckpoint"]
 
-_MAX_INDEX = 64 << 20  # an index lists one line per layer; anything this large is not one
 _DRIVE = re.compile(r"^[A-Za-z]:")
 
 
@@ -70,8 +71,6 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
 
     def __init__(self, path):
         self.prefix = os.fspath(path)
-        if not os.path.isfile(self.prefix):
-            raise CheckpointNotFoundError(f"no Keras shard index at {self.prefix!r}", self.prefix)
         self.config = None
         self.metadata = None
         self._member = None
@@ -101,11 +100,8 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
     # -- the index
     def _read_index(self) -> dict:
         """``{'/group/vars': [shard name, ...]}`` from the index, every shard name checked to be a plain file name."""
-        size = os.path.getsize(self.prefix)
-        if size > _MAX_INDEX:
-            raise self._not_an_index(f"it is {size} bytes, far more than an index of shards")
-        with open(self.prefix, "rb") as fh:
-            index = json_attr(self.prefix, fh.read(), "the shard index")
+        index, st = read_json(self.prefix, "Keras sharded weights index")
+        self._version(self.prefix, st)  # what every later read checks the index against
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise self._not_an_index("it has no 'weight_map' object")
@@ -154,17 +150,19 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
         return self._where[key]
 
     def check_shards(self) -> None:
-        """Check that every shard the index names is still a file (one ``stat`` each, no reads).
+        """Check that every shard the index names is still a regular file (one ``stat`` each, no reads).
 
         Raises:
-            CorruptCheckpointError: a shard is missing.
+            CorruptCheckpointError: a shard is missing, or a FIFO, device or directory.
         """
         for shard in self._shards:
-            if not os.path.isfile(shard):
+            try:
+                files.stat_regular(shard)
+            except OSError:
                 raise CorruptCheckpointError(
                     f"shard {os.path.basename(shard)!r} of {self.prefix!r} is missing (expected at {shard!r}); "
                     f"copy every file the index names, or save the weights again"
-                )
+                ) from None
 
     def _merge(self, h5py, f, shard: str, held: dict) -> None:
         """Add one shard's groups and datasets to the merged tree; note which groups hold datasets here."""
@@ -178,6 +176,7 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
                 if not isinstance(parent, Group):
                     raise self._mismatch(f"{name!r} lies under a dataset of another shard", shard)
             if isinstance(obj, h5py.Dataset):
+                check_storage(obj.id.get_create_plist(), h5py, name, shard)  # before _Stub asks its shape
                 if last in parent:
                     raise self._mismatch(f"{name!r} is also in {os.path.basename(self._where.get(name, '?'))!r}", shard)
                 try:
