@@ -39,7 +39,7 @@ from restorekit.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
-    NoMatchError,
+    EntryNotFoundError,
     RestoreKitWarning,
     closest_names,
     format_names,
@@ -329,9 +329,9 @@ class Checkpoint(Mapping):
         except CorruptCheckpointError:
             return {}
 
-    def _unknown(self, name: str) -> NoMatchError:
+    def _unknown(self, name: str) -> EntryNotFoundError:
         # readable paths are candidates too: 'head/kernel' is far from its raw TF2 key
-        return NoMatchError(
+        return EntryNotFoundError(
             f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name,
             candidates=list(self._entries) + list(self._paths()),
         )

@@ -9,6 +9,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working::
     │   └── ChecksumMismatchError                           crc32c of a tensor is wrong
     ├── InvalidArgumentError           (ValueError)         a bad argument, caught early
     │   ├── NoMatchError                                    a name, rule or pattern matches nothing
+    │   │   └── EntryNotFoundError         (KeyError)           a source has no entry of that name
     │   ├── NameCollisionError                              two things onto one name
     │   ├── AssignmentMapError                              an assignment_map that cannot work
     │   ├── EditError                                       an edit that does not fit (shape, dtype)
@@ -44,6 +45,7 @@ __all__ = [
     "CompressionError",
     "CorruptCheckpointError",
     "EditError",
+    "EntryNotFoundError",
     "GraphError",
     "GraphTooLargeError",
     "GroupError",
@@ -135,6 +137,16 @@ class NoMatchError(InvalidArgumentError):
         super().__init__(message)
         self.name = name
         self.closest = tuple(closest)
+
+
+class EntryNotFoundError(NoMatchError, KeyError):
+    """A checkpoint (any Source) has no entry of that name: a ``NoMatchError`` with the closest
+    names, and a ``KeyError``, so a checkpoint keeps the ``Mapping`` contract
+    (``ckpt.get(name, default)``, ``except KeyError``)."""
+
+    def __str__(self) -> str:
+        # KeyError words itself as the repr of its argument; the message is already a sentence.
+        return str(self.args[0]) if self.args else ""
 
 
 class NameCollisionError(InvalidArgumentError):

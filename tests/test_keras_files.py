@@ -74,6 +74,20 @@ def test_keras3_files_list_keys_readable_paths_and_read_numpy(saved, name):
     assert ckpt.layer_names and set(ckpt.layer_names) == {"enc1", "enc2", "bn", "head"}
 
 
+@pytest.mark.parametrize("name", ["m.weights.h5", "m.keras"], ids=["weights_h5", "keras_archive"])
+def test_keras_files_keep_the_mapping_contract(saved, name):
+    _, tmp_path = saved
+    ckpt = restorekit.Checkpoint(tmp_path / name)
+    key = next(iter(ckpt))
+    assert ckpt.get("missing", None) is None
+    assert ckpt.get(key) is ckpt.entries[key] and key in ckpt and "missing" not in ckpt
+    with pytest.raises(KeyError) as info:
+        ckpt["enc1/kernal"]
+    assert isinstance(info.value, restorekit.EntryNotFoundError)
+    assert "has no entry 'enc1/kernal'." in str(info.value) and not str(info.value).startswith('"')
+    assert "enc1/kernel" in info.value.closest
+
+
 def test_keras_archive_keeps_its_config_as_data(saved):
     _, tmp = saved
     ckpt = restorekit.Checkpoint(str(tmp / "m.keras"))
