@@ -12,6 +12,7 @@ import numpy as np
 from restorekit._tensorflow import import_tensorflow
 from restorekit.checkpoint import Checkpoint
 from restorekit.errors import InvalidArgumentError
+from restorekit.formats import detect, open_source
 from restorekit.policies import (  # noqa: F401  (the names remap.* offered before policies.py)
     CAST,
     SKIP,
@@ -197,6 +198,20 @@ def _check_graph_mode(tf) -> None:
 
 
 def _read_op(tf, prefix: str, record):
+    """The op that reads ``record``'s checkpoint tensor: ``RestoreV2`` from a TF bundle; from any other format
+    (Keras, safetensors, .pt, .npz) its reader, called when the op runs (the graph holds no copy of the value)."""
+    if detect(prefix) != "tf":
+        source = open_source(prefix)
+        name = record.checkpoint_name
+
+        def read():
+            return np.asarray(source.read(name))
+
+        with tf.device("/cpu:0"):
+            stored = tf.numpy_function(read, [], tf.as_dtype(record.checkpoint_dtype), stateful=False,
+                                       name="restorekit_read")
+        stored.set_shape(record.checkpoint_shape)
+        return stored
     with tf.device("/cpu:0"):
         stored = tf.raw_ops.RestoreV2(
             prefix=prefix,

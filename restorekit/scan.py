@@ -18,8 +18,9 @@ from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
 from restorekit import keras_files
 from restorekit.ema import KERAS_AVERAGE_SUFFIX, is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning
+from restorekit.formats import open_source
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
-from restorekit.names import PatternSet, counter_kind, optimizer_slot_kind
+from restorekit.names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
 from restorekit.rules import Rules, as_rules
 from restorekit.targets import Target, collect
@@ -29,8 +30,8 @@ __all__ = ["as_checkpoint", "scan"]
 
 
 def as_checkpoint(checkpoint) -> Checkpoint:
-    """A Checkpoint, or a path any Checkpoint accepts (the one way every module opens one)."""
-    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    """An open Source, or a path in any readable format (``restorekit.formats.open``: TF, Keras, safetensors, .pt, .npz)."""
+    return open_source(checkpoint)
 
 
 def _same(name: str) -> str:
@@ -265,19 +266,25 @@ def _positions_only_where_names_fail(state: _Scan, names: list) -> None:
 
 
 def _skip_reason(state: _Scan, name: str) -> str | None:
-    """Why a variable is left out before any lookup (filters, optimizer slots, global_step), or None."""
+    """Why a variable is left out before any lookup (filters, optimizer slots, global_step, RNG state), or None."""
     if state.includes and state.includes.first_match(name) is None:
         return "not included"
     pattern = state.excludes.first_match(name) if state.excludes else None
     if pattern is not None:
         shown = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
         return f"excluded by {shown!r}"
-    slot = optimizer_slot_kind(name)
-    if slot and state.skip_optimizer_slots:
-        return f"optimizer slot ({slot})"
-    counter = counter_kind(name)
-    if counter and not state.include_global_step:
-        return counter
+    return _state_reason(state, name)
+
+
+def _state_reason(state: _Scan, name: str) -> str | None:
+    """Why optimizer state, a counter or RNG state is left out (``names.entry_kind`` decides which is which)."""
+    kind = entry_kind(name)
+    if kind is Kind.OPTIMIZER and state.skip_optimizer_slots:
+        return f"optimizer slot ({optimizer_slot_kind(name) or 'Keras 2 optimizer'})"
+    if kind is Kind.COUNTER and not state.include_global_step:
+        return counter_kind(name)
+    if kind is Kind.RNG:  # renumbered in every model Keras builds, and only a random stream's position
+        return "RNG state (seed generator)"
     return None
 
 
@@ -404,11 +411,9 @@ def _sort_leftover_entries(state: _Scan) -> None:
             continue
         readable = _readable(state.ckpt, name)
         record = Record(None, name, checkpoint_shape=entry.shape, checkpoint_dtype=entry.dtype, checkpoint_path=readable)
-        slot = optimizer_slot_kind(readable or name)
-        if slot and state.skip_optimizer_slots:
-            state.skipped.append(replace(record, reason=f"optimizer slot ({slot})"))
-        elif counter_kind(readable or name) and not state.include_global_step:
-            state.skipped.append(replace(record, reason=counter_kind(readable or name)))
+        reason = _state_reason(state, readable or name)
+        if reason is not None:
+            state.skipped.append(replace(record, reason=reason))
         elif name in state.raw_replaced:
             state.skipped.append(replace(record, reason="raw weights (EMA shadow restored instead)"))
         elif is_shadow_name(name, suffix or "ExponentialMovingAverage") and suffix is None:

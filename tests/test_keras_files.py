@@ -350,3 +350,40 @@ def test_bfloat16_weights_keep_their_dtype(tmp_path):
     restorekit.restore(restorekit.scan(ckpt, target), strict=True)
     np.testing.assert_array_equal(target.get_layer("d").kernel.numpy().astype("float32"),
                                   source.get_layer("d").kernel.numpy().astype("float32"))
+
+
+# ---------------------------------------------------------------- RNG state is not a weight (issue 23, item 4)
+
+def _lstm_dropout(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5, 3))
+    x = keras.layers.LSTM(4, dropout=0.1, name="rnn")(inputs)
+    x = keras.layers.Dropout(0.2, name="drop")(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(x), name="net")
+
+
+@pytest.mark.parametrize("kind", ["weights_h5", "keras_archive", "tf2_checkpoint"])
+def test_seed_generator_state_is_skipped_with_a_reason_like_counters(tmp_path, kind):
+    import tensorflow as tf
+
+    model = _lstm_dropout(0)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((4, 5, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    if kind == "weights_h5":
+        path = str(tmp_path / "m.weights.h5")
+        model.save_weights(path)
+    elif kind == "keras_archive":
+        path = str(tmp_path / "m.keras")
+        model.save(path)
+    else:
+        path = tf.train.Checkpoint(model=model).write(str(tmp_path / "tf2" / "ckpt"))
+    target = _lstm_dropout(1)  # its seed generators are numbered anew (seed_generator_2, ...)
+    rng = [v.path for v in target.variables if "seed_generator" in v.path]
+    assert len(rng) == 2
+    report = restorekit.scan(path, target).assert_complete()
+    assert report.is_complete and not report.missing and len(report.matched) == 5
+    assert sorted(r.variable_name for r in report.skipped if r.reason == "RNG state (seed generator)") == sorted(rng)
+    assert "RNG state (seed generator) (2)" in str(report)
+    restorekit.restore(report, strict=True)
+    for v, w in zip(target.trainable_weights, model.trainable_weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy())
