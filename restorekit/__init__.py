@@ -61,6 +61,7 @@ from restorekit.initializers import initialize_uninitialized, uninitialized_init
 from restorekit.report import Record, RestoreReport
 from restorekit.scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
+from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
 from restorekit.policies import VocabRemap
 from restorekit.rules import KERAS_FROM_TF1, Rules
 from restorekit.scan import scan

@@ -7,6 +7,9 @@ initializers for ``warm_start`` and the Scaffold.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 
 from restorekit._tensorflow import import_tensorflow
@@ -197,11 +200,23 @@ def _check_graph_mode(tf) -> None:
         raise InvalidArgumentError("TF1 initializers are graph ops; in eager mode use restorekit.restore")
 
 
+def _stamp(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(path: str, stamp: tuple):
+    """One open Source per file while a graph's initializers are built (each record would reopen it otherwise);
+    ``stamp`` (mtime, size) keeps a rewritten file from being read through a stale view."""
+    return open_source(path)
+
+
 def _read_op(tf, prefix: str, record):
     """The op that reads ``record``'s checkpoint tensor: ``RestoreV2`` from a TF bundle; from any other format
     (Keras, safetensors, .pt, .npz) its reader, called when the op runs (the graph holds no copy of the value)."""
     if detect(prefix) != "tf":
-        source = open_source(prefix)
+        source = _opened(prefix, _stamp(prefix))
         name = record.checkpoint_name
 
         def read():

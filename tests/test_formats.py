@@ -227,3 +227,16 @@ def test_no_foreign_framework_is_imported_to_open_a_tf_checkpoint(tf1_checkpoint
     prefix, _ = tf1_checkpoint
     restorekit.Checkpoint(prefix)
     assert "torch" not in sys.modules or HAS_TORCH
+
+
+@pytest.mark.parametrize("fmt, name", [("safetensors", "m.safetensors"), ("npz", "m.npz")], ids=["safetensors", "npz"])
+def test_the_editor_refuses_another_format_by_name_and_writes_nothing(tf1_checkpoint, tmp_path, fmt, name):
+    from restorekit.cli import main
+    from restorekit.edit import CheckpointEditor
+
+    prefix, _ = tf1_checkpoint
+    path = _convert(prefix, tmp_path, fmt, name, {})
+    with pytest.raises(InvalidArgumentError, match=f"is a {fmt} file; convert it first"):
+        CheckpointEditor(path)
+    assert main(["strip", path, str(tmp_path / "out")]) != 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]

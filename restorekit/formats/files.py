@@ -282,7 +282,8 @@ def _npz(probe: Probe) -> int:
 def _torch(probe: Probe) -> int:
     if probe.members is not None and any(m == "data.pkl" or m.endswith("/data.pkl") for m in probe.members):
         return BY_BYTES
-    if probe.members is None and probe.head[:1] == b"\x80":  # torch.save's legacy format: a bare pickle
+    if probe.members is None and probe.head[:1] == b"\x80" and probe.head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        # torch.save's legacy format: a bare pickle (PROTO opcode, protocol 2 to 5)
         return BY_BYTES
     return _by_name(probe, _TORCH_SUFFIXES)
 
