@@ -44,9 +44,10 @@ def _model_scope(object_paths, variable_names: list):
     A Keras Sequential puts its own name first in every path, and Keras numbers auto
     names per process: the checkpoint says ``sequential/head/kernel``, this model
     ``sequential_9/head/kernel``. When each side has a single, different first
-    component (optimizer state aside), ``sequential_9/...`` is looked up as ``sequential/...``.
+    component (optimizer, counter and RNG state aside), ``sequential_9/...`` is looked up as ``sequential/...``.
     """
-    model_paths = [p for p in object_paths if not p.startswith("optimizer/") and p != "save_counter"]
+    model_paths = [p for p in object_paths if entry_kind(p).is_weight]
+    variable_names = [n for n in variable_names if entry_kind(n).is_weight]  # RNG state sits outside the model scope
     saved = {p.split("/", 1)[0] for p in model_paths}
     live = {n.split("/", 1)[0] for n in variable_names}
     if len(saved) != 1 or len(live) != 1 or saved == live:

@@ -387,3 +387,21 @@ def test_seed_generator_state_is_skipped_with_a_reason_like_counters(tmp_path, k
     restorekit.restore(report, strict=True)
     for v, w in zip(target.trainable_weights, model.trainable_weights):
         np.testing.assert_array_equal(v.numpy(), w.numpy())
+
+
+def test_rng_state_does_not_hide_a_renumbered_sequential_scope(tmp_path):
+    import tensorflow as tf
+
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="enc"), keras.layers.Dropout(0.3),
+                                 keras.layers.Dense(2, name="head")])
+
+    saved = build(0)
+    prefix = tf.train.Checkpoint(model=saved).write(str(tmp_path / "tf2" / "ckpt"))
+    target = build(1)  # 'sequential_N/enc/kernel' and a 'seed_generator_N/seed_generator_state' outside that scope
+    report = restorekit.scan(prefix, list(target.variables))  # plain variables: paired by readable path
+    assert len(report.matched) == 4 and report.is_complete
+    restorekit.restore(report, strict=True)
+    for v, w in zip(target.trainable_weights, saved.trainable_weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy())
