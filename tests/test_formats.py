@@ -240,3 +240,15 @@ def test_the_editor_refuses_another_format_by_name_and_writes_nothing(tf1_checkp
         CheckpointEditor(path)
     assert main(["strip", path, str(tmp_path / "out")]) != 0
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_a_tf_prefix_beside_a_file_of_its_name_opens_as_tf(tmp_path):
+    import h5py
+
+    from conftest import write_bundle
+
+    prefix = write_bundle(tmp_path / "model.h5", {"w": np.ones(2, np.float32)})
+    with h5py.File(prefix, "w") as f:  # an HDF5 file whose name is the prefix
+        f["x"] = np.zeros(1)
+    assert detect(prefix) == "tf"
+    assert restorekit.Checkpoint(prefix).read("w").tolist() == [1.0, 1.0]

@@ -40,10 +40,8 @@ def detect(probe: Probe) -> int:
         return BY_BYTES if _has_table_footer(path) else BY_NAME
     if _DATA.search(path):
         return BY_BYTES if os.path.exists(_DATA.sub("", path) + ".index") else BY_NAME
-    if not probe.exists and os.path.exists(path + ".index"):
-        return BY_BYTES
-    if probe.exists and not probe.is_dir and os.path.exists(path + ".index"):
-        return BY_BYTES  # a prefix that is also a file name ('model.h5' beside 'model.h5.index'): the prefix wins
+    if os.path.exists(path + ".index"):
+        return BY_BYTES  # a prefix (also one that is a file's name, 'model.h5' beside 'model.h5.index': the prefix wins)
     return 0
 
 
