@@ -17,6 +17,7 @@ from restorekit.errors import (
     CorruptCheckpointError,
     EditError,
     ExternalDataError,
+    EntryNotFoundError,
     GraphError,
     GraphTooLargeError,
     GroupError,
@@ -66,6 +67,7 @@ from restorekit.report import Record, RestoreReport
 from restorekit.scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
 from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
+from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
 from restorekit.rules import KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
 from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
@@ -106,6 +108,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EditError",
     "Entry",
+    "EntryNotFoundError",
     "ExportResult",
     "ExternalDataError",
     "GraphError",

@@ -19,6 +19,7 @@ import numpy as np
 
 from restorekit import keras_files
 from restorekit.bundle import files, statefile
+from restorekit.formats import registry
 from restorekit.bundle.checks import check_header, check_shape, check_size, slice_layout
 from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
 from restorekit.bundle.format import (
@@ -39,7 +40,7 @@ from restorekit.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
-    NoMatchError,
+    EntryNotFoundError,
     RestoreKitWarning,
     closest_names,
     format_names,
@@ -53,12 +54,14 @@ _WARNED: set = set()
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor in a checkpoint. ``nbytes`` is its size in the data shards."""
+    """One tensor in a checkpoint. ``nbytes`` is its size in the data shards; ``path`` its readable path where the
+    source lists one with it (Keras files; a TF checkpoint gives it by ``readable_name``, from its object graph)."""
 
     name: str
     shape: tuple
     dtype: str
     nbytes: int
+    path: str | None = None
 
     @property
     def size(self) -> int:
@@ -179,9 +182,12 @@ class Checkpoint(Mapping):
     """
 
     def __new__(cls, path=None):
-        # Keras files (.weights.h5, .keras, legacy .h5) have their own reader, with the same verbs.
-        if cls is Checkpoint and keras_files.is_keras_path(path):
-            return keras_files.KerasCheckpoint(path)
+        # Every other format (Keras files, safetensors, .pt, .npz) has its own reader with the same verbs:
+        # the registry decides by the file's bytes which one reads ``path``.
+        if cls is Checkpoint and isinstance(path, (str, os.PathLike)):
+            fmt = registry.detect(path)
+            if fmt != "tf":
+                return registry.open_source(path, fmt)
         return super().__new__(cls)
 
     def __init__(self, path):
@@ -329,9 +335,9 @@ class Checkpoint(Mapping):
         except CorruptCheckpointError:
             return {}
 
-    def _unknown(self, name: str) -> NoMatchError:
+    def _unknown(self, name: str) -> EntryNotFoundError:
         # readable paths are candidates too: 'head/kernel' is far from its raw TF2 key
-        return NoMatchError(
+        return EntryNotFoundError(
             f"checkpoint {self.prefix!r} has no entry {name!r}.", name=name,
             candidates=list(self._entries) + list(self._paths()),
         )
@@ -375,6 +381,19 @@ class Checkpoint(Mapping):
 
     def is_partitioned(self, name: str) -> bool:
         return name in self._slices
+
+    def stored_range(self, name: str) -> tuple[str, int, int] | None:
+        """``(data shard, offset, size)`` of the bytes of ``name`` (a key or readable path) as stored, or None for a
+        partitioned entry (its bytes lie in several slices): what a writer may copy as it is (crc32c in the index).
+
+        Raises:
+            EntryNotFoundError: no such entry.
+        """
+        key = name if name in self._bundle else self.key(name)
+        if key in self._slices:
+            return None
+        entry = self.bundle_entry(key)
+        return self.data_file(entry.shard_id), entry.offset, entry.size
 
     def _shard_for(self, entry: BundleEntry, name: str) -> str:
         """The data shard holding ``entry``, checked to be a regular file long enough for it.

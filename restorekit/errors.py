@@ -11,6 +11,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     │   └── CheckpointChangedError                          a file replaced or rewritten while it was open
     ├── InvalidArgumentError           (ValueError)         a bad argument, caught early
     │   ├── NoMatchError                                    a name, rule or pattern matches nothing
+    │   │   └── EntryNotFoundError         (KeyError)           a source has no entry of that name
     │   ├── NameCollisionError                              two things onto one name
     │   ├── AssignmentMapError                              an assignment_map that cannot work
     │   ├── EditError                                       an edit that does not fit (shape, dtype)
@@ -50,6 +51,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EditError",
     "ExternalDataError",
+    "EntryNotFoundError",
     "GraphError",
     "GraphTooLargeError",
     "GroupError",
@@ -152,6 +154,16 @@ class NoMatchError(InvalidArgumentError):
         super().__init__(message)
         self.name = name
         self.closest = tuple(closest)
+
+
+class EntryNotFoundError(NoMatchError, KeyError):
+    """A checkpoint (any Source) has no entry of that name: a ``NoMatchError`` with the closest
+    names, and a ``KeyError``, so a checkpoint keeps the ``Mapping`` contract
+    (``ckpt.get(name, default)``, ``except KeyError``)."""
+
+    def __str__(self) -> str:
+        # KeyError words itself as the repr of its argument; the message is already a sentence.
+        return str(self.args[0]) if self.args else ""
 
 
 class NameCollisionError(InvalidArgumentError):

@@ -17,14 +17,18 @@ Patterns (``include``, ``exclude``, group rules, ``delete``) all follow one rule
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Callable, Iterable, Mapping, Sequence
 
 from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError, closest_names
 
 __all__ = [
+    "Kind",
     "closest_names",
     "counter_kind",
+    "entry_kind",
+    "is_weight",
     "global_step_name",
     "is_global_step",
     "matches",
@@ -208,6 +212,67 @@ def counter_kind(name: str) -> str | None:
     if not is_global_step(name):
         return None
     return "save counter" if strip_output_index(name).startswith("save_counter") else "global_step"
+
+
+# Keras 3 SeedGenerator state (Dropout, noise and random-augmentation layers): 'seed_generator_2/seed_generator_state'
+# as a variable path, '.../seed_generator/state' as a TF2 object path. Keras renumbers the generators in every model
+# built, and restoring one only replays a random stream, so it is bookkeeping, never a weight.
+_RNG_STATE = re.compile(r"(^|/)seed_generator(_\d+)?/(seed_generator_)?state(/\.ATTRIBUTES/VARIABLE_VALUE)?$")
+# A legacy Keras 2 full-model HDF5 file keeps its optimizer in this group, under the optimizer's own names
+# ('optimizer_weights/training/Adam/dense/kernel/m:0'), which no slot rule recognizes.
+_KERAS2_OPTIMIZER = re.compile(r"^optimizer_weights(/|$)")
+_EMA_SHADOW = re.compile(r"/ExponentialMovingAverage(_\d+)?$")
+
+
+class Kind(str, enum.Enum):
+    """What a checkpoint entry or variable holds: the one answer to "is this a weight?"."""
+
+    WEIGHT = "weight"
+    EMA = "ema"  # a moving-average shadow of a weight (w/ExponentialMovingAverage): a value of the weight
+    OPTIMIZER = "optimizer"  # slots (Momentum, Adam m/v), beta powers, TF2 / Keras optimizer objects and groups
+    COUNTER = "counter"  # global_step, save_counter
+    RNG = "rng"  # Keras 3 SeedGenerator state
+
+    @property
+    def is_weight(self) -> bool:
+        """True for what ``weights_only`` keeps: weights and their EMA shadows."""
+        return self in (Kind.WEIGHT, Kind.EMA)
+
+
+def entry_kind(name: str, *, path: str | None = None, tracked: str | None = None) -> Kind:
+    """What the entry or variable ``name`` holds; ``strip``, ``weights_only``, ``scan``, export and the editor ask this.
+
+    Args:
+        name: a checkpoint key or variable name.
+        path: its readable path, where the source has one (a Keras file's ``optimizer/...``,
+            a TF2 checkpoint's ``variable.path``): either name saying "optimizer" is enough.
+        tracked: the kind a TF2 object graph gives the key (``'variable'``, ``'optimizer'``,
+            ``'save_counter'``). It wins over the spelling: Keras 3 saves a model's own weights
+            under ``optimizer/_trainable_variables/N/...`` when the optimizer tracked them first.
+
+    >>> entry_kind('conv1/weights/Momentum'), entry_kind('global_step'), entry_kind('conv1/weights')
+    (<Kind.OPTIMIZER: 'optimizer'>, <Kind.COUNTER: 'counter'>, <Kind.WEIGHT: 'weight'>)
+    """
+    if tracked is not None and tracked != "variable":
+        return Kind.COUNTER if tracked == "save_counter" else Kind.OPTIMIZER
+    names = (name,) if path is None or path == name else (name, path)
+    for n in names:
+        if optimizer_slot_kind(n) is not None or _KERAS2_OPTIMIZER.search(n):
+            if tracked is None:
+                return Kind.OPTIMIZER
+    for n in names:
+        if is_global_step(n):
+            return Kind.COUNTER
+        if _RNG_STATE.search(strip_output_index(n)):
+            return Kind.RNG
+    if any(_EMA_SHADOW.search(strip_output_index(n)) for n in names):
+        return Kind.EMA
+    return Kind.WEIGHT
+
+
+def is_weight(name: str, *, path: str | None = None, tracked: str | None = None) -> bool:
+    """True when ``entry_kind`` says ``name`` is a weight or a weight's EMA shadow (what ``weights_only`` keeps)."""
+    return entry_kind(name, path=path, tracked=tracked).is_weight
 
 
 def global_step_name(names: Iterable[str]) -> str | None:

@@ -7,11 +7,15 @@ initializers for ``warm_start`` and the Scaffold.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 
 from restorekit._tensorflow import import_tensorflow
 from restorekit.checkpoint import Checkpoint
 from restorekit.errors import InvalidArgumentError
+from restorekit.formats import detect, open_source
 from restorekit.policies import (  # noqa: F401  (the names remap.* offered before policies.py)
     CAST,
     SKIP,
@@ -203,7 +207,33 @@ def _check_graph_mode(tf) -> None:
         raise InvalidArgumentError("TF1 initializers are graph ops; in eager mode use restorekit.restore")
 
 
+def _stamp(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=4)
+def _opened(path: str, stamp: tuple):
+    """One open Source per file while a graph's initializers are built (each record would reopen it otherwise);
+    ``stamp`` (mtime, size) keeps a rewritten file from being read through a stale view."""
+    return open_source(path)
+
+
 def _read_op(tf, prefix: str, record):
+    """The op that reads ``record``'s checkpoint tensor: ``RestoreV2`` from a TF bundle; from any other format
+    (Keras, safetensors, .pt, .npz) its reader, called when the op runs (the graph holds no copy of the value)."""
+    if detect(prefix) != "tf":
+        source = _opened(prefix, _stamp(prefix))
+        name = record.checkpoint_name
+
+        def read():
+            return np.asarray(source.read(name))
+
+        with tf.device("/cpu:0"):
+            stored = tf.numpy_function(read, [], tf.as_dtype(record.checkpoint_dtype), stateful=False,
+                                       name="restorekit_read")
+        stored.set_shape(record.checkpoint_shape)
+        return stored
     with tf.device("/cpu:0"):
         stored = tf.raw_ops.RestoreV2(
             prefix=prefix,

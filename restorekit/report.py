@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError, NoMatchError
 
-__all__ = ["Record", "RestoreReport", "format_bytes", "format_shape", "live_handles", "nothing_matched"]
+__all__ = ["HOW", "Record", "RestoreReport", "format_bytes", "format_shape", "live_handles", "nothing_matched"]
 
 
 def format_shape(shape, unknown_rank: str = "?") -> str:
@@ -43,6 +43,15 @@ class Record:
     was skipped, or how a match was made (``'ema'``, ``'ema fallback: ...'``,
     ``'slice_or_pad'``, ``'vocab'``, ``'shape_policy: fn'``). ``checkpoint_path`` is the
     readable path of an object-based (TF2) checkpoint key, such as ``dense_1/kernel``.
+
+    ``how`` says the same as a value, words from :data:`HOW` (code reads this, never
+    ``reason``). A matched record: how it was paired, one of ``'name'`` (the variable's
+    own name), ``'rule'``, ``'assignment_map'``, ``'object_graph'``, ``'position'`` (the
+    object graph, across names), then ``'readable_path'`` when the name was found as an
+    entry's readable path, ``'ema'`` / ``'ema_fallback'``, ``'policy'`` (a shape policy,
+    vocabulary or cast). A skipped record: why, one of ``'not_included'``,
+    ``'excluded'``, ``'not_in_assignment_map'``, ``'optimizer'``, ``'counter'``,
+    ``'rng'``, ``'ema_shadow'``, ``'raw_weights'``.
     """
 
     variable_name: str | None
@@ -53,6 +62,7 @@ class Record:
     checkpoint_dtype: str | None = None
     reason: str = ""
     checkpoint_path: str | None = None
+    how: tuple = ()
 
     def describe(self) -> str:
         name = self.variable_name if self.variable_name is not None else (self.checkpoint_path or self.checkpoint_name)
@@ -61,6 +71,12 @@ class Record:
 
 
 _KINDS = ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")
+# The words of Record.how: how a match was made, or why a record was skipped.
+HOW_MATCHED = ("name", "rule", "assignment_map", "object_graph", "position", "readable_path", "ema", "ema_fallback",
+               "policy")
+HOW_SKIPPED = ("not_included", "excluded", "not_in_assignment_map", "optimizer", "counter", "rng", "ema_shadow",
+               "raw_weights")
+HOW = HOW_MATCHED + HOW_SKIPPED
 
 
 @dataclass(frozen=True)
@@ -167,7 +183,7 @@ class RestoreReport:
     @property
     def by_position(self) -> tuple:
         """Matched records paired with an entry saved under another name, by the object graph's order."""
-        return tuple(r for r in self.matched if r.reason.startswith("by position"))
+        return tuple(r for r in self.matched if "position" in r.how)
 
     @property
     def matched_names(self) -> tuple:
@@ -210,7 +226,7 @@ class RestoreReport:
         )
         if len(self.by_position) > 20:
             lines.append(f"  ... and {len(self.by_position) - 20} more by position")
-        fallback = [r.variable_name for r in self.matched if "ema fallback" in r.reason]
+        fallback = [r.variable_name for r in self.matched if "ema_fallback" in r.how]
         if fallback:
             shown = ", ".join(fallback[:6]) + (f", ... and {len(fallback) - 6} more" if len(fallback) > 6 else "")
             lines.append(f"  ema fallback (no shadow entry, raw weights): {shown}")

@@ -18,8 +18,9 @@ from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
 from restorekit import keras_files
 from restorekit.ema import KERAS_AVERAGE_SUFFIX, is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning
+from restorekit.formats import open_source
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
-from restorekit.names import PatternSet, counter_kind, optimizer_slot_kind
+from restorekit.names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
 from restorekit.rules import Rules, as_rules
 from restorekit.targets import Target, collect
@@ -29,8 +30,8 @@ __all__ = ["as_checkpoint", "scan"]
 
 
 def as_checkpoint(checkpoint) -> Checkpoint:
-    """A Checkpoint, or a path any Checkpoint accepts (the one way every module opens one)."""
-    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    """An open Source, or a path in any readable format (``restorekit.formats.open``: TF, Keras, safetensors, .pt, .npz)."""
+    return open_source(checkpoint)
 
 
 def _same(name: str) -> str:
@@ -43,9 +44,10 @@ def _model_scope(object_paths, variable_names: list):
     A Keras Sequential puts its own name first in every path, and Keras numbers auto
     names per process: the checkpoint says ``sequential/head/kernel``, this model
     ``sequential_9/head/kernel``. When each side has a single, different first
-    component (optimizer state aside), ``sequential_9/...`` is looked up as ``sequential/...``.
+    component (optimizer, counter and RNG state aside), ``sequential_9/...`` is looked up as ``sequential/...``.
     """
-    model_paths = [p for p in object_paths if not p.startswith("optimizer/") and p != "save_counter"]
+    model_paths = [p for p in object_paths if entry_kind(p).is_weight]
+    variable_names = [n for n in variable_names if entry_kind(n).is_weight]  # RNG state sits outside the model scope
     saved = {p.split("/", 1)[0] for p in model_paths}
     live = {n.split("/", 1)[0] for n in variable_names}
     if len(saved) != 1 or len(live) != 1 or saved == live:
@@ -184,6 +186,7 @@ class _Scan:
     vocabularies: dict = field(default_factory=dict)
     assignment_map: object = None
     lookup: object = None
+    pairing: str = "name"  # Record.how of a pairing by lookup: 'name', 'rule' or 'assignment_map'
     rescope: object = _same
     graph_keys: dict = field(default_factory=dict)
     positional: set = field(default_factory=set)  # variables paired with another name's entry, by position
@@ -225,6 +228,7 @@ def _resolve_names(state: _Scan, variables, assignment_map, rules) -> None:
         if assignment_map is not None:
             raise InvalidArgumentError("pass either rules= or assignment_map=, not both")
         assignment_map = as_rules(rules)
+    state.pairing = "rule" if isinstance(assignment_map, Rules) else "name" if assignment_map is None else "assignment_map"
     if isinstance(assignment_map, Rules):
         assignment_map = assignment_map.bind(names, list(object_paths) if object_paths else list(ckpt.entries))
     state.assignment_map = assignment_map
@@ -268,33 +272,48 @@ def _positions_only_where_names_fail(state: _Scan, names: list) -> None:
         state.positional = set(cross)
 
 
-def _skip_reason(state: _Scan, name: str) -> str | None:
-    """Why a variable is left out before any lookup (filters, optimizer slots, global_step), or None."""
+def _skip_reason(state: _Scan, name: str) -> tuple[str, str] | None:
+    """Why a variable is left out before any lookup (filters, optimizer slots, global_step, RNG state):
+    ``(reason, how)``, or None."""
     if state.includes and state.includes.first_match(name) is None:
-        return "not included"
+        return "not included", "not_included"
     pattern = state.excludes.first_match(name) if state.excludes else None
     if pattern is not None:
         shown = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
-        return f"excluded by {shown!r}"
-    slot = optimizer_slot_kind(name)
-    if slot and state.skip_optimizer_slots:
-        return f"optimizer slot ({slot})"
-    counter = counter_kind(name)
-    if counter and not state.include_global_step:
-        return counter
+        return f"excluded by {shown!r}", "excluded"
+    return _state_reason(state, name)
+
+
+def _state_reason(state: _Scan, name: str) -> tuple[str, str] | None:
+    """Why optimizer state, a counter or RNG state is left out (``names.entry_kind`` decides which is which):
+    ``(reason, how)``, or None."""
+    kind = entry_kind(name)
+    if kind is Kind.OPTIMIZER and state.skip_optimizer_slots:
+        return f"optimizer slot ({optimizer_slot_kind(name) or 'Keras 2 optimizer'})", "optimizer"
+    if kind is Kind.COUNTER and not state.include_global_step:
+        return counter_kind(name), "counter"
+    if kind is Kind.RNG:  # renumbered in every model Keras builds, and only a random stream's position
+        return "RNG state (seed generator)", "rng"
     return None
 
 
-def _checkpoint_name(state: _Scan, t: Target) -> str | None:
-    """The entry a variable restores from (before EMA), or None when the assignment map leaves it out."""
+def _checkpoint_name(state: _Scan, t: Target) -> tuple[str | None, tuple]:
+    """The entry a variable restores from (before EMA), or None when the assignment map leaves it out,
+    and how it was found (``Record.how``)."""
     name = t.variable_name
-    ckpt_name = t.checkpoint_name if t.checkpoint_name is not None else state.lookup(name)
-    if ckpt_name is not None and t.checkpoint_name is None and state.ckpt.is_object_based:
+    if t.checkpoint_name is not None:
+        return t.checkpoint_name, ("assignment_map",)
+    ckpt_name = state.lookup(name)
+    how: tuple = ("name",) if state.pairing == "rule" and ckpt_name == name else (state.pairing,)
+    if ckpt_name is not None and state.ckpt.is_object_based:
         if name in state.graph_keys:
             ckpt_name = state.graph_keys[name]
+            how = ("position",) if name in state.positional else ("object_graph",)
         elif state.match != "object_graph" and ckpt_name not in state.ckpt.entries:
-            ckpt_name = state.by_path(ckpt_name) or ckpt_name
-    return ckpt_name
+            key = state.by_path(ckpt_name)
+            if key is not None:
+                ckpt_name, how = key, how + ("readable_path",)
+    return ckpt_name, how
 
 
 def _scoped_shadows(state: _Scan) -> dict:
@@ -346,15 +365,18 @@ def _plan_target(state: _Scan, t: Target) -> None:
     # Every name is offered to the policy patterns, so a pattern "matches nothing"
     # only when it names no variable at all.
     shape_policy = state.policies.for_name(name) if state.policies else None
-    reason = _skip_reason(state, name)
-    if reason is not None:
-        state.skipped.append(Record(name, None, t.shape, t.dtype, reason=reason))
+    skip = _skip_reason(state, name)
+    if skip is not None:
+        state.skipped.append(Record(name, None, t.shape, t.dtype, reason=skip[0], how=(skip[1],)))
         return
-    ckpt_name = _checkpoint_name(state, t)
+    ckpt_name, how = _checkpoint_name(state, t)
     if ckpt_name is None:
-        state.skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map"))
+        state.skipped.append(Record(name, None, t.shape, t.dtype, reason="not in assignment_map",
+                                    how=("not_in_assignment_map",)))
         return
     ckpt_name, reason = _ema_entry(state, t, ckpt_name)
+    if reason:
+        how += ("ema",) if reason == "ema" else ("ema_fallback",)
     if name in state.positional:
         reason = f"by position; {reason}" if reason else "by position"
     entry = state.ckpt.entries.get(ckpt_name)
@@ -368,7 +390,8 @@ def _plan_target(state: _Scan, t: Target) -> None:
         state.shared.append((name, state.owner[ckpt_name], ckpt_name))
         return
     state.owner[ckpt_name] = name
-    record = Record(name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason, _readable(state.ckpt, ckpt_name))
+    record = Record(name, ckpt_name, t.shape, t.dtype, entry.shape, entry.dtype, reason, _readable(state.ckpt, ckpt_name),
+                    how)
     _classify(state, t, record, shape_policy)
 
 
@@ -394,7 +417,7 @@ def _classify(state: _Scan, t: Target, record: Record, shape_policy) -> None:
     else:
         policy = why = None
     if why is not None:
-        record = replace(record, reason=f"{why}; {reason}" if reason else why)
+        record = replace(record, reason=f"{why}; {reason}" if reason else why, how=record.how + ("policy",))
         state.applied[name] = policy
     state.matched.append(record)
     state.handles[name] = t.handle
@@ -408,23 +431,20 @@ def _sort_leftover_entries(state: _Scan) -> None:
             continue
         readable = _readable(state.ckpt, name)
         record = Record(None, name, checkpoint_shape=entry.shape, checkpoint_dtype=entry.dtype, checkpoint_path=readable)
-        slot = optimizer_slot_kind(readable or name)
-        if slot and state.skip_optimizer_slots:
-            state.skipped.append(replace(record, reason=f"optimizer slot ({slot})"))
-        elif counter_kind(readable or name) and not state.include_global_step:
-            state.skipped.append(replace(record, reason=counter_kind(readable or name)))
+        skip = _state_reason(state, readable or name)
+        if skip is not None:
+            state.skipped.append(replace(record, reason=skip[0], how=(skip[1],)))
         elif name in state.raw_replaced:
-            state.skipped.append(replace(record, reason="raw weights (EMA shadow restored instead)"))
+            state.skipped.append(replace(record, reason="raw weights (EMA shadow restored instead)", how=("raw_weights",)))
         elif is_shadow_name(name, suffix or "ExponentialMovingAverage") and suffix is None:
-            state.skipped.append(replace(record, reason="EMA shadow (pass ema= to restore it)"))
+            state.skipped.append(replace(record, reason="EMA shadow (pass ema= to restore it)", how=("ema_shadow",)))
         else:
             state.unused.append(record)
 
 
 def _ema_hints(state: _Scan) -> tuple:
     """ema= found no shadow at all: say so loudly, since the raw weights were matched instead."""
-    if state.suffix is None or not state.matched or any(r.reason.startswith("ema;") or r.reason == "ema"
-                                                         for r in state.matched):
+    if state.suffix is None or not state.matched or any("ema" in r.how for r in state.matched):
         return ()
     text = (f"ema= was given but {state.ckpt.prefix!r} holds no shadow entries ('.../{state.suffix}') and no "
             f"Keras use_ema '...{KERAS_AVERAGE_SUFFIX}' optimizer variables; all {len(state.matched)} matches "

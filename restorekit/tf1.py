@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from restorekit._tensorflow import import_tensorflow
 from restorekit import remap
 from restorekit.errors import AssignmentMapError, InvalidArgumentError, format_names
+from restorekit.formats import detect
 from restorekit.report import RestoreReport, live_handles, nothing_matched, plain_records, policy_of
 
 __all__ = [
@@ -47,7 +48,8 @@ class RestoreOps:
 def restore_ops(report: RestoreReport) -> RestoreOps:
     """Decide which matched records a Saver restores and which get checkpoint-reading initializers."""
     plain = plain_records(report)
-    if _shared_tensors(plain):
+    if _shared_tensors(plain) or detect(report.checkpoint) != "tf":
+        # a Saver reads TF bundles only: from another format every record gets a reading initializer
         return RestoreOps((), tuple(report.matched))
     return RestoreOps(tuple(plain), tuple(r for r in report.matched if policy_of(report, r.variable_name) is not None))
 
@@ -58,8 +60,9 @@ def build_initializer(report: RestoreReport, record) -> None:
 
     if policy_of(report, record.variable_name) is not None:
         remap.tf1_initializer(report, record)
-    elif os.path.isdir(report.checkpoint):
-        # init_from_checkpoint would take this prefix for a directory holding a 'checkpoint' file
+    elif os.path.isdir(report.checkpoint) or detect(report.checkpoint) != "tf":
+        # init_from_checkpoint would take this prefix for a directory holding a 'checkpoint' file,
+        # and reads TF bundles only
         remap.tf1_copy_initializer(report, record)
     else:
         tf.compat.v1.train.init_from_checkpoint(
@@ -118,6 +121,12 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
     """
     tf = import_tensorflow()
 
+    fmt = detect(report.checkpoint)
+    if fmt != "tf":
+        raise InvalidArgumentError(
+            f"a Saver restores TF checkpoints only, and {report.checkpoint!r} is a {fmt} file; use "
+            "restorekit.warm_start(report) or restorekit.easy_going_scaffold, which read any format"
+        )
     var_list = _saver_var_list(report)
     if not var_list:
         if report.matched:

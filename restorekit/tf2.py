@@ -11,6 +11,7 @@ from restorekit import distribute, keras_files, remap
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
+from restorekit.formats import detect, open_source
 from restorekit.report import live_handles, nothing_matched, policy_of
 from restorekit.rules import KERAS_FROM_TF1, Rules, as_rules
 from restorekit.trackables import is_trackable, live_paths, object_graph_keys
@@ -71,11 +72,11 @@ def _nbytes(record) -> int:
 
 
 def _read_matched(tf, source: str, records: list) -> dict:
-    """checkpoint key -> tensor for every matched record: RestoreV2 for TF bundles, numpy for Keras files."""
+    """checkpoint key -> tensor for every matched record: RestoreV2 for TF bundles, numpy for other formats."""
     keys = sorted({r.checkpoint_name for r in records})
-    if keras_files.is_keras_path(source):
-        # RestoreV2 reads only TF bundles; a Keras file is read once with h5py.
-        arrays = keras_files.KerasCheckpoint(source).read_many(keys)
+    if detect(source) != "tf":
+        # RestoreV2 reads only TF bundles; any other format (a Keras file, safetensors, .pt, .npz) with its reader.
+        arrays = open_source(source).read_many(keys)
         with tf.device("/cpu:0"):
             return {k: tf.convert_to_tensor(a) for k, a in zip(keys, arrays)}
     dtype_of = {r.checkpoint_name: r.checkpoint_dtype for r in records}

@@ -247,6 +247,21 @@ def test_unknown_entry_lists_closest_names(small_checkpoint):
     assert "dense/kernel" in info.value.closest
 
 
+def test_checkpoint_keeps_the_mapping_contract(small_checkpoint):
+    prefix, values = small_checkpoint
+    ckpt = Checkpoint(prefix)
+    assert ckpt.get("missing", None) is None
+    assert ckpt.get("dense/bias").shape == (3,)
+    assert "dense/bias" in ckpt and "missing" not in ckpt
+    assert sorted(ckpt) == sorted(values)
+    with pytest.raises(KeyError) as info:
+        ckpt["dense/kernal"]
+    assert isinstance(info.value, restorekit.EntryNotFoundError) and isinstance(info.value, NoMatchError)
+    # a sentence, not KeyError's repr of it
+    assert str(info.value).startswith(f"checkpoint {prefix!r} has no entry 'dense/kernal'.")
+    assert "Closest: 'dense/kernel'" in str(info.value)
+
+
 def test_fallback_warns_once_however_often_the_directory_is_opened(small_checkpoint):
     prefix, _ = small_checkpoint
     directory = os.path.dirname(prefix)

@@ -253,3 +253,46 @@ def test_a_keras_archive_edit_that_could_not_load_is_refused_in_place_and_nothin
     with pytest.raises(error, match=match):
         editor.save_in_place()
     assert (tmp / "m.keras").read_bytes() == before and sorted(os.listdir(tmp)) == listing
+
+
+# ---------------------------------------------------------------- one rule for what is a weight (names.entry_kind)
+
+def _legacy_full_model(tmp_path):
+    """A Keras 3 legacy full-model HDF5 (``model.save('x.h5')``): Keras 2's ``model_weights`` + ``optimizer_weights``."""
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d1"), keras.layers.Dense(2, name="d2")])
+    m.compile(optimizer="adam", loss="mse")
+    m.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    path = tmp_path / "legacy.h5"
+    m.save(path)
+    return m, path
+
+
+def test_strip_weights_only_and_scan_agree_on_a_legacy_h5s_optimizer(capsys, tmp_path):
+    m, path = _legacy_full_model(tmp_path)
+    src = restorekit.Checkpoint(path)
+    optimizer = sorted(k for k in src if k.startswith("optimizer_weights/"))
+    weights = sorted(k for k in src if k.startswith("model_weights/"))
+    assert len(optimizer) == 10 and len(weights) == 4
+    # strip (the editor and the CLI)
+    assert sorted(CheckpointEditor(path).strip_optimizer_slots()) == optimizer
+    assert main(["strip", str(path), str(tmp_path / "stripped")]) == 0
+    capsys.readouterr()
+    stripped = restorekit.Checkpoint(tmp_path / "stripped")
+    # convert --weights-only
+    assert main(["convert", str(path), str(tmp_path / "w.safetensors"), "--weights-only"]) == 0
+    capsys.readouterr()
+    converted = restorekit.formats.open(tmp_path / "w.safetensors")
+    # the editor's save with weights_only
+    editor = CheckpointEditor(path)
+    editor.save(tmp_path / "wo", weights_only=True)
+    saved = restorekit.Checkpoint(tmp_path / "wo")
+    kept = ["d1/bias", "d1/kernel", "d2/bias", "d2/kernel"]
+    assert sorted(stripped.readable_name(k) for k in stripped) == kept
+    assert sorted(converted) == kept
+    assert sorted(saved.readable_name(k) for k in saved) == kept
+    np.testing.assert_array_equal(converted.read("d1/kernel"), m.get_layer("d1").kernel.numpy())
+    # and scan calls the same ten entries optimizer state
+    report = restorekit.scan(path, m)
+    assert report.is_complete and len(report.matched) == 4
+    assert sorted(r.checkpoint_name for r in report.skipped if r.reason.startswith("optimizer slot")) == optimizer

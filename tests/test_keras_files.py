@@ -74,6 +74,20 @@ def test_keras3_files_list_keys_readable_paths_and_read_numpy(saved, name):
     assert ckpt.layer_names and set(ckpt.layer_names) == {"enc1", "enc2", "bn", "head"}
 
 
+@pytest.mark.parametrize("name", ["m.weights.h5", "m.keras"], ids=["weights_h5", "keras_archive"])
+def test_keras_files_keep_the_mapping_contract(saved, name):
+    _, tmp_path = saved
+    ckpt = restorekit.Checkpoint(tmp_path / name)
+    key = next(iter(ckpt))
+    assert ckpt.get("missing", None) is None
+    assert ckpt.get(key) is ckpt.entries[key] and key in ckpt and "missing" not in ckpt
+    with pytest.raises(KeyError) as info:
+        ckpt["enc1/kernal"]
+    assert isinstance(info.value, restorekit.EntryNotFoundError)
+    assert "has no entry 'enc1/kernal'." in str(info.value) and not str(info.value).startswith('"')
+    assert "enc1/kernel" in info.value.closest
+
+
 def test_keras_archive_keeps_its_config_as_data(saved):
     _, tmp = saved
     ckpt = restorekit.Checkpoint(str(tmp / "m.keras"))
@@ -336,3 +350,58 @@ def test_bfloat16_weights_keep_their_dtype(tmp_path):
     restorekit.restore(restorekit.scan(ckpt, target), strict=True)
     np.testing.assert_array_equal(target.get_layer("d").kernel.numpy().astype("float32"),
                                   source.get_layer("d").kernel.numpy().astype("float32"))
+
+
+# ---------------------------------------------------------------- RNG state is not a weight (issue 23, item 4)
+
+def _lstm_dropout(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5, 3))
+    x = keras.layers.LSTM(4, dropout=0.1, name="rnn")(inputs)
+    x = keras.layers.Dropout(0.2, name="drop")(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(x), name="net")
+
+
+@pytest.mark.parametrize("kind", ["weights_h5", "keras_archive", "tf2_checkpoint"])
+def test_seed_generator_state_is_skipped_with_a_reason_like_counters(tmp_path, kind):
+    import tensorflow as tf
+
+    model = _lstm_dropout(0)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((4, 5, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    if kind == "weights_h5":
+        path = str(tmp_path / "m.weights.h5")
+        model.save_weights(path)
+    elif kind == "keras_archive":
+        path = str(tmp_path / "m.keras")
+        model.save(path)
+    else:
+        path = tf.train.Checkpoint(model=model).write(str(tmp_path / "tf2" / "ckpt"))
+    target = _lstm_dropout(1)  # its seed generators are numbered anew (seed_generator_2, ...)
+    rng = [v.path for v in target.variables if "seed_generator" in v.path]
+    assert len(rng) == 2
+    report = restorekit.scan(path, target).assert_complete()
+    assert report.is_complete and not report.missing and len(report.matched) == 5
+    assert sorted(r.variable_name for r in report.skipped if r.reason == "RNG state (seed generator)") == sorted(rng)
+    assert "RNG state (seed generator) (2)" in str(report)
+    restorekit.restore(report, strict=True)
+    for v, w in zip(target.trainable_weights, model.trainable_weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy())
+
+
+def test_rng_state_does_not_hide_a_renumbered_sequential_scope(tmp_path):
+    import tensorflow as tf
+
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="enc"), keras.layers.Dropout(0.3),
+                                 keras.layers.Dense(2, name="head")])
+
+    saved = build(0)
+    prefix = tf.train.Checkpoint(model=saved).write(str(tmp_path / "tf2" / "ckpt"))
+    target = build(1)  # 'sequential_N/enc/kernel' and a 'seed_generator_N/seed_generator_state' outside that scope
+    report = restorekit.scan(prefix, list(target.variables))  # plain variables: paired by readable path
+    assert len(report.matched) == 4 and report.is_complete
+    restorekit.restore(report, strict=True)
+    for v, w in zip(target.trainable_weights, saved.trainable_weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy())

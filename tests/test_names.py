@@ -101,3 +101,33 @@ def test_rename_rules_agree(rule):
 def test_rename_collision_names_both():
     with pytest.raises(NameCollisionError, match="'a' and 'b' both become 'x'"):
         apply_renames(["a", "b"], lambda n: "x")
+
+
+# ---------------------------------------------------------------- entry_kind: the one rule for "is this a weight"
+
+from restorekit.names import Kind, entry_kind, is_weight  # noqa: E402
+
+
+@pytest.mark.parametrize("name, path, tracked, kind", [
+    ("conv1/weights", None, None, Kind.WEIGHT),
+    ("conv1/weights/Momentum", None, None, Kind.OPTIMIZER),
+    ("bert/encoder/dense/kernel/adam_m", None, None, Kind.OPTIMIZER),
+    ("beta1_power", None, None, Kind.OPTIMIZER),
+    ("dense/kernel/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE", None, None, Kind.OPTIMIZER),
+    ("optimizer/vars/3", None, None, Kind.OPTIMIZER),
+    ("optimizer_weights/adam/sequential_d1_kernel_momentum", None, None, Kind.OPTIMIZER),
+    ("optimizer_weights/training/Adam/dense/kernel/m:0", None, None, Kind.OPTIMIZER),
+    ("layers/dense/vars/0", "optimizer/adam/iteration", None, Kind.OPTIMIZER),
+    ("optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE", "dense/kernel", "variable", Kind.WEIGHT),
+    ("optimizer/iter/.ATTRIBUTES/VARIABLE_VALUE", None, "optimizer", Kind.OPTIMIZER),
+    ("global_step", None, None, Kind.COUNTER),
+    ("save_counter/.ATTRIBUTES/VARIABLE_VALUE", None, "save_counter", Kind.COUNTER),
+    ("seed_generator_2/seed_generator_state", None, None, Kind.RNG),
+    ("model/layer-2/seed_generator/state/.ATTRIBUTES/VARIABLE_VALUE", None, None, Kind.RNG),
+    ("dense/kernel/ExponentialMovingAverage", None, None, Kind.EMA),
+], ids=["weight", "tf1_slot", "bert_adam", "beta_power", "tf2_slot", "keras3_optimizer", "keras3_legacy_h5_optimizer",
+        "keras2_h5_optimizer", "readable_path_says_optimizer", "tracked_weight_spelled_optimizer", "tracked_optimizer",
+        "global_step", "save_counter", "seed_generator_path", "seed_generator_tf2_key", "ema_shadow"])
+def test_entry_kind_says_what_an_entry_holds(name, path, tracked, kind):
+    assert entry_kind(name, path=path, tracked=tracked) is kind
+    assert is_weight(name, path=path, tracked=tracked) == (kind in (Kind.WEIGHT, Kind.EMA))

@@ -606,3 +606,59 @@ def test_tf2_save_counter_is_skipped_as_the_save_counter_not_global_step(tmp_pat
     assert "save counter (1)" in str(report) and "global_step" not in str(report)
     restorekit.restore(report)
     np.testing.assert_array_equal(fresh.w.numpy(), [0.0, 1.0, 2.0])
+
+
+# ---------------------------------------------------------------- Record.how: how each record matched, as a value
+
+def test_every_record_says_how_it_matched_or_why_it_was_skipped(small_checkpoint, tmp_path):
+    prefix, _ = small_checkpoint
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", [4, 3])
+        tf1.get_variable("dense/bias", [3], dtype=tf.float64)
+        tf1.get_variable("dense/kernel/Momentum", [4, 3])
+        tf1.get_variable("head/kernel", [3, 6])
+        tf1.train.get_or_create_global_step()
+        report = scan(prefix, exclude=["dense/kernel/Momentum"], rules=[(r"^head/", "logits/")],
+                      shape_policy="slice_or_pad", dtype_policy="cast")
+        mapped = scan(prefix, assignment_map={"dense/": "dense/"}, dtype_policy="cast")
+    how = {r.variable_name: r.how for r in report.matched + report.skipped if r.variable_name is not None}
+    assert [r.how for r in report.skipped if r.checkpoint_name == "dense/kernel/Momentum"] == [("optimizer",)]
+    assert how["dense/kernel"] == ("name",)  # a rule set, but this name is its own
+    assert how["head/kernel"] == ("rule", "policy")  # renamed by the rule, sliced by the shape policy
+    assert how["dense/bias"] == ("name", "policy")  # cast
+    assert how["dense/kernel/Momentum"] == ("excluded",)
+    assert how["global_step"] == ("counter",)
+    assert {r.variable_name: r.how for r in mapped.matched} == {"dense/kernel": ("assignment_map",),
+                                                                "dense/bias": ("assignment_map", "policy")}
+    assert [r.how for r in mapped.skipped if r.variable_name == "head/kernel"] == [("not_in_assignment_map",)]
+    assert set(restorekit.report.HOW) >= {h for r in report.matched + report.skipped for h in r.how}
+    as_json = restorekit.report.json.loads(report.to_json())
+    assert {r["variable_name"]: r["how"] for r in as_json["matched"]}["head/kernel"] == ["rule", "policy"]
+
+
+def test_how_tells_object_graph_readable_path_and_ema_apart(tmp_path):
+    import keras
+
+    def model(seed):
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((3,))
+        return keras.Model(inputs, keras.layers.Dense(2, name="fc")(inputs), name="m")
+
+    saved = model(0)
+    prefix = tf.train.Checkpoint(model=saved).write(str(tmp_path / "tf2" / "ckpt"))
+    saved.save_weights(tmp_path / "m.weights.h5")
+    by_graph = scan(prefix, model(1))
+    by_path = scan(prefix, model(1), match="path")
+    keras_file = scan(tmp_path / "m.weights.h5", model(1))
+    assert {r.how for r in by_graph.matched} == {("object_graph",)}
+    assert {r.how for r in by_path.matched} == {("name", "readable_path")}
+    assert {r.how for r in keras_file.matched} == {("name", "readable_path")}
+    # EMA: shadow, fallback, and the raw weights it replaced
+    values = {"w": np.ones([2], np.float32), "w/ExponentialMovingAverage": np.zeros([2], np.float32),
+              "b": np.ones([2], np.float32)}
+    ema_prefix = save_variables(tmp_path / "ema", values)
+    with tf.Graph().as_default():
+        report = scan(ema_prefix, [tf1.get_variable("w", [2]), tf1.get_variable("b", [2])], ema=True)
+    assert {r.variable_name: r.how for r in report.matched} == {"w": ("name", "ema"), "b": ("name", "ema_fallback")}
+    assert [r.how for r in report.skipped] == [("raw_weights",)]
+    assert "ema fallback (no shadow entry, raw weights): b" in str(report)

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 
-from restorekit import keras_files
 from restorekit.bundle import atomic, files
 from restorekit.bundle.format import dtype_name
 from restorekit.checkpoint import Checkpoint, Entry, resolve_prefix, state_file_points_outside
@@ -19,6 +18,7 @@ from restorekit.edit.save_remote import save_remote
 from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
 from restorekit.export import formats
+from restorekit.formats import detect
 from restorekit.export.targets import target_format
 from restorekit.errors import (
     CorruptCheckpointError,
@@ -71,10 +71,17 @@ class CheckpointEditor:
 
     Raises:
         CheckpointNotFoundError: no checkpoint at ``path``.
+        InvalidArgumentError: ``path`` holds another format (safetensors, .pt, .npz): convert it first.
     """
 
     def __init__(self, path):
-        self._keras = keras_files.is_keras_path(path)
+        fmt = detect(path) if isinstance(path, (str, os.PathLike)) else "tf"
+        if fmt not in ("tf", "keras") and os.path.exists(path):
+            raise InvalidArgumentError(
+                f"CheckpointEditor edits TF checkpoints and Keras files, and {os.fspath(path)!r} is a {fmt} file; "
+                f"convert it first (restorekit.convert({os.fspath(path)!r}, 'model.ckpt')) and edit the result"
+            )
+        self._keras = fmt == "keras"
         if self._keras:
             self.prefix = os.fspath(path)
             self._through_outside_state = None
@@ -588,7 +595,7 @@ def _fingerprint(prefix: str) -> tuple | None:
     (None for remote files)."""
     if files.is_remote(prefix):
         return None
-    st = os.stat(prefix if keras_files.is_keras_path(prefix) else prefix + ".index")
+    st = os.stat(prefix if detect(prefix) == "keras" else prefix + ".index")
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 

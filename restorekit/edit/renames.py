@@ -8,7 +8,7 @@ from dataclasses import replace
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import Item
 from restorekit.errors import InvalidArgumentError, NoMatchError, RestoreKitWarning, format_names
-from restorekit.names import apply_renames, optimizer_slot_kind
+from restorekit.names import Kind, apply_renames, entry_kind
 
 
 def renamed(plan: dict[str, Item], old: str, new: str) -> dict[str, Item]:
@@ -90,8 +90,8 @@ def optimizer_state(plan: dict[str, Item], checkpoint) -> list[str]:
     def is_optimizer_state(name: str, item: Item) -> bool:
         if name == OBJECT_GRAPH_KEY:
             return False
-        if item.origin in tracked:
-            return tracked[item.origin].kind == "optimizer"
-        return optimizer_slot_kind(name) is not None
+        kind = tracked[item.origin].kind if item.origin in tracked else None
+        # a Keras file's readable path says 'optimizer/...' where its key may not (legacy 'optimizer_weights/...')
+        return entry_kind(name, path=checkpoint.readable_name(item.origin), tracked=kind) is Kind.OPTIMIZER
 
     return [n for n, item in plan.items() if is_optimizer_state(n, item)]

@@ -16,7 +16,7 @@ from restorekit.edit.source import Source
 from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError, RestoreKitWarning, format_names
 from restorekit.export import formats
 from restorekit.export.base import PlannedCheckpoint, WithObjectGraph
-from restorekit.names import is_global_step
+from restorekit.names import is_weight
 
 
 def with_options(source: Source, plan: dict[str, Item], *, weights_only: bool, ema) -> dict[str, Item]:
@@ -47,8 +47,8 @@ def with_options(source: Source, plan: dict[str, Item], *, weights_only: bool, e
     if weights_only:
         tracked = ckpt.object_graph.by_key if ckpt.is_object_based else {}
         state = set(optimizer_state(plan, ckpt))
-        state |= {n for n, it in plan.items() if n != OBJECT_GRAPH_KEY and (
-            is_global_step(n) or (it.origin in tracked and tracked[it.origin].kind == "save_counter"))}
+        state |= {n for n, it in plan.items() if n != OBJECT_GRAPH_KEY and not is_weight(
+            n, tracked=tracked[it.origin].kind if it.origin in tracked else None)}
         plan = {n: it for n, it in plan.items() if n not in state}
     return plan
 

@@ -16,6 +16,7 @@ from restorekit.edit import keras_renames
 from restorekit.edit.plan import Item
 from restorekit.edit.source import Source
 from restorekit.errors import InvalidArgumentError, OutputExistsError
+from restorekit.names import Kind, entry_kind
 
 KERAS = "keras"
 
@@ -29,8 +30,8 @@ SHARDED = ".weights.json"
 
 
 def without_optimizer(plan: dict[str, Item]) -> dict[str, Item]:
-    """``weights_only`` for a Keras file: its optimizer group goes."""
-    return {n: it for n, it in plan.items() if not n.startswith("optimizer/") and n != "optimizer"}
+    """``weights_only`` for a Keras file: its optimizer group goes (Keras 3 ``optimizer/``, Keras 2 ``optimizer_weights/``)."""
+    return {n: it for n, it in plan.items() if n != "optimizer" and entry_kind(n) is not Kind.OPTIMIZER}
 
 
 def _decoded(source: Source, plan: dict[str, Item]) -> dict[str, Item]:

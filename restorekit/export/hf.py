@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning, format_names
-from restorekit.names import is_global_step, optimizer_slot_kind
+from restorekit.names import is_weight
 
 __all__ = ["RULE_SETS", "Rule", "RulePlan", "RuleSet", "hf_config", "rule_set"]
 
@@ -161,7 +161,7 @@ class RuleSet:
 
 def _uncovered_message(name: str, uncovered: list) -> str:
     text = f"rule set {name!r} has no rule for {format_names(uncovered)}"
-    if any(optimizer_slot_kind(n) or is_global_step(n) for n in uncovered):
+    if any(not is_weight(n) for n in uncovered):
         text += "; optimizer state and global_step have no place in the target: pass weights_only=True to leave them out"
     return text
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from restorekit.ema import is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
 from restorekit.errors import InvalidArgumentError
-from restorekit.names import is_global_step, optimizer_slot_kind
+from restorekit.names import is_weight
 
 __all__ = ["Selection", "select"]
 
@@ -32,17 +32,10 @@ class Selection:
 
 
 def _state_names(names, graph) -> set:
-    """Optimizer state, global_step and save_counter among ``names``."""
+    """What is not a weight among ``names`` (``names.entry_kind``): optimizer state, counters, RNG state."""
     by_key = graph.by_key if graph is not None else {}
-    out = set()
-    for name in names:
-        tracked = by_key.get(name)
-        if tracked is not None:
-            if tracked.kind != "variable":
-                out.add(name)
-        elif name != OBJECT_GRAPH_KEY and (optimizer_slot_kind(name) is not None or is_global_step(name)):
-            out.add(name)
-    return out
+    return {name for name in names if name != OBJECT_GRAPH_KEY
+            and not is_weight(name, tracked=getattr(by_key.get(name), "kind", None))}
 
 
 def select(names, *, graph=None, weights_only: bool = False, ema=None) -> Selection:

@@ -11,6 +11,7 @@ from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, I
 from restorekit.export import formats, sharded
 from restorekit.export.base import PlannedCheckpoint
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
+from restorekit.names import is_weight
 
 __all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "source_nbytes",
            "tf_shapes", "tf_sizes", "tf_tensors"]
@@ -322,9 +323,9 @@ def keras_source(ckpt, *, weights_only: bool = False):
     ckpt.check_crc()
     names = {}
     for key in ckpt.entries:
-        if weights_only and key.startswith("optimizer/"):
-            continue
         path = ckpt.readable_name(key)
+        if weights_only and not is_weight(key, path=path):
+            continue
         names[path if path not in names else key] = key
     return _KerasSource(ckpt, names)
 

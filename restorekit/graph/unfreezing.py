@@ -26,7 +26,7 @@ from restorekit.graph.loading import _load
 from restorekit.graph.repairs import _repair, _require_loadable
 from restorekit.graph.results import _UNKNOWN_RANK, Alignment, ConvertedConstant, UnfreezeResult
 from restorekit.graph.trainable import _trainable_meta_graph
-from restorekit.names import is_global_step, optimizer_slot_kind, strip_output_index
+from restorekit.names import is_weight, strip_output_index
 from restorekit.report import format_bytes, format_shape
 
 # unfreeze(weights='large') takes floating constants of at least this many bytes.
@@ -143,7 +143,7 @@ def _align(units: list[tuple], reference: dict) -> list[Alignment]:
     own_names = {u[0] for u in units}
     open_refs: dict = {}
     for name, (shape, dtype) in reference.items():
-        if name in taken or name in own_names or optimizer_slot_kind(name) or is_global_step(name):
+        if name in taken or name in own_names or not is_weight(name):
             continue
         open_refs.setdefault((tuple(shape or ()), dtype), []).append(name)
     open_units: dict = {}

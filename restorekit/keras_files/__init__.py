@@ -57,6 +57,7 @@ from restorekit.errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    EntryNotFoundError,
     MissingDependencyError,
     NoMatchError,
     RestoreKitError,
@@ -535,8 +536,8 @@ class KerasCheckpoint(Mapping):
     def _key(self, name: str) -> str:
         return name if name in self._entries else self._paths.get(name, name)
 
-    def _unknown(self, name: str) -> NoMatchError:
-        return NoMatchError(
+    def _unknown(self, name: str) -> EntryNotFoundError:
+        return EntryNotFoundError(
             f"{self.kind} {self.prefix!r} has no entry {name!r}.", name=name,
             candidates=list(self._entries) + list(self._paths),
         )
