@@ -6,7 +6,6 @@ checkpoint gives.
 """
 
 import dataclasses
-import importlib.util
 import os
 import shutil
 import sys
@@ -22,13 +21,10 @@ from restorekit.errors import CheckpointNotFoundError, EntryNotFoundError, Inval
 from restorekit.export import export_checkpoint
 from restorekit.formats import Source, detect
 
-from conftest import save_variables
+from conftest import requires_torch, save_variables
 
 tf1 = tf.compat.v1
 
-# torch lives in /work/venv-torch only: the .pt cases run there and say why they skip elsewhere.
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (run with the torch venv)")
 
 FORMATS = [
     pytest.param("safetensors", "m.safetensors", {}, id="safetensors"),
@@ -225,8 +221,9 @@ def test_a_foreign_torch_file_scans_under_its_own_names(tmp_path):
 
 def test_no_foreign_framework_is_imported_to_open_a_tf_checkpoint(tf1_checkpoint):
     prefix, _ = tf1_checkpoint
+    before = "torch" in sys.modules
     restorekit.Checkpoint(prefix)
-    assert "torch" not in sys.modules or HAS_TORCH
+    assert before or "torch" not in sys.modules
 
 
 @pytest.mark.parametrize("fmt, name", [("safetensors", "m.safetensors"), ("npz", "m.npz")], ids=["safetensors", "npz"])
