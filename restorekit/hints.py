@@ -6,6 +6,7 @@ import re
 
 from restorekit.policies import CAST, dtype_cast_applies
 from restorekit.report import Record
+from restorekit.rules import one_level_away
 
 __all__ = ["UNIQUIFIED", "fits", "restore_hints", "scope_hint", "shapes_fit"]
 
@@ -45,6 +46,8 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"{r.variable_name!r}}}."
             )
     for r in shape_mismatched:
+        if "CuDNN" in (r.reason or ""):
+            continue  # a CuDNN RNN weight converts whole or not at all: a slice of it means nothing
         if not _only_last_dim_differs(r.shape, r.checkpoint_shape):
             continue  # other input features too: the overlapping block would mean nothing
         hints.append(
@@ -60,7 +63,28 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"dtype_policy='cast' restores it cast."
             )
     scoped = scope_hint(missing, unused)
-    return tuple(hints) + ((scoped,) if scoped else ())
+    level = level_hint(missing, unused)
+    return tuple(hints) + ((scoped,) if scoped else ()) + ((level,) if level else ())
+
+
+def level_hint(missing, unused) -> str | None:
+    """A hint when missing variables are in the checkpoint one scope level apart (``rnn/lstm_cell/kernel``
+    saved as ``rnn/kernel``, or the reverse), each with the one unused entry that restores it as it is."""
+    entries = {r.checkpoint_path or r.checkpoint_name: r for r in unused}
+    pairs = []
+    for r in missing:
+        found = one_level_away(r.checkpoint_name or r.variable_name, entries)
+        if found is not None and fits(r, entries[found]):
+            pairs.append((r, found))
+    if not pairs:
+        return None
+    r, found = pairs[0]
+    return (
+        f"{len(pairs)} of the {len(missing)} missing variables are in the checkpoint one scope level apart "
+        f"(e.g. {r.variable_name!r} as {found!r}); pass rules=restorekit.Rules(scope_levels=True) "
+        f"(for a Keras 2 file restorekit.KERAS_FROM_KERAS2), or assignment_map={{{found!r}: {r.variable_name!r}}} "
+        f"for this one."
+    )
 
 
 def _tails(name: str):

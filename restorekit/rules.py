@@ -11,7 +11,7 @@ from typing import Mapping
 from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
 from restorekit.names import compile_pairs, optimizer_slot_kind
 
-__all__ = ["KERAS_FROM_TF1", "Rules", "as_rules"]
+__all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs", "one_level_away"]
 
 _SUFFIX = re.compile(r"^(?P<base>.*?)(?:_(?P<n>\d+))?$")
 
@@ -29,15 +29,20 @@ class Rules:
     tried when the name itself is not in the checkpoint (``kernel`` -> ``weights``).
     ``renumber`` pairs layer-uniquification suffixes in order (model ``dense_3``,
     ``dense_4`` onto checkpoint ``dense``, ``dense_1``) when the model's suffixes are
-    not all present in the checkpoint. Rule sets add: ``Rules([(r'^net/', '')]) + KERAS_FROM_TF1``.
+    not all present in the checkpoint. ``scope_levels`` then looks a name still not in
+    the checkpoint up with one scope level dropped or inserted (``rnn/lstm_cell/kernel``
+    as ``rnn/kernel``, when one entry is that). Rule sets add:
+    ``Rules([(r'^net/', '')]) + KERAS_FROM_TF1``.
 
     Use as ``scan(..., rules=...)`` or ``scan(..., assignment_map=rules)``. Against a
     checkpoint, a scope shared by every variable (a Sequential's name) that no
     checkpoint entry has is dropped before the rules apply.
     """
 
-    def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, name: str | None = None):
+    def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, scope_levels: bool = False,
+                 name: str | None = None):
         self.pairs = compile_pairs(pairs)
+        self.scope_levels = scope_levels
         if synonyms is not None and not isinstance(synonyms, Mapping):
             raise InvalidArgumentError(
                 f"synonyms is a mapping from a last name part to its alternatives, got {synonyms!r}"
@@ -64,6 +69,7 @@ class Rules:
         combined.pairs = self.pairs + other.pairs
         combined.synonyms = {**other.synonyms, **self.synonyms}
         combined.renumber = self.renumber or other.renumber
+        combined.scope_levels = self.scope_levels or other.scope_levels
         return combined
 
     def _rewrite(self, name: str) -> str:
@@ -83,13 +89,26 @@ class Rules:
                 variable onto a checkpoint entry.
         """
         variable_names = list(variable_names)
-        known = set(checkpoint_names)
         for pattern, _ in self.pairs:
             if not any(pattern.search(n) for n in variable_names):
                 raise NoMatchError(
                     f"rule {pattern.pattern!r} of {self!r} matches none of the {len(variable_names)} variable names "
                     f"({format_names(variable_names, 4)})"
                 )
+        mapping = self.mapping(variable_names, checkpoint_names)
+        known = set(checkpoint_names)
+        if not any(target in known for target in mapping.values()):
+            raise NoMatchError(
+                f"rules {self!r} map none of the {len(variable_names)} variables onto a checkpoint entry "
+                f"(for example {variable_names[0]!r} -> {mapping[variable_names[0]]!r})" if variable_names else
+                f"rules {self!r} have no variables to map"
+            )
+        return mapping.get
+
+    def mapping(self, variable_names, checkpoint_names) -> dict:
+        """``{variable name: checkpoint name}`` for these names (checkpoint names that may not exist); never raises."""
+        variable_names = list(variable_names)
+        known = set(checkpoint_names)
         # A Sequential's or subclassed model's own name prefixes every Keras path
         # ('sequential/dense/kernel'); a checkpoint without that scope never had it.
         root = _shared_root(variable_names, known)
@@ -104,13 +123,12 @@ class Rules:
                     name = scopes[prefix] + "/" + "/".join(parts[i:])
                     break
             mapping[original] = self._synonym(name, known)
-        if not any(target in known for target in mapping.values()):
-            raise NoMatchError(
-                f"rules {self!r} map none of the {len(variable_names)} variables onto a checkpoint entry "
-                f"(for example {variable_names[0]!r} -> {mapping[variable_names[0]]!r})" if variable_names else
-                f"rules {self!r} have no variables to map"
-            )
-        return mapping.get
+        if self.scope_levels:
+            index = _level_index(known)
+            for original, name in mapping.items():
+                if name not in known:
+                    mapping[original] = one_level_away(name, known, index) or name
+        return mapping
 
     def _synonym(self, name: str, known: set) -> str:
         if name in known or "/" not in name and name not in self.synonyms:
@@ -182,6 +200,105 @@ def as_rules(rules) -> Rules:
         return combined
     raise InvalidArgumentError(f"rules are a restorekit Rules or a list of (regex, replacement) pairs, got {rules!r}")
 
+
+def _level_index(names) -> dict:
+    """Each name with one inner scope level dropped -> the names that give it (for ``one_level_away``)."""
+    index: dict = {}
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts) - 1):
+            index.setdefault("/".join(parts[:i] + parts[i + 1:]), []).append(name)
+    return index
+
+
+def one_level_away(name: str, known, index: dict | None = None) -> str | None:
+    """The one name of ``known`` that is ``name`` with one inner scope level dropped or inserted, or None.
+
+    ``rnn_1/lstm_cell/kernel`` finds ``rnn_1/kernel`` (Keras 2 saved LSTM weights without the
+    cell's scope) and ``rnn_1/kernel`` finds ``rnn_1/lstm_cell/kernel``; the first scope (the
+    layer) and the leaf stay. None when no name or several names are one level away.
+    """
+    parts = name.split("/")
+    found = {"/".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)} & set(known)
+    found.update((index if index is not None else _level_index(known)).get(name, ()))
+    found.discard(name)
+    return found.pop() if len(found) == 1 else None
+
+
+def _layer_scope(name: str) -> tuple[str, str]:
+    scope, _, leaf = name.rpartition("/")
+    return scope, leaf
+
+
+def _file_scope(scope: str, scopes: dict, index: dict) -> tuple[str | None, str]:
+    """(the file's layer scope for a model layer ``scope``, how it was found) or (None, '')."""
+    if scope in scopes:
+        return scope, ""
+    parts = scope.split("/")
+    for i in range(1, len(parts)):  # the model has scopes before the layer that the file lacks
+        if "/".join(parts[i:]) in scopes:
+            return "/".join(parts[i:]), ""
+    ending = [s for s in scopes if s.endswith("/" + scope)]  # the file has scopes the model lacks
+    if len(ending) == 1:
+        return ending[0], ""
+    level = one_level_away(scope + "/_", [s + "/_" for s in scopes], index)
+    return (level[:-2], "one scope level apart") if level else (None, "")
+
+
+def keras_layer_pairs(targets, by_name, layers: dict) -> dict:
+    """Pair variables whose path names no entry of a Keras file inside their layer, as Keras loads weights.
+
+    ``targets``: ``(variable name, shape, dtype)`` in the model's order; ``by_name``: variable
+    name -> the key its path names, or None; ``layers``: the file's layer scope -> ``[(key,
+    leaf, shape, dtype)]`` in the order the layer created its variables. A model layer is
+    found in the file under its own scope, with model or file scopes before it, or one
+    scope level apart (``rnn/lstm_cell`` in Keras 3, ``rnn`` in a Keras 2 file). Inside it
+    variables pair by leaf when both sides name the same leaves, else by position when both
+    hold as many variables of fitting shapes and dtypes in order (a custom layer's
+    ``attention/0``, ``attention/1``). Keys a name already finds are never given away.
+
+    Returns:
+        ``{variable name: (key, reason)}`` for the variables paired so.
+    """
+    from restorekit.hints import shapes_fit
+
+    by_scope: dict = {}
+    for name, shape, dtype in targets:
+        scope, leaf = _layer_scope(name)
+        by_scope.setdefault(scope, []).append((name, leaf, shape, dtype))
+    named = {by_name(name) for name, _, _ in targets} - {None}
+    index = _level_index(s + "/_" for s in layers)
+    out: dict = {}
+    for scope, own in by_scope.items():
+        if not scope or all(by_name(name) for name, *_ in own):
+            continue
+        found, how = _file_scope(scope, layers, index)
+        if found is None:
+            continue
+        entries = layers[found]
+        leaves = {leaf: key for key, leaf, _, _ in entries}
+        if len(leaves) == len(entries) == len(own) and leaves.keys() == {leaf for _, leaf, _, _ in own}:
+            pairs = [(name, leaves[leaf]) for name, leaf, _, _ in own]
+            why = f"layer {found!r} in the file, {how}" if how else None
+        elif len(entries) == len(own) and all(
+                dtype == e_dtype and shapes_fit(shape, e_shape)
+                for (_, _, shape, dtype), (_, _, e_shape, e_dtype) in zip(own, entries)):
+            pairs = [(name, entry[0]) for (name, *_), entry in zip(own, entries)]
+            why = f"by position in layer {found!r}" + (f", {how}" if how else "")
+        else:
+            continue
+        for name, key in pairs:
+            if by_name(name) is None and key not in named and why is not None:
+                out[name] = (key, why)
+    return out
+
+
+KERAS_FROM_KERAS2 = Rules(renumber=True, scope_levels=True, name="KERAS_FROM_KERAS2")
+"""Keras 3 variable paths onto a legacy Keras 2 HDF5 file's names: Keras 2's layer numbering
+(``dense_1``, ``dense_2``) paired in order with Keras 3's (``dense``, ``dense_1``), and one scope
+level dropped or inserted where Keras 2 named it otherwise (``rnn/lstm_cell/kernel`` saved as
+``rnn/kernel``). ``scan`` applies it by itself to a legacy Keras file whose names match none of
+the model's."""
 
 KERAS_FROM_TF1 = Rules(
     synonyms={

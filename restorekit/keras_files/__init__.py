@@ -63,6 +63,7 @@ from restorekit.errors import (
 from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
 from restorekit.keras_files.h5nodes import NODES, root
+from restorekit.keras_files import layouts
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -351,6 +352,17 @@ class KerasCheckpoint(Mapping):
     def readable_name(self, name: str) -> str:
         """The readable path of key ``name`` (the key itself when there is none)."""
         return self._readable.get(name, name)
+
+    @cached_property
+    def layer_variables(self) -> Mapping[str, list]:
+        """Layer scope -> ``[(key, leaf, shape, dtype)]`` in the order the layer made them (Keras pairs by it)."""
+        return MappingProxyType(layouts.layer_variables(list(self._data.values()), self._readable))
+
+    @cached_property
+    def cudnn_weights(self) -> Mapping[str, "layouts.CudnnWeight"]:
+        """Key -> ``CudnnWeight`` for the weights of Keras 2 CuDNNLSTM / CuDNNGRU layers (legacy files only)."""
+        legacy = not self.is_weights_file
+        return MappingProxyType(layouts.cudnn_weights(self.layer_variables) if legacy else {})
 
     def is_partitioned(self, name: str) -> bool:
         """True: a Keras tensor is read through h5py, never copied as TF shard bytes (what writers ask this for)."""

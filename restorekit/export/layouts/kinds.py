@@ -280,6 +280,11 @@ def _keras_rnn(scope, leaves, ctx):
     if gates not in _RNN_NAMES or len(kernel.shape) != 2 or kernel.shape[1] != cols:
         return f"a recurrent kernel {list(recurrent.shape)} with kernel {list(kernel.shape)} is no LSTM, GRU or SimpleRNN"
     kind = _RNN_NAMES[gates]
+    if gates in (3, 4) and bias is not None and tuple(bias.shape) == (2 * cols,):
+        return (f"a bias [{2 * cols}] beside a recurrent kernel {list(recurrent.shape)} is a Keras 2 "
+                f"CuDNN{kind}'s (input and recurrent biases in one vector, kernels in cuDNN's order); load it "
+                f"into a Keras {kind}{'(reset_after=True)' if kind == 'GRU' else ''} with restorekit.restore and "
+                f"export that")
     if kind == "GRU" and (bias is None or len(bias.shape) != 2):
         return ("a Keras GRU without a [2, 3*units] bias has reset_after=False (or cannot show reset_after): "
                 "it applies the reset gate before the recurrent matmul, torch.nn.GRU after")
