@@ -246,19 +246,26 @@ def _resolve_names(state: _Scan, variables, assignment_map, rules) -> None:
 
 def _keras_fallbacks(state: _Scan, names: list) -> None:
     """Where paths name no entry of a Keras file: pair inside each layer (by leaf or position, as Keras
-    loads weights); and for a legacy Keras 2 file whose names match none of the model's, ``KERAS_FROM_KERAS2``."""
+    loads weights); and for a legacy Keras 2 file, ``KERAS_FROM_KERAS2`` when it fits more variables
+    than the names as they are (Keras 2 numbered layers from 1: its ``dense_1`` is Keras 3's ``dense``)."""
     ckpt = state.ckpt
     state.aliases = keras_layer_pairs([(t.variable_name, t.shape, t.dtype) for t in state.targets],
                                       state.by_path, ckpt.layer_variables)
-    if ckpt.is_weights_file or any(state.by_path(n) for n in names):
+    if ckpt.is_weights_file:
         return
     mapping = KERAS_FROM_KERAS2.mapping(names, list(ckpt.object_paths))
-    if any(state.by_path(v) for v in mapping.values()):
+
+    def fitting(lookup) -> int:
+        keys = [(t, lookup(t.variable_name)) for t in state.targets]
+        return sum(1 for t, key in keys if key in ckpt.entries and _pair_fits(t, ckpt.entries[key]))
+
+    if fitting(lambda n: state.by_path(mapping[n])) > fitting(state.by_path):
         state.aliases = {}
         state.assignment_map = mapping.get
         state.lookup = mapper(state.assignment_map, state.targets, ckpt)
-        state.notes = (f"no variable path names an entry of this Keras 2 file, so rule set {KERAS_FROM_KERAS2!r} "
-                       f"was applied (Keras 2 layer numbering from 1, one scope level apart); check the pairs.",)
+        state.notes = (f"the names of this Keras 2 file fit fewer variables than rule set {KERAS_FROM_KERAS2!r} "
+                       f"(Keras 2 numbered layers from 1, and named some a scope level apart), so it was applied; "
+                       f"check the pairs.",)
 
 
 def _positions_only_where_names_fail(state: _Scan, names: list) -> None:

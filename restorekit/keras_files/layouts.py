@@ -110,8 +110,8 @@ def _variable_names(kind: str | None, layer_config: dict | None, datasets: list)
                    if _ranks_fit(kept, datasets)]
         if len(fitting) == 1:
             return fitting[0]
-    elif n == 2 and len(datasets[0].shape) > len(datasets[1].shape) >= 1:
-        return ["kernel", "bias"]
+    elif layer_config is None and n == 2 and len(datasets[0].shape) > len(datasets[1].shape) >= 1:
+        return ["kernel", "bias"]  # a sub-layer of an unknown class (no config says it is a custom layer)
     return [str(i) for i in range(n)]
 
 
