@@ -6,9 +6,8 @@ import re
 
 from restorekit.policies import CAST, dtype_cast_applies
 from restorekit.report import Record
-from restorekit.rules import one_level_away
 
-__all__ = ["UNIQUIFIED", "fits", "restore_hints", "scope_hint", "shapes_fit"]
+__all__ = ["UNIQUIFIED", "fits", "level_hint", "level_index", "one_level_away", "restore_hints", "scope_hint", "shapes_fit"]
 
 _SYNONYMS = {"biases": "bias", "weights": "kernel", "gamma": "scale", "embeddings": "embedding"}
 UNIQUIFIED = re.compile(r"_\d+$")
@@ -147,3 +146,27 @@ def shapes_fit(model_shape, checkpoint_shape) -> bool:
     if len(model_shape) != len(checkpoint_shape):
         return False
     return all(m is None or m == c for m, c in zip(model_shape, checkpoint_shape))
+
+
+def level_index(names) -> dict:
+    """Each name with one inner scope level dropped -> the names that give it (for ``one_level_away``)."""
+    index: dict = {}
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts) - 1):
+            index.setdefault("/".join(parts[:i] + parts[i + 1:]), []).append(name)
+    return index
+
+
+def one_level_away(name: str, known, index: dict | None = None) -> str | None:
+    """The one name of ``known`` that is ``name`` with one inner scope level dropped or inserted, or None.
+
+    ``rnn_1/lstm_cell/kernel`` finds ``rnn_1/kernel`` (Keras 2 saved LSTM weights without the
+    cell's scope) and ``rnn_1/kernel`` finds ``rnn_1/lstm_cell/kernel``; the first scope (the
+    layer) and the leaf stay. None when no name or several names are one level away.
+    """
+    parts = name.split("/")
+    found = {"/".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)} & set(known)
+    found.update((index if index is not None else level_index(known)).get(name, ()))
+    found.discard(name)
+    return found.pop() if len(found) == 1 else None

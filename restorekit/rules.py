@@ -9,9 +9,10 @@ import re
 from typing import Mapping
 
 from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
+from restorekit.hints import level_index, one_level_away, shapes_fit
 from restorekit.names import compile_pairs, optimizer_slot_kind
 
-__all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs", "one_level_away"]
+__all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
 
 _SUFFIX = re.compile(r"^(?P<base>.*?)(?:_(?P<n>\d+))?$")
 
@@ -124,7 +125,7 @@ class Rules:
                     break
             mapping[original] = self._synonym(name, known)
         if self.scope_levels:
-            index = _level_index(known)
+            index = level_index(known)
             for original, name in mapping.items():
                 if name not in known:
                     mapping[original] = one_level_away(name, known, index) or name
@@ -201,30 +202,6 @@ def as_rules(rules) -> Rules:
     raise InvalidArgumentError(f"rules are a restorekit Rules or a list of (regex, replacement) pairs, got {rules!r}")
 
 
-def _level_index(names) -> dict:
-    """Each name with one inner scope level dropped -> the names that give it (for ``one_level_away``)."""
-    index: dict = {}
-    for name in names:
-        parts = name.split("/")
-        for i in range(1, len(parts) - 1):
-            index.setdefault("/".join(parts[:i] + parts[i + 1:]), []).append(name)
-    return index
-
-
-def one_level_away(name: str, known, index: dict | None = None) -> str | None:
-    """The one name of ``known`` that is ``name`` with one inner scope level dropped or inserted, or None.
-
-    ``rnn_1/lstm_cell/kernel`` finds ``rnn_1/kernel`` (Keras 2 saved LSTM weights without the
-    cell's scope) and ``rnn_1/kernel`` finds ``rnn_1/lstm_cell/kernel``; the first scope (the
-    layer) and the leaf stay. None when no name or several names are one level away.
-    """
-    parts = name.split("/")
-    found = {"/".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)} & set(known)
-    found.update((index if index is not None else _level_index(known)).get(name, ()))
-    found.discard(name)
-    return found.pop() if len(found) == 1 else None
-
-
 def _layer_scope(name: str) -> tuple[str, str]:
     scope, _, leaf = name.rpartition("/")
     return scope, leaf
@@ -260,14 +237,12 @@ def keras_layer_pairs(targets, by_name, layers: dict) -> dict:
     Returns:
         ``{variable name: (key, reason)}`` for the variables paired so.
     """
-    from restorekit.hints import shapes_fit
-
     by_scope: dict = {}
     for name, shape, dtype in targets:
         scope, leaf = _layer_scope(name)
         by_scope.setdefault(scope, []).append((name, leaf, shape, dtype))
     named = {by_name(name) for name, _, _ in targets} - {None}
-    index = _level_index(s + "/_" for s in layers)
+    index = level_index(s + "/_" for s in layers)
     out: dict = {}
     for scope, own in by_scope.items():
         if not scope or all(by_name(name) for name, *_ in own):

@@ -166,22 +166,23 @@ def test_cudnn_weights_without_a_fitting_lstm_are_refused_by_name_and_never_hint
     assert not any("slice_or_pad" in h for h in report.hints), report.hints
 
 
-def _cudnn_gru_file(path, inputs: int):
-    """A Keras 2 weights file of one CuDNNGRU layer 'gru_1' (bias [6u], two biases in one vector)."""
-    values = [RNG.normal(size=(inputs, 3 * UNITS)).astype("float32"),
-              RNG.normal(size=(UNITS, 3 * UNITS)).astype("float32"), RNG.normal(size=(6 * UNITS,)).astype("float32")]
+def _cudnn_file(path, layer: str, inputs: int, gates: int):
+    """A Keras 2 weights file of one CuDNNLSTM (4 gates) or CuDNNGRU (3) layer: its bias [2 * gates * u]."""
+    values = [RNG.normal(size=(inputs, gates * UNITS)).astype("float32"),
+              RNG.normal(size=(UNITS, gates * UNITS)).astype("float32"),
+              RNG.normal(size=(2 * gates * UNITS,)).astype("float32")]
     with h5py.File(path, "w") as f:
-        f.attrs["layer_names"] = np.array([b"gru_1"])
+        f.attrs["layer_names"] = np.array([layer.encode()])
         f.attrs["backend"], f.attrs["keras_version"] = b"tensorflow", b"2.1.6"
-        group = f.create_group("gru_1")
-        names = ["gru_1/kernel:0", "gru_1/recurrent_kernel:0", "gru_1/bias:0"]
+        group = f.create_group(layer)
+        names = [f"{layer}/kernel:0", f"{layer}/recurrent_kernel:0", f"{layer}/bias:0"]
         for name, value in zip(names, values):
             group.create_dataset(name, data=value)
         group.attrs["weight_names"] = np.array([n.encode() for n in names])
 
 
 def test_a_cudnn_gru_restores_into_a_reset_after_gru_as_tf_keras_loads_it(tmp_path):
-    _cudnn_gru_file(tmp_path / "gru.h5", 3)
+    _cudnn_file(tmp_path / "gru.h5", "gru_1", 3, 3)
     x = RNG.normal(size=(2, 4, 3)).astype("float32")
     inp = k2.Input((4, 3))
     oracle = k2.Model(inp, L2.GRU(UNITS, reset_after=True, name="gru_1")(inp))
@@ -200,18 +201,34 @@ def test_a_cudnn_gru_restores_into_a_reset_after_gru_as_tf_keras_loads_it(tmp_pa
     assert not any("slice_or_pad" in h for h in report.hints), report.hints
 
 
-def test_cudnn_weights_are_refused_by_name_in_the_torch_layout(tmp_path, keras2_files):
-    with pytest.warns(RestoreKitWarning, match="CuDNNLSTM") as caught:
-        result = restorekit.convert(str(keras2_files["weights"]), tmp_path / "m.safetensors", layout="torch")
-    refused = [k for k in result.unmapped if "rnn_" in k]
-    assert len(refused) == 6, result.unmapped
-    text = " ".join(str(w.message) for w in caught)
-    assert all(restorekit.Checkpoint(str(keras2_files["weights"])).readable_name(k) in text for k in refused), text
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_cudnn_rnn_exported_in_the_torch_layout_computes_what_tf_keras_computes(tmp_path, kind):
+    torch = pytest.importorskip("torch")
     from safetensors.numpy import load_file
 
-    stored = load_file(tmp_path / "m.safetensors")
-    assert not any("bias_hh" in k or "weight_ih" in k for k in stored), sorted(stored)
-    assert "conv1d_1.weight" in stored  # the nested Keras 2.0 scope is gone from torch names too
+    from restorekit.export import import_checkpoint
+
+    path = tmp_path / "rnn.h5"
+    _cudnn_file(path, "rnn_1", 3, 4 if kind == "LSTM" else 3)
+    x = RNG.normal(size=(2, 4, 3)).astype("float32")
+    inp = k2.Input((4, 3))
+    layer = L2.LSTM(UNITS, name="rnn_1") if kind == "LSTM" else L2.GRU(UNITS, reset_after=True, name="rnn_1")
+    oracle = k2.Model(inp, layer(inp))
+    oracle.load_weights(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RestoreKitWarning)  # every tensor mapped
+        result = restorekit.convert(str(path), tmp_path / "m.safetensors", layout="torch")
+    assert result.unmapped == ()
+    twin = getattr(torch.nn, kind)(3, UNITS, batch_first=True)
+    twin.load_state_dict({k.removeprefix("rnn_1."): torch.from_numpy(v)
+                          for k, v in load_file(tmp_path / "m.safetensors").items()}, strict=True)
+    with torch.no_grad():
+        out = twin(torch.from_numpy(x))[0][:, -1].numpy()
+    np.testing.assert_allclose(out, oracle(x).numpy(), atol=1e-5, rtol=0)
+    import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")  # and back, bit-exact
+    back, ckpt = restorekit.Checkpoint(str(tmp_path / "back" / "ckpt")), restorekit.Checkpoint(str(path))
+    for key in ckpt.entries:
+        np.testing.assert_array_equal(back.read(ckpt.readable_name(key)), ckpt.read(key))
 
 
 def _keras2_classifier(layers, model_cls):
@@ -244,6 +261,11 @@ def test_a_keras2_0_classifier_with_nested_scopes_restores_the_same_architecture
     report = restorekit.restore(restorekit.scan(str(path), model3), strict=True)
     assert len(report.matched) == len(model3.weights) and not report.unused, str(report)
     np.testing.assert_allclose(np.asarray(model3(x, training=False)), expected, atol=1e-5, rtol=0)
+    restorekit.convert(str(path), tmp_path / "classifier.safetensors", layout="torch")
+    from safetensors.numpy import load_file
+
+    names = set(load_file(tmp_path / "classifier.safetensors"))
+    assert {"conv2d_1.weight", "separable_conv2d_1.depthwise.weight"} <= names and not any("_1_1" in n for n in names)
     model3.save(tmp_path / "classifier.keras")  # its config names BatchNormalization(scale=False)'s variables
     d = diff_checkpoints(str(path), str(tmp_path / "classifier.keras"), by="path")
     assert d["equal"] and d["same"] == len(model3.weights), {k: d[k] for k in ("only_in_a", "only_in_b", "values")}

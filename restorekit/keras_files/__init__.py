@@ -23,12 +23,19 @@ Readable names are Keras variable paths without the saving model's own name:
 ``enc1/kernel``, ``block/a/kernel``, ``rnn/lstm_cell/kernel``. A Keras 3 file stores
 variables by position only, so their names come from the layer's class: from
 ``config.json`` in a ``.keras`` file, guessed from the group name (``dense_1`` ->
-Dense) in a bare ``.weights.h5``. The guesses: the conventional creation order per
-layer type (``kernel, bias``; ``gamma, beta, moving_mean, moving_variance``;
-``embeddings``; ...), a missing ``bias`` when a dense-like layer has one variable,
-and ``kernel, bias`` for an unknown layer with two variables of falling rank (the
-sub-layers of MultiHeadAttention). Where nothing fits the variable keeps its index
-(``custom/0``). Legacy files name their weights; those names are used as stored.
+Dense) in a bare ``.weights.h5``. The guesses: the creation order per built-in layer
+type (``kernel, bias``; ``depthwise_kernel, pointwise_kernel, bias``; ``gamma, beta,
+moving_mean, moving_variance``; ``embeddings``; ...), less the optional variables
+(``use_bias``, ``center``, ``scale``) when exactly one set of them fits the count
+(a SeparableConv2D with two variables has no bias), and ``kernel, bias`` for a
+sub-layer of unknown class with two variables of falling rank. Where nothing fits,
+or two configs fit (a BatchNormalization with three variables), and for custom
+layers, the variable keeps its index (``custom/0``); ``scan`` pairs such variables by
+position inside the layer of the same name, as Keras' ``load_weights`` does. Legacy
+files name their weights; those names are used as stored, less a repeated layer
+scope (Keras 2.0's ``conv2d_1/conv2d_1_1/kernel`` reads ``conv2d_1/kernel``).
+Keras 2 ``CuDNNLSTM`` / ``CuDNNGRU`` weights are told by their shapes
+(``cudnn_weights``) and converted on restore as Keras 2 converts them.
 
 Looking a path up in ``object_paths`` forgives scopes before the layer name: Keras puts
 a Sequential's, subclassed model's or wrapper's name before its layers' paths
