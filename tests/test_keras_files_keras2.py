@@ -326,3 +326,16 @@ def test_a_custom_layer_of_a_keras3_archive_pairs_by_position_inside_its_layer(t
     for a, b in zip(model.weights, twin.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
+
+
+def test_an_edited_keras2_file_is_not_saved_as_a_tf_checkpoint_named_h5(tmp_path):
+    from restorekit.edit import CheckpointEditor
+    from restorekit.errors import OutputNameError
+
+    _cudnn_file(tmp_path / "legacy.h5", "gru_1", 3, 3)
+    editor = CheckpointEditor(str(tmp_path / "legacy.h5"))
+    with pytest.raises(OutputNameError, match=r"'\.h5'"):
+        editor.save(str(tmp_path / "x.h5"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.h5"]
+    editor.save(str(tmp_path / "x.safetensors"))  # a name restorekit writes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.h5", "x.safetensors"]
