@@ -166,7 +166,7 @@ def one_level_away(name: str, known, index: dict | None = None) -> str | None:
     layer) and the leaf stay. None when no name or several names are one level away.
     """
     parts = name.split("/")
-    found = {"/".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)} & set(known)
+    found = {c for c in ("/".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)) if c in known}
     found.update((index if index is not None else level_index(known)).get(name, ()))
     found.discard(name)
     return found.pop() if len(found) == 1 else None

@@ -207,7 +207,7 @@ def _layer_scope(name: str) -> tuple[str, str]:
     return scope, leaf
 
 
-def _file_scope(scope: str, scopes: dict, index: dict) -> tuple[str | None, str]:
+def _file_scope(scope: str, scopes: dict, index: dict, leaves: set, suffixes: dict) -> tuple[str | None, str]:
     """(the file's layer scope for a model layer ``scope``, how it was found) or (None, '')."""
     if scope in scopes:
         return scope, ""
@@ -215,10 +215,10 @@ def _file_scope(scope: str, scopes: dict, index: dict) -> tuple[str | None, str]
     for i in range(1, len(parts)):  # the model has scopes before the layer that the file lacks
         if "/".join(parts[i:]) in scopes:
             return "/".join(parts[i:]), ""
-    ending = [s for s in scopes if s.endswith("/" + scope)]  # the file has scopes the model lacks
+    ending = suffixes.get(scope, ())  # the file has scopes the model lacks
     if len(ending) == 1:
         return ending[0], ""
-    level = one_level_away(scope + "/_", [s + "/_" for s in scopes], index)
+    level = one_level_away(scope + "/_", leaves, index)
     return (level[:-2], "one scope level apart") if level else (None, "")
 
 
@@ -242,12 +242,18 @@ def keras_layer_pairs(targets, by_name, layers: dict) -> dict:
         scope, leaf = _layer_scope(name)
         by_scope.setdefault(scope, []).append((name, leaf, shape, dtype))
     named = {by_name(name) for name, _, _ in targets} - {None}
-    index = level_index(s + "/_" for s in layers)
+    leaves_of = {s + "/_" for s in layers}  # scopes as names of one placeholder leaf, for one_level_away
+    index = level_index(leaves_of)
+    suffixes: dict = {}
+    for s in layers:
+        parts = s.split("/")
+        for i in range(1, len(parts)):
+            suffixes.setdefault("/".join(parts[i:]), []).append(s)
     out: dict = {}
     for scope, own in by_scope.items():
         if not scope or all(by_name(name) for name, *_ in own):
             continue
-        found, how = _file_scope(scope, layers, index)
+        found, how = _file_scope(scope, layers, index, leaves_of, suffixes)
         if found is None:
             continue
         entries = layers[found]
