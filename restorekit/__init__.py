@@ -68,7 +68,7 @@ from restorekit.scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
 from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
-from restorekit.rules import KERAS_FROM_TF1, Rules
+from restorekit.rules import KERAS_FROM_KERAS2, KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
 from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
 from restorekit.tf2 import restore
@@ -92,6 +92,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "KERAS_FROM_KERAS2",
     "KERAS_FROM_TF1",
     "AdaptInputChannels",
     "Alignment",

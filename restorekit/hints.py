@@ -7,7 +7,7 @@ import re
 from restorekit.policies import CAST, AdaptInputChannels, ResizePositions, dtype_cast_applies
 from restorekit.report import Record
 
-__all__ = ["UNIQUIFIED", "fits", "restore_hints", "scope_hint", "shapes_fit"]
+__all__ = ["UNIQUIFIED", "fits", "level_hint", "level_index", "one_level_away", "restore_hints", "scope_hint", "shapes_fit"]
 
 _SYNONYMS = {"biases": "bias", "weights": "kernel", "gamma": "scale", "embeddings": "embedding"}
 UNIQUIFIED = re.compile(r"_\d+$")
@@ -45,6 +45,8 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"{r.variable_name!r}}}."
             )
     for r in shape_mismatched:
+        if "CuDNN" in (r.reason or ""):
+            continue  # a CuDNN RNN weight converts whole or not at all: a slice of it means nothing
         adapter = adapter_hint(r)
         if adapter is not None:
             hints.append(adapter)
@@ -64,7 +66,28 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"dtype_policy='cast' restores it cast."
             )
     scoped = scope_hint(missing, unused)
-    return tuple(hints) + ((scoped,) if scoped else ())
+    level = level_hint(missing, unused)
+    return tuple(hints) + ((scoped,) if scoped else ()) + ((level,) if level else ())
+
+
+def level_hint(missing, unused) -> str | None:
+    """A hint when missing variables are in the checkpoint one scope level apart (``rnn/lstm_cell/kernel``
+    saved as ``rnn/kernel``, or the reverse), each with the one unused entry that restores it as it is."""
+    entries = {r.checkpoint_path or r.checkpoint_name: r for r in unused}
+    pairs = []
+    for r in missing:
+        found = one_level_away(r.checkpoint_name or r.variable_name, entries)
+        if found is not None and fits(r, entries[found]):
+            pairs.append((r, found))
+    if not pairs:
+        return None
+    r, found = pairs[0]
+    return (
+        f"{len(pairs)} of the {len(missing)} missing variables are in the checkpoint one scope level apart "
+        f"(e.g. {r.variable_name!r} as {found!r}); pass rules=restorekit.Rules(scope_levels=True) "
+        f"(for a Keras 2 file restorekit.KERAS_FROM_KERAS2), or assignment_map={{{found!r}: {r.variable_name!r}}} "
+        f"for this one."
+    )
 
 
 # a path component naming a learned position table: BERT 'position_embeddings', ViT 'pos_embed',
@@ -159,3 +182,27 @@ def shapes_fit(model_shape, checkpoint_shape) -> bool:
     if len(model_shape) != len(checkpoint_shape):
         return False
     return all(m is None or m == c for m, c in zip(model_shape, checkpoint_shape))
+
+
+def level_index(names) -> dict:
+    """Each name with one inner scope level dropped -> the names that give it (for ``one_level_away``)."""
+    index: dict = {}
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts) - 1):
+            index.setdefault("/".join(parts[:i] + parts[i + 1:]), []).append(name)
+    return index
+
+
+def one_level_away(name: str, known, index: dict | None = None) -> str | None:
+    """The one name of ``known`` that is ``name`` with one inner scope level dropped or inserted, or None.
+
+    ``rnn_1/lstm_cell/kernel`` finds ``rnn_1/kernel`` (Keras 2 saved LSTM weights without the
+    cell's scope) and ``rnn_1/kernel`` finds ``rnn_1/lstm_cell/kernel``; the first scope (the
+    layer) and the leaf stay. None when no name or several names are one level away.
+    """
+    parts = name.split("/")
+    found = {c for c in ("/".join(parts[:i] + parts[i + 1:]) for i in range(1, len(parts) - 1)) if c in known}
+    found.update((index if index is not None else level_index(known)).get(name, ()))
+    found.discard(name)
+    return found.pop() if len(found) == 1 else None

@@ -9,9 +9,10 @@ import re
 from typing import Mapping
 
 from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
+from restorekit.hints import level_index, one_level_away, shapes_fit
 from restorekit.names import compile_pairs, optimizer_slot_kind
 
-__all__ = ["KERAS_FROM_TF1", "Rules", "as_rules"]
+__all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
 
 _SUFFIX = re.compile(r"^(?P<base>.*?)(?:_(?P<n>\d+))?$")
 
@@ -29,15 +30,20 @@ class Rules:
     tried when the name itself is not in the checkpoint (``kernel`` -> ``weights``).
     ``renumber`` pairs layer-uniquification suffixes in order (model ``dense_3``,
     ``dense_4`` onto checkpoint ``dense``, ``dense_1``) when the model's suffixes are
-    not all present in the checkpoint. Rule sets add: ``Rules([(r'^net/', '')]) + KERAS_FROM_TF1``.
+    not all present in the checkpoint. ``scope_levels`` then looks a name still not in
+    the checkpoint up with one scope level dropped or inserted (``rnn/lstm_cell/kernel``
+    as ``rnn/kernel``, when one entry is that). Rule sets add:
+    ``Rules([(r'^net/', '')]) + KERAS_FROM_TF1``.
 
     Use as ``scan(..., rules=...)`` or ``scan(..., assignment_map=rules)``. Against a
     checkpoint, a scope shared by every variable (a Sequential's name) that no
     checkpoint entry has is dropped before the rules apply.
     """
 
-    def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, name: str | None = None):
+    def __init__(self, pairs=(), *, synonyms=None, renumber: bool = False, scope_levels: bool = False,
+                 name: str | None = None):
         self.pairs = compile_pairs(pairs)
+        self.scope_levels = scope_levels
         if synonyms is not None and not isinstance(synonyms, Mapping):
             raise InvalidArgumentError(
                 f"synonyms is a mapping from a last name part to its alternatives, got {synonyms!r}"
@@ -64,6 +70,7 @@ class Rules:
         combined.pairs = self.pairs + other.pairs
         combined.synonyms = {**other.synonyms, **self.synonyms}
         combined.renumber = self.renumber or other.renumber
+        combined.scope_levels = self.scope_levels or other.scope_levels
         return combined
 
     def _rewrite(self, name: str) -> str:
@@ -83,13 +90,26 @@ class Rules:
                 variable onto a checkpoint entry.
         """
         variable_names = list(variable_names)
-        known = set(checkpoint_names)
         for pattern, _ in self.pairs:
             if not any(pattern.search(n) for n in variable_names):
                 raise NoMatchError(
                     f"rule {pattern.pattern!r} of {self!r} matches none of the {len(variable_names)} variable names "
                     f"({format_names(variable_names, 4)})"
                 )
+        mapping = self.mapping(variable_names, checkpoint_names)
+        known = set(checkpoint_names)
+        if not any(target in known for target in mapping.values()):
+            raise NoMatchError(
+                f"rules {self!r} map none of the {len(variable_names)} variables onto a checkpoint entry "
+                f"(for example {variable_names[0]!r} -> {mapping[variable_names[0]]!r})" if variable_names else
+                f"rules {self!r} have no variables to map"
+            )
+        return mapping.get
+
+    def mapping(self, variable_names, checkpoint_names) -> dict:
+        """``{variable name: checkpoint name}`` for these names (checkpoint names that may not exist); never raises."""
+        variable_names = list(variable_names)
+        known = set(checkpoint_names)
         # A Sequential's or subclassed model's own name prefixes every Keras path
         # ('sequential/dense/kernel'); a checkpoint without that scope never had it.
         root = _shared_root(variable_names, known)
@@ -104,13 +124,12 @@ class Rules:
                     name = scopes[prefix] + "/" + "/".join(parts[i:])
                     break
             mapping[original] = self._synonym(name, known)
-        if not any(target in known for target in mapping.values()):
-            raise NoMatchError(
-                f"rules {self!r} map none of the {len(variable_names)} variables onto a checkpoint entry "
-                f"(for example {variable_names[0]!r} -> {mapping[variable_names[0]]!r})" if variable_names else
-                f"rules {self!r} have no variables to map"
-            )
-        return mapping.get
+        if self.scope_levels:
+            index = level_index(known)
+            for original, name in mapping.items():
+                if name not in known:
+                    mapping[original] = one_level_away(name, known, index) or name
+        return mapping
 
     def _synonym(self, name: str, known: set) -> str:
         if name in known or "/" not in name and name not in self.synonyms:
@@ -182,6 +201,85 @@ def as_rules(rules) -> Rules:
         return combined
     raise InvalidArgumentError(f"rules are a restorekit Rules or a list of (regex, replacement) pairs, got {rules!r}")
 
+
+def _layer_scope(name: str) -> tuple[str, str]:
+    scope, _, leaf = name.rpartition("/")
+    return scope, leaf
+
+
+def _file_scope(scope: str, scopes: dict, index: dict, leaves: set, suffixes: dict) -> tuple[str | None, str]:
+    """(the file's layer scope for a model layer ``scope``, how it was found) or (None, '')."""
+    if scope in scopes:
+        return scope, ""
+    parts = scope.split("/")
+    for i in range(1, len(parts)):  # the model has scopes before the layer that the file lacks
+        if "/".join(parts[i:]) in scopes:
+            return "/".join(parts[i:]), ""
+    ending = suffixes.get(scope, ())  # the file has scopes the model lacks
+    if len(ending) == 1:
+        return ending[0], ""
+    level = one_level_away(scope + "/_", leaves, index)
+    return (level[:-2], "one scope level apart") if level else (None, "")
+
+
+def keras_layer_pairs(targets, by_name, layers: dict) -> dict:
+    """Pair variables whose path names no entry of a Keras file inside their layer, as Keras loads weights.
+
+    ``targets``: ``(variable name, shape, dtype)`` in the model's order; ``by_name``: variable
+    name -> the key its path names, or None; ``layers``: the file's layer scope -> ``[(key,
+    leaf, shape, dtype)]`` in the order the layer created its variables. A model layer is
+    found in the file under its own scope, with model or file scopes before it, or one
+    scope level apart (``rnn/lstm_cell`` in Keras 3, ``rnn`` in a Keras 2 file). Inside it
+    variables pair by leaf when both sides name the same leaves, else by position when both
+    hold as many variables of fitting shapes and dtypes in order (a custom layer's
+    ``attention/0``, ``attention/1``). Keys a name already finds are never given away.
+
+    Returns:
+        ``{variable name: (key, reason)}`` for the variables paired so.
+    """
+    by_scope: dict = {}
+    for name, shape, dtype in targets:
+        scope, leaf = _layer_scope(name)
+        by_scope.setdefault(scope, []).append((name, leaf, shape, dtype))
+    named = {by_name(name) for name, _, _ in targets} - {None}
+    leaves_of = {s + "/_" for s in layers}  # scopes as names of one placeholder leaf, for one_level_away
+    index = level_index(leaves_of)
+    suffixes: dict = {}
+    for s in layers:
+        parts = s.split("/")
+        for i in range(1, len(parts)):
+            suffixes.setdefault("/".join(parts[i:]), []).append(s)
+    out: dict = {}
+    for scope, own in by_scope.items():
+        if not scope or all(by_name(name) for name, *_ in own):
+            continue
+        found, how = _file_scope(scope, layers, index, leaves_of, suffixes)
+        if found is None:
+            continue
+        entries = layers[found]
+        leaves = {leaf: key for key, leaf, _, _ in entries}
+        if len(leaves) == len(entries) == len(own) and leaves.keys() == {leaf for _, leaf, _, _ in own}:
+            pairs = [(name, leaves[leaf]) for name, leaf, _, _ in own]
+            why = f"layer {found!r} in the file, {how}" if how else None
+        elif len(entries) == len(own) and all(
+                dtype == e_dtype and shapes_fit(shape, e_shape)
+                for (_, _, shape, dtype), (_, _, e_shape, e_dtype) in zip(own, entries)):
+            pairs = [(name, entry[0]) for (name, *_), entry in zip(own, entries)]
+            why = f"by position in layer {found!r}" + (f", {how}" if how else "")
+        else:
+            continue
+        for name, key in pairs:
+            if by_name(name) is None and key not in named and why is not None:
+                out[name] = (key, why)
+    return out
+
+
+KERAS_FROM_KERAS2 = Rules(renumber=True, scope_levels=True, name="KERAS_FROM_KERAS2")
+"""Keras 3 variable paths onto a legacy Keras 2 HDF5 file's names: Keras 2's layer numbering
+(``dense_1``, ``dense_2``) paired in order with Keras 3's (``dense``, ``dense_1``), and one scope
+level dropped or inserted where Keras 2 named it otherwise (``rnn/lstm_cell/kernel`` saved as
+``rnn/kernel``). ``scan`` applies it by itself to a legacy Keras file whose names match none of
+the model's."""
 
 KERAS_FROM_TF1 = Rules(
     synonyms={

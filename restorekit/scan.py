@@ -22,7 +22,7 @@ from restorekit.formats import open_source
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit.names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
-from restorekit.rules import Rules, as_rules
+from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit.targets import Target, collect
 from restorekit.trackables import is_trackable, object_graph_keys
 
@@ -202,11 +202,13 @@ class _Scan:
     raw_replaced: set = field(default_factory=set)
     handles: dict = field(default_factory=dict)
     applied: dict = field(default_factory=dict)
+    aliases: dict = field(default_factory=dict)  # variable name -> (key, reason): paired inside its Keras layer
+    notes: tuple = ()  # hints on how names were found (a rule set applied by itself)
 
     def by_path(self, name: str) -> str | None:
         """The key saved under readable path ``name``, if any."""
         paths = self.ckpt.object_paths
-        return paths.get(name) or paths.get(self.rescope(name))
+        return paths.get(name) or paths.get(self.rescope(name)) or self.aliases.get(name, (None,))[0]
 
 
 def _resolve_options(state: _Scan, include, exclude, ema, shape_policy, dtype_policy, vocab) -> None:
@@ -241,11 +243,37 @@ def _resolve_names(state: _Scan, variables, assignment_map, rules) -> None:
         if state.match == "auto":
             state.graph_keys = _names_beat_positions(state.graph_keys, names, state.by_path)
         _positions_only_where_names_fail(state, names)
+    if isinstance(ckpt, keras_files.KerasCheckpoint) and assignment_map is None and state.match != "object_graph":
+        _keras_fallbacks(state, names)
     if state.match == "object_graph" and not state.graph_keys:
         raise NoMatchError(
             f"match='object_graph' found none of the {len(state.targets)} variables in the object graph of "
             f"{ckpt.prefix!r}; pass a Keras model or tf.Module saved from the same architecture"
         )
+
+
+def _keras_fallbacks(state: _Scan, names: list) -> None:
+    """Where paths name no entry of a Keras file: pair inside each layer (by leaf or position, as Keras
+    loads weights); and for a legacy Keras 2 file, ``KERAS_FROM_KERAS2`` when it fits more variables
+    than the names as they are (Keras 2 numbered layers from 1: its ``dense_1`` is Keras 3's ``dense``)."""
+    ckpt = state.ckpt
+    state.aliases = keras_layer_pairs([(t.variable_name, t.shape, t.dtype) for t in state.targets],
+                                      state.by_path, ckpt.layer_variables)
+    if ckpt.is_weights_file:
+        return
+    mapping = KERAS_FROM_KERAS2.mapping(names, list(ckpt.object_paths))
+
+    def fitting(lookup) -> int:
+        keys = [(t, lookup(t.variable_name)) for t in state.targets]
+        return sum(1 for t, key in keys if key in ckpt.entries and _pair_fits(t, ckpt.entries[key]))
+
+    if fitting(lambda n: state.by_path(mapping[n])) > fitting(state.by_path):
+        state.aliases = {}
+        state.assignment_map = mapping.get
+        state.lookup = mapper(state.assignment_map, state.targets, ckpt)
+        state.notes = (f"the names of this Keras 2 file fit fewer variables than rule set {KERAS_FROM_KERAS2!r} "
+                       f"(Keras 2 numbered layers from 1, and named some a scope level apart), so it was applied; "
+                       f"check the pairs.",)
 
 
 def _positions_only_where_names_fail(state: _Scan, names: list) -> None:
@@ -379,6 +407,8 @@ def _plan_target(state: _Scan, t: Target) -> None:
         how += ("ema",) if reason == "ema" else ("ema_fallback",)
     if name in state.positional:
         reason = f"by position; {reason}" if reason else "by position"
+    elif name in state.aliases and state.aliases[name][0] == ckpt_name:
+        reason = f"{state.aliases[name][1]}; {reason}" if reason else state.aliases[name][1]
     entry = state.ckpt.entries.get(ckpt_name)
     if entry is None:
         state.missing.append(Record(name, ckpt_name, t.shape, t.dtype))
@@ -399,8 +429,15 @@ def _classify(state: _Scan, t: Target, record: Record, shape_policy) -> None:
     """Matched (plainly or through a policy or cast), or shape / dtype mismatched."""
     name, reason = t.variable_name, record.reason
     policy = state.vocabularies.get(name)
+    cudnn = getattr(state.ckpt, "cudnn_weights", {}).get(record.checkpoint_name)
     if policy is not None:
         policy.check(name, t.shape, record.checkpoint_shape)
+    elif cudnn is not None:  # converted like Keras 2 converts it, or refused: never restored as stored
+        refusal = _cudnn_refusal(state, t, cudnn, record)
+        if refusal:
+            state.shape_mismatched.append(replace(record, reason=refusal))
+            return
+        policy = cudnn
     elif not shapes_fit(t.shape, record.checkpoint_shape):
         policy = shape_policy
         if policy is None or not policy_rules.policy_applies(policy, t.shape, record.checkpoint_shape):
@@ -413,7 +450,7 @@ def _classify(state: _Scan, t: Target, record: Record, shape_policy) -> None:
             state.dtype_mismatched.append(record)
             return
     elif policy is not None and policy != policy_rules.SKIP:
-        why = policy_rules.policy_reason(policy)
+        why = cudnn.__name__ if cudnn is not None else policy_rules.policy_reason(policy)
     else:
         policy = why = None
     if why is not None:
@@ -421,6 +458,18 @@ def _classify(state: _Scan, t: Target, record: Record, shape_policy) -> None:
         state.applied[name] = policy
     state.matched.append(record)
     state.handles[name] = t.handle
+
+
+def _cudnn_refusal(state: _Scan, t: Target, cudnn, record: Record) -> str:
+    """Why a Keras 2 CuDNN RNN weight cannot restore into ``t`` ('' when its conversion fits)."""
+    fits = t.dtype == record.checkpoint_dtype and shapes_fit(t.shape, cudnn.shape(record.checkpoint_shape))
+    if cudnn.layer == "CuDNNGRU":  # only GRU(reset_after=True) computes what CuDNNGRU computes
+        bias = next((u for u in state.targets if u.variable_name == t.variable_name.rpartition("/")[0] + "/bias"), None)
+        fits = fits and bias is not None and tuple(bias.shape or ()) == (2, 3 * cudnn.units)
+    if fits:
+        return ""
+    return (f"{cudnn.layer} weights (units {cudnn.units}) restore only into a Keras "
+            f"{'LSTM' if cudnn.layer == 'CuDNNLSTM' else 'GRU(reset_after=True)'} of {cudnn.units} units, converted")
 
 
 def _sort_leftover_entries(state: _Scan) -> None:
@@ -501,7 +550,7 @@ def _report(state: _Scan) -> RestoreReport:
         skipped=tuple(state.skipped),
         unused=tuple(state.unused),
         hints=restore_hints(state.missing, state.shape_mismatched, state.dtype_mismatched, state.unused)
-        + shared_hints + _dropped_hints(state) + _ema_hints(state),
+        + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,
         _handles=state.handles,
         _policies=state.applied,
     )

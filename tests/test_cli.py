@@ -102,6 +102,14 @@ def test_inspect_tf2_shows_readable_paths_and_filters_on_them(capsys, keras_tf2_
     assert all(name.endswith("/.ATTRIBUTES/VARIABLE_VALUE") for name in paths.values())
 
 
+def test_inspect_filter_matching_nothing_counts_each_entry_once_and_suggests_a_path(capsys, keras_tf2_checkpoint):
+    prefix, _ = keras_tf2_checkpoint
+    entries = len(Checkpoint(prefix).entries)
+    code, out, err = run(capsys, "inspect", prefix, "--filter", "net/enc2")
+    assert code == 3 and out == ""
+    assert f"among {entries}." in err and "net/enc1/" in err, err
+
+
 def test_inspect_tensor_prints_values_by_name_or_path(capsys, keras_tf2_checkpoint, small_checkpoint):
     prefix, model = keras_tf2_checkpoint
     code, data = run_json(capsys, "inspect", prefix, "--tensor", "net/head/kernel")

@@ -20,6 +20,7 @@ from restorekit.errors import (
     MissingDependencyError,
     NameCollisionError,
     OutputExistsError,
+    RestoreKitWarning,
 )
 from restorekit.export import convert, export_checkpoint, import_checkpoint, safetensors as st_format
 from restorekit.export import npz as npz_format
@@ -298,6 +299,17 @@ def test_foreign_safetensors_maps_back_to_keras_names_with_layout_torch(tmp_path
     np.testing.assert_array_equal(ckpt.read("conv/kernel"), np.transpose(conv, (2, 3, 1, 0)))
     import_checkpoint(tmp_path / "foreign.safetensors", tmp_path / "as_is")
     assert sorted(Checkpoint(tmp_path / "as_is").entries) == sorted(tensors)
+
+
+def test_guesses_that_shapes_contradict_or_cannot_confirm_are_warned_about_by_name():
+    with pytest.warns(RestoreKitWarning) as caught:
+        record = guess_tf_names({"layernorm.weight": (1, 264), "layernorm.bias": (264,), "rnn.proj.weight": (2, 100),
+                                 "fc.weight": (3, 4), "fc.bias": (3,)})
+    named = {note["name"]: note.get("perm") for note in record.tensors.values()}
+    assert "layernorm/weight" in named and named["layernorm/weight"] is None  # not a [264, 1] 'kernel'
+    assert named["fc/kernel"] == [1, 0] and named["rnn/proj/kernel"] == [1, 0]
+    text = " ".join(str(w.message) for w in caught)
+    assert "'layernorm/weight'" in text and "'rnn.proj.weight'" in text and "fc." not in text
 
 
 def test_guess_refuses_two_names_onto_one():

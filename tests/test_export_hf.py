@@ -393,10 +393,23 @@ def test_a_custom_rule_set_and_collisions(tmp_path):
     assert back.count == 2 and Checkpoint(str(tmp_path / "b" / "m.ckpt")).entries["a.weight"].shape == (3, 2)
 
 
-def test_rules_and_layout_together_are_refused(bert_ckpt, tmp_path):
+def test_layout_torch_with_rules_that_write_pytorch_names_is_the_same_conversion(bert_ckpt, tmp_path):
     prefix, _ = bert_ckpt
+    convert(prefix, tmp_path / "plain.safetensors", rules="bert-tf-to-hf", weights_only=True)
+    convert(prefix, tmp_path / "torch.safetensors", rules="bert-tf-to-hf", layout="torch", weights_only=True)
+    assert (tmp_path / "plain.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+    from restorekit.cli import main
+
+    assert main(["convert", str(prefix), str(tmp_path / "cli.safetensors"), "--to", "safetensors", "--layout", "torch",
+                 "--rules", "bert-tf-to-hf", "--weights-only"]) == 0
+    assert (tmp_path / "cli.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+
+
+def test_layout_torch_with_rules_that_write_tf_names_is_refused(bert_ckpt, tmp_path):
+    prefix, _ = bert_ckpt
+    mine = RuleSet("mine", "test", (Rule(r"(.*)", r"\1", None),))
     with pytest.raises(InvalidArgumentError, match="leave layout=None"):
-        convert(prefix, tmp_path / "m.safetensors", rules="bert-tf-to-hf", layout="torch")
+        convert(prefix, tmp_path / "m.safetensors", rules=mine, layout="torch")
     assert [p.name for p in tmp_path.glob("m.safetensors*")] == []
 
 

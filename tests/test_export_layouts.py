@@ -464,3 +464,16 @@ def test_file_to_file_with_layout_torch_maps_whole_layers_as_the_export_does(tra
     assert sorted(converted) == sorted(direct) and "model.layer.bias_hh_l0" in converted
     assert all(converted[k].tobytes() == v.tobytes() for k, v in direct.items())
     assert result.unmapped == ()
+
+
+def test_a_keras_files_optimizer_state_is_reported_kept_in_tf_layout(tmp_path):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, L.Dense(2, name="fc")(inputs))
+    model.compile("adam", "mse")
+    model.fit(np.zeros((4, 4), np.float32), np.zeros((4, 2), np.float32), verbose=0)
+    model.save_weights(tmp_path / "m.weights.h5")
+    result = restorekit.convert(str(tmp_path / "m.weights.h5"), tmp_path / "m.safetensors", layout="torch")
+    optimizer = [k for k in Checkpoint(str(tmp_path / "m.weights.h5")).entries if k.startswith("optimizer/")]
+    assert optimizer and len(result.kept) == len(optimizer)
+    assert f"{len(optimizer)} optimizer tensors left in TF layout" in str(result)

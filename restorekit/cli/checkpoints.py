@@ -46,7 +46,7 @@ def _selected(ckpt, pattern) -> list[str]:
     patterns = PatternSet([pattern], what="--filter")
     chosen = [n for n in names if patterns.first_match(n) is not None or (
         n in path_of and patterns.first_match(path_of[n]) is not None)]
-    patterns.check_all_used(names + list(paths))
+    patterns.check_all_used([path_of.get(n, n) for n in names])  # each entry once, by the name a person reads
     return chosen
 
 

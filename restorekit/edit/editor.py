@@ -431,7 +431,7 @@ class CheckpointEditor:
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
         if self._keras:
-            return self._save_keras(out, format=format or formats.TF, layout=layout, weights_only=weights_only, ema=ema,
+            return self._save_keras(out, format=format, layout=layout, weights_only=weights_only, ema=ema,
                                     overwrite=overwrite, progress=progress, max_shard_size=max_shard_size)
         if max_shard_size is not None:
             raise InvalidArgumentError("max_shard_size= writes Keras sharded sets from Keras files; for a TF "
@@ -479,7 +479,7 @@ class CheckpointEditor:
                            update_state_file=False, progress=progress, num_shards=num_shards)
         return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
-    def _save_keras(self, out, *, format: str, layout, weights_only: bool, ema, overwrite: bool, progress: bool,
+    def _save_keras(self, out, *, format: str | None, layout, weights_only: bool, ema, overwrite: bool, progress: bool,
                     max_shard_size=None) -> str:
         """``save`` for a Keras file: a ``.weights.h5`` (Keras' own keys, checked to load) or another format."""
         out = os.fspath(out)
@@ -487,11 +487,14 @@ class CheckpointEditor:
             raise OutputError(f"{out!r}: an edited Keras file is saved locally; copy it to remote storage after")
         if ema is not None and ema is not False:
             raise InvalidArgumentError("ema= reads TF moving-average shadows; a Keras file holds none by name")
-        if format not in (formats.TF, save_keras.KERAS):
+        if format is not None and format not in (formats.TF, save_keras.KERAS):
             formats.module(format)
         plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
         if os.path.realpath(out) in {os.path.realpath(f) for f in self.checkpoint.files}:
             raise OutputExistsError(path=out, is_source=True)
+        if format is None:  # by the name, as for a TF source: a '.safetensors' is one, a legacy Keras '.h5' refused
+            format = formats.TF if save_keras.is_keras_output(out, formats.TF) else target_format(out, None,
+                                                                                                  option="format")
         sharded = out.lower().endswith(save_keras.SHARDED)
         if max_shard_size is not None and not sharded:
             raise InvalidArgumentError(f"{out!r}: max_shard_size= writes a Keras sharded set; name the output "

@@ -130,7 +130,11 @@ def _options(layout, rules, weights_only, ema, max_shard_size, config, num_shard
     options = _Options(layout, rules, bool(weights_only), ema, max_shard_size, config, num_shards)
     ruleset = options.ruleset()
     if ruleset is not None and layout is not None:
-        raise InvalidArgumentError(f"rule set {ruleset.name!r} sets names and axes itself; leave layout=None")
+        if ruleset.target != "hf":
+            raise InvalidArgumentError(f"rule set {ruleset.name!r} sets names and axes itself (TF's, not PyTorch's "
+                                       f"as layout={layout!r} asks); leave layout=None")
+        # The rule set writes Hugging Face (PyTorch) names and axes: exactly what layout='torch' asks for.
+        options = dataclasses.replace(options, layout=None)
     if config and (ruleset is None or ruleset.model is None):
         raise InvalidArgumentError("config= writes a Hugging Face config.json: use it with rules='bert-tf-to-hf' "
                                    "or 'gpt2-tf-to-hf'")

@@ -242,12 +242,7 @@ class _NpzArchive:
 
 @dataclass(frozen=True)
 class FileVerifyResult(VerifyResult):
-    """``VerifyResult`` of a non-TF file, with a line saying what its format lets verify check."""
-
-    checks: str = ""
-
-    def __str__(self) -> str:
-        return f"{super().__str__()}\n  note: {self.checks}" if self.checks else super().__str__()
+    """``VerifyResult`` of a non-TF file; its ``checks`` line says what its format lets verify check."""
 
 
 # -- detection and registration

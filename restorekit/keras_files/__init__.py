@@ -23,12 +23,19 @@ Readable names are Keras variable paths without the saving model's own name:
 ``enc1/kernel``, ``block/a/kernel``, ``rnn/lstm_cell/kernel``. A Keras 3 file stores
 variables by position only, so their names come from the layer's class: from
 ``config.json`` in a ``.keras`` file, guessed from the group name (``dense_1`` ->
-Dense) in a bare ``.weights.h5``. The guesses: the conventional creation order per
-layer type (``kernel, bias``; ``gamma, beta, moving_mean, moving_variance``;
-``embeddings``; ...), a missing ``bias`` when a dense-like layer has one variable,
-and ``kernel, bias`` for an unknown layer with two variables of falling rank (the
-sub-layers of MultiHeadAttention). Where nothing fits the variable keeps its index
-(``custom/0``). Legacy files name their weights; those names are used as stored.
+Dense) in a bare ``.weights.h5``. The guesses: the creation order per built-in layer
+type (``kernel, bias``; ``depthwise_kernel, pointwise_kernel, bias``; ``gamma, beta,
+moving_mean, moving_variance``; ``embeddings``; ...), less the optional variables
+(``use_bias``, ``center``, ``scale``) when exactly one set of them fits the count
+(a SeparableConv2D with two variables has no bias), and ``kernel, bias`` for a
+sub-layer of unknown class with two variables of falling rank. Where nothing fits,
+or two configs fit (a BatchNormalization with three variables), and for custom
+layers, the variable keeps its index (``custom/0``); ``scan`` pairs such variables by
+position inside the layer of the same name, as Keras' ``load_weights`` does. Legacy
+files name their weights; those names are used as stored, less a repeated layer
+scope (Keras 2.0's ``conv2d_1/conv2d_1_1/kernel`` reads ``conv2d_1/kernel``).
+Keras 2 ``CuDNNLSTM`` / ``CuDNNGRU`` weights are told by their shapes
+(``cudnn_weights``) and converted on restore as Keras 2 converts them.
 
 Looking a path up in ``object_paths`` forgives scopes before the layer name: Keras puts
 a Sequential's, subclassed model's or wrapper's name before its layers' paths
@@ -66,6 +73,7 @@ from restorekit.errors import (
 from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
 from restorekit.keras_files.h5nodes import NODES, check_contained, check_dataset, check_links, root
+from restorekit.keras_files import layouts
 from restorekit.keras_files.layouts import CONTAINERS, Dataset, Keras3Walk, attr_list, config_index, read_legacy
 
 __all__ = ["KERAS_SUFFIXES", "KerasCheckpoint", "KerasEntry", "is_keras_path", "no_shared_layers_error"]
@@ -391,6 +399,17 @@ class KerasCheckpoint(Mapping):
         """The readable path of key ``name`` (the key itself when there is none)."""
         return self._readable.get(name, name)
 
+    @cached_property
+    def layer_variables(self) -> Mapping[str, list]:
+        """Layer scope -> ``[(key, leaf, shape, dtype)]`` in the order the layer made them (Keras pairs by it)."""
+        return MappingProxyType(layouts.layer_variables(list(self._data.values()), self._readable))
+
+    @cached_property
+    def cudnn_weights(self) -> Mapping[str, "layouts.CudnnWeight"]:
+        """Key -> ``CudnnWeight`` for the weights of Keras 2 CuDNNLSTM / CuDNNGRU layers (legacy files only)."""
+        legacy = not self.is_weights_file
+        return MappingProxyType(layouts.cudnn_weights(self.layer_variables) if legacy else {})
+
     def is_partitioned(self, name: str) -> bool:
         """True: a Keras tensor is read through h5py, never copied as TF shard bytes (what writers ask this for)."""
         return True
@@ -531,7 +550,11 @@ class KerasCheckpoint(Mapping):
                             bar.update(data.nbytes)
                 except CorruptCheckpointError as e:  # the HDF5 structure itself
                     problems.append(Problem(os.path.basename(path or self.prefix), "corrupt", str(e)))
-        return VerifyResult(self.prefix, len(self._data), checked, tuple(problems))
+        checks = ("verified means the model.weights.h5 member matches its zip CRC-32 and every dataset reads back "
+                  "with its declared shape" if self._member is not None else
+                  "HDF5 keeps no checksum of tensor data: verified means every dataset reads back with its declared "
+                  "shape; a changed data byte is not found")
+        return VerifyResult(self.prefix, len(self._data), checked, tuple(problems), checks)
 
     def _key(self, name: str) -> str:
         return name if name in self._entries else self._paths.get(name, name)

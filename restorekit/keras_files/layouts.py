@@ -13,7 +13,8 @@ import numpy as np
 
 from restorekit.errors import CorruptCheckpointError
 
-__all__ = ["CONTAINERS", "Dataset", "Keras3Walk", "attr_list", "config_index", "read_legacy", "text"]
+__all__ = ["CONTAINERS", "CudnnWeight", "Dataset", "Keras3Walk", "attr_list", "config_index", "cudnn_weights",
+           "layer_variables", "read_legacy", "text"]
 
 _UNIQUIFIED = re.compile(r"_\d+$")
 _OUTPUT_INDEX = re.compile(r":\d+$")
@@ -33,14 +34,27 @@ _VARIABLES = {
     "lstm_cell": ("kernel", "recurrent_kernel", "bias"),
     "gru_cell": ("kernel", "recurrent_kernel", "bias"),
     "simple_rnn_cell": ("kernel", "recurrent_kernel", "bias"),
+    "conv_lstm_cell": ("kernel", "recurrent_kernel", "bias"),
     "separable_conv1d": ("depthwise_kernel", "pointwise_kernel", "bias"),
     "separable_conv2d": ("depthwise_kernel", "pointwise_kernel", "bias"),
+    "attention": ("scale", "concat_score_weight"),
+    "additive_attention": ("scale",),
 }
 for _conv in ("conv1d", "conv2d", "conv3d", "conv1d_transpose", "conv2d_transpose", "conv3d_transpose",
               "depthwise_conv1d", "depthwise_conv2d"):
     _VARIABLES[_conv] = ("kernel", "bias")
 # Config switches that drop a variable: (config key, value that drops it).
-_SWITCHES = {"bias": ("use_bias", False), "gamma": ("scale", False), "beta": ("center", False)}
+_SWITCHES = {"bias": ("use_bias", False), "gamma": ("scale", False), "beta": ("center", False),
+             "scale": ("use_scale", False)}
+# Variables a layer may lack (a config switch drops them). A bare weights file keeps no config, so a
+# layer with fewer variables is named only when one set of them fits its count: a SeparableConv2D with 2
+# is use_bias=False; a BatchNormalization with 3 is scale=False or center=False, which the file cannot
+# tell, so its variables keep their indices (scan pairs them by position, as Keras' load_weights does).
+_OPTIONAL = {kind: tuple(v for v in names if v in _SWITCHES or v == "concat_score_weight")
+             for kind, names in _VARIABLES.items()}
+# Sub-objects saved under their attribute's name, of a known class (MultiHeadAttention's projections).
+_ATTRIBUTE_KINDS = {"query_dense": "einsum_dense", "key_dense": "einsum_dense", "value_dense": "einsum_dense",
+                    "output_dense": "einsum_dense"}
 
 
 def _snake(class_name: str) -> str:
@@ -87,15 +101,40 @@ def _variable_names(kind: str | None, layer_config: dict | None, datasets: list)
             kept = [v for v in full if not (v in _SWITCHES and layer_config.get(_SWITCHES[v][0]) is _SWITCHES[v][1])]
             if kind == "einsum_dense" and not layer_config.get("bias_axes"):
                 kept = [v for v in kept if v != "bias"]
+            if kind == "attention" and layer_config.get("score_mode", "dot") != "concat":
+                kept = [v for v in kept if v != "concat_score_weight"]
             if len(kept) == n:
                 return kept
-        if len(full) == n:
-            return list(full)
-        if full[-1] == "bias" and len(full) - 1 == n and "kernel" in full:
-            return list(full[:-1])
-    elif n == 2 and len(datasets[0].shape) > len(datasets[1].shape) >= 1:
-        return ["kernel", "bias"]
+        fitting = [kept for kept in ([v for v in full if v not in dropped]
+                                     for dropped in _drops(_OPTIONAL[kind], len(full) - n))
+                   if _ranks_fit(kept, datasets)]
+        if len(fitting) == 1:
+            return fitting[0]
+    elif layer_config is None and n == 2 and len(datasets[0].shape) > len(datasets[1].shape) >= 1:
+        return ["kernel", "bias"]  # a sub-layer of an unknown class (no config says it is a custom layer)
     return [str(i) for i in range(n)]
+
+
+def _drops(optional: tuple, count: int):
+    """Every set of ``count`` variables of ``optional``."""
+    if count < 0 or count > len(optional):
+        return
+    if count == 0:
+        yield ()
+        return
+    for i, first in enumerate(optional):
+        for rest in _drops(optional[i + 1:], count - 1):
+            yield (first, *rest)
+
+
+def _ranks_fit(names: list, datasets: list) -> bool:
+    """False where a name cannot be the dataset at its place: a kernel is of rank 2 or more, a bias not."""
+    for name, data in zip(names, datasets):
+        if name.endswith("kernel") and len(data.shape) < 2:
+            return False
+        if name in ("bias", "gamma", "beta", "moving_mean", "moving_variance") and len(data.shape) > 2:
+            return False
+    return True
 
 
 class Keras3Walk:
@@ -154,6 +193,8 @@ class Keras3Walk:
 
 
 def _guess_kind(class_hint: str | None, name: str) -> str | None:
+    if class_hint in _ATTRIBUTE_KINDS:
+        return _ATTRIBUTE_KINDS[class_hint]
     for candidate in (class_hint, _UNIQUIFIED.sub("", name)):
         if candidate and candidate in _VARIABLES:
             return candidate
@@ -201,11 +242,19 @@ def attr_list(group, name: str) -> list[str] | None:
 
 
 def _legacy_readable(layer: str, weight: str) -> str:
-    """``dense_1`` + ``dense_1/kernel:0`` -> ``dense_1/kernel``; the layer's name starts the path."""
+    """``dense_1`` + ``dense_1/kernel:0`` -> ``dense_1/kernel``; the layer's name starts the path.
+
+    Keras 2.0 files often keep the layer's scope twice, the second uniquified
+    (``conv2d_1/conv2d_1_1/kernel:0``: the layer was built in a re-entered name scope);
+    Keras itself loads weights by position, so the repeat means nothing and is dropped.
+    """
     parts = _OUTPUT_INDEX.sub("", weight).split("/")
     if layer in parts:
-        return "/".join(parts[parts.index(layer):])
-    return "/".join([layer, *parts])
+        parts = parts[parts.index(layer):]
+    else:
+        parts = [layer, *parts]
+    repeat = re.compile(re.escape(layer) + r"(?:_\d+)?")
+    return "/".join([parts[0]] + [p for p in parts[1:-1] if not repeat.fullmatch(p)] + parts[-1:])
 
 
 def read_legacy(path: str, f, h5py) -> tuple[list, dict]:
@@ -238,3 +287,90 @@ def read_legacy(path: str, f, h5py) -> tuple[list, dict]:
         for weight in attr_list(optimizer, "weight_names") or []:
             add(optimizer, weight, "optimizer/" + _OUTPUT_INDEX.sub("", weight))
     return datasets, readable
+
+
+def layer_variables(datasets: list, readable: dict) -> dict:
+    """The file's layer scope -> ``[(key, leaf, shape, dtype)]`` in the order the layer created them.
+
+    ``datasets`` in the file's order (a Keras 3 layer's ``vars/N``, a legacy layer's
+    ``weight_names``); what ``scan`` pairs by position, as Keras' ``load_weights`` does.
+    """
+    out: dict = {}
+    for data in datasets:
+        path = readable.get(data.key, data.key)
+        if path.startswith("optimizer/") or path == data.key:
+            continue
+        scope, _, leaf = path.rpartition("/")
+        out.setdefault(scope, []).append((data.key, leaf, data.shape, data.dtype))
+    return out
+
+
+# ---------------------------------------------------------------- CuDNN RNN weights of Keras 2
+
+@dataclass(frozen=True)
+class CudnnWeight:
+    """One weight of a Keras 2 ``CuDNNLSTM`` / ``CuDNNGRU`` layer, and its conversion for a Keras LSTM / GRU.
+
+    CuDNN layers store each gate's input kernel in cuDNN's (Fortran) order, each gate's
+    recurrent kernel transposed, and two biases (input and recurrent) in one vector of
+    ``2 * gates * units``. Keras 2 converts them when it loads them into an ``LSTM`` or a
+    ``GRU(reset_after=True)`` (tf-keras ``hdf5_format._convert_rnn_weights``); calling this
+    does the same for one weight: ``(stored value, variable) -> value``.
+    """
+
+    layer: str  # 'CuDNNLSTM' or 'CuDNNGRU'
+    role: str  # 'kernel', 'recurrent_kernel' or 'bias'
+    units: int
+
+    @property
+    def gates(self) -> int:
+        return 4 if self.layer == "CuDNNLSTM" else 3
+
+    @property
+    def __name__(self) -> str:  # how a report names the conversion
+        return f"{self.layer} {self.role} converted as Keras 2 loads it"
+
+    def shape(self, stored: tuple) -> tuple:
+        """The shape of the converted value."""
+        if self.role != "bias":
+            return tuple(stored)
+        return (self.gates * self.units,) if self.layer == "CuDNNLSTM" else (2, self.gates * self.units)
+
+    def convert(self, value: np.ndarray) -> np.ndarray:
+        value = np.asarray(value)
+        gates, units = self.gates, self.units
+        if self.role == "bias":
+            return value[: gates * units] + value[gates * units:] if gates == 4 else value.reshape(2, gates * units)
+        rows = value.shape[0]
+        blocks = value.reshape(rows, gates, units).transpose(1, 0, 2)  # gate, row, unit
+        if self.role == "kernel":  # each gate's [rows, units] block holds a [units, rows] matrix in C order
+            blocks = blocks.reshape(gates, units, rows).transpose(0, 2, 1)
+        else:
+            blocks = blocks.transpose(0, 2, 1)
+        return np.ascontiguousarray(blocks.transpose(1, 0, 2).reshape(rows, gates * units))
+
+    def __call__(self, value, variable=None) -> np.ndarray:
+        return self.convert(value)
+
+
+def cudnn_weights(layers: dict) -> dict:
+    """Key -> CudnnWeight for every weight of a CuDNN RNN in ``layer_variables`` of a legacy file.
+
+    Told from the shapes, as Keras 2 tells them: a layer of ``kernel [in, g*u]``,
+    ``recurrent_kernel [u, g*u]`` and a bias of ``2*g*u`` (g = 4: CuDNNLSTM, 3: CuDNNGRU).
+    """
+    out: dict = {}
+    for entries in layers.values():
+        if [leaf for _, leaf, _, _ in entries] != ["kernel", "recurrent_kernel", "bias"]:
+            continue
+        (k, _, kernel, _), (r, _, recurrent, _), (b, _, bias, _) = entries
+        if len(kernel) != 2 or len(recurrent) != 2 or len(bias) != 1 or not recurrent[0]:
+            continue
+        units = recurrent[0]
+        gates = recurrent[1] // units
+        if gates not in (3, 4) or recurrent[1] != gates * units or kernel[1] != gates * units or bias[0] != 2 * gates * units:
+            continue
+        layer = "CuDNNLSTM" if gates == 4 else "CuDNNGRU"
+        out.update({key: CudnnWeight(layer, role, units)
+                    for key, role in ((k, "kernel"), (r, "recurrent_kernel"), (b, "bias"))})
+    return out

@@ -29,6 +29,10 @@ LSTM ``kernel`` ``recurrent_kernel``     ``nn.LSTM`` ``weight_ih_l0`` ``weight_h
 GRU (reset_after) ... ``bias`` [2,3u]    ``nn.GRU`` (same names)                      gates z,r,h -> r,z,n; bias rows
                                                                                      -> ``bias_ih_l0``, ``bias_hh_l0``
 SimpleRNN                                ``nn.RNN`` (same names)                      as LSTM, one gate
+Keras 2 CuDNNLSTM / CuDNNGRU ``kernel``  ``nn.LSTM`` / ``nn.GRU`` (same names)        each gate's kernel block read as
+``recurrent_kernel`` ``bias`` [2*g*u]                                                cuDNN's [u, in] matrix, recurrent
+                                                                                     blocks as they are, bias halves
+                                                                                     -> ``bias_ih_l0``, ``bias_hh_l0``
 TF1 LSTMCell/BasicLSTMCell ``kernel``    ``nn.LSTM`` (same names)                     rows split into ih/hh, gates
 [in+u,4u], ``bias``                                                                  i,j,f,o -> i,f,j,o, forget_bias
                                                                                      in ``bias_hh_l0``

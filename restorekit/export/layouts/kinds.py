@@ -280,6 +280,8 @@ def _keras_rnn(scope, leaves, ctx):
     if gates not in _RNN_NAMES or len(kernel.shape) != 2 or kernel.shape[1] != cols:
         return f"a recurrent kernel {list(recurrent.shape)} with kernel {list(kernel.shape)} is no LSTM, GRU or SimpleRNN"
     kind = _RNN_NAMES[gates]
+    if gates in (3, 4) and bias is not None and tuple(bias.shape) == (2 * cols,):
+        return _cudnn_rnn(scope, leaves, kind, gates, units)
     if kind == "GRU" and (bias is None or len(bias.shape) != 2):
         return ("a Keras GRU without a [2, 3*units] bias has reset_after=False (or cannot show reset_after): "
                 "it applies the reset gate before the recurrent matmul, torch.nn.GRU after")
@@ -294,6 +296,28 @@ def _keras_rnn(scope, leaves, ctx):
         return parts + [_part(_name(m, f"bias_{side}_l0"), bias, kind, {"take": (0, row), "gates": (0, order)})
                         for row, side in ((0, "ih"), (1, "hh"))]
     return parts + [_part(_name(m, "bias_ih_l0"), bias, kind), _part(_name(m, "bias_hh_l0"), bias, kind, {}, {"sum": [0.0]})]
+
+
+def _cudnn_rnn(scope, leaves, kind, gates, units):
+    """A Keras 2 CuDNNLSTM / CuDNNGRU: each gate's input kernel block [in, u] holds cuDNN's [u, in] matrix in
+    C order, each recurrent block [u, u] is torch's block as it is, and the bias holds the input then the
+    recurrent biases, as ``nn.LSTM`` / ``nn.GRU`` have them (what tf-keras' CuDNN conversion undoes)."""
+    kernel, recurrent, bias = leaves.pop("kernel"), leaves.pop("recurrent_kernel"), leaves.pop("bias")
+    m, order, cols = _rnn_module(scope), _KERAS_GATES[gates], gates * units
+    kind = f"CuDNN{kind}"
+
+    def blocks(var):  # [rows, gates*u] -> [gates*u, rows] of gate blocks, each block's bytes as they are
+        rows = var.shape[0]
+        ops = {"split": ((rows, cols), (rows, gates, units)), "perm": (1, 0, 2),
+               "view": ((gates, rows, units), (cols, rows))}
+        return {**ops, "gates": (1, order)} if order else ops
+
+    parts = [_part(_name(m, "weight_ih_l0"), kernel, kind, blocks(kernel)),
+             _part(_name(m, "weight_hh_l0"), recurrent, kind, blocks(recurrent))]
+    for side, (start, stop) in (("ih", (0, cols)), ("hh", (cols, 2 * cols))):
+        ops = {"take": (0, start, stop), "gates": (0, order)} if order else {"take": (0, start, stop)}
+        parts.append(_part(_name(m, f"bias_{side}_l0"), bias, kind, ops))
+    return parts
 
 
 def _tf1_lstm(scope, leaves, ctx):

@@ -4,6 +4,8 @@ A stored tensor's note may carry ``ops``, applied in this fixed order on export:
 
 ``take``   ``[axis, index]`` picks one row (the axis goes away: a GRU bias row) or
            ``[axis, start, stop]`` a slice (a TF1 LSTMCell kernel's input or state rows);
+``split``  ``[shape before, shape after]`` a reshape that gives gates an axis of their own
+           (a Keras 2 CuDNNLSTM kernel [in, 4u] read as [in, 4, u]);
 ``gates``  ``[axis, order]`` cuts the axis into ``len(order)`` equal gate blocks and puts
            block ``order[k]`` at place ``k`` (Keras GRU z,r,h -> torch r,z,n);
 ``perm``   an axes permutation;
@@ -31,6 +33,8 @@ def forward(ops: dict, array: np.ndarray) -> np.ndarray:
     if take is not None:
         axis = take[0]
         array = np.take(array, take[1], axis=axis) if len(take) == 2 else _slice(array, axis, take[1], take[2])
+    if "split" in ops:
+        array = array.reshape(tuple(ops["split"][1]))
     if "gates" in ops:
         array = _gates(array, *ops["gates"])
     if "perm" in ops:
@@ -47,6 +51,8 @@ def stored_shape(ops: dict, shape: tuple) -> tuple:
     if take is not None:
         axis = take[0]
         shape = shape[:axis] + shape[axis + 1:] if len(take) == 2 else shape[:axis] + (take[2] - take[1],) + shape[axis + 1:]
+    if "split" in ops:
+        shape = tuple(int(d) for d in ops["split"][1])
     if "perm" in ops:
         shape = tuple(shape[i] for i in ops["perm"])
     if "view" in ops:
@@ -64,6 +70,8 @@ def backward(ops: dict, array: np.ndarray, where: str) -> np.ndarray:
         if "gates" in ops:
             axis, order = ops["gates"]
             array = _gates(array, axis, invert(order))
+        if "split" in ops:
+            array = array.reshape(tuple(ops["split"][0]))
     except (ValueError, TypeError, IndexError) as e:
         raise CorruptCheckpointError(f"{where}: cannot undo the layout of a tensor of shape {list(array.shape)} ({e})") from None
     return np.ascontiguousarray(array)

@@ -89,6 +89,9 @@ def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict |
             plan.parts.append(Part(dotted(t.path), key, "optimizer", tuple(entry.shape), entry.dtype))
             if t.kind == "optimizer":
                 plan.kept.append(key)
+        elif t is None and key.startswith("optimizer/"):  # a Keras file's optimizer group: by position only
+            plan.parts.append(Part(torch_name(key), key, "optimizer", tuple(entry.shape), entry.dtype))
+            plan.kept.append(key)
         elif t is None and (graph is not None or optimizer_slot_kind(key)):
             plan.parts.append(Part(torch_name(key), key, "other", tuple(entry.shape), entry.dtype))
         else:
