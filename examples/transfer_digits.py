@@ -32,7 +32,7 @@ building the new graph, its loss and its variables::
 
 import sys
 
-from restorekit.demo import main
+from restorekit.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["demo", *sys.argv[1:]]))

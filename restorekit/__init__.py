@@ -4,6 +4,7 @@
 functions that need them.
 """
 
+from restorekit.averaging import AverageResult, average, interpolate
 from restorekit.checkpoint import Checkpoint, Entry, Problem, VerifyResult
 from restorekit.compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
@@ -29,6 +30,8 @@ from restorekit.errors import (
     OutputNameError,
     RestoreKitError,
     RestoreKitWarning,
+    SourceMismatchError,
+    RunDirectoryError,
     UnknownVariableError,
     VocabularyError,
 )
@@ -62,7 +65,7 @@ from restorekit.report import Record, RestoreReport
 from restorekit.scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
 from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
-from restorekit.policies import VocabRemap
+from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit.rules import KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
 from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
@@ -88,8 +91,10 @@ def __getattr__(name: str):
 
 __all__ = [
     "KERAS_FROM_TF1",
+    "AdaptInputChannels",
     "Alignment",
     "AssignmentMapError",
+    "AverageResult",
     "Checkpoint",
     "CheckpointEditor",
     "CheckpointNotFoundError",
@@ -120,8 +125,11 @@ __all__ = [
     "Record",
     "RestoreKitError",
     "RestoreKitWarning",
+    "ResizePositions",
     "RestoreReport",
     "Rules",
+    "SourceMismatchError",
+    "RunDirectoryError",
     "TensorSummary",
     "UnknownVariableError",
     "UnfreezeResult",
@@ -133,6 +141,7 @@ __all__ = [
     "VocabularyError",
     "WarmStart",
     "assign_from_checkpoint_fn",
+    "average",
     "compress",
     "convert",
     "diff_checkpoints",
@@ -145,6 +154,7 @@ __all__ = [
     "initialize_uninitialized",
     "import_meta_graph",
     "inspect_graph",
+    "interpolate",
     "layerwise_decay",
     "partial_saver",
     "repair_graph",

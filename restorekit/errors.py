@@ -1,7 +1,7 @@
 """The restorekit exception hierarchy.
 
 Every error restorekit raises derives from ``RestoreKitError`` and, where one fits,
-also from a built-in, so ``except FileNotFoundError`` keeps working::
+also from a built-in, so ``except FileNotFoundError`` keeps working:
 
     RestoreKitError
     ├── CheckpointNotFoundError        (FileNotFoundError)  no checkpoint at a path
@@ -16,8 +16,10 @@ also from a built-in, so ``except FileNotFoundError`` keeps working::
     │   ├── OutputNameError                                 an output name that contradicts `to` or is not ours
     │   ├── GroupError                                      variable groups used wrongly
     │   │   └── UnknownVariableError       (NoMatchError)       a variable the groups do not hold
-    │   └── VocabularyError                                 a vocabulary file or size that does not fit
+    │   ├── VocabularyError                                 a vocabulary file or size that does not fit
+    │   └── SourceMismatchError                             sources that must agree differ (average)
     ├── IncompleteRestoreError         (ValueError)         strict restore with gaps; has .report
+    ├── RunDirectoryError              (ValueError)         a run directory no restart may resume from
     ├── OutputError                    (OSError)            an output that cannot be written safely
     │   ├── OutputExistsError          (FileExistsError)    output would overwrite the source
     │   └── InsufficientSpaceError                          not enough free disk
@@ -60,6 +62,8 @@ __all__ = [
     "OutputNameError",
     "RestoreKitError",
     "RestoreKitWarning",
+    "SourceMismatchError",
+    "RunDirectoryError",
     "UnknownVariableError",
     "VocabularyError",
 ]
@@ -176,12 +180,39 @@ class VocabularyError(InvalidArgumentError):
     """A vocabulary file or size that does not fit a remap."""
 
 
+class SourceMismatchError(InvalidArgumentError):
+    """Sources that must agree do not: names, shapes or dtypes, or non-float values (``restorekit.average``).
+
+    ``problems`` is every ``(entry name, what differs)``, all of them in the message;
+    ``hint`` says which option gets past them. Nothing was written.
+    """
+
+    def __init__(self, what: str, problems, hint: str = ""):
+        self.problems = tuple(problems)
+        self.names = tuple(name for name, _ in self.problems)
+        lines = "".join(f"\n  {text}" for _, text in self.problems)
+        super().__init__(f"{what} ({len(self.problems)}):{lines}" + (f"\n{hint}" if hint else ""))
+
+
 class IncompleteRestoreError(RestoreKitError, ValueError):
     """A strict restore found variables it cannot restore. ``report`` has the details."""
 
     def __init__(self, message: str, report=None):
         super().__init__(message)
         self.report = report
+
+
+class RunDirectoryError(RestoreKitError, ValueError):
+    """A run directory holds checkpoints, but none that a restart may resume from.
+
+    ``directory`` is the run directory; ``skipped`` pairs each prefix considered with
+    why it was passed over (missing, damaged, outside the directory).
+    """
+
+    def __init__(self, message: str, directory: str = "", skipped: tuple = ()):
+        super().__init__(message)
+        self.directory = directory
+        self.skipped = tuple(skipped)
 
 
 class OutputError(RestoreKitError, OSError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from restorekit.policies import CAST, dtype_cast_applies
+from restorekit.policies import CAST, AdaptInputChannels, ResizePositions, dtype_cast_applies
 from restorekit.report import Record
 
 __all__ = ["UNIQUIFIED", "fits", "restore_hints", "scope_hint", "shapes_fit"]
@@ -45,6 +45,10 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"{r.variable_name!r}}}."
             )
     for r in shape_mismatched:
+        adapter = adapter_hint(r)
+        if adapter is not None:
+            hints.append(adapter)
+            continue
         if not _only_last_dim_differs(r.shape, r.checkpoint_shape):
             continue  # other input features too: the overlapping block would mean nothing
         hints.append(
@@ -61,6 +65,38 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
             )
     scoped = scope_hint(missing, unused)
     return tuple(hints) + ((scoped,) if scoped else ())
+
+
+# a path component naming a learned position table: BERT 'position_embeddings', ViT 'pos_embed',
+# Keras 'position_embedding', 'posemb'
+_POSITIONS = re.compile(r"(pos|position|positional)_?(emb|embed|embedding|embeddings|encoding)?s?(_\d+)?$",
+                        re.IGNORECASE)
+# A first convolution sees image channels: gray, RGB, RGBA, a few more (multispectral).
+_FEW_CHANNELS = 16
+
+
+def adapter_hint(r) -> str | None:
+    """A hint naming the shape adapter that fits ``r`` (a shape-mismatched record), or None.
+
+    Only where it fits: a position table (by name) whose length alone differs, or a
+    convolution kernel whose input channels alone differ and are few on both sides.
+    """
+    name, model, stored = r.variable_name, r.shape, r.checkpoint_shape
+    parts = f"{name.split(':')[0]}/{r.checkpoint_name or ''}".split("/")
+    if any(_POSITIONS.match(part) for part in parts):
+        for adapter, spelled in ((ResizePositions(1, grid=True), "ResizePositions(num_prefix_tokens=1, grid=True)"),
+                                 (ResizePositions(0, grid=True), "ResizePositions(num_prefix_tokens=0, grid=True)"),
+                                 (ResizePositions(0, grid=False), "ResizePositions(num_prefix_tokens=0, grid=False)")):
+            if adapter.applies(model, stored):
+                return (f"{name!r} is a position table of another length (checkpoint {list(stored)}, model "
+                        f"{list(model)}); shape_policy={{{name!r}: restorekit.{spelled}}} interpolates the "
+                        f"learned positions to the new length (set num_prefix_tokens to the class tokens it has).")
+    if (model is not None and 3 <= len(model) <= 5 and AdaptInputChannels().applies(model, stored)
+            and max(model[-2], stored[-2]) <= _FEW_CHANNELS):
+        return (f"{name!r} differs only in its input channels (checkpoint {stored[-2]}, model {model[-2]}); if it is "
+                f"the first convolution, shape_policy={{{name!r}: 'adapt_input_channels'}} adapts the kernel "
+                f"(summed to one channel, or repeated and rescaled).")
+    return None
 
 
 def _tails(name: str):

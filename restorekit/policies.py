@@ -16,9 +16,14 @@ from restorekit.names import PatternSet
 from restorekit.report import format_shape, policy_of
 
 __all__ = [
+    "ADAPT_INPUT_CHANNELS",
     "CAST",
+    "RESIZE_POSITIONS",
     "SKIP",
     "SLICE_OR_PAD",
+    "AdaptInputChannels",
+    "ResizePositions",
+    "ShapeAdapter",
     "ShapePolicies",
     "VocabRemap",
     "check_dtype_policy",
@@ -37,7 +42,9 @@ SLICE_OR_PAD = "slice_or_pad"
 # precision (a bfloat16 checkpoint into a float32 model), cast by TF on the way in.
 CAST = "cast"
 _FLOAT_NAMES = frozenset({"float16", "bfloat16", "float32", "float64"})
-_NAMED = (SKIP, SLICE_OR_PAD)
+RESIZE_POSITIONS = "resize_positions"
+ADAPT_INPUT_CHANNELS = "adapt_input_channels"
+_NAMED = (SKIP, SLICE_OR_PAD, RESIZE_POSITIONS, ADAPT_INPUT_CHANNELS)
 
 
 # ------------------------------------------------------------------ vocabularies
@@ -187,10 +194,8 @@ class ShapePolicies:
         if shape_policy is None:
             return
         if isinstance(shape_policy, dict):
-            for pattern, policy in shape_policy.items():
-                _check_policy(policy)
             self.patterns = PatternSet(list(shape_policy), what="shape_policy pattern")
-            self.by_pattern = list(shape_policy.values())
+            self.by_pattern = [_check_policy(policy) for policy in shape_policy.values()]
         else:
             self.default = _check_policy(shape_policy)
 
@@ -198,7 +203,7 @@ class ShapePolicies:
         return self.default != SKIP or bool(self.by_pattern)
 
     def for_name(self, name: str):
-        """The policy for ``name``: 'skip', 'slice_or_pad' or a callable."""
+        """The policy for ``name``: 'skip', 'slice_or_pad', a ShapeAdapter or a callable."""
         if self.by_pattern:
             pattern = self.patterns.first_match(name)
             if pattern is not None:
@@ -210,10 +215,15 @@ class ShapePolicies:
 
 
 def _check_policy(policy):
-    if callable(policy) or policy in _NAMED:
+    if isinstance(policy, ShapeAdapter):
+        return policy
+    if isinstance(policy, str) and policy in _ADAPTERS:
+        return _ADAPTERS[policy]()  # the adapter with its defaults
+    if callable(policy) or (isinstance(policy, str) and policy in _NAMED):
         return policy
     raise InvalidArgumentError(
-        f"a shape policy is 'skip', 'slice_or_pad', a callable (checkpoint_value, variable) -> value "
+        f"a shape policy is 'skip', 'slice_or_pad', 'resize_positions', 'adapt_input_channels', a "
+        f"ResizePositions(...) or AdaptInputChannels(...), a callable (checkpoint_value, variable) -> value "
         f"or a dict {{pattern: policy}}; got {policy!r}"
     )
 
@@ -229,6 +239,8 @@ def resolve_shape_policy(shape_policy) -> ShapePolicies:
 
 def policy_applies(policy, shape, checkpoint_shape) -> bool:
     """True when ``policy`` can restore a ``checkpoint_shape`` entry into a ``shape`` variable."""
+    if isinstance(policy, ShapeAdapter):
+        return policy.applies(shape, checkpoint_shape)
     if policy == SKIP:
         return False
     if policy == SLICE_OR_PAD:
@@ -250,6 +262,8 @@ def policy_reason(policy) -> str:
     """The ``Record.reason`` of a record restored through ``policy``."""
     if isinstance(policy, VocabRemap):
         return "vocab"
+    if isinstance(policy, ShapeAdapter):
+        return policy.name
     if policy == SLICE_OR_PAD:
         return SLICE_OR_PAD
     return f"shape_policy: {getattr(policy, '__name__', type(policy).__name__)}"
@@ -265,6 +279,8 @@ def has_policy(report, record) -> bool:
 
 
 def policy_name(policy) -> str:
+    if isinstance(policy, ShapeAdapter):
+        return policy.name
     return getattr(policy, "__name__", None) or type(policy).__name__
 
 
@@ -289,3 +305,174 @@ def check_vocab(vocab, names) -> dict:
             raise NoMatchError(f"vocab key {name!r} is not a variable being scanned.", name=name, candidates=names)
         remap.words()
     return dict(vocab)
+
+
+# ------------------------------------------------------------------ shape adapters
+
+class ShapeAdapter:
+    """A named shape policy that computes a checkpoint value's new shape in numpy (no TF at plan time).
+
+    ``applies(shape, checkpoint_shape)`` decides at scan time; ``adapt(value, shape)``
+    computes the restored value, on restore, in TF1 initializers and eagerly alike.
+    """
+
+    name = ""
+
+    def applies(self, shape, checkpoint_shape) -> bool:
+        raise NotImplementedError
+
+    def adapt(self, value: np.ndarray, shape) -> np.ndarray:
+        raise NotImplementedError
+
+
+_METHODS = {"linear": "linear", "bilinear": "linear", "cubic": "cubic", "bicubic": "cubic"}
+
+
+def _keys_cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x <= 1, near, np.where(x < 2, far, 0.0))
+
+
+def resize_matrix(old: int, new: int, method: str = "linear") -> np.ndarray:
+    """The [new, old] float64 matrix that resamples a length-``old`` axis to ``new`` points.
+
+    Half-pixel centres (output point ``i`` samples input coordinate ``(i + 0.5) * old / new - 0.5``),
+    no antialiasing, taps outside the input dropped and the rest renormalized: the convention of
+    ``tf.image.resize`` (bilinear: a triangle kernel; bicubic: Keys' kernel with a = -0.5).
+    """
+    centre = (np.arange(new, dtype=np.float64) + 0.5) * (old / new) - 0.5
+    base = np.floor(centre).astype(np.int64)
+    taps = (0, 1) if method == "linear" else (-1, 0, 1, 2)
+    matrix = np.zeros((new, old), np.float64)
+    for tap in taps:
+        index = base + tap
+        distance = centre - index
+        weight = np.maximum(0.0, 1.0 - np.abs(distance)) if method == "linear" else _keys_cubic(distance)
+        inside = (index >= 0) & (index < old)
+        np.add.at(matrix, (np.arange(new)[inside], index[inside]), weight[inside])
+    return matrix / matrix.sum(axis=1, keepdims=True)
+
+
+def _square_side(n: int) -> int | None:
+    side = int(round(np.sqrt(n))) if n > 0 else 0
+    return side if side * side == n else None
+
+
+@dataclass(frozen=True)
+class ResizePositions(ShapeAdapter):
+    """Resize a learned position-embedding table to a new sequence length or image grid.
+
+    The table's positions run along its second-to-last axis (``[N, D]`` as BERT stores
+    them, ``[1, N, D]`` as ViT does); every other axis must agree. The first
+    ``num_prefix_tokens`` rows (a class token, distillation token) are kept as they
+    are; the rest are interpolated: with ``grid=True`` as a square ``g x g`` grid
+    resized to ``g' x g'`` (both lengths minus the prefix must be squares), else as a
+    1-D sequence. ``method`` is 'bilinear' (or 'linear') or 'bicubic' (or 'cubic'), with
+    ``tf.image.resize``'s half-pixel convention (see ``resize_matrix``).
+
+    Example:
+        >>> policy = {'pos_embed': restorekit.ResizePositions(num_prefix_tokens=1, grid=True)}
+        >>> restorekit.restore(restorekit.scan('vit-224/', model_384, shape_policy=policy))
+
+    The string ``'resize_positions'`` is ``ResizePositions()`` (one prefix token, a grid, bilinear).
+    """
+
+    num_prefix_tokens: int = 1
+    grid: bool = True
+    method: str = "bilinear"
+    name = RESIZE_POSITIONS
+
+    def __post_init__(self):
+        n = self.num_prefix_tokens
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise InvalidArgumentError(f"ResizePositions num_prefix_tokens must be an int >= 0, got {n!r}")
+        if not isinstance(self.grid, bool):
+            raise InvalidArgumentError(f"ResizePositions grid must be True or False, got {self.grid!r}")
+        if self.method not in _METHODS:
+            raise InvalidArgumentError(f"ResizePositions method is one of {sorted(_METHODS)}, got {self.method!r}")
+
+    def _lengths(self, shape, checkpoint_shape):
+        """(old, new) lengths of the interpolated part, or None when the shapes do not fit."""
+        if shape is None or None in shape or len(shape) < 2 or len(shape) != len(checkpoint_shape):
+            return None
+        if tuple(shape[:-2]) != tuple(checkpoint_shape[:-2]) or shape[-1] != checkpoint_shape[-1]:
+            return None
+        old, new = checkpoint_shape[-2] - self.num_prefix_tokens, shape[-2] - self.num_prefix_tokens
+        if old < 1 or new < 1:
+            return None
+        if self.grid and (_square_side(old) is None or _square_side(new) is None):
+            return None
+        return old, new
+
+    def applies(self, shape, checkpoint_shape) -> bool:
+        return self._lengths(shape, checkpoint_shape) is not None
+
+    def adapt(self, value, shape):
+        value = np.asarray(value)
+        lengths = self._lengths(tuple(shape), value.shape)
+        if lengths is None:
+            raise InvalidArgumentError(f"{self!r} cannot resize a {format_shape(value.shape)} table to {format_shape(shape)}")
+        old, new = lengths
+        method = _METHODS[self.method]
+        k = self.num_prefix_tokens
+        prefix, table = value[..., :k, :], value[..., k:, :].astype(np.float64)
+        if self.grid:
+            g, h = _square_side(old), _square_side(new)
+            matrix = resize_matrix(g, h, method)
+            grid = table.reshape(*table.shape[:-2], g, g, table.shape[-1])
+            # rows, then columns: the separable form of a 2-D resize
+            grid = np.einsum("ij,...jkd->...ikd", matrix, grid)
+            grid = np.einsum("ij,...kjd->...kid", matrix, grid)
+            resized = grid.reshape(*table.shape[:-2], new, table.shape[-1])
+        else:
+            resized = np.einsum("ij,...jd->...id", resize_matrix(old, new, method), table)
+        return np.concatenate([prefix, resized.astype(value.dtype)], axis=-2)
+
+
+@dataclass(frozen=True)
+class AdaptInputChannels(ShapeAdapter):
+    """Adapt a convolution kernel to another number of input channels (RGB weights for a grayscale model).
+
+    The input-channel axis is ``axis`` (-2: Keras / TF ``[kh, kw, C_in, C_out]`` kernels,
+    also 1-D and 3-D ones); every other axis must agree. To one channel: the sum over the
+    old channels (a gray image seen as R = G = B gives the same response). To C' other
+    channels: the old channels repeated to C' (cut where C' is not a multiple of C) and
+    scaled by C / C' (for C' a multiple of C, the response to a constant input stays), as timm's
+    ``adapt_input_conv`` does.
+
+    The string ``'adapt_input_channels'`` is ``AdaptInputChannels()``.
+    """
+
+    axis: int = -2
+    name = ADAPT_INPUT_CHANNELS
+
+    def __post_init__(self):
+        if isinstance(self.axis, bool) or not isinstance(self.axis, numbers.Integral):
+            raise InvalidArgumentError(f"AdaptInputChannels axis must be an int, got {self.axis!r}")
+
+    def applies(self, shape, checkpoint_shape) -> bool:
+        if shape is None or None in shape or len(shape) < 3 or len(shape) != len(checkpoint_shape):
+            return False
+        if not -len(shape) <= self.axis < len(shape):
+            return False
+        axis = self.axis % len(shape)
+        return all(m == c for d, (m, c) in enumerate(zip(shape, checkpoint_shape)) if d != axis) and shape[axis] > 0
+
+    def adapt(self, value, shape):
+        value = np.asarray(value)
+        if not self.applies(tuple(shape), value.shape):
+            raise InvalidArgumentError(f"{self!r} cannot adapt a {format_shape(value.shape)} kernel to {format_shape(shape)}")
+        axis = self.axis % value.ndim
+        old, new = value.shape[axis], shape[axis]
+        wide = value.astype(np.float64)
+        if new == 1:
+            adapted = wide.sum(axis=axis, keepdims=True)
+        else:
+            repeats = -(-new // old)
+            adapted = np.take(np.concatenate([wide] * repeats, axis=axis), np.arange(new), axis=axis) * (old / new)
+        return adapted.astype(value.dtype)
+
+
+_ADAPTERS = {RESIZE_POSITIONS: ResizePositions, ADAPT_INPUT_CHANNELS: AdaptInputChannels}

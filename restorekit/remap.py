@@ -1,4 +1,4 @@
-"""Values of a policy restore as TF ops: slice-or-pad, casts and vocabulary remaps, eager or TF1 initializers.
+"""Values of a policy restore as TF ops: slice-or-pad, casts, shape adapters and vocabulary remaps, eager or TF1 initializers.
 
 ``scan`` decides which records need a policy (``restorekit.policies``); this module
 computes their values, in eager mode for ``restorekit.restore`` and as graph
@@ -20,6 +20,7 @@ from restorekit.policies import (  # noqa: F401  (the names remap.* offered befo
     CAST,
     SKIP,
     SLICE_OR_PAD,
+    ShapeAdapter,
     ShapePolicies,
     VocabRemap,
     check_dtype_policy,
@@ -102,6 +103,8 @@ def eager_value(policy, record, checkpoint_value, handle):
     primary = components[0] if isinstance(components, tuple) and components else handle
     if policy == CAST:
         return tf.cast(checkpoint_value, dtype)
+    if isinstance(policy, ShapeAdapter):
+        return tf.constant(policy.adapt(checkpoint_value.numpy(), shape), dtype=dtype)
     if policy == SLICE_OR_PAD:
         value, mask = _slice_or_pad(tf, checkpoint_value, record.checkpoint_shape, shape)
         # convert_to_tensor, not read_value(): a ShardedVariable reads whole only this way
@@ -164,7 +167,11 @@ def tf1_initializer(report, record) -> None:
     dtype = tf.as_dtype(record.dtype)
     with tf.compat.v1.name_scope("restorekit_remap"):
         mask = None
-        if callable(policy) and not isinstance(policy, VocabRemap):
+        if isinstance(policy, ShapeAdapter):
+            # computed in numpy, like a callable policy's value, and embedded as a constant
+            raw = policy.adapt(Checkpoint(report.checkpoint).read(record.checkpoint_name), shape)
+            value = tf.constant(raw.astype(dtype.as_numpy_dtype))
+        elif callable(policy) and not isinstance(policy, VocabRemap):
             raw = policy(Checkpoint(report.checkpoint).read(record.checkpoint_name), handle)
             raw = np.asarray(raw)
             _check_shape(raw.shape, shape, policy, record.variable_name)

@@ -17,10 +17,19 @@ import keras
 
 from restorekit._tensorflow import import_tensorflow
 from restorekit.checkpoint import Checkpoint
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
+from restorekit.distribute import is_sharded
+from restorekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteRestoreError,
+    InvalidArgumentError,
+    format_names,
+)
 from restorekit.report import RestoreReport
+from restorekit.rundir import resume_point
 from restorekit.scan import scan
 from restorekit.tf2 import restore
+from restorekit.trackables import object_graph_keys, tf_variable
 
 __all__ = ["Start", "WarmStart", "resume_or_warm_start"]
 
@@ -30,7 +39,7 @@ RESUMED = "resumed"
 WARM_STARTED = "warm_started"
 
 # What keras.callbacks.BackupAndRestore (Keras 3) writes in its backup_dir; the
-# '.bkp' copy is the previous backup, which it falls back to.
+# '.bkp' copy is the previous backup (double_checkpoint=True), its fallback.
 _BACKUP_FILES = ("latest.weights.h5", "latest.weights.h5.bkp")
 
 
@@ -61,13 +70,6 @@ class Start:
         return f"restorekit: warm-started from {self.checkpoint!r} ({matched} of {total} variables restored)"
 
 
-def _latest(directory) -> str | None:
-    tf = import_tensorflow()
-    if directory is None or not tf.io.gfile.isdir(str(directory)):
-        return None
-    return tf.train.latest_checkpoint(str(directory))
-
-
 def _step_of(step, optimizer) -> int | None:
     for counter in (step, getattr(optimizer, "iterations", None)):
         if counter is not None:
@@ -84,9 +86,16 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
 
     * ``directory`` holds a checkpoint (as ``tf.train.CheckpointManager`` writes it for
       ``tf.train.Checkpoint(model=model, optimizer=optimizer[, step=step])``): restore
-      model, optimizer and step from its latest; ``pretrained`` is not read (it may be gone).
-    * Otherwise: ``restorekit.scan(pretrained, model, **scan_options)`` and
-      ``restorekit.restore``; the optimizer stays fresh.
+      model, optimizer and step from its newest complete and readable one (see
+      ``restorekit.rundir.resume_point``: not only what the ``checkpoint`` state file
+      names; a RestoreKitWarning lists newer ones that are missing or damaged);
+      ``pretrained`` is not read (it may be gone).
+    * ``directory`` holds no checkpoint and no state file naming one: warm start,
+      ``restorekit.scan(pretrained, model, **scan_options)`` and ``restorekit.restore``;
+      the optimizer stays fresh.
+    * ``directory`` holds checkpoints but none is readable, or its state file names
+      one outside it: RunDirectoryError. Warm-starting there would let the next save
+      overwrite the run's checkpoints; restorekit never does that silently.
 
     Pass the run's ``tf.train.CheckpointManager`` as ``directory`` and the resume goes
     through its own ``tf.train.Checkpoint``: everything it tracks is restored, its
@@ -95,7 +104,10 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
 
     Call it after the model is built, inside the strategy's scope when there is one
     (``MirroredStrategy`` variables are restored on every replica). An optimizer
-    that is not built yet receives its state when it is built.
+    that is not built yet receives its state when it is built. Under
+    ``ParameterServerStrategy`` with a partitioner, ShardedVariables (which TF's own
+    restore cannot fill inside Keras 3 objects) are restored by restorekit, shard by
+    shard, every tracked variable or none (an unbuilt optimizer is built first).
 
     Args:
         directory: the run's ``tf.train.CheckpointManager`` (recommended), or its
@@ -115,7 +127,10 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: no checkpoint in ``directory``
             and ``pretrained`` cannot be read.
-        IncompleteRestoreError: ``strict`` and the warm start is incomplete.
+        RunDirectoryError: ``directory`` holds checkpoints but none is complete and
+            readable, or its state file names a checkpoint outside it.
+        IncompleteRestoreError: ``strict`` and the warm start is incomplete; or a
+            sharded resume finds no value for some tracked variable.
 
     Example:
         >>> manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=m, optimizer=o), 'run/', 3)
@@ -124,16 +139,17 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     """
     tf = import_tensorflow()
     manager = directory if isinstance(directory, tf.train.CheckpointManager) else None
-    latest = manager.latest_checkpoint if manager is not None else _latest(directory)
-    if latest is not None:
+    run = manager.directory if manager is not None else directory
+    point = resume_point(run, pretrained=pretrained) if run is not None else None
+    if point is not None:
         if manager is not None:
             checkpoint = manager.checkpoint
             step = step if step is not None else getattr(checkpoint, "step", None)
         else:
             objects = {"model": model, "optimizer": optimizer, "step": step}
             checkpoint = tf.train.Checkpoint(**{k: v for k, v in objects.items() if v is not None})
-        checkpoint.restore(latest).assert_existing_objects_matched().expect_partial()
-        start = Start(RESUMED, latest, None, _step_of(step, optimizer))
+        _resume(tf, checkpoint, point.prefix, model, optimizer)
+        start = Start(RESUMED, point.prefix, None, _step_of(step, optimizer))
     else:
         report = scan(pretrained, model, **scan_options)
         restore(report, strict=strict)
@@ -142,14 +158,92 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     return start
 
 
+def _tracked_variables(tf, root) -> list:
+    """Every variable ``root`` (a tf.train.Checkpoint) reaches through its children, its save counter included."""
+    def is_variable(obj) -> bool:  # a Keras optimizer has an 'assign' method too, so ask by type
+        return isinstance(obj, (tf.Variable, keras.Variable)) or is_sharded(obj)
+
+    found, seen = [], set()
+    for child in [root.save_counter, *tf.train.TrackableView(root).children(root).values()]:
+        for var in [child] if is_variable(child) else list(getattr(child, "variables", ())):
+            if id(var) not in seen:
+                seen.add(id(var))
+                found.append(var)
+    return found
+
+
+def _resume(tf, checkpoint, prefix: str, model, optimizer) -> None:
+    """Restore everything ``checkpoint`` tracks from ``prefix``.
+
+    TF's own restore does it, except for ShardedVariables (ParameterServerStrategy
+    with a partitioner), which TF cannot save or restore inside Keras 3 objects
+    ('ShardedVariable' object has no attribute 'device'). Those go through restorekit
+    as a warm start does, matched by the checkpoint's object graph as TF matches them,
+    and strictly: every variable is restored, or none is.
+    """
+    variables = _tracked_variables(tf, checkpoint)
+    if not any(is_sharded(tf_variable(v)) for v in variables):
+        checkpoint.restore(prefix).assert_existing_objects_matched().expect_partial()
+        return
+    if optimizer is not None and model is not None and getattr(optimizer, "built", True) is False:
+        optimizer.build(model.trainable_variables)  # its slots must exist to receive their state, as Keras does
+        variables = _tracked_variables(tf, checkpoint)
+    source = Checkpoint(prefix)
+    keys = object_graph_keys(checkpoint, source.object_graph, variables)
+    by_id = {}
+    for var in variables:
+        by_id[id(var)] = var
+        by_id.setdefault(id(tf_variable(var)), var)
+    unmatched = [getattr(v, "path", v.name) for v in variables
+                 if id(v) not in keys and id(tf_variable(v)) not in keys]
+    if unmatched:
+        raise IncompleteRestoreError(
+            f"cannot resume from {prefix!r}: its object graph holds nothing for {len(unmatched)} of the "
+            f"{len(variables)} variables being resumed: {format_names(unmatched)}. Was the model or optimizer "
+            f"changed since the run saved it?"
+        )
+    mapping = {key: by_id[i] for i, key in keys.items()}
+    restore(scan(source, mapping, skip_optimizer_slots=False, include_global_step=True), strict=True)
+
+
+def _opens(path: str) -> bool:
+    """True when h5py opens ``path``: Keras' ``load_weights`` fails with OSError exactly when it does not."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r"):
+            return True
+    except OSError:
+        return False
+
+
 def _backup(backup_dir) -> str | None:
+    """The file ``keras.callbacks.BackupAndRestore`` will resume from in ``backup_dir``, or None.
+
+    Keras 3 loads ``latest.weights.h5`` when it exists; only when that fails with an
+    OSError (a file h5py cannot open) does it copy ``latest.weights.h5.bkp`` over it
+    and load that. A ``.bkp`` without ``latest.weights.h5`` is never loaded: the run
+    trains from whatever weights the model has, so it is not a backup to resume from.
+
+    Raises:
+        CorruptCheckpointError: ``latest.weights.h5`` cannot be opened and there is no
+            ``.bkp``; Keras' BackupAndRestore would fail with an OSError.
+    """
     if backup_dir is None:
         return None
-    for name in _BACKUP_FILES:
-        path = os.path.join(os.fspath(backup_dir), name)
-        if os.path.exists(path):
-            return path
-    return None
+    latest = os.path.join(os.fspath(backup_dir), _BACKUP_FILES[0])
+    previous = os.path.join(os.fspath(backup_dir), _BACKUP_FILES[1])
+    if not os.path.exists(latest):
+        return None
+    if _opens(latest):
+        return latest
+    if os.path.exists(previous):
+        return previous
+    raise CorruptCheckpointError(
+        f"the backup {latest!r} is not a readable HDF5 file and there is no {os.path.basename(previous)!r} to fall "
+        f"back to, so keras.callbacks.BackupAndRestore cannot resume from it. Move {latest!r} aside to start "
+        f"afresh (warm-starting from the pretrained file), or restore a copy of it."
+    )
 
 
 class WarmStart(keras.callbacks.Callback):
@@ -178,9 +272,15 @@ class WarmStart(keras.callbacks.Callback):
     Attributes:
         start: the ``Start`` once training began (None before).
 
+    A backup counts exactly when Keras' ``BackupAndRestore`` resumes from it: a
+    ``latest.weights.h5`` (or, when that cannot be opened, its ``.bkp``). A lone
+    ``.bkp`` is not loaded by Keras, so the run warm-starts.
+
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: ``pretrained`` cannot be read
             and ``backup_dir`` holds no backup (checked when made and again at the start).
+        CorruptCheckpointError: ``latest.weights.h5`` cannot be opened and has no
+            ``.bkp`` (BackupAndRestore would fail on it too).
     """
 
     def __init__(self, pretrained, *, backup_dir=None, strict: bool = False, verbose: int = 1, **scan_options):
@@ -223,9 +323,8 @@ class WarmStart(keras.callbacks.Callback):
             return
         backup = _backup(self.backup_dir)
         if backup is not None:
-            self.start = Start(RESUMED, os.fspath(self.backup_dir))
-            self._say(f"restorekit: resumed from backup {os.fspath(self.backup_dir)!r}; "
-                      f"pretrained {self.pretrained!r} was not read")
+            self.start = Start(RESUMED, backup)
+            self._say(f"restorekit: resumed from backup {backup!r}; pretrained {self.pretrained!r} was not read")
             return
         self._check_pretrained()
         report = scan(self.pretrained, self.model, **self.scan_options)

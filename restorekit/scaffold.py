@@ -10,6 +10,7 @@ import logging
 
 from restorekit._tensorflow import import_tensorflow
 from restorekit.report import live_handles, nothing_matched
+from restorekit.rundir import name_in_state_file, resume_point
 from restorekit.scan import scan
 from restorekit.targets import collect, flat_variables
 from restorekit.tf1 import build_initializer, partial_saver, restore_ops
@@ -32,6 +33,11 @@ def easy_going_scaffold(
       session's ``checkpoint_dir`` here too and, when it holds a checkpoint,
       ``checkpoint`` is not even opened (it may be gone): the Scaffold is a plain one,
       ``restore_report`` is None, and one log line says "resumed from ...".
+      The checkpoint resumed from is the newest complete and readable one
+      (``restorekit.rundir.resume_point``, as for ``resume_or_warm_start``): when the
+      ``checkpoint`` state file names another (vanished, damaged) or none, it is
+      rewritten to name the one chosen, since the session restores what it names; a
+      RestoreKitWarning lists what was passed over.
     * Non-chief workers wait until the chief's variables are ready; ``ready_op``
       covers every global, local and scanned variable.
 
@@ -59,6 +65,9 @@ def easy_going_scaffold(
             and its hints, such as an ``assignment_map`` for a scope that differs).
             Not raised when resuming from ``checkpoint_dir``.
         IncompleteRestoreError: strict=True and the restore cannot be complete.
+        RunDirectoryError: ``checkpoint_dir`` holds checkpoints but none is complete
+            and readable, or its state file names a checkpoint outside it (starting
+            from scratch would overwrite the run; resuming would read another run).
 
     Example:
         >>> scaffold = restorekit.easy_going_scaffold('pretrained/', exclude=['logits'])
@@ -67,10 +76,12 @@ def easy_going_scaffold(
     tf = import_tensorflow()
 
     tf1 = tf.compat.v1
-    latest = tf.train.latest_checkpoint(str(checkpoint_dir)) if checkpoint_dir is not None else None
-    if latest is not None:
-        # The session restores everything from checkpoint_dir and runs no init op or init_fn.
-        _log.info("resumed from %r; the pretrained checkpoint %r was not read", latest, str(checkpoint))
+    point = resume_point(checkpoint_dir, pretrained=checkpoint) if checkpoint_dir is not None else None
+    if point is not None:
+        # The session restores everything from the prefix the state file names and runs
+        # no init op or init_fn; so the state file must name the one decided here.
+        name_in_state_file(point)
+        _log.info("resumed from %r; the pretrained checkpoint %r was not read", point.prefix, str(checkpoint))
         scaffold = tf1.train.Scaffold(saver=saver)
         scaffold.restore_report = None
         return scaffold

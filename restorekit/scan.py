@@ -99,11 +99,12 @@ def scan(
             variables or lists of them: ``{'old/': 'new/'}``, ``{'/': 'scope/'}``,
             ``{'emb': ['enc/emb', 'dec/emb']}``. Variables it does not cover are
             skipped. Or a callable ``variable_name -> checkpoint_name | None``.
-        include, exclude: patterns over variable names (see ``restorekit.names``:
-            a regex matched from the start and ending at a '/' boundary, so plain
-            scope prefixes work as tf-slim users expect; compiled patterns use
-            ``search``). A variable must match an include pattern (when given)
-            and no exclude pattern. A pattern that matches nothing is an error.
+        include: patterns over variable names (see ``restorekit.names``: a regex
+            matched from the start and ending at a '/' boundary, so plain scope
+            prefixes work as tf-slim users expect; compiled patterns use
+            ``search``). A variable must match an include pattern (when given).
+            A pattern that matches nothing is an error.
+        exclude: patterns as for ``include``; a variable must match none of them.
         skip_optimizer_slots: leave optimizer slots (Momentum, Adam, adam_m, ...)
             to their initializers, and do not count the checkpoint's as unused.
         include_global_step: also restore global_step.
@@ -115,7 +116,10 @@ def scan(
             matches no variable is an error. Not together with ``assignment_map``.
         shape_policy: what to do with an entry whose shape differs from its variable:
             ``'skip'`` (default; the record is ``shape_mismatched``), ``'slice_or_pad'``
-            (copy the overlapping block, initialize the rest), a callable
+            (copy the overlapping block, initialize the rest), ``'resize_positions'``
+            or ``ResizePositions(...)`` (interpolate a position-embedding table to a new
+            length or grid), ``'adapt_input_channels'`` or ``AdaptInputChannels(...)`` (a
+            first convolution for another number of input channels), a callable
             ``(checkpoint_value, variable) -> value``, or a dict ``{pattern: policy}``.
             Records restored through a policy are ``matched`` with that ``reason``.
         dtype_policy: None (default; an entry of another dtype is ``dtype_mismatched``)

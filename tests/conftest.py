@@ -2,8 +2,12 @@
 
 TF1 tests build their graphs under ``tf.Graph().as_default()``; eager stays on for the
 TF2 tests in the same process. Three logical CPUs let MirroredStrategy run here.
+
+torch is an optional extra: a case that needs it carries ``@requires_torch`` (or calls
+``import_torch()``) and is skipped, with the reason, where torch cannot be imported.
 """
 
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -25,6 +29,46 @@ from tensorflow.python.framework import ops as _ops  # noqa: E402
 _ops.Tensor = tf.Tensor
 
 tf1 = tf.compat.v1
+
+# ---------------------------------------------------------------- the optional torch extra
+
+TORCH_WHEEL = "torch==2.13.0"  # the CPU wheel CI installs (.ci/run)
+
+
+@functools.cache
+def torch_missing() -> str | None:
+    """Why torch cannot be used here (``None`` when it can), found once, by importing it.
+
+    A real import, not ``importlib.util.find_spec``: an installed torch can still fail to
+    import (a broken wheel, or CI's ``.ci/no_torch`` blocker), and then the cases skip too.
+    """
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        return f"torch cannot be imported ({exc}); it is an optional extra: pip install {TORCH_WHEEL}"
+    return None
+
+
+requires_torch = pytest.mark.torch  # registered in pyproject.toml; skipped below where torch is missing
+
+
+def import_torch():
+    """``torch``, or skip the calling test (or module) with the reason it cannot be imported."""
+    reason = torch_missing()
+    if reason:
+        pytest.skip(reason, allow_module_level=True)
+    import torch
+
+    return torch
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every ``@requires_torch`` case where torch cannot be imported (torch imported only if one is selected)."""
+    marked = [item for item in items if item.get_closest_marker("torch") is not None]
+    if marked and torch_missing():
+        skip = pytest.mark.skip(reason=torch_missing())
+        for item in marked:
+            item.add_marker(skip)
 
 
 def write_bundle(prefix, values: dict) -> str:

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from restorekit.checkpoint import Checkpoint
 from restorekit.cli import COMMANDS, main, register
-from conftest import save_variables
+from conftest import requires_torch, save_variables
 
 tf1 = tf.compat.v1
 
@@ -238,10 +238,8 @@ def test_cast_to_bfloat16_with_filter(capsys, small_checkpoint, tmp_path):
 # ------------------------------------------------------------------ convert
 
 @pytest.mark.parametrize("layout", [[], ["--layout", "torch"]], ids=["tf-layout", "torch-layout"])
-@pytest.mark.parametrize("suffix", ["safetensors", "pt"])
+@pytest.mark.parametrize("suffix", ["safetensors", pytest.param("pt", marks=requires_torch)])
 def test_convert_round_trip_then_diff_is_equal(capsys, small_checkpoint, tmp_path, suffix, layout):
-    if suffix == "pt":
-        pytest.importorskip("torch")
     prefix, _ = small_checkpoint
     out = tmp_path / f"m.{suffix}"
     code, text, err = run(capsys, "-q", "convert", prefix, out, *layout)
@@ -291,8 +289,8 @@ def test_corrupt_checkpoint_exits_3(capsys, small_checkpoint, tmp_path):
     assert _listing(tmp_path / "out") == []
 
 
+@requires_torch
 def test_unsafe_pt_exits_3_and_nothing_runs(capsys, tmp_path):
-    pytest.importorskip("torch")
     from test_export import _evil_files
 
     marker, files = _evil_files(tmp_path)

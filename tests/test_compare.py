@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import save_variables, write_bundle
+from conftest import requires_torch, save_variables, write_bundle
 from restorekit.bundle.format import DT_FLOAT, encode_slice_key
 from restorekit.bundle.protos import BundleEntry
 from restorekit.bundle.writer import BundleWriter
@@ -158,6 +158,7 @@ def test_by_must_be_key_path_or_auto(tmp_path):
 
 # ------------------------------------------------------------------ files of other formats
 
+@requires_torch
 def test_diff_across_formats_by_name_and_value(tmp_path):
     import safetensors.numpy
     import torch

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import requires_torch
 from restorekit.compare import diff_checkpoints, open_checkpoint
 from restorekit.compare.files import FileView
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, NoMatchError
@@ -35,7 +36,9 @@ def _npz(path):
 WRITERS = {"m.safetensors": _safetensors, "m.pt": _torch, "m.npz": _npz}
 
 
-@pytest.mark.parametrize("name", list(WRITERS), ids=["safetensors_save_file", "torch_save", "np_savez"])
+@pytest.mark.parametrize("name", [pytest.param("m.safetensors", id="safetensors_save_file"),
+                                  pytest.param("m.pt", id="torch_save", marks=requires_torch),
+                                  pytest.param("m.npz", id="np_savez")])
 def test_a_file_written_by_its_own_library_reads_as_a_checkpoint(tmp_path, name):
     WRITERS[name](tmp_path / name)
     ckpt = open_checkpoint(tmp_path / name)
@@ -65,9 +68,10 @@ def tf2_checkpoint(tmp_path_factory):
     return tf.train.Checkpoint(root=root).write(str(tmp_path_factory.mktemp("tf2") / "ckpt"))
 
 
-@pytest.mark.parametrize("out,layout", [("c.safetensors", None), ("c.pt", None), ("c.npz", None),
-                                        ("t.safetensors", "torch")],
-                         ids=["safetensors", "torch", "npz", "safetensors_layout_torch"])
+@pytest.mark.parametrize("out,layout", [pytest.param("c.safetensors", None, id="safetensors"),
+                                        pytest.param("c.pt", None, id="torch", marks=requires_torch),
+                                        pytest.param("c.npz", None, id="npz"),
+                                        pytest.param("t.safetensors", "torch", id="safetensors_layout_torch")])
 def test_a_conversion_reads_back_as_its_tf_checkpoint_and_diffs_equal(tmp_path, tf2_checkpoint, out, layout):
     convert(tf2_checkpoint, tmp_path / out, layout=layout)
     view = open_checkpoint(tmp_path / out)
@@ -112,6 +116,7 @@ def test_a_truncated_safetensors_file_is_refused(tmp_path):
         open_checkpoint(tmp_path / "cut.safetensors")
 
 
+@requires_torch
 def test_a_zip_that_is_not_a_torch_file_is_refused(tmp_path):
     with zipfile.ZipFile(tmp_path / "m.pt", "w") as archive:
         archive.writestr("notes.txt", "not weights")
@@ -134,6 +139,7 @@ def _flip_in_member(path, member_suffix, at=2):
     open(path, "wb").write(bytes(data))
 
 
+@requires_torch
 def test_verify_reports_a_torch_record_failing_its_zip_crc(tmp_path):
     _torch(tmp_path / "m.pt")
     _flip_in_member(tmp_path / "m.pt", "data/0")

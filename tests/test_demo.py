@@ -12,8 +12,8 @@ import tensorflow as tf
 
 import restorekit
 from restorekit.cli import main as cli_main
-from restorekit.demo import ARMS, load_tasks, main, run_demo
-from restorekit.errors import InvalidArgumentError
+from restorekit.demo import ARMS, load_tasks, plot_learning_curves, run_demo
+from restorekit.errors import InvalidArgumentError, MissingDependencyError
 
 BACKBONE = ("backbone/conv1/weights", "backbone/conv1/biases", "backbone/conv2/weights", "backbone/conv2/biases")
 HEAD = ("head/logits/weights", "head/logits/biases")
@@ -194,17 +194,11 @@ def test_cold_backbone_starts_fresh(demo):
     assert not np.array_equal(result.cold[0].initial["backbone/conv1/weights"], result.cold[1].initial["backbone/conv1/weights"])
 
 
-def test_main_runs_in_process(tmp_path, capsys):
-    assert main(["--seeds", "2", "--steps", "1", "--shots", "1", "--out", str(tmp_path / "out")]) == 0
-    out = capsys.readouterr().out
-    assert "restorekit: " in out and "warm is ahead of cold in" in out and "how the counts add up:" in out
-    assert (tmp_path / "out" / "learning_curve.png").is_file()
-
-
 def test_cli_demo_passes_its_options_through(tmp_path, capsys):
     assert cli_main(["demo", "--seeds", "2", "--steps", "1", "--shots", "1", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "after 1 steps (2 seeds;" in out and "5 training images (1 per class)" in out
+    assert "restorekit: " in out and "warm is ahead of cold in" in out and "how the counts add up:" in out
     assert (tmp_path / "out" / "learning_curve.png").is_file()
 
 
@@ -231,10 +225,65 @@ def test_cli_demo_help_as_a_subprocess():
     ],
     ids=["one seed gives no spread", "zero steps", "more shots than the pool holds"],
 )
-def test_main_refuses_a_bad_budget_and_writes_nothing(tmp_path, capsys, argv, message):
-    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
-    assert message in capsys.readouterr().err
+def test_cli_demo_refuses_a_bad_budget_and_writes_nothing(tmp_path, capsys, argv, message):
+    assert cli_main(["demo", *argv, "--out", str(tmp_path / "out")]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith(f"restorekit: error: {message}") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def _unimportable(monkeypatch, *modules):
+    """Make ``modules`` (and their loaded submodules) fail to import, as if not installed."""
+    for name in list(sys.modules):
+        if name.split(".")[0] in modules:
+            monkeypatch.delitem(sys.modules, name)
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize(
+    "modules, names",
+    [
+        (["sklearn"], "scikit-learn, which is"),
+        (["matplotlib"], "matplotlib, which is"),
+        (["sklearn", "matplotlib"], "scikit-learn and matplotlib, which are"),
+    ],
+    ids=["without scikit-learn", "without matplotlib", "without either"],
+)
+def test_cli_demo_without_the_demo_extra_prints_one_error_line_and_exits_3(tmp_path, capsys, monkeypatch,
+                                                                           modules, names):
+    _unimportable(monkeypatch, *modules)
+    assert cli_main(["demo", "--seeds", "2", "--steps", "1", "--out", str(tmp_path / "out")]) == 3
+    out, err = capsys.readouterr()
+    assert err == f"restorekit: error: the demo needs {names} not installed: pip install 'restorekit[demo]'\n"
+    assert out == ""
+    assert not (tmp_path / "out").exists()  # refused before pretraining, not after it
+
+
+def test_cli_demo_without_tensorflow_either_names_the_tf_extra_too(tmp_path, capsys, monkeypatch):
+    _unimportable(monkeypatch, "sklearn", "tensorflow")
+    assert cli_main(["demo", "--out", str(tmp_path / "out")]) == 3
+    assert capsys.readouterr().err == (
+        "restorekit: error: the demo needs TensorFlow and scikit-learn, which are not installed: "
+        "pip install 'restorekit[tf,demo]'\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_demo_functions_name_the_extra_they_need(tmp_path, monkeypatch):
+    _unimportable(monkeypatch, "sklearn", "matplotlib")
+    with pytest.raises(MissingDependencyError, match=r"scikit-learn, which is not installed: pip install 'restorekit\[demo\]'"):
+        load_tasks()
+    with pytest.raises(MissingDependencyError, match=r"matplotlib, which is not installed: pip install 'restorekit\[demo\]'"):
+        plot_learning_curves({}, tmp_path / "curve.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_python_m_restorekit_demo_is_the_cli_command():
+    done = subprocess.run([sys.executable, "-m", "restorekit.demo", "--seeds", "1"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 3
+    assert done.stderr == "restorekit: error: seeds must be an int of at least 2, got 1\n"
 
 
 def test_cli_demo_refuses_an_unknown_option(capsys):

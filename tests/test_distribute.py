@@ -250,6 +250,20 @@ def test_keras_model_with_a_new_head_restores_the_body_only(ps):
     assert new_head["body_equal"] and new_head["head_untouched"]
 
 
+def test_resume_or_warm_start_resumes_sharded_keras_variables_which_tf_cannot_restore(ps):
+    resume = ps["resume"]
+    assert resume["how"] == "resumed" and resume["checkpoint"] == "ckpt-1" and resume["sharded"] == 4
+    assert resume["step"] == 5 and resume["step_variable"] == 5 and resume["iterations"] == 1
+    assert resume["save_counter"] == 1  # the manager's next save is ckpt-2
+    assert resume["model_equal"] == [True] * 4
+    assert len(resume["optimizer_equal"]) == 10 and all(resume["optimizer_equal"])  # Adam built, then restored
+
+
+def test_a_sharded_resume_into_a_changed_model_is_refused_before_any_assign(ps):
+    assert ps["resume"]["changed_model"] == "IncompleteRestoreError"
+    assert ps["resume"]["changed_model_untouched"]
+
+
 # ====================================================================== MultiWorkerMirroredStrategy (2 worker processes)
 
 def run_workers(pretrained: str, train_dir: str) -> list[dict]:
@@ -393,6 +407,7 @@ def ps_main(out: str) -> dict:
 
     rng = np.random.RandomState(0)
     src = write_sources(tf, keras, out, rng)
+    run = write_run(tf, keras, os.path.join(out, "run"), rng)
     values = src["values"]
     partitioner = SwitchablePartitioner(tf, 3)
     strategy, _servers = ps_cluster(tf, partitioner)
@@ -429,7 +444,50 @@ def ps_main(out: str) -> dict:
                            "shards": shard_shapes(grown.emb), "report": str(report)}
 
     result["keras"] = keras_case(tf, keras, restorekit, strategy, src)
+    result["resume"] = resume_case(tf, keras, restorekit, strategy, src, run)
     return result
+
+
+def write_run(tf, keras, run: str, rng) -> dict:
+    """A run's checkpoint (Keras model, Adam after one step, step=5) by CheckpointManager, before the cluster exists."""
+    model, optimizer, step = keras_net(keras), keras.optimizers.Adam(0.1), tf.Variable(5, dtype=tf.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(rng.randn(8, 4).astype(np.float32)) ** 2)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer, step=step), run, 3).save()
+    return {"dir": run, "model": [v.numpy() for v in model.variables],
+            "optimizer": [v.numpy() for v in optimizer.variables]}
+
+
+def resume_case(tf, keras, restorekit, strategy, src, run) -> dict:
+    """resume_or_warm_start under the strategy: Keras variables are ShardedVariables, which TF cannot restore."""
+    with strategy.scope():  # as documented: inside the scope, where the unbuilt optimizer can be built
+        model, optimizer, step = keras_net(keras), keras.optimizers.Adam(0.1), tf.Variable(0, dtype=tf.int64)
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer, step=step),
+                                             run["dir"], 3)
+        start = restorekit.resume_or_warm_start(manager, src["keras"], model=model, optimizer=optimizer, step=step)
+
+    def now(v):
+        return np.asarray(tf.convert_to_tensor(v.value))
+
+    out = {
+        "how": start.how, "checkpoint": os.path.basename(start.checkpoint), "step": start.step,
+        "step_variable": int(step.numpy()), "iterations": int(optimizer.iterations.numpy()),
+        "save_counter": int(manager.checkpoint.save_counter.numpy()),
+        "model_equal": [bool(np.array_equal(now(v), w)) for v, w in zip(model.variables, run["model"])],
+        "optimizer_equal": [bool(np.array_equal(now(v), w)) for v, w in zip(optimizer.variables, run["optimizer"])],
+        "sharded": sum(1 for v in model.variables if restorekit.distribute.is_sharded(v.value)),
+    }
+    with strategy.scope():
+        other, other_optimizer = keras_net(keras, head=5), keras.optimizers.Adam(0.1)
+        before = [now(v) for v in other.variables]
+        try:
+            restorekit.resume_or_warm_start(run["dir"], src["keras"], model=other, optimizer=other_optimizer)
+            out["changed_model"] = "no error"
+        except restorekit.RestoreKitError as e:
+            out["changed_model"] = type(e).__name__
+    out["changed_model_untouched"] = all(np.array_equal(now(v), b) for v, b in zip(other.variables, before))
+    return out
 
 
 def keras_case(tf, keras, restorekit, strategy, src) -> dict:

@@ -17,7 +17,7 @@ from restorekit.bundle.writer import BundleWriter
 from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
 from restorekit.edit import CheckpointEditor
 from restorekit.edit.source import Source
-from conftest import write_bundle
+from conftest import requires_torch, write_bundle
 from restorekit.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -373,11 +373,10 @@ def test_tf2_rename_out_of_the_object_layout_converts_with_a_warning(tf2_checkpo
 # ------------------------------------------------------------------ other formats
 
 
-@pytest.mark.parametrize("fmt, suffix", [("safetensors", ".safetensors"), ("npz", ".npz"), ("torch", ".pt")],
+@pytest.mark.parametrize("fmt, suffix", [("safetensors", ".safetensors"), ("npz", ".npz"),
+                                         pytest.param("torch", ".pt", marks=requires_torch)],
                          ids=["safetensors", "npz", "torch"])
 def test_save_to_other_formats(small_checkpoint, tmp_path, fmt, suffix):
-    if fmt == "torch":
-        pytest.importorskip("torch")  # the optional extra; CI installs it
     prefix, values = small_checkpoint
     ed = CheckpointEditor(prefix)
     ed.rename("dense/kernel", "encoder/kernel")
@@ -832,10 +831,8 @@ def test_add_of_an_object_array_that_is_not_strings_fails_at_the_call(small_chec
     assert ed.list() == before
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("torch", marks=requires_torch)])
 def test_strip_and_rename_then_export_copies_raw_bytes_without_decoding(small_checkpoint, tmp_path, monkeypatch, fmt):
-    if fmt == "torch":
-        pytest.importorskip("torch")
     from restorekit.export import import_checkpoint
 
     prefix, values = small_checkpoint

@@ -24,9 +24,9 @@ from restorekit.errors import (
 from restorekit.export import convert, export_checkpoint, import_checkpoint, safetensors as st_format
 from restorekit.export import npz as npz_format
 from restorekit.export.layout import guess_tf_names
-from conftest import write_bundle
+from conftest import requires_torch, write_bundle
 
-FORMATS = ["safetensors", "torch"]
+FORMATS = ["safetensors", pytest.param("torch", marks=requires_torch)]
 LAYOUTS = [None, "torch"]
 
 
@@ -85,11 +85,6 @@ def assert_same_checkpoint(a, b):
             assert x.tobytes() == y.tobytes(), name
 
 
-def _need(fmt):
-    if fmt == "torch":
-        pytest.importorskip("torch")
-
-
 def _listing(directory):
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
@@ -99,7 +94,6 @@ def _listing(directory):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["tf-layout", "torch-layout"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_through_file_is_bit_exact(rich_checkpoint, tmp_path, fmt, layout):
-    _need(fmt)
     out = tmp_path / f"model.{'pt' if fmt == 'torch' else fmt}"
     result = export_checkpoint(rich_checkpoint, out, layout=layout)
     assert result.format == fmt and result.strings == ("vocab",)
@@ -112,7 +106,6 @@ def test_round_trip_through_file_is_bit_exact(rich_checkpoint, tmp_path, fmt, la
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_streaming_write_api_round_trip(rich_checkpoint, tmp_path, fmt, layout):
     """write(path, iterator) (what CheckpointEditor.save uses) round-trips like the fast path."""
-    _need(fmt)
     from restorekit.export import torch as torch_format
 
     ckpt = Checkpoint(rich_checkpoint)
@@ -163,7 +156,6 @@ def test_tf_checkpoint_to_tf_copies_exactly(rich_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_file_to_file_conversion_keeps_tf_names(rich_checkpoint, tmp_path, fmt):
-    _need(fmt)
     first = tmp_path / "a.safetensors"
     export_checkpoint(rich_checkpoint, first, layout="torch")
     second = tmp_path / ("b.pt" if fmt == "torch" else "b.safetensors")
@@ -208,8 +200,10 @@ def test_safetensors_file_loads_with_the_safetensors_library(tmp_path):
     assert loaded["nan"].tobytes() == values["nan"].tobytes()
 
 
+@requires_torch
 def test_safetensors_file_loads_with_safetensors_torch(rich_checkpoint, tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     from safetensors.torch import load_file
 
     export_checkpoint(rich_checkpoint, tmp_path / "m.safetensors", layout="torch")
@@ -226,8 +220,10 @@ def test_safetensors_file_loads_with_safetensors_torch(rich_checkpoint, tmp_path
     np.testing.assert_allclose(lin(torch.from_numpy(x)).detach().numpy(), expected, rtol=1e-6)
 
 
+@requires_torch
 def test_torch_state_dict_loads_into_modules(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     rng = np.random.RandomState(3)
     values = {
         "bn/gamma": rng.rand(4).astype(np.float32),
@@ -379,8 +375,8 @@ def _evil_files(tmp_path):
     return marker, files + [zipped]
 
 
+@requires_torch
 def test_unsafe_pickle_is_refused_and_nothing_runs(tmp_path):
-    pytest.importorskip("torch")
     marker, files = _evil_files(tmp_path)
     assert len(files) == 2
     for path in files:
@@ -661,7 +657,6 @@ def test_export_of_a_remote_checkpoint_reads_its_shards_through_gfile(rich_check
     import uuid
 
     tf = pytest.importorskip("tensorflow")
-    _need(fmt)
     from restorekit.edit import CheckpointEditor
 
     remote = CheckpointEditor(rich_checkpoint).save(f"ram://restorekit-export-{uuid.uuid4().hex[:8]}/model.ckpt")
@@ -673,8 +668,8 @@ def test_export_of_a_remote_checkpoint_reads_its_shards_through_gfile(rich_check
     assert tf.io.gfile.exists(remote + ".index")
 
 
+@requires_torch
 def test_a_text_file_named_pt_gets_a_readable_error(tmp_path):
-    pytest.importorskip("torch")
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"junk\n")
     with pytest.raises(CorruptCheckpointError) as caught:

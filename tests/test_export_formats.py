@@ -11,7 +11,7 @@ from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError
 from restorekit.export import ExportResult, convert, export_checkpoint, formats, import_checkpoint
 from restorekit.export.base import checkpoint_files
-from conftest import write_bundle
+from conftest import requires_torch, write_bundle
 
 VERBS = {
     "write": ["path", "tensors", "layout", "metadata", "graph", "progress"],
@@ -34,12 +34,11 @@ def test_every_format_module_offers_the_same_verbs_with_the_same_arguments():
 
 @pytest.mark.parametrize(
     "fmt, argument, value",
-    [("npz", "layout", "torch"), ("npz", "metadata", {"a": "b"}), ("torch", "metadata", {"a": "b"})],
+    [("npz", "layout", "torch"), ("npz", "metadata", {"a": "b"}), pytest.param("torch", "metadata", {"a": "b"},
+                                                                                marks=requires_torch)],
     ids=["npz-refuses-a-layout", "npz-refuses-metadata", "torch-refuses-metadata"],
 )
 def test_a_format_refuses_an_argument_it_cannot_honour_and_writes_nothing(tmp_path, fmt, argument, value):
-    if fmt == "torch":
-        pytest.importorskip("torch")
     module = formats.module(fmt)
     prefix = write_bundle(tmp_path / "src" / "m", {"a": np.ones(2, np.float32)})
     out = tmp_path / "out" / "m.file"
@@ -98,8 +97,8 @@ def test_a_new_format_module_is_used_by_export_convert_and_the_editor(tmp_path, 
                      ("write_checkpoint", {"c": "a", "b": "b"}), ("write", ["c", "b"])]
 
 
+@requires_torch
 def test_convert_applies_a_layout_to_the_side_that_has_one(tmp_path):
-    pytest.importorskip("torch")
     prefix = write_bundle(tmp_path / "src" / "m", {"dense/kernel": np.arange(6, dtype=np.float32).reshape(2, 3)})
     export_checkpoint(prefix, tmp_path / "m.pt", layout="torch")
     convert(tmp_path / "m.pt", tmp_path / "m.npz", layout="torch")  # read in torch layout, npz keeps TF's

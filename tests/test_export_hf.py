@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import transformers  # in the [test] extra: a missing one is a broken setup, not a skip
 
-from conftest import save_variables
+from conftest import requires_torch, save_variables
 from restorekit.checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
@@ -16,7 +16,6 @@ from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreK
 from restorekit.export import convert, export_checkpoint, import_checkpoint
 from restorekit.export.hf import RULE_SETS, RuleSet, Rule, rule_set
 
-torch = pytest.importorskip("torch")  # an optional extra; transformers' models need it
 
 VOCAB, HIDDEN, LAYERS, INNER, POSITIONS = 30, 16, 2, 32, 12
 
@@ -128,6 +127,7 @@ def bert_tf_value(values, hf_name):
     return values[tf_name]
 
 
+@requires_torch  # transformers' PyTorch models
 def test_bert_tf_checkpoint_loads_into_bert_for_pretraining_with_nothing_missing(bert_ckpt, tmp_path):
     prefix, values = bert_ckpt
     out = tmp_path / "hf"
@@ -152,6 +152,7 @@ def test_bert_tf_checkpoint_loads_into_bert_for_pretraining_with_nothing_missing
         np.testing.assert_array_equal(tensor.numpy(), bert_tf_value(values, name), err_msg=name)
 
 
+@requires_torch  # transformers' PyTorch models
 def test_bert_without_head_loads_into_bert_model_with_nothing_missing_or_unexpected(tmp_path):
     values = bert_values(head=False, optimizer=False, seed=1)
     prefix = save_variables(tmp_path / "ckpt" / "model.ckpt", values)
@@ -162,6 +163,7 @@ def test_bert_without_head_loads_into_bert_model_with_nothing_missing_or_unexpec
         np.testing.assert_array_equal(tensor.numpy(), bert_tf_value(values, name), err_msg=name)
 
 
+@requires_torch  # transformers' PyTorch models
 def test_a_fine_tuned_classifier_head_becomes_bert_for_sequence_classification(tmp_path):
     values = bert_values(head=False, optimizer=False, seed=2)
     values["output_weights"] = np.arange(3 * HIDDEN, dtype=np.float32).reshape(3, HIDDEN)
@@ -181,6 +183,7 @@ def test_optimizer_state_without_weights_only_is_refused_and_nothing_is_written(
     assert not (tmp_path / "hf").exists() or os.listdir(tmp_path / "hf") == []
 
 
+@requires_torch  # transformers' PyTorch models
 def test_bert_round_trip_through_hugging_face_restores_every_tf_value(bert_ckpt, tmp_path):
     prefix, values = bert_ckpt
     convert(prefix, tmp_path / "hf" / "model.safetensors", rules="bert-tf-to-hf", weights_only=True,
@@ -199,6 +202,7 @@ def test_bert_round_trip_through_hugging_face_restores_every_tf_value(bert_ckpt,
     assert all(n.startswith("cls.predictions.decoder") for n in result.dropped)
 
 
+@requires_torch  # transformers' PyTorch models
 def test_gpt2_tf_checkpoint_loads_into_gpt2_lm_head_model_and_gpt2_model(gpt2_ckpt, tmp_path):
     prefix, values = gpt2_ckpt
     convert(prefix, tmp_path / "hf" / "model.safetensors", rules="gpt2-tf-to-hf", config={"n_head": 2})
@@ -221,7 +225,10 @@ def gpt2_tf_value(values, hf_name):
     return value[0] if value.ndim == 3 else value  # Conv1D keeps [in, out]: squeezed, not transposed
 
 
+@requires_torch  # transformers' PyTorch models
 def test_gpt2_forward_pass_matches_a_numpy_gpt2_on_the_tf_values(gpt2_ckpt, tmp_path):
+    import torch
+
     prefix, values = gpt2_ckpt
     convert(prefix, tmp_path / "hf" / "model.safetensors", rules="gpt2-tf-to-hf", config={"n_head": 2})
     model = load(transformers.GPT2LMHeadModel, tmp_path / "hf").eval()
@@ -265,6 +272,7 @@ def numpy_gpt2(v, tokens, heads):
     return x @ v["model/wte"].T
 
 
+@requires_torch  # transformers' PyTorch models
 def test_gpt2_round_trip_through_save_pretrained_restores_every_tf_value(gpt2_ckpt, tmp_path):
     prefix, values = gpt2_ckpt
     convert(prefix, tmp_path / "hf" / "model.safetensors", rules="gpt2-tf-to-hf", config={"n_head": 2})
@@ -286,6 +294,7 @@ def test_gpt2_round_trip_through_save_pretrained_restores_every_tf_value(gpt2_ck
     assert set(Checkpoint(str(tmp_path / "back2" / "model.ckpt")).entries) == set(values)
 
 
+@requires_torch  # transformers' PyTorch models
 def test_heads_default_to_64_wide_and_a_warning_says_so(tmp_path):
     hidden = 128
     rng = np.random.RandomState(0)
@@ -315,6 +324,7 @@ def test_a_hidden_size_that_is_not_64_wide_heads_needs_heads_given(gpt2_ckpt, tm
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+@requires_torch  # transformers' PyTorch models
 def test_cli_convert_with_rules_weights_only_and_config(bert_ckpt, tmp_path, capsys):
     prefix, values = bert_ckpt
     out = tmp_path / "hf" / "model.safetensors"
@@ -334,6 +344,7 @@ def test_cli_refuses_an_unknown_rule_set(bert_ckpt, tmp_path, capsys):
     assert not (tmp_path / "m.safetensors").exists()
 
 
+@requires_torch  # transformers' PyTorch models
 def test_editor_rename_all_takes_a_rule_set_with_its_transforms(gpt2_ckpt, tmp_path):
     prefix, values = gpt2_ckpt
     ed = CheckpointEditor(prefix)
@@ -404,6 +415,7 @@ def test_an_existing_config_json_is_refused_without_overwrite_and_nothing_is_wri
     assert (tmp_path / "hf" / "config.json").read_text() == "{}"
 
 
+@requires_torch  # transformers' PyTorch models
 @pytest.mark.parametrize("shard", [None, 1500], ids=["one file", "shards"])
 def test_config_json_is_published_with_the_weights_replacing_an_old_output(gpt2_ckpt, tmp_path, shard):
     prefix, _ = gpt2_ckpt

@@ -5,9 +5,10 @@ it, loads the file into a hand-built ``torch.nn`` twin with ``load_state_dict(st
 and compares outputs on one input (float32, atol 1e-5); then imports the file back and
 restores it with ``tf.train.Checkpoint``. Everything goes through the public API
 (``restorekit.convert``, ``export_checkpoint``, ``import_checkpoint``, ``CheckpointEditor.save``).
+The twins live in tests/torch_twins.py: the cases that run them are marked ``requires_torch``;
+the names, the refusals and the imports back run without torch.
 """
 
-import math
 import warnings
 
 import keras
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import requires_torch
 import restorekit
 from restorekit.checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
@@ -23,15 +25,12 @@ from restorekit.export import export_checkpoint, import_checkpoint
 from restorekit.export import safetensors as st_format
 from restorekit.export.layouts import LayoutRecord, torch_view
 
-torch = pytest.importorskip("torch")
-nn = torch.nn
 L = keras.layers
 
 
-def stored(path):
-    if str(path).endswith(".pt"):
-        return {k: v for k, v in torch.load(path, weights_only=True).items()}
-    return {k: torch.from_numpy(np.array(v)) for k, v in st_format.read(path)}
+def arrays(path):
+    """The tensors of an exported ``.safetensors`` file, as numpy arrays."""
+    return dict(st_format.read(path))
 
 
 class Wrap(keras.Model):
@@ -48,94 +47,31 @@ class Wrap(keras.Model):
         return self.layer(x, training=training)
 
 
-class Twin(nn.Module):
-    def __init__(self, layer, forward):
-        super().__init__()
-        self.layer = layer
-        self._forward = forward
-
-    def forward(self, x):
-        return self._forward(self.layer, x)
-
-
-class Attention(nn.Module):
-    """The MultiHeadAttention twin documented in restorekit.export.layouts."""
-
-    def __init__(self, dim, heads, head_dim):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.query, self.key, self.value = (nn.Linear(dim, heads * head_dim) for _ in range(3))
-        self.attention_output = nn.Linear(heads * head_dim, dim)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.query, self.key, self.value))
-        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(self.head_dim), dim=-1)
-        return self.attention_output((weights @ v).transpose(1, 2).reshape(b, t, -1))
-
-
-class Separable(nn.Module):
-    def __init__(self, c_in, mult, c_out, k):
-        super().__init__()
-        self.depthwise = nn.Conv2d(c_in, c_in * mult, k, groups=c_in, bias=False)
-        self.pointwise = nn.Conv2d(c_in * mult, c_out, 1)
-
-    def forward(self, x):
-        return self.pointwise(self.depthwise(x))
-
-
-def channels_first(f):
-    """Run a channels-first torch module on a channels-last array, and back."""
-    def run(module, x):
-        dims = x.dim()
-        y = module(x.permute(0, dims - 1, *range(1, dims - 1)))
-        return y.permute(0, *range(2, dims), 1)
-    return run
-
-
-def plain(module, x):
-    return module(x)
-
-
-def rnn(module, x):
-    return module(x)[0]
-
-
 def rand(*shape):
     return lambda rng: rng.standard_normal(shape).astype(np.float32)
 
 
-# name: (Keras layer, input, torch module, forward)
+# name: (Keras layer, input); each one's torch.nn twin is torch_twins.TWINS[name]
 CASES = {
-    "dense": (lambda: L.Dense(4), rand(2, 3), lambda: nn.Linear(3, 4), plain),
-    "conv1d": (lambda: L.Conv1D(4, 3), rand(2, 7, 3), lambda: nn.Conv1d(3, 4, 3), channels_first(plain)),
-    "conv2d": (lambda: L.Conv2D(4, 3), rand(2, 6, 6, 3), lambda: nn.Conv2d(3, 4, 3), channels_first(plain)),
-    "conv3d": (lambda: L.Conv3D(2, 2), rand(2, 4, 4, 4, 3), lambda: nn.Conv3d(3, 2, 2), channels_first(plain)),
-    "conv1d_transpose": (lambda: L.Conv1DTranspose(4, 3, strides=2), rand(2, 5, 3),
-                         lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), channels_first(plain)),
-    "conv2d_transpose": (lambda: L.Conv2DTranspose(4, 3, strides=2), rand(2, 4, 4, 3),
-                         lambda: nn.ConvTranspose2d(3, 4, 3, stride=2), channels_first(plain)),
-    "depthwise_conv2d": (lambda: L.DepthwiseConv2D(3, depth_multiplier=2), rand(2, 6, 6, 3),
-                         lambda: nn.Conv2d(3, 6, 3, groups=3), channels_first(plain)),
-    "depthwise_conv2d_mult1": (lambda: L.DepthwiseConv2D(3), rand(2, 6, 6, 3),
-                               lambda: nn.Conv2d(3, 3, 3, groups=3), channels_first(plain)),
-    "separable_conv2d": (lambda: L.SeparableConv2D(5, 3, depth_multiplier=2), rand(2, 6, 6, 3),
-                         lambda: Separable(3, 2, 5, 3), channels_first(plain)),
-    "batch_norm": (lambda: L.BatchNormalization(), rand(4, 5), lambda: nn.BatchNorm1d(5, eps=1e-3), plain),
-    "batch_norm_2d": (lambda: L.BatchNormalization(), rand(2, 4, 4, 3), lambda: nn.BatchNorm2d(3, eps=1e-3),
-                      channels_first(plain)),
-    "layer_norm": (lambda: L.LayerNormalization(), rand(2, 5), lambda: nn.LayerNorm(5, eps=1e-3), plain),
-    "group_norm": (lambda: L.GroupNormalization(2), rand(2, 4, 4, 6), lambda: nn.GroupNorm(2, 6, eps=1e-3),
-                   channels_first(plain)),
-    "embedding": (lambda: L.Embedding(10, 4), lambda rng: rng.integers(0, 10, (2, 5)).astype(np.int32),
-                  lambda: nn.Embedding(10, 4), lambda m, x: m(x.long())),
-    "einsum_dense": (lambda: L.EinsumDense("ab,bcd->acd", output_shape=(2, 3), bias_axes="cd"), rand(2, 4),
-                     lambda: nn.Linear(4, 6), lambda m, x: m(x).view(-1, 2, 3)),
-    "multi_head_attention": (lambda: L.MultiHeadAttention(2, 3), rand(2, 5, 6), lambda: Attention(6, 2, 3), plain),
-    "lstm": (lambda: L.LSTM(5, return_sequences=True), rand(2, 4, 3), lambda: nn.LSTM(3, 5, batch_first=True), rnn),
-    "gru": (lambda: L.GRU(4, return_sequences=True), rand(2, 4, 3), lambda: nn.GRU(3, 4, batch_first=True), rnn),
-    "simple_rnn": (lambda: L.SimpleRNN(4, return_sequences=True), rand(2, 4, 3),
-                   lambda: nn.RNN(3, 4, batch_first=True), rnn),
+    "dense": (lambda: L.Dense(4), rand(2, 3)),
+    "conv1d": (lambda: L.Conv1D(4, 3), rand(2, 7, 3)),
+    "conv2d": (lambda: L.Conv2D(4, 3), rand(2, 6, 6, 3)),
+    "conv3d": (lambda: L.Conv3D(2, 2), rand(2, 4, 4, 4, 3)),
+    "conv1d_transpose": (lambda: L.Conv1DTranspose(4, 3, strides=2), rand(2, 5, 3)),
+    "conv2d_transpose": (lambda: L.Conv2DTranspose(4, 3, strides=2), rand(2, 4, 4, 3)),
+    "depthwise_conv2d": (lambda: L.DepthwiseConv2D(3, depth_multiplier=2), rand(2, 6, 6, 3)),
+    "depthwise_conv2d_mult1": (lambda: L.DepthwiseConv2D(3), rand(2, 6, 6, 3)),
+    "separable_conv2d": (lambda: L.SeparableConv2D(5, 3, depth_multiplier=2), rand(2, 6, 6, 3)),
+    "batch_norm": (lambda: L.BatchNormalization(), rand(4, 5)),
+    "batch_norm_2d": (lambda: L.BatchNormalization(), rand(2, 4, 4, 3)),
+    "layer_norm": (lambda: L.LayerNormalization(), rand(2, 5)),
+    "group_norm": (lambda: L.GroupNormalization(2), rand(2, 4, 4, 6)),
+    "embedding": (lambda: L.Embedding(10, 4), lambda rng: rng.integers(0, 10, (2, 5)).astype(np.int32)),
+    "einsum_dense": (lambda: L.EinsumDense("ab,bcd->acd", output_shape=(2, 3), bias_axes="cd"), rand(2, 4)),
+    "multi_head_attention": (lambda: L.MultiHeadAttention(2, 3), rand(2, 5, 6)),
+    "lstm": (lambda: L.LSTM(5, return_sequences=True), rand(2, 4, 3)),
+    "gru": (lambda: L.GRU(4, return_sequences=True), rand(2, 4, 3)),
+    "simple_rnn": (lambda: L.SimpleRNN(4, return_sequences=True), rand(2, 4, 3)),
 }
 
 
@@ -151,7 +87,7 @@ def train(model, x, steps=3):
 
 def build(name, seed=0):
     keras.utils.set_random_seed(seed)
-    layer, make_input, _, _ = CASES[name]
+    layer, make_input = CASES[name]
     model = Wrap(layer(), self_attention=name == "multi_head_attention")
     x = make_input(np.random.default_rng(seed))
     model(x)
@@ -174,15 +110,12 @@ def trained(tmp_path_factory):
     return get
 
 
-def torch_twin(name, state):
-    _, _, make_module, forward = CASES[name]
-    twin = Twin(make_module(), forward)
-    twin.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}, strict=True)
-    return twin.eval()
-
-
+@requires_torch
 @pytest.mark.parametrize("name", list(CASES))
 def test_torch_twin_loads_strictly_and_computes_what_keras_computes(trained, tmp_path, name):
+    import torch
+    from torch_twins import stored, torch_twin
+
     prefix, model, x = trained(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RestoreKitWarning)  # every tensor of these layers is mapped
@@ -194,7 +127,7 @@ def test_torch_twin_loads_strictly_and_computes_what_keras_computes(trained, tmp
     np.testing.assert_allclose(out, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("pt", marks=requires_torch)])
 @pytest.mark.parametrize("name", list(CASES))
 def test_import_back_restores_with_tf_train_checkpoint(trained, tmp_path, name, fmt):
     prefix, model, x = trained(name)
@@ -252,20 +185,6 @@ def slim_net(training):
     return build
 
 
-class SlimTwin(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
-        self.conv1.BatchNorm = nn.BatchNorm2d(4, eps=1e-3)
-        self.dw = nn.Conv2d(4, 8, 3, padding=1, groups=4)
-        self.sep = Separable(8, 1, 5, 3)
-        self.sep.depthwise.padding = (1, 1)
-
-    def forward(self, x):
-        x = torch.relu(self.conv1.BatchNorm(self.conv1(x)))
-        return torch.relu(self.sep(torch.relu(self.dw(x))))
-
-
 @pytest.fixture(scope="module")
 def slim_checkpoint(tmp_path_factory):
     feed = np.random.default_rng(0).standard_normal((2, 6, 6, 3)).astype(np.float32)
@@ -273,7 +192,11 @@ def slim_checkpoint(tmp_path_factory):
     return prefix, feed
 
 
+@requires_torch
 def test_slim_conv_batch_norm_without_gamma_depthwise_and_separable_in_torch(slim_checkpoint, tmp_path):
+    import torch
+    from torch_twins import SlimTwin, stored
+
     prefix, feed = slim_checkpoint
     ckpt = Checkpoint(prefix)
     assert "conv1/BatchNorm/gamma" not in ckpt.entries and ckpt.read("conv1/BatchNorm/moving_mean").any()
@@ -319,12 +242,16 @@ def tf1_lstm(units=5, forget_bias=1.0):
 
 
 @pytest.mark.parametrize("forget_bias", [1.0, 0.0], ids=["default-forget-bias", "forget-bias-0"])
+@requires_torch
 def test_tf1_lstm_cell_becomes_nn_lstm(tmp_path, forget_bias):
+    import torch
+    from torch_twins import stored
+
     feed = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
     prefix = saved_graph(tmp_path, tf1_lstm(forget_bias=forget_bias), feed)
     export_checkpoint(torch_view(Checkpoint(prefix), forget_bias=forget_bias), tmp_path / "m.safetensors")
     state = stored(tmp_path / "m.safetensors")
-    lstm = nn.LSTM(3, 5, batch_first=True)
+    lstm = torch.nn.LSTM(3, 5, batch_first=True)
     lstm.load_state_dict({k.removeprefix("rnn."): v for k, v in state.items() if k.startswith("rnn.")}, strict=True)
     with torch.no_grad():
         out = lstm(torch.from_numpy(feed))[0].numpy()
@@ -446,7 +373,11 @@ def test_a_record_refuses_one_part_alone_and_a_missing_part(trained, tmp_path):
 
 # ------------------------------------------------------------------ the public API with options, shards and the editor
 
+@requires_torch
 def test_weights_only_with_layout_torch_maps_whole_layers_and_imports_back(tmp_path):
+    import torch
+    from torch_twins import stored, torch_twin
+
     model, x = build("lstm")
     optimizer = keras.optimizers.Adam(0.1)
     with tf.GradientTape() as tape:
@@ -472,7 +403,7 @@ def test_a_rename_rule_with_layout_torch_names_the_renamed_layer(tmp_path):
     feed = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
     prefix = saved_graph(tmp_path, tf1_lstm(), feed)
     export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch", rules=[(r"^rnn/", "enc/")])
-    state = stored(tmp_path / "m.safetensors")
+    state = arrays(tmp_path / "m.safetensors")
     assert {"enc.weight_ih_l0", "enc.weight_hh_l0", "enc.bias_ih_l0", "enc.bias_hh_l0"} <= set(state)
     import_checkpoint(tmp_path / "m.safetensors", tmp_path / "back" / "ckpt")
     back = Checkpoint(tmp_path / "back" / "ckpt")
@@ -501,8 +432,12 @@ def test_a_view_refuses_the_options_that_choose_its_tensors_and_writes_nothing(t
     assert not list(tmp_path.iterdir())
 
 
+@requires_torch
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_editor_save_with_layout_torch_goes_through_the_view(trained, tmp_path, fmt):
+    import torch
+    from torch_twins import stored, torch_twin
+
     prefix, model, x = trained("gru")
     editor = CheckpointEditor(prefix)
     bias = next(e.name for e in editor.list() if e.name.startswith("model/layer/cell/bias"))
@@ -519,13 +454,13 @@ def test_editor_save_with_layout_torch_goes_through_the_view(trained, tmp_path, 
     np.testing.assert_allclose(got, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("pt", marks=requires_torch)])
 def test_file_to_file_with_layout_torch_maps_whole_layers_as_the_export_does(trained, tmp_path, fmt):
     prefix, _, _ = trained("gru")
     export_checkpoint(prefix, tmp_path / "direct.safetensors", layout="torch")
     export_checkpoint(prefix, tmp_path / f"plain.{fmt}")  # TF names and axes, the object graph in the record
     result = restorekit.convert(tmp_path / f"plain.{fmt}", tmp_path / "converted.safetensors", layout="torch")
-    direct, converted = stored(tmp_path / "direct.safetensors"), stored(tmp_path / "converted.safetensors")
+    direct, converted = arrays(tmp_path / "direct.safetensors"), arrays(tmp_path / "converted.safetensors")
     assert sorted(converted) == sorted(direct) and "model.layer.bias_hh_l0" in converted
-    assert all(converted[k].numpy().tobytes() == v.numpy().tobytes() for k, v in direct.items())
+    assert all(converted[k].tobytes() == v.tobytes() for k, v in direct.items())
     assert result.unmapped == ()

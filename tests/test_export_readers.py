@@ -17,7 +17,7 @@ from restorekit.export import export_checkpoint, import_checkpoint
 from restorekit.export import npz as npz_format
 from restorekit.export import safetensors as st_format
 from restorekit.export import torch as torch_format
-from conftest import write_bundle
+from conftest import import_torch, write_bundle
 
 
 def _listing(directory):
@@ -45,7 +45,7 @@ def _rezip(src, dst, replace=None):
 
 @pytest.fixture
 def torch():
-    return pytest.importorskip("torch")
+    return import_torch()
 
 
 # ------------------------------------------------------------------ .pt: records, CRC, views

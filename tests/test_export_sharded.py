@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import save_variables
+from conftest import requires_torch, save_variables
 from restorekit.checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
@@ -110,8 +110,8 @@ def test_a_tf2_checkpoint_in_shards_keeps_its_object_graph(tmp_path):
     np.testing.assert_array_equal(fresh.a.numpy(), module.a.numpy())
 
 
+@requires_torch  # transformers' GPT-2 model needs torch
 def test_hugging_face_save_pretrained_shards_import_and_from_pretrained_reads_ours(tmp_path):
-    pytest.importorskip("torch")  # an optional extra; transformers' GPT-2 model needs it
     import transformers  # in the [test] extra: a missing one is a broken setup, not a skip
 
     config = transformers.GPT2Config(vocab_size=30, n_positions=12, n_embd=16, n_layer=2, n_head=2,

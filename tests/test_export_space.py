@@ -7,6 +7,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
+from conftest import requires_torch
 from restorekit.bundle import files
 from restorekit.cli import main
 from restorekit.errors import InsufficientSpaceError
@@ -16,11 +17,13 @@ _Usage = namedtuple("usage", "total used free")
 
 
 @pytest.fixture
-def sources(small_checkpoint, tmp_path):
-    """The small checkpoint as a TF prefix and as each file format (written before the disk 'fills')."""
+def sources(small_checkpoint, tmp_path, request):
+    """The small checkpoint as a TF prefix and as each file format (written before the disk 'fills');
+    the ``.pt`` one only for a case marked ``requires_torch``."""
     prefix, _ = small_checkpoint
     made = {"tf": prefix}
-    for name in ("model.safetensors", "model.pt", "model.npz"):
+    torch = request.node.get_closest_marker("torch") is not None
+    for name in ("model.safetensors", "model.pt", "model.npz") if torch else ("model.safetensors", "model.npz"):
         made[name.split(".")[1]] = convert(prefix, tmp_path / "src" / name).path
     made["shards"] = convert(prefix, tmp_path / "src" / "shards", max_shard_size=100).path
     return made
@@ -56,7 +59,14 @@ IDS = ["tf_to_tf", "tf_to_safetensors", "tf_to_hf_shards", "tf_to_pt", "tf_to_np
        "pt_to_safetensors_torch_layout"]
 
 
-@pytest.mark.parametrize("source, out, kwargs", CASES, ids=IDS)
+def params(cases, ids):
+    """The cases as pytest params, those reading or writing a ``.pt`` file marked ``requires_torch``."""
+    return [pytest.param(source, out, kwargs, id=name,
+                         marks=[requires_torch] if "pt" in (source, out.rpartition(".")[2]) else [])
+            for (source, out, kwargs), name in zip(cases, ids, strict=True)]
+
+
+@pytest.mark.parametrize("source, out, kwargs", params(CASES, IDS))
 def test_a_full_disk_refuses_every_output_format_with_nothing_written(sources, tmp_path, monkeypatch, source, out,
                                                                        kwargs):
     _full_disk(monkeypatch)
@@ -66,7 +76,7 @@ def test_a_full_disk_refuses_every_output_format_with_nothing_written(sources, t
     assert _leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("source, out, kwargs", CASES, ids=IDS)
+@pytest.mark.parametrize("source, out, kwargs", params(CASES, IDS))
 def test_enough_disk_converts(sources, tmp_path, monkeypatch, source, out, kwargs):
     _full_disk(monkeypatch, free=10**12)
     result = convert(sources[source], tmp_path / "out" / out, **kwargs)
@@ -111,10 +121,10 @@ def test_a_remote_output_is_not_checked_on_the_local_disk(monkeypatch):
     files.check_space("gs://bucket/dir", 10**15)
 
 
-@pytest.mark.parametrize("source, out, extra", [
+@pytest.mark.parametrize("source, out, extra", params([
     ("tf", "m.safetensors", []), ("tf", "shards", ["--max-shard-size", "100"]), ("tf", "m.pt", []),
     ("tf", "m.npz", []), ("safetensors", "model.ckpt", []), ("tf", "model.ckpt", []),
-], ids=["safetensors", "hf_shards", "pt", "npz", "import_to_tf", "tf_to_tf"])
+], ["safetensors", "hf_shards", "pt", "npz", "import_to_tf", "tf_to_tf"]))
 def test_cli_convert_on_a_full_disk_exits_3_with_one_line(sources, tmp_path, monkeypatch, capsys, source, out, extra):
     _full_disk(monkeypatch)
     code = main(["convert", sources[source], str(tmp_path / "out" / out), *extra])

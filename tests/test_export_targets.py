@@ -103,9 +103,10 @@ def test_cli_convert_help_lists_the_keras_sources(capsys):
     assert all(s in text for s in (".weights.h5", ".keras", ".weights.json", ".safetensors", ".npz", ".pt"))
 
 
-def test_readme_usage_lines_name_the_options_the_commands_take():
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    cast = next(line for line in readme.splitlines() if line.startswith("restorekit cast "))
+def test_cli_reference_usage_lines_name_the_options_the_commands_take():
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+    text = open(os.path.join(docs, "cli.md")).read()
+    cast = next(line for line in text.splitlines() if line.startswith("restorekit cast "))
     assert "[--no-check]" in cast and "[--link]" in cast
 
 

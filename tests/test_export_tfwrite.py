@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import requires_torch
 from restorekit.checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.errors import InvalidArgumentError
@@ -32,12 +33,13 @@ def _source(tmp_path, kind):
     if kind == "npz":
         np.savez(src / "model.npz", **arrays)
         return src / "model.npz"
-    torch = pytest.importorskip("torch")
+    import torch  # the "pt" case is marked requires_torch
+
     torch.save({n: torch.from_numpy(np.array(a)) for n, a in arrays.items()}, str(src / "model.pt"))
     return src / "model.pt"
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "hf-shards", "npz", "pt"])
+@pytest.mark.parametrize("kind", ["safetensors", "hf-shards", "npz", pytest.param("pt", marks=requires_torch)])
 def test_an_import_writes_n_data_shards_balanced_by_bytes_that_tf_reads(tmp_path, kind):
     out = str(tmp_path / "out" / "model.ckpt")
     convert(_source(tmp_path, kind), out, num_shards=3)

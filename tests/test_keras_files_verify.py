@@ -12,6 +12,7 @@ from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import ChecksumMismatchError, InsufficientSpaceError
 from restorekit.export import convert
+from conftest import requires_torch
 from test_keras_files import functional, trained
 
 
@@ -69,8 +70,8 @@ def test_a_flipped_byte_reads_as_a_changed_value_and_verify_reports_it(saved, fl
 
 
 @pytest.mark.parametrize("out, kwargs", [
-    ("o.safetensors", {}), ("o.ckpt", {}), ("o.weights.h5", {}), ("o.npz", {}), ("o.pt", {}),
-    ("shards", {"max_shard_size": 64}),
+    ("o.safetensors", {}), ("o.ckpt", {}), ("o.weights.h5", {}), ("o.npz", {}),
+    pytest.param("o.pt", {}, marks=requires_torch), ("shards", {"max_shard_size": 64}),
 ], ids=["safetensors", "tf", "weights_h5", "npz", "pt", "hf_shards"])
 def test_converting_a_corrupt_keras_archive_raises_with_nothing_written(saved, flipped, out, kwargs):
     bad, _ = flipped

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from conftest import requires_torch
 import restorekit
 from restorekit.errors import CorruptCheckpointError
 from restorekit.export import rawcopy
@@ -134,15 +135,24 @@ def test_unwritten_dataset_is_decoded_to_its_fill_value(saved, tmp_path):
     np.testing.assert_array_equal(stored["head/bias"], [7.0, 7.0])
 
 
-def test_bfloat16_is_copied_as_its_stored_bits(tmp_path):
-    import torch
-    from safetensors.torch import load_file as load_torch
-
+@pytest.mark.parametrize("reader", [pytest.param("numpy", id="safetensors_numpy"),
+                                    pytest.param("torch", id="safetensors_torch", marks=requires_torch)])
+def test_bfloat16_is_copied_as_its_stored_bits(tmp_path, reader):
     m = model(dtype="bfloat16")
     m.save_weights(tmp_path / "bf.weights.h5")
     ckpt = KerasCheckpoint(tmp_path / "bf.weights.h5")
     assert ckpt["enc1/kernel"].dtype == "bfloat16" and ckpt.stored_range("enc1/kernel") is not None
-    stored = load_torch(converted(tmp_path / "bf.weights.h5", tmp_path / "bf.safetensors"))
+    out = converted(tmp_path / "bf.weights.h5", tmp_path / "bf.safetensors")
+    if reader == "numpy":  # safetensors reads BF16 as ml_dtypes.bfloat16: compare the bits
+        stored = load_file(out)
+        assert stored["enc1/kernel"].dtype.name == "bfloat16"
+        np.testing.assert_array_equal(stored["enc1/kernel"].view(np.uint16), ckpt.read("enc1/kernel").view(np.uint16))
+        np.testing.assert_array_equal(stored["head/kernel"], ckpt.read("head/kernel"))
+        return
+    import torch
+    from safetensors.torch import load_file as load_torch
+
+    stored = load_torch(out)
     assert stored["enc1/kernel"].dtype == torch.bfloat16
     np.testing.assert_array_equal(stored["enc1/kernel"].float().numpy(), ckpt.read("enc1/kernel").astype(np.float32))
     np.testing.assert_array_equal(stored["head/kernel"].numpy(), ckpt.read("head/kernel"))

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from conftest import requires_torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import kill_harness as kh  # noqa: E402
 
@@ -67,6 +69,12 @@ RANDOM_KILLS = [(writer, k) for writer in POINTS if writer != "unfreeze"
                 for k in range(4 if writer in ("convert-safetensors", "convert-npz", "convert-torch") else 2)]
 
 
+def params(cases, sep):
+    """``(writer, x)`` cases as pytest params, a writer whose child imports torch marked ``requires_torch``."""
+    return [pytest.param(writer, x, id=f"{writer}{sep}{x}", marks=[requires_torch] if kh.BY_NAME[writer].needs == "torch"
+                         else []) for writer, x in cases]
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     return kh.make_sources(str(tmp_path_factory.mktemp("kill-sources")))
@@ -91,7 +99,7 @@ def test_the_sweep_covers_at_least_100_kill_points_over_every_writer():
     assert sorted(POINTS) == sorted(kh.BY_NAME)
 
 
-@pytest.mark.parametrize("writer, point", CASES, ids=[f"{w}@{p}" for w, p in CASES])
+@pytest.mark.parametrize("writer, point", params(CASES, "@"))
 def test_kill_at_a_crash_point(sources, tmp_path, writer, point):
     writer = kh.BY_NAME[writer]
     result = kh.run_case(sources, writer, str(tmp_path / "case"), point=point)
@@ -99,7 +107,7 @@ def test_kill_at_a_crash_point(sources, tmp_path, writer, point):
     assert result.output == expected_output(writer, point)
 
 
-@pytest.mark.parametrize("writer, k", RANDOM_KILLS, ids=[f"{w}-{k}" for w, k in RANDOM_KILLS])
+@pytest.mark.parametrize("writer, k", params(RANDOM_KILLS, "-"))
 def test_kill_at_a_random_time(sources, tmp_path, writer, k):
     delay = random.Random(f"{writer}-{k}").uniform(0, RANDOM_WINDOW.get(writer, 0.08))
     result = kh.run_case(sources, kh.BY_NAME[writer], str(tmp_path / "case"), delay=delay)

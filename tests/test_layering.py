@@ -19,7 +19,7 @@ LAYERS = [
     ["names", "_tensorflow"],
     ["bundle", "formats.registry"],  # the Source protocol and the registry know no format: Checkpoint asks them
     ["checkpoint", "keras_files"],
-    ["report", "ema"],
+    ["report", "ema", "rundir"],
     # The formats: one module each behind formats.registry. The safetensors, torch and npz readers they
     # open are still the export format modules (and what those import), which read only from below.
     ["formats", "export.base", "export.reading", "export.rawcopy", "export.layout", "export.layouts",
@@ -29,7 +29,7 @@ LAYERS = [
     ["scan"],
     ["remap", "tf1", "tf2", "initializers", "distribute"],
     ["scaffold", "finetune", "resume"],
-    ["compare", "export", "edit", "graph", "compress"],
+    ["compare", "export", "edit", "graph", "compress", "averaging"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)
 ]
 

@@ -5,13 +5,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import requires_torch
 from restorekit.checkpoint import Checkpoint
 from restorekit.export import convert, export_checkpoint, import_checkpoint
 from restorekit.export import safetensors as st_format
 
-torch = pytest.importorskip("torch")
-
-FORMATS = ["safetensors", "pt"]
+FORMATS = ["safetensors", pytest.param("pt", marks=requires_torch)]
 
 
 def keras_model():
@@ -77,6 +76,8 @@ def module_checkpoint(tmp_path_factory):
 
 def stored(path):
     if str(path).endswith(".pt"):
+        import torch
+
         return {k: v.numpy() for k, v in torch.load(path, weights_only=True).items()}
     return dict(st_format.read(path))
 
@@ -143,7 +144,10 @@ def test_tf_module_kernels_are_named_by_their_path_under_the_model(module_checkp
 
 # ------------------------------------------------------------------ the file in PyTorch
 
+@requires_torch
 def test_torch_modules_loaded_from_the_file_compute_what_keras_computes(keras_checkpoint, tmp_path):
+    import torch
+
     prefix, model = keras_checkpoint
     export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
     tensors = {k: torch.from_numpy(v) for k, v in stored(tmp_path / "m.safetensors").items()}
@@ -163,7 +167,10 @@ def test_torch_modules_loaded_from_the_file_compute_what_keras_computes(keras_ch
     np.testing.assert_allclose(out, model(x, training=False).numpy(), atol=1e-5, rtol=1e-5)
 
 
+@requires_torch
 def test_torch_linear_loaded_from_a_tf_module_computes_what_it_computes(module_checkpoint, tmp_path):
+    import torch
+
     prefix, model = module_checkpoint
     export_checkpoint(prefix, tmp_path / "m.pt", layout="torch")
     state = torch.load(tmp_path / "m.pt", weights_only=True)
@@ -202,6 +209,7 @@ def test_tf_module_round_trip_restores_into_a_fresh_module(module_checkpoint, tm
         np.testing.assert_array_equal(restored.numpy(), original.numpy())
 
 
+@requires_torch
 def test_file_to_file_convert_names_tensors_as_the_export_does(keras_checkpoint, tmp_path):
     prefix, _ = keras_checkpoint
     export_checkpoint(prefix, tmp_path / "direct.safetensors", layout="torch")

@@ -274,3 +274,70 @@ def test_scaffold_that_matches_some_still_restores_them(small_checkpoint, tmp_pa
         assert [r.variable_name for r in scaffold.restore_report.matched] == ["dense/kernel"]
         with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=str(tmp_path / "t")) as sess:
             np.testing.assert_array_equal(sess.run(kernel), values["dense/kernel"])
+
+
+# ---------------------------------------------------------------- which checkpoint a restart resumes from
+
+def saver_run(train_dir: str) -> None:
+    """A TF1 Saver run: model.ckpt-10, -20, -30, dense/kernel filled with the step at each."""
+    with tf.Graph().as_default():
+        kernel = tf1.get_variable("dense/kernel", [4, 3])
+        step = tf1.train.get_or_create_global_step()
+        saver = tf1.train.Saver(max_to_keep=5)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for n in (10, 20, 30):
+                sess.run([kernel.assign(np.full((4, 3), n, np.float32)), step.assign(n)])
+                saver.save(sess, train_dir + "/model.ckpt", global_step=n)
+
+
+def resumed_kernel_and_step(prefix: str, train_dir: str):
+    with tf.Graph().as_default():
+        kernel = tf1.get_variable("dense/kernel", [4, 3])
+        tf1.train.get_or_create_global_step()
+        scaffold = restorekit.easy_going_scaffold(prefix, checkpoint_dir=train_dir)
+        assert scaffold.restore_report is None
+        with tf1.train.MonitoredTrainingSession(scaffold=scaffold, checkpoint_dir=train_dir,
+                                                save_checkpoint_secs=None, save_checkpoint_steps=None) as sess:
+            return sess.run(kernel), sess.run(tf1.train.get_global_step())
+
+
+@pytest.mark.parametrize("damage", ["vanished", "truncated-index"], ids=["latest-vanished", "latest-index-truncated"])
+def test_restart_resumes_from_the_newest_readable_checkpoint_not_the_state_files_latest(small_checkpoint, tmp_path,
+                                                                                        damage):
+    import os
+
+    prefix, _ = small_checkpoint
+    train_dir = str(tmp_path / "train")
+    saver_run(train_dir)
+    latest = os.path.join(train_dir, "model.ckpt-30")
+    if damage == "vanished":
+        for name in os.listdir(train_dir):
+            if name.startswith("model.ckpt-30."):
+                os.remove(os.path.join(train_dir, name))
+    else:
+        with open(latest + ".index", "r+b") as f:
+            f.truncate(40)
+    with pytest.warns(restorekit.RestoreKitWarning, match=r"(?s)from '.*model.ckpt-20'.*model.ckpt-30'"):
+        kernel, step = resumed_kernel_and_step(prefix, train_dir)
+    np.testing.assert_array_equal(kernel, np.full((4, 3), 20, np.float32))
+    assert step == 20
+    # the session restored what the state file names: it now names model.ckpt-20
+    assert tf.train.get_checkpoint_state(train_dir).model_checkpoint_path == os.path.join(train_dir, "model.ckpt-20")
+
+
+def test_restart_in_a_copied_run_directory_is_refused_not_resumed_from_the_original(small_checkpoint, tmp_path):
+    import os
+    import shutil
+
+    prefix, _ = small_checkpoint
+    train_dir, fork = str(tmp_path / "train"), str(tmp_path / "fork")
+    saver_run(train_dir)
+    shutil.copytree(train_dir, fork)  # the Saver's state file names absolute paths: the copy names the original
+    before = {name: open(os.path.join(fork, name), "rb").read() for name in os.listdir(fork)}
+    with tf.Graph().as_default():
+        tf1.get_variable("dense/kernel", [4, 3])
+        tf1.train.get_or_create_global_step()
+        with pytest.raises(restorekit.RunDirectoryError, match=r"names '.*train/model.ckpt-30'.*outside"):
+            restorekit.easy_going_scaffold(prefix, checkpoint_dir=fork)
+    assert {name: open(os.path.join(fork, name), "rb").read() for name in os.listdir(fork)} == before

@@ -57,3 +57,29 @@ def test_write_drops_listed_prefixes_that_no_longer_exist(tmp_path):
             os.remove(tmp_path / name)
     statefile.write(second)
     assert statefile.read(str(tmp_path)).all_model_checkpoint_paths == ("b.ckpt",)
+
+
+def test_write_drops_listed_prefixes_outside_the_directory(tmp_path):
+    # TF's Saver and CheckpointManager delete the oldest listed prefixes as their own: another run's must not be listed
+    other = save_variables(tmp_path / "other" / "a.ckpt", {"v": np.float32(1)})
+    run = tmp_path / "run"
+    mine = save_variables(run / "b.ckpt", {"v": np.float32(2)})
+    tf.compat.v1.train.update_checkpoint_state(str(run), other, all_model_checkpoint_paths=[other, "../other/a.ckpt"])
+    statefile.write(mine)
+    assert statefile.read(str(run)) == statefile.State("b.ckpt", ("b.ckpt",))
+
+
+@pytest.mark.parametrize("named, outside", [
+    ("ckpt-1", False), ("sub/ckpt-1", False), ("../other/ckpt-1", True), ("/elsewhere/ckpt-1", True),
+], ids=["relative-inside", "subdirectory", "dot-dot", "absolute-elsewhere"])
+def test_is_outside(tmp_path, named, outside):
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    assert statefile.is_outside(run, statefile.resolve(run, named)) is outside
+
+
+def test_is_outside_resolves_symlinks(tmp_path):
+    os.makedirs(tmp_path / "other")
+    os.makedirs(tmp_path / "run")
+    os.symlink(tmp_path / "other", tmp_path / "run" / "link")
+    assert statefile.is_outside(str(tmp_path / "run"), str(tmp_path / "run" / "link" / "ckpt-1"))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from restorekit.bundle import atomic, files
 
-__all__ = ["STATE_FILE", "State", "parse", "read", "resolve", "write"]
+__all__ = ["STATE_FILE", "State", "is_outside", "parse", "read", "resolve", "write"]
 
 STATE_FILE = "checkpoint"
 
@@ -93,8 +93,25 @@ def resolve(directory: str, named: str) -> str:
     return files.join(directory, named)
 
 
+def is_outside(directory: str, prefix: str) -> bool:
+    """True when the prefix a state file in ``directory`` names lies outside ``directory`` (symlinks resolved).
+
+    TF's Saver writes absolute paths, so a copied run directory still names the
+    original's checkpoints. Remote paths are compared as written.
+    """
+    if files.is_remote(directory) or files.is_remote(prefix):
+        inside, where = directory.rstrip("/"), files.dirname(prefix).rstrip("/")
+        return where != inside and not where.startswith(inside + "/")
+    inside = os.path.realpath(directory)
+    where = os.path.realpath(os.path.dirname(prefix))
+    return os.path.commonpath([inside, where]) != inside
+
+
 def write(prefix: str) -> None:
     """Point ``dirname(prefix)/checkpoint`` at ``prefix``, keeping the prefixes it listed that still exist.
+
+    Listed prefixes outside the directory are dropped: TF's CheckpointManager and
+    Saver delete the oldest listed prefixes as their own, wherever they are.
 
     Written atomically (a temporary file renamed over the old one); on remote paths
     through the same publish step as a checkpoint's files.
@@ -105,7 +122,7 @@ def write(prefix: str) -> None:
     kept, seen = [], {prefix, resolve(directory, name)}
     for listed in old.all_model_checkpoint_paths if old else ():
         path = resolve(directory, listed)
-        if path not in seen and files.exists(path + ".index"):
+        if path not in seen and not is_outside(directory, path) and files.exists(path + ".index"):
             kept.append(listed)
             seen.add(path)
     kept.append(name)

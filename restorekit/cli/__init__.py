@@ -10,11 +10,12 @@ Commands::
     restorekit strip CKPT OUT
     restorekit cast CKPT OUT --dtype DTYPE [--filter PATTERN]
     restorekit convert SRC OUT [--to torch|safetensors|npz|tf] [--layout torch]
+    restorekit average SRC SRC... OUT [--weights W...] [--intersection] [--mismatch error|first|last]
     restorekit graph inspect FILE [--json]
     restorekit freeze CKPT GRAPH --outputs a,b --out F.pb
     restorekit unfreeze F.pb OUT_PREFIX [--weights auto|large|n1,n2] [--reference R] [--trainable-graph]
     restorekit compress SRC OUT [--precision fp16|int8|dynamic-int8|fp32] [--representative N.npz] [--max-error X]
-    restorekit demo [--seeds N] [--steps N] [--out DIR]
+    restorekit demo [--seeds N] [--steps N] [--shots N] [--out DIR]
 
 Exit codes:
     0  success; ``diff``: the checkpoints are equal; ``scan``: every variable restores; ``verify``: sound
@@ -68,10 +69,10 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
 @register("demo", help="run the transfer-learning demo: pretrain on digits 0-4, learn 5-9 from a few "
           "images cold, as a frozen probe and warm", configure=_demo_args)
 def _demo(args) -> int:
-    from restorekit.demo import main as demo_main
+    from restorekit.demo import run_demo
 
-    options = ["--seeds", str(args.seeds), "--steps", str(args.steps), "--shots", str(args.shots), "--out", args.out]
-    return demo_main([*options, *args.extra])
+    run_demo(args.out, seeds=args.seeds, steps=args.steps, shots=args.shots)
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,9 +110,8 @@ def _run(parser: argparse.ArgumentParser, argv) -> int:
 
     try:
         args, extra = parser.parse_known_args(argv)
-        if extra and args.command != "demo":  # the demo parses its own options
+        if extra:
             raise _Usage(f"unrecognized arguments: {' '.join(extra)}")
-        args.extra = extra
         if getattr(args, "run", None) is None:
             raise _Usage(f"{args.command!r} needs a subcommand")
         return int(args.run(args))

@@ -75,6 +75,10 @@ def _print_tensor(ckpt, name: str, as_json: bool) -> int:
 @register("inspect", help="list a checkpoint's tensors (names, readable paths, shapes, dtypes, sizes)",
           configure=_inspect_args)
 def _inspect(args) -> int:
+    from restorekit.cli.compress import inspect_model_file, is_model_file
+
+    if is_model_file(args.checkpoint):  # a .tflite / .onnx: a model for inference, not a checkpoint
+        return inspect_model_file(args)
     ckpt = open_checkpoint(args.checkpoint)
     if args.tensor:
         return _print_tensor(ckpt, args.tensor, args.json)
@@ -131,6 +135,10 @@ def _verify_args(p: argparse.ArgumentParser) -> None:
           "read every tensor of a safetensors, .pt or .npz file back (exit 0 when sound, 1 when not)",
           configure=_verify_args)
 def _verify(args) -> int:
+    from restorekit.cli.compress import is_model_file, verify_model_file
+
+    if is_model_file(args.checkpoint):
+        return verify_model_file(args)
     result = open_checkpoint(args.checkpoint).verify(progress=not _quiet(args) and not args.json)
     if args.json:
         checks = {"checks": result.checks} if getattr(result, "checks", "") else {}

@@ -1,17 +1,18 @@
-"""``restorekit compress``: a frozen graph, checkpoint or SavedModel to a smaller .tflite, checked."""
+"""``restorekit compress``: a model to a smaller .tflite or .onnx, checked; ``inspect`` / ``verify`` of those files."""
 
 from __future__ import annotations
 
 import argparse
 
-from restorekit.cli.base import EXIT_OK, _print_json, _quiet, register
+from restorekit.cli.base import EXIT_DIFFERENT, EXIT_OK, Usage, _print_json, _quiet, register
 
 
 def _compress_args(p: argparse.ArgumentParser) -> None:
     from restorekit.compress import BACKENDS, PRECISIONS
 
-    p.add_argument("src", help="a frozen .pb, a checkpoint (prefix or directory) or a SavedModel directory")
-    p.add_argument("out", help="the .tflite file to write")
+    p.add_argument("src", help="a frozen .pb, a checkpoint (prefix or directory), a SavedModel directory or a "
+                               "Keras .keras/.h5 model file")
+    p.add_argument("out", help="the .tflite (--backend tflite) or .onnx (onnx, tensorrt) file to write")
     p.add_argument("--precision", choices=PRECISIONS, default="fp16", help="default: fp16")
     p.add_argument("--inputs", help="comma-separated input names (default: the graph's placeholders)")
     p.add_argument("--outputs", help="comma-separated output names (default: what 'graph inspect' finds; "
@@ -20,12 +21,14 @@ def _compress_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--representative", metavar="N.npz",
                    help="samples along the first axis, one array per input name (needed for int8)")
     p.add_argument("--max-error", type=float, metavar="X", help="write nothing if an output moves more than X")
-    p.add_argument("--backend", choices=BACKENDS, default="tflite", help="default: tflite")
+    p.add_argument("--backend", choices=BACKENDS, default="tflite",
+                   help="tflite (LiteRT), onnx (checked on ONNX Runtime), or tensorrt (the TensorRT-ready ONNX; "
+                        "prints the engine build that remains); default: tflite")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-@register("compress", help="compress a model to fp16/int8 .tflite and check it against the original",
+@register("compress", help="compress a model to fp16/int8 .tflite or .onnx and check it against the original",
           configure=_compress_args)
 def _compress(args) -> int:
     from restorekit.compress import compress
@@ -45,3 +48,47 @@ def _compress(args) -> int:
     elif not _quiet(args):
         print(result)
     return EXIT_OK
+
+
+# ------------------------------------------------------------------ inspect / verify of .tflite and .onnx
+
+
+def is_model_file(path) -> bool:
+    from restorekit.compress.files import is_model_file
+
+    return is_model_file(path)
+
+
+def inspect_model_file(args) -> int:
+    """``restorekit inspect model.onnx``: inputs, outputs, ops and tensors (``--filter`` picks tensors)."""
+    import dataclasses
+    import re
+
+    from restorekit.compress.files import inspect_model
+
+    if args.stats or args.tensor:
+        raise Usage(f"--stats and --tensor read checkpoints; {args.checkpoint!r} is a model file "
+                    f"(inspect lists its inputs, outputs, ops and tensors)")
+    summary = inspect_model(args.checkpoint)
+    if args.filter:
+        pattern = re.compile(args.filter)
+        summary = dataclasses.replace(summary, tensors=tuple(t for t in summary.tensors if pattern.match(t.name)))
+    if args.json:
+        _print_json(summary.to_dict())
+    else:
+        print(summary)
+    return EXIT_OK
+
+
+def verify_model_file(args) -> int:
+    """``restorekit verify model.onnx``: onnx.checker and an ONNX Runtime load (LiteRT for .tflite)."""
+    from restorekit.compress.files import verify_model
+
+    problems = verify_model(args.checkpoint)
+    if args.json:
+        _print_json({"path": args.checkpoint, "ok": not problems, "problems": problems})
+    elif problems:
+        print("\n".join(f"{args.checkpoint}: {p}" for p in problems))
+    else:
+        print(f"{args.checkpoint}: ok")
+    return EXIT_OK if not problems else EXIT_DIFFERENT

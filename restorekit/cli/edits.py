@@ -1,4 +1,4 @@
-"""``restorekit rename``, ``strip``, ``cast`` and ``convert``: write a new checkpoint or another format."""
+"""``restorekit rename``, ``strip``, ``cast``, ``convert`` and ``average``: write a new checkpoint or another format."""
 
 from __future__ import annotations
 
@@ -192,3 +192,41 @@ def _convert(args) -> int:
     return EXIT_OK
 
 
+
+
+# ------------------------------------------------------------------ average
+
+def _average_args(p: argparse.ArgumentParser) -> None:
+    from restorekit.export import FORMATS
+
+    p.add_argument("paths", nargs="+", metavar="SRC... OUT",
+                   help="two or more source checkpoints (any format convert reads), then the output")
+    p.add_argument("--weights", nargs="+", type=float, metavar="W",
+                   help="one weight per source (default: equal); normalized by their sum")
+    p.add_argument("--include", action="append", metavar="PATTERN", help="average only entries matching PATTERN")
+    p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out entries matching PATTERN")
+    p.add_argument("--keep-optimizer", action="store_true",
+                   help="average optimizer state and keep global_step too (default: weights only)")
+    p.add_argument("--intersection", action="store_true",
+                   help="average the entries every source holds alike; leave out the rest")
+    p.add_argument("--mismatch", choices=["error", "first", "last"], default="error",
+                   help="integer, boolean or string entries that differ: fail (default) or take one source's")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+@register("average", help="write the (weighted) mean of several checkpoints, tensor by tensor",
+          configure=_average_args)
+def _average(args) -> int:
+    from restorekit.averaging import average
+
+    if len(args.paths) < 3:
+        raise _Usage("average takes two or more sources and an output: SRC SRC [SRC...] OUT")
+    *sources, out = args.paths
+    with reworded_exists_error(out):
+        result = average(sources, out, weights=args.weights, include=args.include, exclude=args.exclude,
+                         weights_only=not args.keep_optimizer, intersection=args.intersection,
+                         mismatch=args.mismatch, to=args.to, overwrite=args.overwrite, progress=not _quiet(args))
+    if not _quiet(args):
+        print(result)
+    return EXIT_OK

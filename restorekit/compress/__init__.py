@@ -1,9 +1,9 @@
-"""Compress a trained model for inference (TFLite / LiteRT fp16 or int8), checked against the original.
+"""Compress a trained model for inference (LiteRT, ONNX / TensorRT-ready ONNX; fp16 or int8), checked.
 
 ``compress`` takes a frozen ``.pb``, a checkpoint plus its graph (frozen on the way with
-``freeze``) or a SavedModel, converts it, runs the original and the compressed model on
+``freeze``), a SavedModel or a Keras model file, converts it, runs the original and the compressed model on
 the same inputs, and writes the result only when it computes what the original did.
-TensorFlow and LiteRT load inside the functions that use them.
+TensorFlow, LiteRT, tf2onnx and ONNX Runtime load inside the functions that use them.
 """
 
 from restorekit.compress.convert import BACKENDS, PRECISIONS, compress

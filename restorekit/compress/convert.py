@@ -15,13 +15,13 @@ from restorekit.compress.samples import _concrete_shape, _random_feeds, _sample_
 from restorekit.errors import (
     CompressionError,
     InvalidArgumentError,
-    MissingDependencyError,
     OutputExistsError,
     format_names,
 )
 
 PRECISIONS = ("fp16", "int8", "dynamic-int8", "fp32")
-BACKENDS = ("tflite", "tensorrt")
+BACKENDS = ("tflite", "onnx", "tensorrt")
+_SUFFIX = {"tflite": ".tflite", "onnx": ".onnx", "tensorrt": ".onnx"}
 _RANDOM_SAMPLES = 16
 
 
@@ -88,27 +88,17 @@ def _errors(outputs: list[str], before: list[dict], after: list[dict]) -> tuple[
     return abs_err, rel_err
 
 
-def _check_tensorrt() -> None:
-    """TF-TRT needs a TensorFlow built with TensorRT and a visible GPU; say which is missing."""
-    tf = _tf()
-    missing = []
-    if not tf.sysconfig.get_build_info().get("is_tensorrt_build", False):
-        missing.append(f"this TensorFlow ({tf.__version__}) is not built with TensorRT (TF 2.18+ wheels are not)")
-    if not tf.config.list_physical_devices("GPU"):
-        missing.append("no GPU is visible")
-    if missing:
-        raise MissingDependencyError(
-            f"backend='tensorrt' needs TensorRT and a GPU: {'; '.join(missing)}. Use backend='tflite' here.")
-    raise CompressionError(  # pragma: no cover - no TensorRT build exists to test against
-        "backend='tensorrt' is not implemented yet in restorekit; use backend='tflite'.")
-
-
 def _check_arguments(out: str, precision: str, backend: str, representative_data, max_error, overwrite: bool,
                      source) -> None:
     if precision not in PRECISIONS:
         raise InvalidArgumentError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}.")
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}.")
+    if backend != "tflite" and precision == "dynamic-int8":
+        raise InvalidArgumentError(
+            f"backend={backend!r} does not serve precision='dynamic-int8': ONNX Runtime runs dynamically "
+            f"quantized convolutions (ConvInteger) 6-8x slower than fp32 on CPU, and TensorRT reads int8 only "
+            f"from explicit Q/DQ nodes. Use precision='int8' with representative_data, or 'fp16'.")
     if precision == "int8" and representative_data is None:
         raise InvalidArgumentError(
             "precision='int8' quantizes activations too, which needs representative_data: about 100 typical "
@@ -122,9 +112,19 @@ def _check_arguments(out: str, precision: str, backend: str, representative_data
             raise OutputExistsError(f"out {out!r} is the model being compressed; pick another path.",
                                     path=out, is_source=True)
     if os.path.isdir(out):
-        raise OutputExistsError(f"out {out!r} is a directory; name a file such as 'model.tflite'.", path=out)
+        raise OutputExistsError(f"out {out!r} is a directory; name a file such as "
+                              f"'model{_SUFFIX[backend]}'.", path=out)
     if os.path.exists(out) and not overwrite:
         raise OutputExistsError(path=out)
+
+
+def _next_step(backend: str, out: str, content: bytes) -> str:
+    if backend != "tensorrt":
+        return ""
+    from restorekit.compress.onnx_backend import tensorrt_step
+
+    return (f"build the TensorRT engine on the target GPU (TensorRT 10+; not built here): "
+            f"{tensorrt_step(out, content)}")
 
 
 def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16", representative_data=None,
@@ -136,25 +136,30 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         print(result)        # sizes, latencies, and the max error of every output
 
     The original (a TF session on the frozen graph, or the SavedModel signature) and the
-    compressed model (LiteRT's interpreter) run on the same samples: ``representative_data``
+    compressed model (LiteRT's interpreter, or ONNX Runtime's CPU provider) run on the same samples: ``representative_data``
     when given, else ``samples`` seeded random inputs of the inputs' shapes and dtypes (an
     unknown batch dimension becomes 1). The model is written (atomically) only after that.
 
     Args:
         source: a frozen ``.pb``/``.pbtxt`` or GraphDef; a checkpoint prefix or directory
             (frozen on the way with ``restorekit.freeze``; its graph is ``graph`` or the
-            prefix's ``.meta``); or a SavedModel directory.
-        out: the ``.tflite`` file to write.
+            prefix's ``.meta``); a SavedModel directory; or a Keras ``.keras`` / ``.h5`` model
+            file (exported with ``model.export()`` to a scratch SavedModel first).
+        out: the ``.tflite`` (backend ``'tflite'``) or ``.onnx`` file to write.
         outputs: output tensor or node names (signature keys for a SavedModel); default
             what ``inspect_graph`` finds. Required for a checkpoint.
         inputs: input names; default the graph's placeholders (the signature's inputs).
         precision: ``'fp16'`` (float16 weights), ``'dynamic-int8'`` (int8 weights, float
             activations), ``'int8'`` (weights and activations, calibrated on
-            ``representative_data``), or ``'fp32'``.
+            ``representative_data``), or ``'fp32'``. For ONNX: ``fp16`` is float16 weights and
+            compute with float32 inputs and outputs; ``int8`` is explicit symmetric Q/DQ (per-channel
+            weights, every zero point 0); ``dynamic-int8`` is refused.
         representative_data: an array (one input) or a dict / ``.npz`` of arrays holding
             samples along the first axis, or an iterable of feeds (dicts, or lists in input
             order). Required for ``'int8'``.
-        backend: ``'tflite'``, or ``'tensorrt'`` (needs a TensorRT build of TF and a GPU).
+        backend: ``'tflite'`` (LiteRT); ``'onnx'`` (tf2onnx, opset 17, checked on ONNX Runtime);
+            ``'tensorrt'``: the same ONNX file, TensorRT-ready, with ``result.next_step`` naming
+            the engine build (``trtexec``) that remains on the target GPU.
         max_error: refuse (write nothing) when any output's max absolute error is larger.
         overwrite: replace an existing ``out``.
         graph: the graph of a checkpoint ``source`` (a ``.meta``, ``.pb`` or GraphDef).
@@ -162,21 +167,26 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         samples: how many random samples to compare on when no data is given.
 
     Returns:
-        A CompressResult: names, sizes, per-output max absolute and relative error, latencies.
+        A CompressResult: names, sizes, per-output max absolute and relative error, latencies,
+        and the step that remains (``next_step``).
 
     Raises:
-        InvalidArgumentError: an unknown precision or backend, ``int8`` without data, bad data.
+        InvalidArgumentError: an unknown precision or backend, ``int8`` without data, bad data,
+            a precision the backend does not serve.
         OutputExistsError: ``out`` exists (without ``overwrite``) or is the source.
         NoMatchError: an output or input that is not in the model (``closest`` has near misses).
         GraphError: the source is not a usable graph, or is not frozen.
         CompressionError: the converter refuses the model (``ops`` names the ops it has no
             kernel for), or an output moved more than ``max_error`` (``result`` has the numbers).
-        MissingDependencyError: TensorRT or a GPU for ``backend='tensorrt'``.
+        MissingDependencyError: tf2onnx / onnx / onnxruntime for the ONNX backends
+            (``pip install 'restorekit[onnx]'``), LiteRT for ``'tflite'``.
     """
     out = os.fspath(out)
     _check_arguments(out, precision, backend, representative_data, max_error, overwrite, source)
-    if backend == "tensorrt":
-        _check_tensorrt()
+    if backend != "tflite":
+        from restorekit.compress import onnx_backend
+
+        onnx_backend.require()  # before loading the model: a missing extra is the first thing to say
     model, name, size_before = _open_source(source, graph, inputs, outputs, signature)
     try:
         if representative_data is not None:
@@ -184,10 +194,15 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         else:
             feeds, sample_source = _random_feeds(model.inputs, samples), "random"
         shapes = {s.key: _concrete_shape(_Spec(s.key, s.dtype, feeds[0][s.key].shape)) for s in model.inputs}
-        content = _convert(model, precision, shapes, feeds)
-        lite = _Lite(content, model)
+        if backend == "tflite":
+            content = _convert(model, precision, shapes, feeds)
+            compressed = _Lite(content, model)
+        else:
+            from restorekit.compress import onnx_backend
+
+            content, compressed = onnx_backend.convert(model, precision, feeds)
         before, latency_before = _timed(model.run, feeds)
-        after, latency_after = _timed(lite.run, feeds)
+        after, latency_after = _timed(compressed.run, feeds)
     finally:
         model.close()
     abs_err, rel_err = _errors(model.outputs, before, after)
@@ -196,7 +211,7 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         inputs=tuple(s.key for s in model.inputs), outputs=tuple(model.outputs),
         size_before=size_before, size_after=len(content), max_abs_error=abs_err, max_rel_error=rel_err,
         latency_before_ms=latency_before, latency_after_ms=latency_after, samples=len(feeds),
-        sample_source=sample_source,
+        sample_source=sample_source, next_step=_next_step(backend, out, content),
     )
     if max_error is not None and result.max_error > max_error:
         worst = max(abs_err, key=abs_err.get)

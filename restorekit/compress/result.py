@@ -24,7 +24,9 @@ class CompressResult:
     of every sample; ``max_rel_error[name]`` is that divided by the largest ``|original|``
     (the error as a fraction of the output's range, which stays meaningful where single
     elements are near zero). Latencies are the mean milliseconds per sample on this
-    machine (one warm-up run first); a value, not a benchmark.
+    machine (one warm-up run first); a value, not a benchmark. ``next_step`` is what remains
+    before the model runs where it is meant to (for ``backend='tensorrt'``, the engine build on
+    the target GPU, which restorekit does not do); empty when nothing does.
     """
 
     source: str
@@ -41,6 +43,7 @@ class CompressResult:
     latency_after_ms: float = 0.0
     samples: int = 0
     sample_source: str = "random"
+    next_step: str = ""
 
     @property
     def ratio(self) -> float:
@@ -60,7 +63,7 @@ class CompressResult:
             "size_before": self.size_before, "size_after": self.size_after, "ratio": self.ratio,
             "max_abs_error": dict(self.max_abs_error), "max_rel_error": dict(self.max_rel_error),
             "latency_before_ms": self.latency_before_ms, "latency_after_ms": self.latency_after_ms,
-            "samples": self.samples, "sample_source": self.sample_source,
+            "samples": self.samples, "sample_source": self.sample_source, "next_step": self.next_step,
         }
 
     def __str__(self) -> str:
@@ -78,4 +81,6 @@ class CompressResult:
         for block in (rows, errors):
             widths = [max(len(r[i]) for r in rows + errors) for i in range(4)]
             lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in block]
+        if self.next_step:
+            lines.append(f"  next: {self.next_step}")
         return "\n".join(lines)

@@ -30,12 +30,11 @@
 
 # Modules: ``training`` (the data, the networks, pretraining and fine-tuning),
 # ``printing`` (the tables, the count explanation, the plot) and this one (the run
-# and the command line).
+# and its options; ``restorekit demo`` in restorekit/cli/ runs it).
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -54,11 +53,12 @@ from restorekit.demo.training import (
     PRETRAIN_STEPS,
     Run,
     Tasks,
+    check_libraries,
     finetune,
     load_tasks,
     pretrain,
 )
-from restorekit.errors import InvalidArgumentError, RestoreKitError
+from restorekit.errors import InvalidArgumentError
 
 __all__ = [
     "ARMS",
@@ -71,7 +71,6 @@ __all__ = [
     "curve_table",
     "finetune",
     "load_tasks",
-    "main",
     "plot_learning_curves",
     "pretrain",
     "run_demo",
@@ -130,7 +129,7 @@ def run_demo(
 
     Raises:
         InvalidArgumentError: a budget out of range; nothing is written.
-        MissingDependencyError: scikit-learn or matplotlib is missing.
+        MissingDependencyError: scikit-learn or matplotlib is missing; nothing is written.
 
     Example:
         >>> result = run_demo("/tmp/demo", seeds=2, steps=30)
@@ -138,6 +137,7 @@ def run_demo(
         ('backbone/conv1/weights', 'backbone/conv1/biases', 'backbone/conv2/weights', 'backbone/conv2/biases')
     """
     _check_budget(seeds, steps, shots)
+    check_libraries()  # matplotlib is needed only at the end, after the training
     stream = sys.stdout if stream is None else stream
 
     def say(text: str = "") -> None:
@@ -195,7 +195,7 @@ def run_demo(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the demo's options to ``parser`` (used here and by ``restorekit demo --help``)."""
+    """Add the demo's options to ``parser`` (the ``restorekit demo`` command's)."""
     parser.add_argument(
         "--seeds", type=int, metavar="N", default=DEFAULT_SEEDS, help=f"seeds to run, at least 2 (default {DEFAULT_SEEDS})"
     )
@@ -215,27 +215,4 @@ DESCRIPTION = (
     "lower learning rate); print the restore report, the group tables and the accuracy table; "
     "write a learning-curve plot."
 )
-
-
-def main(argv=None) -> int:
-    """Run the demo from the command line; return the exit code.
-
-    Args:
-        argv: the arguments after ``restorekit demo`` (default ``sys.argv[1:]``):
-            ``--seeds N``, ``--steps N``, ``--shots N``, ``--out DIR``.
-
-    Returns:
-        0 on success, 2 when restorekit refuses the input (the message goes to stderr).
-    """
-    parser = add_arguments(argparse.ArgumentParser(prog="restorekit demo", description=DESCRIPTION))
-    args = parser.parse_args(argv)
-    # Quiets TensorFlow's C++ start-up logs when TF is not imported yet.
-    # 3 also hides the CUDA-init error line TF prints on machines without a GPU.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    try:
-        run_demo(args.out, seeds=args.seeds, steps=args.steps, shots=args.shots)
-    except RestoreKitError as e:
-        print(f"restorekit demo: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    return 0
 

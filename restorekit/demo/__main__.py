@@ -2,6 +2,6 @@
 
 import sys
 
-from restorekit.demo import main
+from restorekit.cli import main
 
-sys.exit(main())
+sys.exit(main(["demo", *sys.argv[1:]]))

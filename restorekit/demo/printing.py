@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from restorekit.demo.training import ARMS, CLASSES, DEFAULT_SHOTS, DESCRIPTIONS
-from restorekit.errors import MissingDependencyError
+from restorekit.demo.training import ARMS, CLASSES, DEFAULT_SHOTS, DESCRIPTIONS, missing_libraries
 
 def _mean_std(values) -> tuple[float, float]:
     import numpy as np
@@ -166,7 +165,7 @@ def plot_learning_curves(runs: dict, path, *, shots: int = DEFAULT_SHOTS) -> str
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise MissingDependencyError("the demo plots with matplotlib: pip install 'restorekit[tf,demo]'") from None
+        raise missing_libraries(["matplotlib"]) from None
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

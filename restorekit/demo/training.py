@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,39 @@ DESCRIPTIONS = {
     "probe": "backbone restored (EMA) and frozen (0x), new head at 1x",
     "warm": "backbone restored (EMA) at 0.1x, new head at 1x",
 }
+
+# The libraries of the `demo` extra: module -> distribution name.
+LIBRARIES = {"sklearn": "scikit-learn", "matplotlib": "matplotlib"}
+
+
+def missing_libraries(names, *, tensorflow: bool = False) -> MissingDependencyError:
+    """The error for demo libraries that are not installed: which ones, and the pip extras that bring them.
+
+    ``tensorflow=True`` adds TensorFlow to the list and the `tf` extra to the command, so
+    a fresh environment learns the whole fix at once.
+    """
+    names = ["TensorFlow", *names] if tensorflow else list(names)
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    verb = "is" if len(names) == 1 else "are"
+    extras = "tf,demo" if tensorflow else "demo"
+    return MissingDependencyError(f"the demo needs {listed}, which {verb} not installed: pip install 'restorekit[{extras}]'")
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:  # None there means: blocked from importing
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_libraries() -> None:
+    """Raise ``missing_libraries`` naming every library of the `demo` extra that is not installed.
+
+    Looks the modules up without importing them. TensorFlow alone missing is left to
+    ``import_tensorflow``, whose message names the TensorFlow builds to choose from.
+    """
+    missing = [name for module, name in LIBRARIES.items() if not _installed(module)]
+    if missing:
+        raise missing_libraries(missing, tensorflow=not _installed("tensorflow"))
 
 
 # ---------------------------------------------------------------- data
@@ -77,9 +112,7 @@ def load_tasks() -> Tasks:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise MissingDependencyError(
-            "the demo needs scikit-learn for its data set: pip install 'restorekit[tf,demo]'"
-        ) from None
+        raise missing_libraries(["scikit-learn"]) from None
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)

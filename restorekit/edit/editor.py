@@ -261,7 +261,8 @@ class CheckpointEditor:
                 With ``index``: broadcastable to ``tensor[index]``. Python numbers and
                 lists take the entry's dtype.
             index: anything numpy accepts as an index: an int, a list of rows, slices.
-            allow_dtype_change / allow_shape_change: store a whole value as given.
+            allow_dtype_change: store a whole value in its own dtype.
+            allow_shape_change: store a whole value in its own shape.
 
         Raises:
             NoMatchError: unknown name.
