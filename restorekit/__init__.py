@@ -68,7 +68,8 @@ from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): ev
 from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit.rules import KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
-from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
+from restorekit.sources import From
+from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, source_savers, warm_start
 from restorekit.tf2 import restore
 
 __version__ = "0.1.0"
@@ -105,6 +106,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EditError",
     "Entry",
+    "From",
     "EntryNotFoundError",
     "ExportResult",
     "GraphError",
@@ -157,6 +159,7 @@ __all__ = [
     "interpolate",
     "layerwise_decay",
     "partial_saver",
+    "source_savers",
     "repair_graph",
     "restore",
     "resume_or_warm_start",
