@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import replace
 
 from restorekit.errors import InvalidArgumentError
@@ -66,20 +65,23 @@ class From:
 
 
 def is_several(checkpoint) -> bool:
-    """True for a list, tuple or mapping of sources, or a ``From``: what ``scan_several`` takes."""
-    return isinstance(checkpoint, (From, list, tuple, Mapping))
+    """True for a list, tuple or dict of sources, or a ``From``: what ``scan_several`` takes.
+
+    A dict, not any Mapping: an open Checkpoint is a Mapping of its entries, and one source.
+    """
+    return isinstance(checkpoint, (From, list, tuple, dict))
 
 
 def _specs(checkpoint) -> tuple[list, list | None]:
     """The sources as ``From`` values, and the mapping's patterns (None for a list)."""
-    if isinstance(checkpoint, Mapping):
+    if isinstance(checkpoint, dict):
         patterns, items = list(checkpoint), list(checkpoint.values())
     else:
         patterns, items = None, [checkpoint] if isinstance(checkpoint, From) else list(checkpoint)
     if not items:
         raise InvalidArgumentError("a restore needs at least one source; got an empty list or mapping")
     for item in items:
-        if isinstance(item, (list, tuple, Mapping)):
+        if is_several(item) and not isinstance(item, From):
             raise InvalidArgumentError(f"a source is a path, Checkpoint or restorekit.From, got {item!r}")
     return [item if isinstance(item, From) else From(item) for item in items], patterns
 
