@@ -202,3 +202,44 @@ def test_cli_scan_from_several_sources(sources, tmp_path, capsys):
     assert main(["scan", enc, "--source", f"decoder={dec}", "--meta-graph", meta]) == 2
     assert main(["scan", "--source", "decoder", "--meta-graph", meta]) == 2
     assert Checkpoint(enc)  # the sources are untouched
+
+
+def _keras_net():
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Dense(3, name="enc")(inputs)))
+
+
+@pytest.fixture
+def keras_sources(tmp_path):
+    """enc from a .weights.h5 of the same net, head from a TF1 Saver checkpoint."""
+    donor = _keras_net()
+    h5 = str(tmp_path / "donor.weights.h5")
+    donor.save_weights(h5)
+    head = {"head/kernel": np.full((3, 2), 0.5, np.float32), "head/bias": np.full((2,), -1.0, np.float32)}
+    ckpt = save_variables(tmp_path / "head" / "model.ckpt", head)
+    return {"enc/kernel": donor.get_layer("enc").kernel.numpy(), "enc/bias": donor.get_layer("enc").bias.numpy(),
+            **head}, h5, ckpt
+
+
+def test_resume_or_warm_start_from_two_pretrained_sources(tmp_path, keras_sources):
+    expected, h5, ckpt = keras_sources
+    model = _keras_net()
+    start = restorekit.resume_or_warm_start(str(tmp_path / "run"), {"enc": h5, "head": ckpt}, model=model)
+    assert not start.resumed and start.checkpoint == f"{h5} + {ckpt}"
+    weights = {v.path: v.numpy() for v in model.weights}
+    for name, value in expected.items():
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
+    assert {r.source for r in start.report.matched} == {h5, ckpt}
+
+
+def test_warm_start_callback_from_a_list_and_an_unreadable_source(tmp_path, keras_sources):
+    expected, h5, ckpt = keras_sources
+    gone = str(tmp_path / "gone.weights.h5")
+    with pytest.raises(restorekit.CheckpointNotFoundError, match="gone.weights.h5"):
+        restorekit.WarmStart([ckpt, gone])
+    model = _keras_net()
+    model.compile(optimizer="sgd", loss="mse")
+    warm = restorekit.WarmStart([ckpt, h5], verbose=0)  # the head from the checkpoint, the rest from the file
+    model.fit(np.zeros((2, 4), np.float32), np.zeros((2, 2), np.float32), epochs=1, verbose=0, callbacks=[warm])
+    matched = {r.variable_name: r.source for r in warm.start.report.matched}
+    assert matched == {"head/kernel": ckpt, "head/bias": ckpt, "enc/kernel": h5, "enc/bias": h5}
