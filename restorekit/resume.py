@@ -113,7 +113,8 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     Args:
         directory: the run's ``tf.train.CheckpointManager`` (recommended), or its
             checkpoint directory (may not exist yet).
-        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
+        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens, or several
+            (a list or ``{pattern: source}``, as ``restorekit.scan`` takes them).
         model: the Keras model or tf.Module being trained.
         optimizer: its optimizer, restored on resume.
         step: a step variable saved beside them as ``step``, restored on resume.
@@ -263,7 +264,8 @@ class WarmStart(keras.callbacks.Callback):
         ])
 
     Args:
-        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
+        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens, or several
+            (a list or ``{pattern: source}``, as ``restorekit.scan`` takes them).
         backup_dir: the ``BackupAndRestore`` directory, if one is used.
         strict: raise IncompleteRestoreError when the warm start is incomplete.
         verbose: 1 prints the line and the report (as Keras callbacks print); 0 logs

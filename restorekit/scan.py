@@ -148,6 +148,8 @@ def scan(
             shape_policy pattern or vocab key matches nothing.
         AssignmentMapError: an assignment_map that cannot be applied.
         VocabularyError: a vocabulary file is missing, has duplicates, or does not fit.
+        InvalidArgumentError: several sources where a variable is taken by two source
+            patterns (NoMatchError: a source pattern takes none), raised before any is read.
 
     Example:
         >>> report = restorekit.scan('pretrained/model.ckpt-1000', exclude=['logits'])

@@ -124,7 +124,8 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
         AssignmentMapError: one checkpoint tensor feeds several variables (a Saver
             cannot); use ``warm_start`` for that.
         NoMatchError: nothing matched (an InvalidArgumentError, as before).
-        InvalidArgumentError: the report lost its variables.
+        InvalidArgumentError: the report lost its variables, or restores from several
+            sources (a Saver reads one checkpoint: ``source_savers`` gives one per source).
     """
     if len(report.sources) > 1:
         raise InvalidArgumentError(
