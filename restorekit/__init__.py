@@ -70,7 +70,8 @@ from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
 from restorekit.rules import KERAS_FROM_KERAS2, KERAS_FROM_TF1, Rules
 from restorekit.scan import scan
-from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, warm_start
+from restorekit.sources import From
+from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, source_savers, warm_start
 from restorekit.tf2 import restore
 
 __version__ = "0.1.0"
@@ -109,6 +110,7 @@ __all__ = [
     "CorruptCheckpointError",
     "EditError",
     "Entry",
+    "From",
     "EntryNotFoundError",
     "ExportResult",
     "ExternalDataError",
@@ -162,6 +164,7 @@ __all__ = [
     "interpolate",
     "layerwise_decay",
     "partial_saver",
+    "source_savers",
     "repair_graph",
     "restore",
     "resume_or_warm_start",

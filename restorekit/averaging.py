@@ -212,8 +212,9 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
             the first source's name).
         weights: one number per source (default: equal); normalized by their sum,
             which must be positive (a negative weight extrapolates).
-        include, exclude: patterns over entry names (``restorekit.names``): only
-            matching entries are averaged and written. A pattern that matches nothing is an error.
+        include: patterns over entry names (``restorekit.names``): only matching
+            entries are averaged and written. A pattern that matches nothing is an error.
+        exclude: patterns over entry names whose entries are left out.
         weights_only: leave out optimizer state, ``global_step`` and ``save_counter``
             (default), decided as ``convert(weights_only=True)`` decides it.
         intersection: average only the entries every source holds with the same

@@ -169,15 +169,15 @@ def tf1_initializer(report, record) -> None:
         mask = None
         if isinstance(policy, ShapeAdapter):
             # computed in numpy, like a callable policy's value, and embedded as a constant
-            raw = policy.adapt(Checkpoint(report.checkpoint).read(record.checkpoint_name), shape)
+            raw = policy.adapt(Checkpoint(report.source_of(record)).read(record.checkpoint_name), shape)
             value = tf.constant(raw.astype(dtype.as_numpy_dtype))
         elif callable(policy) and not isinstance(policy, VocabRemap):
-            raw = policy(Checkpoint(report.checkpoint).read(record.checkpoint_name), handle)
+            raw = policy(Checkpoint(report.source_of(record)).read(record.checkpoint_name), handle)
             raw = np.asarray(raw)
             _check_shape(raw.shape, shape, policy, record.variable_name)
             value = tf.constant(raw.astype(dtype.as_numpy_dtype))
         else:
-            stored = _read_op(tf, report.checkpoint, record)
+            stored = _read_op(tf, report.source_of(record), record)
             if isinstance(policy, VocabRemap):
                 value = _vocab(tf, policy, stored, shape, dtype)
             elif policy == CAST:
@@ -199,7 +199,7 @@ def tf1_copy_initializer(report, record) -> None:
     _check_graph_mode(tf)
     handle = live_handles(report)[record.variable_name]
     with tf.compat.v1.name_scope("restorekit_restore"):
-        _initialize_parts(tf, handle, tuple(record.shape), _read_op(tf, report.checkpoint, record), None)
+        _initialize_parts(tf, handle, tuple(record.shape), _read_op(tf, report.source_of(record), record), None)
 
 
 def _check_graph_mode(tf) -> None:

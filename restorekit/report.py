@@ -51,7 +51,12 @@ class Record:
     entry's readable path, ``'ema'`` / ``'ema_fallback'``, ``'policy'`` (a shape policy,
     vocabulary or cast). A skipped record: why, one of ``'not_included'``,
     ``'excluded'``, ``'not_in_assignment_map'``, ``'optimizer'``, ``'counter'``,
-    ``'rng'``, ``'ema_shadow'``, ``'raw_weights'``.
+    ``'rng'``, ``'ema_shadow'``, ``'raw_weights'``, ``'other_source'`` (an entry of one of
+    several sources whose variable restores from another). A missing record of a
+    several-source restore that no source pattern takes: ``'no_source'``.
+
+    ``source`` names the checkpoint a record comes from in a restore from several
+    sources (``restorekit.sources``); None when there is one (``RestoreReport.checkpoint``).
     """
 
     variable_name: str | None
@@ -63,6 +68,7 @@ class Record:
     reason: str = ""
     checkpoint_path: str | None = None
     how: tuple = ()
+    source: str | None = None
 
     def describe(self) -> str:
         name = self.variable_name if self.variable_name is not None else (self.checkpoint_path or self.checkpoint_name)
@@ -75,7 +81,7 @@ _KINDS = ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped
 HOW_MATCHED = ("name", "rule", "assignment_map", "object_graph", "position", "readable_path", "ema", "ema_fallback",
                "policy")
 HOW_SKIPPED = ("not_included", "excluded", "not_in_assignment_map", "optimizer", "counter", "rng", "ema_shadow",
-               "raw_weights")
+               "raw_weights", "other_source", "no_source")
 HOW = HOW_MATCHED + HOW_SKIPPED
 
 
@@ -92,7 +98,9 @@ class RestoreReport:
       (optimizer slot, global_step, excluded by a rule, EMA shadow or raw weights);
     * ``unused``: checkpoint entries nothing takes.
 
-    ``hints`` suggests fixes for near misses. A report is a value: it compares,
+    ``hints`` suggests fixes for near misses. ``sources`` lists the checkpoints of a
+    restore from several (each record's ``source`` names its own; ``checkpoint`` then
+    joins them with ' + '); it is empty for one. A report is a value: it compares,
     pickles and serializes to JSON without the live variables it was made from.
     """
 
@@ -105,6 +113,7 @@ class RestoreReport:
     skipped: tuple = ()
     unused: tuple = ()
     hints: tuple = ()
+    sources: tuple = ()
     # variable_name -> live variable (or list of partitions). Private: used by
     # partial_saver/warm_start to find the very variables scanned; never compared,
     # pickled or serialized.
@@ -114,6 +123,17 @@ class RestoreReport:
     _policies: dict = field(default=None, compare=False, repr=False)
 
     # -- values
+    def source_of(self, record: Record) -> str:
+        """The checkpoint ``record`` restores from: its ``source``, else the report's one checkpoint."""
+        return record.source or self.checkpoint
+
+    def by_source(self, records=None) -> dict:
+        """``{checkpoint: [records]}`` of ``records`` (default: the matched ones), in the sources' order."""
+        grouped = {}
+        for r in self.matched if records is None else records:
+            grouped.setdefault(self.source_of(r), []).append(r)
+        return grouped
+
     @property
     def is_complete(self) -> bool:
         """True when every variable in scope has a fitting entry (skips by choice are fine)."""
@@ -132,7 +152,8 @@ class RestoreReport:
         shown = 0
         for r in self.missing:
             if shown < 20:
-                lines.append(f"  missing     {r.variable_name} {format_shape(r.shape)} (looked for {r.checkpoint_name!r})")
+                looked = f"looked for {r.checkpoint_name!r}" if r.checkpoint_name is not None else r.reason
+                lines.append(f"  missing     {r.variable_name} {format_shape(r.shape)} ({looked})")
             shown += 1
         for r in self.shape_mismatched:
             if shown < 20:
@@ -155,9 +176,12 @@ class RestoreReport:
     def to_dict(self) -> dict:
         """Plain JSON-ready dict (shapes as lists)."""
         out = {"checkpoint": self.checkpoint, "num_variables": self.num_variables, "is_complete": self.is_complete}
+        if self.sources:
+            out["sources"] = list(self.sources)
         for kind in _KINDS:
             out[kind] = [
-                {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()}
+                {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(r).items()
+                 if k != "source" or self.sources}
                 for r in getattr(self, kind)
             ]
         out["by_position"] = [
@@ -221,6 +245,8 @@ class RestoreReport:
         ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))  # ties in a fixed order
         row("skipped", range(sum(reasons.values())), ", ".join(f"{reason} ({n})" for reason, n in ordered))
         row("unused", self.unused, listing(self.unused))
+        for prefix, records in self.by_source().items() if self.sources else ():
+            lines.append(f"  from {prefix}: {len(records)} matched")
         lines.extend(
             f"  by position: {r.variable_name} <- {r.checkpoint_path or r.checkpoint_name}" for r in self.by_position[:20]
         )

@@ -28,6 +28,7 @@ from restorekit.errors import (
 from restorekit.report import RestoreReport
 from restorekit.rundir import resume_point
 from restorekit.scan import scan
+from restorekit.sources import source_paths
 from restorekit.tf2 import restore
 from restorekit.trackables import object_graph_keys, tf_variable
 
@@ -112,7 +113,8 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     Args:
         directory: the run's ``tf.train.CheckpointManager`` (recommended), or its
             checkpoint directory (may not exist yet).
-        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
+        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens, or several
+            (a list or ``{pattern: source}``, as ``restorekit.scan`` takes them).
         model: the Keras model or tf.Module being trained.
         optimizer: its optimizer, restored on resume.
         step: a step variable saved beside them as ``step``, restored on resume.
@@ -140,7 +142,7 @@ def resume_or_warm_start(directory, pretrained, *, model, optimizer=None, step=N
     tf = import_tensorflow()
     manager = directory if isinstance(directory, tf.train.CheckpointManager) else None
     run = manager.directory if manager is not None else directory
-    point = resume_point(run, pretrained=pretrained) if run is not None else None
+    point = resume_point(run, pretrained=source_paths(pretrained)) if run is not None else None
     if point is not None:
         if manager is not None:
             checkpoint = manager.checkpoint
@@ -262,7 +264,8 @@ class WarmStart(keras.callbacks.Callback):
         ])
 
     Args:
-        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens.
+        pretrained: any checkpoint or Keras file ``restorekit.Checkpoint`` opens, or several
+            (a list or ``{pattern: source}``, as ``restorekit.scan`` takes them).
         backup_dir: the ``BackupAndRestore`` directory, if one is used.
         strict: raise IncompleteRestoreError when the warm start is incomplete.
         verbose: 1 prints the line and the report (as Keras callbacks print); 0 logs
@@ -297,19 +300,23 @@ class WarmStart(keras.callbacks.Callback):
             self._check_pretrained()
 
     def _check_pretrained(self) -> None:
-        if isinstance(self.pretrained, Checkpoint):
+        for pretrained in source_paths(self.pretrained):
+            self._check_one(pretrained)
+
+    def _check_one(self, pretrained) -> None:
+        if isinstance(pretrained, Checkpoint):
             return
         try:
-            Checkpoint(self.pretrained)
+            Checkpoint(pretrained)
         except (CheckpointNotFoundError, CorruptCheckpointError) as e:
             where = f"backup_dir {os.fspath(self.backup_dir)!r} holds no backup" if self.backup_dir is not None else (
                 "no backup_dir was given")
             message = (
-                f"WarmStart cannot start: pretrained {self.pretrained!r} is not readable ({e}) and {where}. "
+                f"WarmStart cannot start: pretrained {pretrained!r} is not readable ({e}) and {where}. "
                 f"Pass an existing checkpoint or Keras file as pretrained, or the backup_dir of a run to resume."
             )
             if isinstance(e, CheckpointNotFoundError):
-                raise CheckpointNotFoundError(message, str(self.pretrained)) from None
+                raise CheckpointNotFoundError(message, str(pretrained)) from None
             raise CorruptCheckpointError(message) from None
 
     def _say(self, text: str) -> None:

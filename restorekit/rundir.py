@@ -106,7 +106,7 @@ def resume_point(directory, *, pretrained=None) -> ResumePoint | None:
 
     Args:
         directory: the run's checkpoint directory (it may not exist yet).
-        pretrained: the checkpoint a fresh run warm-starts from; when it lies in
+        pretrained: the checkpoint (or a list of them) a fresh run warm-starts from; when one lies in
             ``directory`` it is not the run's own and is never resumed from.
 
     Returns:
@@ -124,7 +124,8 @@ def resume_point(directory, *, pretrained=None) -> ResumePoint | None:
     if not files.isdir(directory):
         return None
     named, others = _candidates(directory)
-    others = [p for p in others if not _same_prefix(p, pretrained)]
+    pretrained = pretrained if isinstance(pretrained, (list, tuple)) else [pretrained]  # several sources
+    others = [p for p in others if not any(_same_prefix(p, x) for x in pretrained)]
     outside = [p for p in named if statefile.is_outside(directory, p)]
     if outside:
         raise RunDirectoryError(

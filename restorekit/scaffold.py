@@ -13,7 +13,8 @@ from restorekit.report import live_handles, nothing_matched
 from restorekit.rundir import name_in_state_file, resume_point
 from restorekit.scan import scan
 from restorekit.targets import collect, flat_variables
-from restorekit.tf1 import build_initializer, partial_saver, restore_ops
+from restorekit.sources import source_paths
+from restorekit.tf1 import build_initializer, restore_ops, source_savers
 
 __all__ = ["easy_going_scaffold"]
 
@@ -47,7 +48,9 @@ def easy_going_scaffold(
     able to read ``checkpoint``.
 
     Args:
-        checkpoint: a Checkpoint or path (prefix, directory, SavedModel, ...).
+        checkpoint: a Checkpoint or path (prefix, directory, SavedModel, ...), or several
+            sources as ``restorekit.scan`` takes them (a list, or ``{pattern: source}``):
+            one initializer, and one Saver per TF source, each file read once.
         variables: as ``restorekit.scan`` takes; None means global variables.
         strict: raise IncompleteRestoreError (carrying the report) when anything is
             missing or mismatched.
@@ -76,7 +79,7 @@ def easy_going_scaffold(
     tf = import_tensorflow()
 
     tf1 = tf.compat.v1
-    point = resume_point(checkpoint_dir, pretrained=checkpoint) if checkpoint_dir is not None else None
+    point = resume_point(checkpoint_dir, pretrained=source_paths(checkpoint)) if checkpoint_dir is not None else None
     if point is not None:
         # The session restores everything from the prefix the state file names and runs
         # no init op or init_fn; so the state file must name the one decided here.
@@ -109,14 +112,14 @@ def easy_going_scaffold(
 
 
 def _restore_fn(report, saved):
-    """The Scaffold's ``init_fn``: a Saver over exactly ``saved`` restores them; None when there are none."""
+    """The Scaffold's ``init_fn``: a Saver per source over exactly ``saved`` restores them; None when there are none."""
     if not saved:
         return None
-    restore_saver = partial_saver(report)
-    prefix = report.checkpoint
+    savers = source_savers(report, saved)
 
     def init_fn(scaffold, session):
-        restore_saver.restore(session, prefix)
+        for prefix, restore_saver in savers.items():
+            restore_saver.restore(session, prefix)
 
     return init_fn
 

@@ -23,6 +23,7 @@ from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit.names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
+from restorekit.sources import is_several, scan_several
 from restorekit.targets import Target, collect
 from restorekit.trackables import is_trackable, object_graph_keys
 
@@ -91,7 +92,11 @@ def scan(
     """Plan a restore of ``checkpoint`` into ``variables``; build no ops.
 
     Args:
-        checkpoint: a ``Checkpoint`` or any path it accepts.
+        checkpoint: a ``Checkpoint`` or any path it accepts; or several sources: a list
+            (each variable from the first source holding its entry) or a mapping
+            ``{pattern over variable names: source}``, a source being a path or
+            ``restorekit.From(path, **options)`` with options of its own
+            (``restorekit.sources``). Records then name their ``source``.
         variables: None (default graph's global variables), a list of variables
             (ref, resource, partitioned, Keras 3), a ``{checkpoint_name: variable}``
             dict as a Saver takes, or a Keras model / tf.Module.
@@ -144,11 +149,18 @@ def scan(
             shape_policy pattern or vocab key matches nothing.
         AssignmentMapError: an assignment_map that cannot be applied.
         VocabularyError: a vocabulary file is missing, has duplicates, or does not fit.
+        InvalidArgumentError: several sources where a variable is taken by two source
+            patterns (NoMatchError: a source pattern takes none), raised before any is read.
 
     Example:
         >>> report = restorekit.scan('pretrained/model.ckpt-1000', exclude=['logits'])
         >>> print(report)
     """
+    if is_several(checkpoint):
+        shared = dict(assignment_map=assignment_map, include=include, exclude=exclude, skip_optimizer_slots=
+                      skip_optimizer_slots, include_global_step=include_global_step, ema=ema, rules=rules,
+                      shape_policy=shape_policy, dtype_policy=dtype_policy, vocab=vocab, match=match)
+        return scan_several(checkpoint, variables, shared, scan)
     ckpt = as_checkpoint(checkpoint)
     ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):

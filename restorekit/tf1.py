@@ -22,6 +22,7 @@ __all__ = [
     "partial_saver",
     "plain_records",
     "restore_ops",
+    "source_savers",
     "warm_start",
 ]
 
@@ -46,27 +47,34 @@ class RestoreOps:
 
 
 def restore_ops(report: RestoreReport) -> RestoreOps:
-    """Decide which matched records a Saver restores and which get checkpoint-reading initializers."""
-    plain = plain_records(report)
-    if _shared_tensors(plain) or detect(report.checkpoint) != "tf":
+    """Decide which matched records a Saver restores and which get checkpoint-reading initializers.
+
+    Per source (a report may restore from several): a Saver for a TF bundle's plain copies;
+    from another format, or where one tensor feeds several variables, reading initializers.
+    """
+    saved = []
+    for source, plain in report.by_source(plain_records(report)).items():
         # a Saver reads TF bundles only: from another format every record gets a reading initializer
-        return RestoreOps((), tuple(report.matched))
-    return RestoreOps(tuple(plain), tuple(r for r in report.matched if policy_of(report, r.variable_name) is not None))
+        if not _shared_tensors(plain) and detect(source) == "tf":
+            saved.extend(plain)
+    ids = {id(r) for r in saved}
+    return RestoreOps(tuple(saved), tuple(r for r in report.matched if id(r) not in ids))
 
 
 def build_initializer(report: RestoreReport, record) -> None:
     """Make ``record``'s variable initializer read its value from the checkpoint (through its policy, if any)."""
     tf = import_tensorflow()
 
+    source = report.source_of(record)
     if policy_of(report, record.variable_name) is not None:
         remap.tf1_initializer(report, record)
-    elif os.path.isdir(report.checkpoint) or detect(report.checkpoint) != "tf":
+    elif os.path.isdir(source) or detect(source) != "tf":
         # init_from_checkpoint would take this prefix for a directory holding a 'checkpoint' file,
         # and reads TF bundles only
         remap.tf1_copy_initializer(report, record)
     else:
         tf.compat.v1.train.init_from_checkpoint(
-            report.checkpoint, {record.checkpoint_name: live_handles(report)[record.variable_name]}
+            source, {record.checkpoint_name: live_handles(report)[record.variable_name]}
         )
 
 
@@ -88,9 +96,8 @@ def _same_graph_handles(report: RestoreReport) -> dict:
     return handles
 
 
-def _saver_var_list(report: RestoreReport) -> dict:
+def _saver_var_list(report: RestoreReport, plain: list) -> dict:
     handles = _same_graph_handles(report)
-    plain = plain_records(report)
     shared = _shared_tensors(plain)
     if shared:
         feeding = [r.variable_name for r in plain if r.checkpoint_name == shared[0]]
@@ -117,37 +124,64 @@ def partial_saver(report: RestoreReport, **saver_kwargs):
         AssignmentMapError: one checkpoint tensor feeds several variables (a Saver
             cannot); use ``warm_start`` for that.
         NoMatchError: nothing matched (an InvalidArgumentError, as before).
-        InvalidArgumentError: the report lost its variables.
+        InvalidArgumentError: the report lost its variables, or restores from several
+            sources (a Saver reads one checkpoint: ``source_savers`` gives one per source).
     """
-    tf = import_tensorflow()
-
-    fmt = detect(report.checkpoint)
-    if fmt != "tf":
+    if len(report.sources) > 1:
         raise InvalidArgumentError(
-            f"a Saver restores TF checkpoints only, and {report.checkpoint!r} is a {fmt} file; use "
-            "restorekit.warm_start(report) or restorekit.easy_going_scaffold, which read any format"
+            f"a Saver restores from one checkpoint, and this report restores from {len(report.sources)}; use "
+            "restorekit.source_savers(report) (a Saver per source), assign_from_checkpoint_fn(report), "
+            "warm_start(report) or easy_going_scaffold"
         )
-    var_list = _saver_var_list(report)
-    if not var_list:
+    savers = source_savers(report, plain_records(report), **saver_kwargs)
+    if not savers:
         if report.matched:
             raise InvalidArgumentError(
                 "every match goes through a shape policy or vocabulary remap, which a Saver cannot apply; "
                 "use restorekit.warm_start(report) or restorekit.easy_going_scaffold"
             )
         raise nothing_matched(report)
+    return next(iter(savers.values()))
+
+
+def source_savers(report: RestoreReport, records=None, **saver_kwargs) -> dict:
+    """``{checkpoint: Saver}``: one ``tf.compat.v1.train.Saver`` per source over its ``records``.
+
+    ``records`` defaults to the plain copies (``plain_records``); a report from several
+    sources restores with ``for path, saver in savers.items(): saver.restore(session, path)``,
+    each file read once.
+
+    Raises:
+        InvalidArgumentError: a source is not a TF checkpoint (a Saver reads only those).
+        AssignmentMapError: one checkpoint tensor feeds several variables.
+    """
+    tf = import_tensorflow()
+
+    grouped = report.by_source(plain_records(report) if records is None else records)
+    for source in grouped:
+        fmt = detect(source)
+        if fmt != "tf":
+            raise InvalidArgumentError(
+                f"a Saver restores TF checkpoints only, and {source!r} is a {fmt} file; use "
+                "restorekit.warm_start(report) or restorekit.easy_going_scaffold, which read any format"
+            )
+    var_lists = {source: _saver_var_list(report, plain) for source, plain in grouped.items()}
     saver_kwargs.setdefault("name", "restorekit_partial_saver")
-    return tf.compat.v1.train.Saver(var_list=var_list, **saver_kwargs)
+    return {source: tf.compat.v1.train.Saver(var_list=var_list, **saver_kwargs)
+            for source, var_list in var_lists.items() if var_list}
 
 
 def assign_from_checkpoint_fn(report: RestoreReport):
     """A callback ``fn(session)`` that restores the matched variables (tf-slim's word for it).
 
-    Builds its Saver now, so the graph can be finalized afterwards.
+    Builds its Saver now (one per source of a several-source report), so the graph can
+    be finalized afterwards.
     """
-    saver = partial_saver(report)
+    savers = {report.checkpoint: partial_saver(report)} if len(report.sources) <= 1 else source_savers(report)
 
     def restore(session):
-        saver.restore(session, report.checkpoint)
+        for source, saver in savers.items():
+            saver.restore(session, source)
 
     return restore
 

@@ -85,7 +85,7 @@ def _read_matched(tf, source: str, records: list) -> dict:
 
 
 def _nothing_matched(report) -> InvalidArgumentError:
-    if keras_files.is_keras_path(report.checkpoint) and report.missing:
+    if not report.sources and keras_files.is_keras_path(report.checkpoint) and report.missing:
         ckpt = keras_files.KerasCheckpoint(report.checkpoint)
         names = [r.variable_name for r in report.missing + report.shape_mismatched + report.dtype_mismatched]
         if not set(ckpt.layer_names) & {part for n in names for part in n.split("/")[:-1]}:
@@ -102,7 +102,8 @@ def restore(report, *, strict: bool = False):
     every replica, a ShardedVariable (ParameterServerStrategy) shard by shard.
 
     Args:
-        report: from ``restorekit.scan`` over a Keras model, tf.Module or TF2 variables.
+        report: from ``restorekit.scan`` over a Keras model, tf.Module or TF2 variables
+            (from one source or several: each file's matches are read together).
         strict: raise IncompleteRestoreError when anything is missing or mismatched.
 
     Returns:
@@ -129,12 +130,13 @@ def restore(report, *, strict: bool = False):
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
         raise _nothing_matched(report)
-    records = list(report.matched)
-    tensors = _read_matched(tf, report.checkpoint, records)
+    tensors = {}  # (source, checkpoint key) -> tensor: each source's matches read in one go
+    for source, records in report.by_source().items():
+        tensors.update(((source, k), v) for k, v in _read_matched(tf, source, records).items())
     values = []
-    for r in records:
+    for r in report.matched:
         handle = handles[r.variable_name]
-        value = tensors[r.checkpoint_name]
+        value = tensors[report.source_of(r), r.checkpoint_name]
         policy = policy_of(report, r.variable_name)
         if policy is not None:
             value = remap.eager_value(policy, r, value, handle)

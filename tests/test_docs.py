@@ -413,7 +413,64 @@ def check_deploy_onnx(ns, out):
     assert "trtexec --onnx=model.onnx --saveEngine=model.plan" in out
 
 
+def _two_sources():
+    """bert/model.ckpt (TF1 Saver: an encoder and a decoder) and gpt2.safetensors (restorekit-converted: a decoder)."""
+    rng = np.random.RandomState(0)
+    shapes = {"encoder/kernel": (4, 3), "encoder/bias": (3,), "decoder/kernel": (3, 2), "decoder/bias": (2,)}
+    bert = {name: rng.randn(*shape).astype(np.float32) for name, shape in shapes.items()}
+    gpt2 = {name: rng.randn(*shape).astype(np.float32) for name, shape in shapes.items() if name.startswith("decoder")}
+    save_variables("bert/model.ckpt", bert)
+    restorekit.convert(save_variables("gpt2_tf/model.ckpt", gpt2), "gpt2.safetensors")
+    return {**bert, **gpt2}, bert
+
+
+def setup_sources_tf1(tmp):
+    expected, bert = _two_sources()
+    graph = tf.Graph()
+    with graph.as_default():
+        for scope, shape in (("encoder", (4, 3)), ("decoder", (3, 2)), ("head", (2, 5))):
+            with tf1.variable_scope(scope):
+                tf1.get_variable("kernel", shape)
+                tf1.get_variable("bias", shape[1:], initializer=tf1.zeros_initializer())
+        tf1.train.get_or_create_global_step()
+    return {"_graph": graph, "tf": tf, "expected": expected, "bert": bert}
+
+
+def check_sources_tf1(ns, out):
+    assert "from bert/model.ckpt: 2 matched" in out and "from gpt2.safetensors: 2 matched" in out
+    for name, value in ns["expected"].items():
+        np.testing.assert_array_equal(ns["values"][name], value, err_msg=name)
+    # the list: the first source holding an entry wins (the decoder from bert, listed first)
+    assert {r.variable_name: r.source for r in ns["report"].matched}["decoder/kernel"] == "bert/model.ckpt"
+
+
+def setup_sources_keras(tmp):
+    import keras
+
+    expected, _ = _two_sources()
+
+    def model():
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(2, name="decoder")(keras.layers.Dense(3, name="encoder")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(5, name="head")(x))
+
+    donor = model()
+    donor.save_weights("decoder.weights.h5")
+    expected.update({"decoder/kernel": donor.get_layer("decoder").kernel.numpy(),
+                     "decoder/bias": donor.get_layer("decoder").bias.numpy()})
+    return {"model": model(), "expected": expected}
+
+
+def check_sources_keras(ns, out):
+    weights = {v.path: v.numpy() for v in ns["model"].weights}
+    for name, value in ns["expected"].items():
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
+    assert ns["report"].sources == ("bert/model.ckpt", "decoder.weights.h5")
+
+
 SETUPS = {
+    "sources-tf1": (setup_sources_tf1, check_sources_tf1),
+    "sources-keras": (setup_sources_keras, check_sources_keras),
     "scaffold": (setup_scaffold, check_scaffold),
     "tf1-partial": (setup_tf1_partial, check_tf1_partial),
     "finetune": (setup_finetune, check_finetune),

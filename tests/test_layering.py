@@ -26,6 +26,7 @@ LAYERS = [
      "export.safetensors", "export.torch", "export.torchfile", "export.npz", "export.sharded", "export.sources",
      "export.formats", "export.options", "export.hf"],
     ["trackables", "targets", "rules", "policies", "assignment", "hints"],
+    ["sources"],  # several sources: scanned one by one (scan passes itself in) and merged
     ["scan"],
     ["remap", "tf1", "tf2", "initializers", "distribute"],
     ["scaffold", "finetune", "resume"],

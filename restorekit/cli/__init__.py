@@ -5,7 +5,7 @@ Commands::
     restorekit inspect CKPT [--stats] [--filter PATTERN] [--tensor NAME] [--json]
     restorekit verify CKPT [--json]
     restorekit diff A B [--atol X] [--by key|path] [--json]
-    restorekit scan CKPT --meta-graph FILE.meta [--json]
+    restorekit scan CKPT [CKPT...] | --source PATTERN=PATH... --meta-graph FILE.meta [--json]
     restorekit rename CKPT OUT (--rule REGEX=REPL ... | --map FILE.json)
     restorekit strip CKPT OUT
     restorekit cast CKPT OUT --dtype DTYPE [--filter PATTERN]

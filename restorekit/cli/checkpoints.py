@@ -202,8 +202,27 @@ def _pairing(paired_by: str, forced) -> str:
 
 # ------------------------------------------------------------------ scan
 
+def _scan_sources(args):
+    """The positional checkpoints (a list) or the ``--source PATTERN=PATH`` pairs (a mapping)."""
+    if bool(args.checkpoint) == bool(args.source):
+        raise _Usage("pass the checkpoint(s) to restore from, or --source PATTERN=PATH pairs, not both")
+    if args.checkpoint:
+        return list(args.checkpoint)
+    pairs = [s.partition("=") for s in args.source]
+    bad = [s for s, (pattern, eq, path) in zip(args.source, pairs) if not (pattern and eq and path)]
+    if bad:
+        raise _Usage(f"--source takes PATTERN=PATH, got {bad[0]!r}")
+    patterns = [pattern for pattern, _, _ in pairs]
+    if len(set(patterns)) < len(patterns):
+        raise _Usage(f"--source names pattern {next(p for p in patterns if patterns.count(p) > 1)!r} twice")
+    return {pattern: path for pattern, _, path in pairs}
+
+
 def _scan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint to restore from")
+    p.add_argument("checkpoint", nargs="*", help="checkpoint to restore from; several: each variable from the first "
+                   "that holds its entry")
+    p.add_argument("--source", action="append", default=[], metavar="PATTERN=PATH",
+                   help="restore the variables PATTERN takes from PATH (repeat; instead of CHECKPOINT)")
     p.add_argument("--meta-graph", required=True, metavar="FILE.meta", help="the model's MetaGraph (.meta)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -214,7 +233,9 @@ def _scan(args) -> int:
     from restorekit.checkpoint import Checkpoint
     from restorekit.errors import CheckpointNotFoundError, GraphError
 
-    checkpoint = Checkpoint(args.checkpoint)  # fail fast, before importing TensorFlow
+    checkpoint = _scan_sources(args)
+    for path in checkpoint.values() if isinstance(checkpoint, dict) else checkpoint:
+        Checkpoint(path)  # fail fast, before importing TensorFlow
     if not os.path.isfile(args.meta_graph):
         raise CheckpointNotFoundError(f"no MetaGraph file at {args.meta_graph!r}", args.meta_graph)
     if args.meta_graph.endswith((".index", ".data-00000-of-00001")) or ".data-" in os.path.basename(args.meta_graph):
@@ -226,7 +247,8 @@ def _scan(args) -> int:
 
     with tf.Graph().as_default():
         import_meta_graph(args.meta_graph, clear_devices=True)  # repairs old TF 1.x graphs first
-        report = restorekit.scan(checkpoint, variables=tf.compat.v1.global_variables())
+        report = restorekit.scan(checkpoint if len(checkpoint) > 1 or isinstance(checkpoint, dict) else checkpoint[0],
+                                 variables=tf.compat.v1.global_variables())
     if args.json:
         _print_json(report.to_dict())
     else:
