@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import stat
+import threading
 import time
 import uuid
 import zlib
@@ -23,7 +26,8 @@ import zlib
 from restorekit.bundle.files import is_remote
 from restorekit.bundle.protos import decode_header
 from restorekit.bundle.table import read_table
-from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError, OutputExistsError
+from restorekit.errors import (CorruptCheckpointError, InvalidArgumentError, OutputError, OutputExistsError,
+                               RestoreKitError, WriteFailedError)
 
 try:
     import fcntl
@@ -42,6 +46,7 @@ __all__ = [
     "sweep_stale",
     "temp_name",
     "write_bytes",
+    "write_failed",
 ]
 
 _TMP_PREFIX = ".restorekit-tmp-"
@@ -170,29 +175,60 @@ def sweep_stale(directory: str) -> None:
                     os.remove(path)
 
 
+def _read_journal(staging: str) -> dict | None:
+    """``{name: identity or None}`` a dead commit's journal lists (None: it wrote none; its commit never began).
+
+    An identity is ``[device, inode]`` of the file the commit published or removed under
+    that name; journals written before identities were recorded give None for each.
+    """
+    try:
+        with open(os.path.join(staging, _JOURNAL)) as f:
+            journal = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(journal, list):  # the first format: names only
+        return {name: None for name in journal if isinstance(name, str)}
+    if not isinstance(journal, dict) or not isinstance(journal.get("entries"), list):
+        return None
+    out = {}
+    for entry in journal["entries"]:
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            out.setdefault(entry["name"], entry.get("id"))
+    return out
+
+
+def _remove_ours(directory: str, name: str, identity) -> None:
+    """Remove ``name`` when it still is the file the journal recorded there (any file, for an old journal)."""
+    path = os.path.join(directory, name)
+    if identity is not None and _identity(path) != list(identity):
+        return  # another program wrote that name since: not ours to remove
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
 def _remove_orphans(directory: str, staging: str) -> None:
     """Remove the visible files a writer killed mid-commit left that no index names.
 
     Its shards renamed before its index, or the old shards it was to remove after it
     (an in-place save), are data no checkpoint can reach; its journal lists every name
-    it touched. A shard stays whenever a live ``.index`` names it (the commit's own, if
-    it landed, or another writer's since); a Hugging Face or Keras shard, whenever its
-    ``*.safetensors.index.json`` / ``*.weights.json`` lists it; a ``config.json`` renamed ahead of its
-    weights, whenever any weights file the journal names is visible.
+    it touched and which file each name was. A shard stays whenever a live ``.index`` names it
+    (the commit's own, if it landed, or another writer's since); a Hugging Face or Keras shard,
+    whenever its ``*.safetensors.index.json`` / ``*.weights.json`` lists it (and a Keras set's
+    ``NAME_00000.weights.h5``, which Keras opens first whatever the index lists); a
+    ``config.json`` renamed ahead of its weights, whenever any weights file the journal names
+    is visible. A name that no longer means the file the journal recorded (another program
+    wrote it since) always stays.
     """
-    try:
-        with open(os.path.join(staging, _JOURNAL)) as f:
-            names = json.load(f)
-    except (OSError, ValueError):
+    names = _read_journal(staging)
+    if names is None:
         return  # it died before its commit began: nothing of it is visible
     counts: dict[str, int | None] = {}
-    for name in names:
+    for name, identity in names.items():
         json_shard = _HF_SHARD.fullmatch(name) or _KERAS_SHARD.fullmatch(name)
         if json_shard:
             index = json_shard.group(1) + (_HF_INDEX if name.endswith(".safetensors") else _KERAS_INDEX)
             if not _json_index_names(os.path.join(directory, index), name):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(directory, name))
+                _remove_ours(directory, name, identity)
             continue
         shard = _SHARD.fullmatch(name)
         prefix = shard.group(1) if shard else name[: -len(".meta")] if name.endswith(".meta") else None
@@ -202,24 +238,25 @@ def _remove_orphans(directory: str, staging: str) -> None:
             counts[prefix] = _shard_count(os.path.join(directory, prefix + ".index"))
         count = counts[prefix]
         if count is None or (shard is not None and count != -1 and int(shard.group(2)) != count):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
+            _remove_ours(directory, name, identity)
     _remove_orphan_companions(directory, names)
 
 
-def _remove_orphan_companions(directory: str, names: list) -> None:
+def _remove_orphan_companions(directory: str, names: dict) -> None:
     """Remove a dead commit's ``config.json`` when none of the weights its journal names (new or old) is visible."""
     companions = [n for n in names if n in _COMPANIONS]
     if not companions or any(os.path.exists(os.path.join(directory, n)) for n in names if n not in _COMPANIONS):
         return
     for name in companions:
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(directory, name))
+        _remove_ours(directory, name, names[name])
 
 
 def _json_index_names(index: str, name: str) -> bool:
     """True when the JSON index ``index`` (Hugging Face or Keras) names shard ``name`` in its
     ``weight_map`` (a Keras group may map to a list of shards), or cannot be read: keep it."""
+    if index.endswith(_KERAS_INDEX) and name == os.path.basename(index)[: -len(_KERAS_INDEX)] + "_00000.weights.h5":
+        if os.path.lexists(index):
+            return True  # Keras' loader opens NAME_00000.weights.h5 first, whatever the index lists
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
@@ -244,20 +281,24 @@ def _shard_count(index: str) -> int | None:
         return -1
 
 
+_OPEN_LOCK = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+# What a lock file holds: its holder's pid and a newline. A larger file at the lock's name is not one of ours.
+_LOCK_BYTES = 32
+
+
 def _remove_unheld_lock(path: str) -> None:
-    """Remove a lock file no process holds (its holder died); one that is held stays."""
+    """Remove a lock file no process holds (its holder died); one that is held stays, and so does
+    anything at a lock's name that is not a lock file (a link, a directory, a FIFO: never followed)."""
     if fcntl is None:  # pragma: no cover
         return
     try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, _OPEN_LOCK)
     except OSError:
         return
     try:
+        if _lock_problem(os.fstat(fd)) is not None:
+            return
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return
-    try:
         # Unlink only while holding it, and only if the name still means this file:
         # lockers re-check the name after locking, so none is left on an orphan.
         if _same_file(fd, path):
@@ -270,30 +311,95 @@ def _remove_unheld_lock(path: str) -> None:
 
 def _same_file(fd: int, path: str) -> bool:
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
+def _lock_problem(st: os.stat_result) -> str | None:
+    """Why the file at a lock's name is not a restorekit lock file, or None when it is one."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a file"
+        return f"is {kind}"
+    if st.st_nlink != 1:
+        return "is a hard link to another file"
+    if st.st_size > _LOCK_BYTES:
+        return f"holds {st.st_size} bytes, not a lock's pid"
+    return None
+
+
+# Names this filesystem allows (bytes); a longer lock name is shortened and keeps a hash of the full one.
+_NAME_MAX = 255
+
+
 def lock_path(prefix) -> str:
-    """The hidden lock file beside an output: ``dir/.model.ckpt.restorekit-lock``."""
+    """The hidden lock file beside an output: ``dir/.model.ckpt.restorekit-lock``.
+
+    For an output whose name leaves no room for the lock's dot and suffix (a legal 251-byte
+    name), the name is cut and a hash of the whole name added, so it stays within 255 bytes
+    and stays one output's.
+    """
     prefix = os.path.abspath(os.fspath(prefix))
-    return os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}{_LOCK_SUFFIX}")
+    base = os.path.basename(prefix)
+    name = f".{base}{_LOCK_SUFFIX}"
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) > _NAME_MAX:
+        digest = hashlib.sha256(base.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        keep = base.encode("utf-8", "surrogateescape")[:150].decode("utf-8", "ignore")
+        name = f".{keep}-{digest}{_LOCK_SUFFIX}"
+    return os.path.join(os.path.dirname(prefix), name)
 
 
 def _holder(fd: int) -> str:
     try:
-        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        pid = os.pread(fd, _LOCK_BYTES, 0).decode("ascii", "replace").strip()
     except OSError:  # pragma: no cover
         pid = ""
     return f" (pid {pid})" if pid.isdigit() else ""
 
 
+def _open_lock(path: str, prefix: str) -> int:
+    """Open (creating it) the lock file at ``path`` without following a link, and check it is a lock file.
+
+    Never ``O_TRUNC`` and never through a symlink: a lock name pointing at the source must not
+    shrink it. Anything but a small regular file at the name is refused, not waited on.
+    """
+    try:
+        fd = os.open(path, _OPEN_LOCK | os.O_CREAT, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            why = "is a symbolic link"
+        elif os.path.isdir(path):
+            why = "is a directory"
+        else:
+            raise write_failed(e, prefix) from None
+        raise _refused_lock(path, prefix, why) from None
+    try:
+        why = _lock_problem(os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    if why is not None:
+        os.close(fd)
+        raise _refused_lock(path, prefix, why)
+    return fd
+
+
+def _refused_lock(path: str, prefix: str, why: str) -> OutputError:
+    return OutputError(
+        f"cannot lock {prefix!r} for writing: its lock file {path!r} {why}, not a restorekit lock; "
+        "remove it and write again (restorekit never follows or truncates it)"
+    )
+
+
 def _acquire(path: str, prefix: str, wait: bool) -> int:
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        # A holder that just let go removes the directories it made once they are empty: make them again.
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = _open_lock(path, prefix)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -314,6 +420,55 @@ def _acquire(path: str, prefix: str, wait: bool) -> int:
         os.close(fd)
 
 
+# Locks this process holds: lock path -> (thread, depth). A thread that holds an output's lock
+# may take it again (convert holds it around the writer that commits); another thread may not.
+_HELD: dict[str, tuple[int, int]] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _reenter(path: str) -> bool:
+    with _HELD_GUARD:
+        held = _HELD.get(path)
+        if held is None or held[0] != threading.get_ident():
+            return False
+        _HELD[path] = (held[0], held[1] + 1)
+        return True
+
+
+def _leave(path: str) -> bool:
+    """One level less of this thread's hold; True when that was the last."""
+    with _HELD_GUARD:
+        ident, depth = _HELD[path]
+        if depth > 1:
+            _HELD[path] = (ident, depth - 1)
+            return False
+        del _HELD[path]
+        return True
+
+
+def make_directories(directory: str) -> list[str]:
+    """``os.makedirs(directory)``; return the directories it created, deepest first (to remove if nothing lands)."""
+    created = []
+    probe = os.path.abspath(directory)
+    while not os.path.lexists(probe):
+        created.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    os.makedirs(directory, exist_ok=True)
+    return created
+
+
+def remove_empty(directories) -> None:
+    """Remove the directories a failed write created, deepest first, each only if it is empty."""
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+
+
 @contextlib.contextmanager
 def output_lock(prefix, *, wait: bool = False):
     """Hold the one-writer-at-a-time lock of an output (a checkpoint prefix or a file).
@@ -324,9 +479,13 @@ def output_lock(prefix, *, wait: bool = False):
     An advisory ``flock`` on a hidden file beside the output
     (``.model.ckpt.restorekit-lock``, holding the holder's pid), removed on release.
     The kernel releases the lock when its holder dies, however it dies; the file it
-    leaves is removed by the next ``sweep_stale``. Not reentrant: a second
-    ``output_lock`` of the same output, even in the same process, waits or raises.
-    Remote (``gs://``...) outputs are not locked: object stores have no such locks.
+    leaves is removed by the next ``sweep_stale``. The lock file is opened without
+    following links and must be a small regular file (see ``_open_lock``). The thread
+    that holds a lock may take it again (every commit takes its output's lock, and a
+    caller such as ``convert`` holds it around the whole write); another thread or
+    process waits or raises. Directories made for the lock that hold nothing when it is
+    released (the write failed) are removed. Remote (``gs://``...) outputs are not
+    locked: object stores have no such locks.
 
     Args:
         wait: block until the other writer finishes instead of raising.
@@ -337,26 +496,66 @@ def output_lock(prefix, *, wait: bool = False):
     Raises:
         OutputExistsError: another process holds the lock and ``wait`` is False;
             ``.path`` is the output.
+        OutputError: something that is not a lock file is at the lock's name.
+        WriteFailedError: the lock file cannot be created (a read-only or unwritable directory).
     """
     prefix = os.fspath(prefix)
     if fcntl is None or is_remote(prefix):  # pragma: no cover - no advisory locks there
         yield None
         return
     path = lock_path(prefix)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = _acquire(path, prefix, wait)
+    if _reenter(path):
+        try:
+            yield path
+        finally:
+            _leave(path)
+        return
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        created = make_directories(os.path.dirname(path))
+    except OSError as e:
+        raise write_failed(e, prefix) from None
+    try:
+        fd = _acquire(path, prefix, wait)
+    except BaseException:
+        remove_empty(created)
+        raise
+    with _HELD_GUARD:
+        _HELD[path] = (threading.get_ident(), 1)
+    try:
+        try:
+            os.ftruncate(fd, 0)  # a regular file of at most a pid's bytes, ours (checked by _open_lock)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # a full disk: the lock holds without its pid
         yield path
     finally:
-        try:
-            if _same_file(fd, path):
-                os.remove(path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        if _leave(path):
+            try:
+                if _same_file(fd, path):
+                    os.remove(path)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+                remove_empty(created)
+
+
+def write_failed(error: BaseException, output) -> BaseException:
+    """The restorekit error a failure while writing ``output`` becomes: a ``WriteFailedError`` naming the
+    output and the cause, for an ``OSError`` or a library's ``RuntimeError`` (h5py, torch, safetensors);
+    restorekit's own errors, and everything else, as they are."""
+    if isinstance(error, RestoreKitError):
+        return error
+    if isinstance(error, OSError):
+        cause = error.strerror or str(error) or type(error).__name__
+    elif ((isinstance(error, RuntimeError) and not isinstance(error, (NotImplementedError, RecursionError)))
+          or type(error).__name__ == "SafetensorError"):
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    else:
+        return error
+    failed = WriteFailedError(path=os.fspath(output), cause=cause)
+    failed.errno = getattr(error, "errno", None)
+    return failed
 
 
 def remove_checkpoint_files(prefix) -> list[str]:
@@ -410,29 +609,39 @@ def atomic_output(path):
         with atomic_output('model.pb') as tmp:
             write(tmp)
 
+    The output's lock (``output_lock``) is held throughout. A failure while writing (disk
+    full, a read-only directory, a library's ``RuntimeError``) leaves as a
+    ``WriteFailedError`` naming ``path``, with the temporary file (and any directory
+    made for it) gone.
+
     Raises:
         OutputError: ``path`` is a directory (before anything is written).
+        OutputExistsError: another process is writing ``path``.
+        WriteFailedError: the write failed.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
         raise OutputError(f"output {path!r} is a directory; name a file")
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # A fresh random name the caller creates: not tempfile.mkstemp, whose files are
-    # 0600 (the output gets the permissions any new file gets), and not pre-created,
-    # because open(tmp, 'wb') on an existing file truncates it, and ext4 then flushes
-    # the whole file when it is closed (auto_da_alloc), which made exports ~3x slower.
-    # The name carries our pid, so a writer killed here leaves nothing sweep_stale keeps.
-    sweep_stale(directory)
-    tmp = temp_name(path)
-    try:
-        yield tmp
-        crash_point("before-replace")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with output_lock(path):
+        # A fresh random name the caller creates: not tempfile.mkstemp, whose files are
+        # 0600 (the output gets the permissions any new file gets), and not pre-created,
+        # because open(tmp, 'wb') on an existing file truncates it, and ext4 then flushes
+        # the whole file when it is closed (auto_da_alloc), which made exports ~3x slower.
+        # The name carries our pid, so a writer killed here leaves nothing sweep_stale keeps.
+        sweep_stale(directory)
+        tmp = temp_name(path)
+        try:
+            yield tmp
+            crash_point("before-replace")
+            os.replace(tmp, path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            failed = write_failed(e, path)
+            if failed is not e:
+                raise failed from e
+            raise
 
 
 def write_bytes(path, data: bytes) -> None:
@@ -444,25 +653,57 @@ def write_bytes(path, data: bytes) -> None:
     fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
+def _identity(path: str) -> list | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
 class Staging:
     """A hidden temporary directory inside ``directory`` holding files until ``commit``.
 
-        with Staging('out') as st:
+        with Staging('out', output='out/model') as st:
             write(st.path('out/model.index'))
             st.commit()          # renames every file into 'out/', the .index last
 
-    Leaving the block without ``commit`` (an error) removes everything staged.
+    ``output`` is what the commit publishes (a prefix, a file, an index): its lock
+    (``output_lock``) is held from here until the commit or abort. Leaving the block
+    without ``commit`` (an error, Ctrl-C) removes everything staged; a failure while
+    writing leaves as a ``WriteFailedError`` naming ``output``.
+
+    Raises:
+        OutputExistsError: another process is writing ``output``.
+        WriteFailedError: the directory cannot be made or written.
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, output):
         self.directory = os.path.abspath(directory or ".")
-        os.makedirs(self.directory, exist_ok=True)
-        sweep_stale(self.directory)
-        self.tmpdir = os.path.join(self.directory, _tmp_base())
-        os.mkdir(self.tmpdir)
+        self.output = os.fspath(output)
+        self._lock = output_lock(self.output)
+        self._lock.__enter__()
+        try:
+            self._created = make_directories(self.directory)
+            sweep_stale(self.directory)
+            self.tmpdir = os.path.join(self.directory, _tmp_base())
+            os.mkdir(self.tmpdir)
+        except BaseException as e:
+            self._release()
+            failed = write_failed(e, self.output)
+            if failed is not e:
+                raise failed from e
+            raise
         crash_point("staging-made")
         self._finals: dict[str, str] = {}
+        self._journal_written = False
+        self._asides: list[str] = []
         self.committed = False
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
     def path(self, final: str) -> str:
         """The temporary path that becomes ``final`` on commit (same directory only)."""
@@ -473,6 +714,33 @@ class Staging:
         self._finals[tmp] = final
         return tmp
 
+    def set_aside(self, index: str, text: str, links: dict) -> None:
+        """Keep a set being replaced whole under other names while the new one takes its names.
+
+        Each ``old -> aside`` of ``links`` is hard-linked (or copied), then ``text`` (the old
+        index rewritten to name the asides) replaces ``index`` in one rename: the old set is
+        visible all along, and the new shards can then be renamed over the old names. The
+        asides are journalled first (a kill leaves nothing the sweep cannot remove) and
+        removed once the new index is in place.
+        """
+        asides = list(links.values())
+        self._asides = asides
+        self._write_journal(list(self._finals), [], asides)
+        for old, aside in links.items():
+            crash_point("before-aside-link")
+            link_or_copy(old, aside)
+        self._write_journal(list(self._finals), [], asides)  # now with the asides' identities
+        tmp = os.path.join(self.tmpdir, ".restorekit-aside-index")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_directory(self.directory)
+        crash_point("before-aside-index")
+        os.replace(tmp, index)
+        fsync_directory(self.directory)
+        crash_point("after-aside-index")
+
     def commit(self, *, remove_before=(), remove_after=()) -> None:
         """Rename staged files into place in the order staged, ``.index`` files last.
 
@@ -481,6 +749,9 @@ class Staging:
 
         A checkpoint appears when its index does, so a crash at any point leaves the old
         checkpoint, the new one, or none, never an index over shards it did not write.
+        An exception (Ctrl-C included) part-way through removes what this commit made
+        visible that no index names, as the next writer's sweep would after a kill; the
+        journal that lists it goes last.
 
         Args:
             remove_before: files of a checkpoint being overwritten, its ``.index`` first;
@@ -490,13 +761,22 @@ class Staging:
                 shards); deleted once the new index is in place.
         """
         crash_point("commit-start")
+        try:
+            self._publish(list(remove_before), [*remove_after, *self._asides])
+        except BaseException:
+            self._roll_back()
+            raise
+        finally:
+            self._release()
+
+    def _publish(self, remove_before: list, remove_after: list) -> None:
         staged = [t for t in self._finals if os.path.exists(t)]
         for tmp in staged:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         finals = set(self._finals.values())
         indexes = [self._finals[t] for t in staged if _is_index(t)]
-        if any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
+        if not self._asides and any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
             # A shard is about to replace one an existing index points at: that index
             # goes first, or a crash before the new index lands would show the old
             # index over new shards, a checkpoint that is neither.
@@ -520,23 +800,64 @@ class Staging:
         self.committed = True
         for old in remove_after:
             if old not in finals and os.path.exists(old):
+                crash_point("before-remove-after")
                 os.remove(old)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        _remove_tree(self.tmpdir)
+
+    def _roll_back(self) -> None:
+        """After an exception mid-commit: what the sweep does after a kill, here and now."""
+        if self._journal_written:
+            with contextlib.suppress(OSError):
+                _remove_orphans(self.directory, self.tmpdir)
+        _remove_tree(self.tmpdir)
 
     def _write_journal(self, staged, remove_before, remove_after) -> None:
-        # If this process is killed half-way, sweep_stale reads which names it touched.
-        names = [os.path.basename(self._finals[t]) for t in staged]
-        names += [os.path.basename(p) for p in (*remove_before, *remove_after)
-                  if os.path.dirname(os.path.abspath(p)) == self.directory]
-        with open(os.path.join(self.tmpdir, _JOURNAL), "w") as f:
-            json.dump(names, f)
+        # If this process is killed half-way, sweep_stale reads which names it touched, each with
+        # the identity (device, inode) of the file it publishes or removes there: the sweep removes
+        # a name only while it still means that file, never one another program wrote since.
+        entries = [{"name": os.path.basename(self._finals[t]), "id": _identity(t)} for t in staged]
+        entries += [{"name": os.path.basename(p), "id": _identity(p)} for p in (*remove_before, *remove_after)
+                    if os.path.dirname(os.path.abspath(p)) == self.directory]
+        tmp = os.path.join(self.tmpdir, _JOURNAL + ".new")
+        with open(tmp, "w") as f:
+            json.dump({"version": 2, "entries": entries}, f)
+        os.replace(tmp, os.path.join(self.tmpdir, _JOURNAL))
+        self._journal_written = True
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        try:
+            if getattr(self, "tmpdir", None) is not None:
+                self._roll_back() if self._journal_written else _remove_tree(self.tmpdir)
+            remove_empty(getattr(self, "_created", []))
+        finally:
+            self._release()
 
     def __enter__(self) -> "Staging":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if not self.committed:
             self.abort()
+        if exc is not None:
+            failed = write_failed(exc, self.output)
+            if failed is not exc:
+                raise failed from exc
+
+
+def _remove_tree(tmpdir: str) -> None:
+    """Remove a staging directory, its journal last: interrupted here, it still tells the sweep what to remove."""
+    try:
+        names = os.listdir(tmpdir)
+    except OSError:
+        return
+    for name in sorted(names, key=lambda n: n == _JOURNAL):
+        path = os.path.join(tmpdir, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+        except OSError:
+            pass
+    with contextlib.suppress(OSError):
+        os.rmdir(tmpdir)

@@ -265,7 +265,7 @@ def publish_file(out, write, *, texts: dict) -> ExportResult:
     An existing ``out`` is removed first, so a crash never shows old weights beside a new ``config.json``.
     """
     final = os.path.abspath(os.fspath(out))
-    with atomic.Staging(os.path.dirname(final)) as staging:
+    with atomic.Staging(os.path.dirname(final), output=final) as staging:
         extra = stage_texts(staging, texts)
         result = write(staging.path(final))
         staging.commit(remove_before=[final] if os.path.exists(final) else [])
@@ -279,7 +279,7 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
     directory, paths, index = output_files(out, len(parts))
     results = []
     weight_map = {}
-    with atomic.Staging(directory) as staging:
+    with atomic.Staging(directory, output=output_files(out, 1)[1][0]) as staging:
         extra = stage_texts(staging, texts)
         for k, (path, part) in enumerate(zip(paths, parts), 1):
             result = write_one(staging.path(path), part)

@@ -267,7 +267,7 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
     directory = os.path.dirname(index)
     shards = shard_paths(index, len(parts))
     weight_map: dict = {}
-    with atomic.Staging(directory) as staging:
+    with atomic.Staging(directory, output=index) as staging:
         for i, (path, part) in enumerate(zip(shards, parts)):
             part_attrs = {g: a for g, a in (attrs or {}).items() if starts.get(_vars_owner(g), 0) == i}
             _write_h5(staging.path(path), [(k, tensors[k]) for k in part], part_attrs)
