@@ -30,6 +30,7 @@ from restorekit.errors import (
     RestoreKitWarning,
     UnknownVariableError,
     VocabularyError,
+    WriteFailedError,
 )
 # compress imports TensorFlow and LiteRT only inside its functions, so this import stays cheap;
 # importing it here (not on first use) keeps `restorekit.compress` the function, never the module.
@@ -128,6 +129,7 @@ __all__ = [
     "VerifyResult",
     "VocabRemap",
     "VocabularyError",
+    "WriteFailedError",
     "WarmStart",
     "assign_from_checkpoint_fn",
     "compress",
