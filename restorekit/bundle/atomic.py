@@ -176,10 +176,11 @@ def sweep_stale(directory: str) -> None:
 
 
 def _read_journal(staging: str) -> dict | None:
-    """``{name: identity or None}`` a dead commit's journal lists (None: it wrote none; its commit never began).
+    """``{name: identities or None}`` a dead commit's journal lists (None: it wrote none; its commit never began).
 
-    An identity is ``[device, inode]`` of the file the commit published or removed under
-    that name; journals written before identities were recorded give None for each.
+    An identity is ``[device, inode]`` of a file the commit published or removed under that
+    name (the new one, and an old one it was to replace); journals written before identities
+    were recorded give None for each name.
     """
     try:
         with open(os.path.join(staging, _JOURNAL)) as f:
@@ -190,17 +191,18 @@ def _read_journal(staging: str) -> dict | None:
         return {name: None for name in journal if isinstance(name, str)}
     if not isinstance(journal, dict) or not isinstance(journal.get("entries"), list):
         return None
-    out = {}
+    out: dict = {}
     for entry in journal["entries"]:
         if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            out.setdefault(entry["name"], entry.get("id"))
+            ids = out.setdefault(entry["name"], [])
+            ids.extend(i for i in entry.get("ids", ()) if isinstance(i, list))
     return out
 
 
-def _remove_ours(directory: str, name: str, identity) -> None:
-    """Remove ``name`` when it still is the file the journal recorded there (any file, for an old journal)."""
+def _remove_ours(directory: str, name: str, identities) -> None:
+    """Remove ``name`` when it still is a file the journal recorded there (any file, for an old journal)."""
     path = os.path.join(directory, name)
-    if identity is not None and _identity(path) != list(identity):
+    if identities is not None and _identity(path) not in identities:
         return  # another program wrote that name since: not ours to remove
     with contextlib.suppress(OSError):
         os.remove(path)
@@ -688,16 +690,20 @@ class Staging:
             sweep_stale(self.directory)
             self.tmpdir = os.path.join(self.directory, _tmp_base())
             os.mkdir(self.tmpdir)
+            crash_point("staging-made")
         except BaseException as e:
+            if os.path.isdir(getattr(self, "tmpdir", "")):
+                _remove_tree(self.tmpdir)
+            remove_empty(getattr(self, "_created", []))
             self._release()
             failed = write_failed(e, self.output)
             if failed is not e:
                 raise failed from e
             raise
-        crash_point("staging-made")
         self._finals: dict[str, str] = {}
         self._journal_written = False
         self._asides: list[str] = []
+        self._set_aside_ids: dict = {}
         self.committed = False
 
     def _release(self) -> None:
@@ -725,9 +731,14 @@ class Staging:
         """
         asides = list(links.values())
         self._asides = asides
+        # The old files under the names the new shards take are ours to remove too, once set aside.
+        self._set_aside_ids = {old: _identity(old) for old in links}
+        self._set_aside_ids.update({aside: _identity(old) for old, aside in links.items()})  # a link: the same file
         self._write_journal(list(self._finals), [], asides)
         for old, aside in links.items():
             crash_point("before-aside-link")
+            if os.path.lexists(aside):
+                raise OutputError(f"cannot keep {old!r} aside as {aside!r}: that name is taken")
             link_or_copy(old, aside)
         self._write_journal(list(self._finals), [], asides)  # now with the asides' identities
         tmp = os.path.join(self.tmpdir, ".restorekit-aside-index")
@@ -815,9 +826,10 @@ class Staging:
         # If this process is killed half-way, sweep_stale reads which names it touched, each with
         # the identity (device, inode) of the file it publishes or removes there: the sweep removes
         # a name only while it still means that file, never one another program wrote since.
-        entries = [{"name": os.path.basename(self._finals[t]), "id": _identity(t)} for t in staged]
-        entries += [{"name": os.path.basename(p), "id": _identity(p)} for p in (*remove_before, *remove_after)
-                    if os.path.dirname(os.path.abspath(p)) == self.directory]
+        entries = [{"name": os.path.basename(self._finals[t]),
+                    "ids": [i for i in (_identity(t), self._set_aside_ids.get(self._finals[t])) if i]} for t in staged]
+        entries += [{"name": os.path.basename(p), "ids": [i for i in (_identity(p), self._set_aside_ids.get(p)) if i]}
+                    for p in (*remove_before, *remove_after) if os.path.dirname(os.path.abspath(p)) == self.directory]
         tmp = os.path.join(self.tmpdir, _JOURNAL + ".new")
         with open(tmp, "w") as f:
             json.dump({"version": 2, "entries": entries}, f)

@@ -246,9 +246,11 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
     ``sizes``: key -> bytes as Keras counts them (``keras_size``). Every file is staged in a
     hidden directory beside ``index``, then published shards first and the index last.
     ``replace``: the files of a set being replaced; shards that are not in the new set are
-    removed once the new index is in place. When a new shard takes the name of an existing
-    file, the old index is removed first: a crash then leaves no set rather than an old
-    index over new shards.
+    removed once the new index is in place. When a new shard takes the name of a shard the
+    old index lists (an in-place save; Keras' loader needs ``NAME_00000.weights.h5``, so the
+    names cannot all be new), the old set is first re-published under free shard names
+    (hard links, and its index rewritten to name them, in one rename): at every point the
+    old set or the new one is whole, and the links go once the new index is in place.
 
     Returns:
         The index and shard paths written.
@@ -284,11 +286,47 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
                           indent=4)
         with open(staging.path(index), "w", encoding="utf-8") as f:  # staged last: Staging renames in this order
             f.write(text)
-        taken = [p for p in shards if os.path.exists(p)]
         old = [os.path.abspath(p) for p in replace]
-        staging.commit(remove_before=[index] if taken and os.path.exists(index) else [],
-                       remove_after=[p for p in old if p not in shards and p != index])
+        remove_after = [p for p in old if p not in shards and p != index]
+        aside = _asides(index, shards, old)
+        if aside:
+            # New shards take names the old index lists: the old set is first re-published under other
+            # names (linked, and its index rewritten to name them), so it stays whole until the new index lands.
+            staging.set_aside(index, _renamed_index(index, aside), aside)
+        staging.commit(remove_after=remove_after)
     return (index, *shards)
+
+
+def _asides(index: str, shards: list, old: list) -> dict:
+    """``{old shard: free name}`` for the old set's shards that a new shard's name would replace, when the old
+    index is in place; each free name is a shard name of the same set (``NAME_0000K.weights.h5``, numbered past
+    every shard there), so the sweep and the reader take it as one."""
+    if not os.path.exists(index):
+        return {}
+    taken = [p for p in old if p in shards and p != index and os.path.exists(p)]
+    if not taken:
+        return {}
+    directory = os.path.dirname(index)
+    stem = os.path.basename(shard_paths(index, 1)[0])[: -len("00000.weights.h5")]
+    try:
+        listed = os.listdir(directory)
+    except OSError:  # an unlistable directory: set_aside refuses a name that is taken
+        listed = []
+    numbers = [int(n[len(stem):len(stem) + 5]) for n in listed
+               if n.startswith(stem) and re.fullmatch(r"\d{5}\.weights\.h5", n[len(stem):])]
+    start = max([*numbers, len(shards) - 1, len(old)]) + 1
+    return {p: os.path.join(directory, f"{stem}{start + k:05d}.weights.h5") for k, p in enumerate(taken)}
+
+
+def _renamed_index(index: str, aside: dict) -> str:
+    """The old index's text with each shard ``aside`` moves named by its new name."""
+    with open(index, encoding="utf-8") as f:
+        content = json.load(f)
+    names = {os.path.basename(a): os.path.basename(b) for a, b in aside.items()}
+    weight_map = content.get("weight_map", {})
+    for group, value in weight_map.items():
+        weight_map[group] = [names.get(v, v) for v in value] if isinstance(value, list) else names.get(value, value)
+    return json.dumps(content, indent=4)
 
 
 def write_order(keys) -> list[str]:
