@@ -178,7 +178,7 @@ def sweep_stale(directory: str) -> None:
 def _read_journal(staging: str) -> dict | None:
     """``{name: identities or None}`` a dead commit's journal lists (None: it wrote none; its commit never began).
 
-    An identity is ``[device, inode]`` of a file the commit published or removed under that
+    An identity is ``[device, inode, size, mtime]`` of a file the commit published or removed under that
     name (the new one, and an old one it was to replace); journals written before identities
     were recorded give None for each name.
     """
@@ -656,11 +656,12 @@ def write_bytes(path, data: bytes) -> None:
 
 
 def _identity(path: str) -> list | None:
+    """What tells the file at ``path`` from another written there since: device, inode, size, mtime."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return [st.st_dev, st.st_ino]
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 class Staging:
@@ -824,7 +825,7 @@ class Staging:
 
     def _write_journal(self, staged, remove_before, remove_after) -> None:
         # If this process is killed half-way, sweep_stale reads which names it touched, each with
-        # the identity (device, inode) of the file it publishes or removes there: the sweep removes
+        # the identity (device, inode, size, mtime) of the file it publishes or removes there: the sweep removes
         # a name only while it still means that file, never one another program wrote since.
         entries = [{"name": os.path.basename(self._finals[t]),
                     "ids": [i for i in (_identity(t), self._set_aside_ids.get(self._finals[t])) if i]} for t in staged]

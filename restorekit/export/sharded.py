@@ -215,8 +215,8 @@ def previous_files(out) -> list[str]:
     stem = os.path.basename(single)[: -len(".safetensors")]
     try:
         names = os.listdir(directory)
-    except OSError:
-        return []
+    except OSError:  # a directory that can be written but not listed: what can be asked for by name
+        return [p for p in (os.path.join(directory, stem + INDEX_SUFFIX), single) if os.path.lexists(p)]
     index = [os.path.join(directory, stem + INDEX_SUFFIX)] if stem + INDEX_SUFFIX in names else []
     shards = sorted(os.path.join(directory, n) for n in names
                     if (m := _SHARD.fullmatch(n)) and m.group("stem") == stem)
@@ -277,6 +277,10 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
     shards next, the index (or the single file) last."""
     old = check_output(out, overwrite=overwrite)
     directory, paths, index = output_files(out, len(parts))
+    if not overwrite:  # each name asked for itself: a directory that cannot be listed hides nothing
+        taken = [p for p in (*paths, index) if p is not None and os.path.lexists(p)]
+        if taken:
+            raise OutputExistsError(path=taken[0])
     results = []
     weight_map = {}
     with atomic.Staging(directory, output=output_files(out, 1)[1][0]) as staging:

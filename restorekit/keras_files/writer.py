@@ -19,6 +19,7 @@ than the limit refused, and the index ``NAME.weights.json`` naming each group's 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -154,13 +155,41 @@ def _add_member(archive, like: zipfile.ZipInfo, data, size: int, compress_type: 
         shutil.copyfileobj(data, out, _COPY_BUFFER)
 
 
+# HDF5 metadata a file holds besides its datasets' bytes (a bound for the room check below).
+_H5_SLACK, _H5_PER_DATASET = 64 << 10, 4 << 10
+
+
+def _room(path: str) -> tuple[int | None, str]:
+    """Bytes a file at ``path`` may grow to (the smaller of the file-size limit and the free space), and why."""
+    import resource
+
+    limits = []
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft, f"File too large (the file-size limit, ulimit -f, is {soft} bytes)"))
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        limits.append((st.f_bavail * st.f_frsize, "No space left on device"))
+    except OSError:
+        pass
+    return min(limits) if limits else (None, "")
+
+
 def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
     from restorekit.keras_files import _h5py
 
+    # HDF5 cannot take a failed write: h5py crashes the process (SIGSEGV) closing a file whose write failed
+    # (EFBIG, ENOSPC). So each dataset is checked to fit before it is written, with room for the metadata
+    # written at close; a write that would not fit is refused as the write error it would have been.
+    room, why = _room(path)
+    needed = _H5_SLACK
     h5py = _h5py()
     with h5py.File(path, "w") as f:
         for i, (key, array) in enumerate(tensors):
             array = np.asarray(array() if callable(array) else array)
+            needed += array.nbytes + _H5_PER_DATASET
+            if room is not None and needed > room:
+                raise OSError(errno.EFBIG if why.startswith("File") else errno.ENOSPC, why, path)
             bfloat16 = array.dtype.name == "bfloat16"
             ds = f.create_dataset(key, data=array)
             if bfloat16:
