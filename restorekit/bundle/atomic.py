@@ -732,9 +732,7 @@ class Staging:
         """
         asides = list(links.values())
         self._asides = asides
-        # The old files under the names the new shards take are ours to remove too, once set aside.
-        self._set_aside_ids = {old: _identity(old) for old in links}
-        self._set_aside_ids.update({aside: _identity(old) for old, aside in links.items()})  # a link: the same file
+        self._set_aside_ids = {aside: _identity(old) for old, aside in links.items()}  # a link: the same file
         self._write_journal(list(self._finals), [], asides)
         for old, aside in links.items():
             crash_point("before-aside-link")
@@ -827,8 +825,9 @@ class Staging:
         # If this process is killed half-way, sweep_stale reads which names it touched, each with
         # the identity (device, inode, size, mtime) of the file it publishes or removes there: the sweep removes
         # a name only while it still means that file, never one another program wrote since.
+        # A staged file's name also takes the file there now, which the commit replaces anyway.
         entries = [{"name": os.path.basename(self._finals[t]),
-                    "ids": [i for i in (_identity(t), self._set_aside_ids.get(self._finals[t])) if i]} for t in staged]
+                    "ids": [i for i in (_identity(t), _identity(self._finals[t])) if i]} for t in staged]
         entries += [{"name": os.path.basename(p), "ids": [i for i in (_identity(p), self._set_aside_ids.get(p)) if i]}
                     for p in (*remove_before, *remove_after) if os.path.dirname(os.path.abspath(p)) == self.directory]
         tmp = os.path.join(self.tmpdir, _JOURNAL + ".new")
