@@ -1,6 +1,6 @@
 """kill -9 harness: every restorekit writer, SIGKILLed at each crash point and at random times (issue 11).
 
-    python benchmarks/kill_harness.py [--width N] [--random K] [--only WRITER] [--keep]
+    python benchmarks/kill_harness.py [--width N] [--random K] [--only WRITER] [--signal INT] [--keep]
 
 Each writer runs in a child process (``python -c``, importing TensorFlow only where the
 writer needs it). The child is killed either where ``atomic.crash_point`` pauses it
@@ -811,14 +811,15 @@ def leftovers(directory: str) -> list[str]:
 # ---------------------------------------------------------------- the sweep
 
 
-def sweep(sources: Sources, root: str, writers, *, randoms: int, seed: int = 0, log=print) -> list[Result]:
+def sweep(sources: Sources, root: str, writers, *, randoms: int, seed: int = 0, log=print,
+          sig: int = signal.SIGKILL) -> list[Result]:
     results = []
     rng = random.Random(seed)
     for writer in writers:
         points, seconds = trace(sources, writer, os.path.join(root, writer.name, "trace"))
         log(f"{writer.name}: {len(points)} crash points, {seconds * 1000:.1f} ms writing")
         for k, point in enumerate(points):
-            results.append(run_case(sources, writer, os.path.join(root, writer.name, f"p{k}"), point=point))
+            results.append(run_case(sources, writer, os.path.join(root, writer.name, f"p{k}"), point=point, sig=sig))
         for k in range(randoms):
             delay = rng.uniform(0, seconds)
             results.append(run_case(sources, writer, os.path.join(root, writer.name, f"r{k}"), delay=delay))
@@ -850,6 +851,8 @@ def main(argv=None) -> int:
     parser.add_argument("--random", type=int, default=10, help="random-time kills per writer")
     parser.add_argument("--only", action="append", choices=sorted(BY_NAME), help="only this writer (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--signal", choices=["KILL", "INT", "TERM"], default="KILL",
+                        help="the signal sent at each crash point (INT: Ctrl-C, which must leave nothing itself)")
     parser.add_argument("--keep", action="store_true", help="keep the case directories")
     opts = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -863,7 +866,8 @@ def main(argv=None) -> int:
         start = time.monotonic()
         sources = make_sources(os.path.join(root, "sources"), width=opts.width)
         writers = [BY_NAME[n] for n in opts.only] if opts.only else WRITERS
-        results = sweep(sources, os.path.join(root, "cases"), writers, randoms=opts.random, seed=opts.seed)
+        results = sweep(sources, os.path.join(root, "cases"), writers, randoms=opts.random, seed=opts.seed,
+                        sig=getattr(signal, "SIG" + opts.signal))
         print()
         print(table(results))
         print(f"\n{len(results)} kills in {time.monotonic() - start:.0f} s (width {opts.width}, seed {opts.seed})")
