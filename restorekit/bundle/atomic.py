@@ -467,7 +467,7 @@ class Staging:
         fsync_directory(self.directory)
         crash_point("after-aside-index")
 
-    def commit(self, *, remove_before=(), remove_after=()) -> None:
+    def commit(self, *, remove_before=(), remove_after=(), index_first: bool = True) -> None:
         """Rename staged files into place in the order staged, ``.index`` files last.
 
         Files staged first are renamed first: a Hugging Face ``config.json`` staged before
@@ -485,24 +485,27 @@ class Staging:
                 one, or neither, and never a mix.
             remove_after: files the new index no longer needs (an in-place save's old
                 shards); deleted once the new index is in place.
+            index_first: when a staged shard would replace an existing file, remove the
+                existing index first (it might name that file). False when the caller
+                knows no old index names a file a new shard replaces (``set_aside``).
         """
         crash_point("commit-start")
         try:
-            self._publish(list(remove_before), [*remove_after, *self._asides])
+            self._publish(list(remove_before), [*remove_after, *self._asides], index_first)
         except BaseException:
             self._roll_back()
             raise
         finally:
             self._release()
 
-    def _publish(self, remove_before: list, remove_after: list) -> None:
+    def _publish(self, remove_before: list, remove_after: list, index_first: bool) -> None:
         staged = [t for t in self._finals if os.path.exists(t)]
         for tmp in staged:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         finals = set(self._finals.values())
         indexes = [self._finals[t] for t in staged if _is_index(t)]
-        if not self._asides and any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
+        if index_first and any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
             # A shard is about to replace one an existing index points at: that index
             # goes first, or a crash before the new index lands would show the old
             # index over new shards, a checkpoint that is neither.

@@ -317,12 +317,14 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
             f.write(text)
         old = [os.path.abspath(p) for p in replace]
         remove_after = [p for p in old if p not in shards and p != index]
-        aside = _asides(index, shards, old)
+        named = set_files(index)[:-1] if os.path.exists(index) else []
+        aside = _asides(index, shards, named)
         if aside:
             # New shards take names the old index lists: the old set is first re-published under other
             # names (linked, and its index rewritten to name them), so it stays whole until the new index lands.
             staging.set_aside(index, _renamed_index(index, aside), aside)
-        staging.commit(remove_after=remove_after)
+        # Every file the old index names is out of the new shards' way now: it stays until the new index lands.
+        staging.commit(remove_after=remove_after, index_first=False)
     return (index, *shards)
 
 
@@ -332,7 +334,7 @@ def _asides(index: str, shards: list, old: list) -> dict:
     every shard there), so the sweep and the reader take it as one."""
     if not os.path.exists(index):
         return {}
-    taken = [p for p in old if p in shards and p != index and os.path.exists(p)]
+    taken = [p for p in old if p in shards and p != index and os.path.exists(p)]  # old: the shards it names
     if not taken:
         return {}
     directory = os.path.dirname(index)
