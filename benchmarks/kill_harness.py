@@ -1,6 +1,6 @@
 """kill -9 harness: every restorekit writer, SIGKILLed at each crash point and at random times (issue 11).
 
-    python benchmarks/kill_harness.py [--width N] [--random K] [--only WRITER] [--keep]
+    python benchmarks/kill_harness.py [--width N] [--random K] [--only WRITER] [--signal INT] [--keep]
 
 Each writer runs in a child process (``python -c``, importing TensorFlow only where the
 writer needs it). The child is killed either where ``atomic.crash_point`` pauses it
@@ -120,6 +120,10 @@ def _fives(s) -> dict:
     return {BIAS: np.full(s.width, 5, np.float32)}
 
 
+def _keras_fives(s) -> dict:
+    return {"layers/dense_1/vars/1": np.full(s.width, 5, np.float32)}
+
+
 def _cast(values: dict) -> dict:
     import ml_dtypes
 
@@ -179,6 +183,13 @@ WRITERS = [
            old=lambda s: s.values),
     Writer("convert-weights-h5", "import restorekit\nready()\nrestorekit.convert(args['src'], args['out'])\n",
            "keras", "keras", lambda s: s.keras_values, out="out/model.weights.h5"),
+    # A Keras 3 sharded set edited in place: new shards take the old names (Keras opens NAME_00000 first),
+    # so the old set is re-published under free names before they land; old or new whole at every point.
+    Writer("keras-sharded-in-place",
+           _EDITOR + "ed.set('layers/dense_1/vars/1', np.full(args['width'], 5, np.float32))\nready()\n"
+           "ed.save_in_place()\n",
+           "keras-in-place", "keras-sharded", lambda s: _edited(s.keras_values, sets=_keras_fives(s)),
+           out="src/model.weights.json", old=lambda s: s.keras_values),
     Writer("import-safetensors",
            "import restorekit\nready()\nrestorekit.import_checkpoint(args['src'], args['out'])\n",
            "tf", "safetensors", lambda s: s.values),
@@ -218,6 +229,7 @@ class Sources:
             "ckpt": os.path.join(self.root, "ckpt", "model.ckpt"),
             "gpt2": os.path.join(self.root, "gpt2", "model.ckpt"),
             "keras": os.path.join(self.root, "keras", "model.weights.h5"),
+            "keras-sharded": os.path.join(self.root, "keras-sharded", "model.weights.json"),
             "safetensors": os.path.join(self.root, "safetensors", "model.safetensors"),
             "many": os.path.join(self.root, "many", "many.npz"),
             "frozen": os.path.join(self.root, "frozen", "frozen.pb"),
@@ -244,6 +256,7 @@ def make_sources(root: str, *, width: int = 8, layers: int = 4, many: int = 40) 
     np.savez(os.path.join(root, "many", "many.npz"), **many_values)
     frozen_values = _frozen_graph(os.path.join(root, "frozen", "frozen.pb"), rng, width)
     keras_values = _keras_weights(os.path.join(root, "keras", "model.weights.h5"), rng, width)
+    _keras_sharded(os.path.join(root, "keras-sharded", "model.weights.json"), keras_values)
     hf_values, hf_config = _gpt2(os.path.join(root, "gpt2", "model.ckpt"), rng, width)
     return Sources(root, width, values, many_values, frozen_values, keras_values, hf_values, hf_config)
 
@@ -266,6 +279,28 @@ def _keras_weights(path: str, rng, width: int) -> dict:
         for layer in ("dense", "dense_1"):
             f[f"layers/{layer}/vars"].attrs["name"] = layer
     return values
+
+
+def _keras_sharded(index: str, values: dict) -> None:
+    """The same weights as a Keras 3 sharded set, one shard per top group (as Keras' ShardedH5IOStore lays it
+    out: ``model_0000N.weights.h5`` and ``model.weights.json`` naming each ``vars`` group's shard), with h5py."""
+    import h5py
+
+    os.makedirs(os.path.dirname(index))
+    groups = {"layers/dense/vars": 0, "layers/dense_1/vars": 1, "optimizer/vars": 2}
+    weight_map = {}
+    for group, k in groups.items():
+        name = f"model_{k:05d}.weights.h5"
+        with h5py.File(os.path.join(os.path.dirname(index), name), "w") as f:
+            for key, value in values.items():
+                if key.startswith(group + "/"):
+                    f.create_dataset(key, data=value)
+            if group.startswith("layers/"):
+                f[group].attrs["name"] = group.split("/")[1]
+        weight_map["/" + group] = name
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": float(sum(v.nbytes for v in values.values()))},
+                   "weight_map": weight_map}, f, indent=4)
 
 
 def _gpt2(prefix: str, rng, width: int) -> tuple[dict, dict]:
@@ -366,7 +401,7 @@ def _stderr(case: str) -> str:
         return f.read().decode(errors="replace")[-3000:]
 
 
-def _kill_at(proc: subprocess.Popen, point: str, marker: str, case: str) -> None:
+def _kill_at(proc: subprocess.Popen, point: str, marker: str, case: str, sig: int = signal.SIGKILL) -> None:
     deadline = time.monotonic() + CHILD_TIMEOUT
     while not os.path.exists(marker):
         if proc.poll() is not None:
@@ -377,8 +412,13 @@ def _kill_at(proc: subprocess.Popen, point: str, marker: str, case: str) -> None
             raise HarnessError(f"the writer did not reach {point!r} in {CHILD_TIMEOUT:.0f} s")
         time.sleep(0.002)
     # The marker is written before the pause begins; the pid in it is the writer's.
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(proc.pid, sig)
+    try:
+        proc.wait(timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise HarnessError(f"the writer did not exit after signal {sig} at {point!r}") from None
 
 
 def _wait_ready(proc: subprocess.Popen, case: str) -> None:
@@ -433,20 +473,28 @@ def _prepare(sources: Sources, writer: Writer, args: dict) -> None:
 
 
 def run_case(sources: Sources, writer: Writer, case: str, *, point: str | None = None,
-             delay: float | None = None) -> Result:
-    """Run ``writer`` in a child under ``case`` (a new directory), kill it, and check what it left."""
+             delay: float | None = None, sig: int = signal.SIGKILL) -> Result:
+    """Run ``writer`` in a child under ``case`` (a new directory), kill it, and check what it left.
+
+    ``sig``: the signal sent at ``point``. After SIGINT (Ctrl-C: a KeyboardInterrupt in the
+    writer) the writer itself must leave nothing behind, before any next write sweeps.
+    """
     os.makedirs(case)
     args = _args(sources, writer, case)
     _prepare(sources, writer, args)
     before = _digest(args["src"], writer)
     if point is not None:
         marker = os.path.join(case, "reached")
-        _kill_at(_spawn(writer, args, case, **{HOOK: f"{point}:{marker}"}), point, marker, case)
-        kill, outcome = point, "killed"
+        _kill_at(_spawn(writer, args, case, **{HOOK: f"{point}:{marker}"}), point, marker, case, sig)
+        kill, outcome = point if sig == signal.SIGKILL else f"{point}+{signal.Signals(sig).name}", "killed"
     else:
         outcome = _kill_after(_spawn(writer, args, case), delay, case)
         kill = f"random+{delay * 1000:.1f}ms"
     problems: list[str] = []
+    if sig == signal.SIGINT:
+        for directory in sorted({os.path.dirname(args["src"]), os.path.dirname(args["out"])}):
+            if os.path.isdir(directory):
+                problems.extend(f"after Ctrl-C: {p}" for p in leftovers(directory))
     output = check(sources, writer, args, before, problems)
     return Result(writer.name, kill, outcome, output, problems)
 
@@ -485,7 +533,7 @@ def _source_files(src: str, writer: Writer) -> list[str]:
 
 
 def _digest(src: str, writer: Writer) -> dict | None:
-    if writer.output == "in-place":
+    if writer.output in ("in-place", "keras-in-place"):
         return None
     result = {}
     for path in _source_files(src, writer):
@@ -500,6 +548,8 @@ def check(sources: Sources, writer: Writer, args: dict, before: dict | None, pro
     if writer.output == "in-place":
         output = _check_checkpoint(args["src"], writer.expect(sources), writer.old(sources), problems,
                                    must_exist=True)
+    elif writer.output == "keras-in-place":
+        output = _check_keras_set(args["src"], writer.expect(sources), writer.old(sources), problems)
     else:
         after = _digest(args["src"], writer)
         if after != before:
@@ -557,6 +607,31 @@ def _check_checkpoint(prefix: str, want: dict, old: dict | None, problems: list,
     if old is not None and _equal(got, old) is None:
         return "old"
     problems.append(f"{prefix!r} holds neither the new nor the old values: {differs}")
+    return "mixed"
+
+
+def _check_keras_set(index: str, want: dict, old: dict, problems: list) -> str:
+    """A Keras sharded set edited in place: its index there, every shard it names whole (and the
+    ``NAME_00000.weights.h5`` Keras' loader opens first), holding the old values or the new ones."""
+    from restorekit.checkpoint import Checkpoint
+
+    if not os.path.exists(index):
+        problems.append(f"{index!r} is gone")
+        return "absent"
+    first = index[: -len(".weights.json")] + "_00000.weights.h5"
+    if not os.path.exists(first):
+        problems.append(f"{os.path.basename(first)!r}, which Keras opens first, is gone")
+    try:
+        ckpt = Checkpoint(index)
+        got = {key: ckpt.read(key) for key in ckpt.entries}
+    except Exception as e:  # a visible set that does not read is what the harness looks for
+        problems.append(f"{index!r} does not read: {type(e).__name__}: {e}")
+        return "broken"
+    if _equal(got, want) is None:
+        return "complete"
+    if _equal(got, old) is None:
+        return "old"
+    problems.append(f"{index!r} holds neither the new nor the old values: {_equal(got, want)}")
     return "mixed"
 
 
@@ -666,6 +741,27 @@ def next_write(sources: Sources, directory: str) -> None:
 
 _SHARD = re.compile(r"(.+)\.data-(\d{5})-of-(\d{5})")
 _HF_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
+_KERAS_SHARD = re.compile(r"(.+)_(\d{5})\.weights\.h5")
+
+
+def _keras_orphans(directory: str, names: set) -> list[str]:
+    """Keras shards that no ``*.weights.json`` beside them lists (but ``NAME_00000``, which Keras opens first)."""
+    found = []
+    for name in sorted(names):
+        match = _KERAS_SHARD.fullmatch(name)
+        if match is None:
+            continue
+        index = match.group(1) + ".weights.json"
+        listed = set()
+        if index in names:
+            if match.group(2) == "00000":
+                continue
+            with open(os.path.join(directory, index)) as f:
+                for value in json.load(f)["weight_map"].values():
+                    listed.update(value if isinstance(value, list) else [value])
+        if name not in listed:
+            found.append(f"orphan {name}")
+    return found
 
 
 def _hf_orphans(directory: str, names: set) -> list[str]:
@@ -709,20 +805,21 @@ def leftovers(directory: str) -> list[str]:
                                   if prefix + ".index" in names else None)
             if counts[prefix] is None or (shard and int(shard.group(3)) != counts[prefix]):
                 found.append(f"orphan {name}")
-    return found + _hf_orphans(directory, names) + _orphan_config(names)
+    return found + _hf_orphans(directory, names) + _keras_orphans(directory, names) + _orphan_config(names)
 
 
 # ---------------------------------------------------------------- the sweep
 
 
-def sweep(sources: Sources, root: str, writers, *, randoms: int, seed: int = 0, log=print) -> list[Result]:
+def sweep(sources: Sources, root: str, writers, *, randoms: int, seed: int = 0, log=print,
+          sig: int = signal.SIGKILL) -> list[Result]:
     results = []
     rng = random.Random(seed)
     for writer in writers:
         points, seconds = trace(sources, writer, os.path.join(root, writer.name, "trace"))
         log(f"{writer.name}: {len(points)} crash points, {seconds * 1000:.1f} ms writing")
         for k, point in enumerate(points):
-            results.append(run_case(sources, writer, os.path.join(root, writer.name, f"p{k}"), point=point))
+            results.append(run_case(sources, writer, os.path.join(root, writer.name, f"p{k}"), point=point, sig=sig))
         for k in range(randoms):
             delay = rng.uniform(0, seconds)
             results.append(run_case(sources, writer, os.path.join(root, writer.name, f"r{k}"), delay=delay))
@@ -754,6 +851,8 @@ def main(argv=None) -> int:
     parser.add_argument("--random", type=int, default=10, help="random-time kills per writer")
     parser.add_argument("--only", action="append", choices=sorted(BY_NAME), help="only this writer (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--signal", choices=["KILL", "INT", "TERM"], default="KILL",
+                        help="the signal sent at each crash point (INT: Ctrl-C, which must leave nothing itself)")
     parser.add_argument("--keep", action="store_true", help="keep the case directories")
     opts = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -767,7 +866,8 @@ def main(argv=None) -> int:
         start = time.monotonic()
         sources = make_sources(os.path.join(root, "sources"), width=opts.width)
         writers = [BY_NAME[n] for n in opts.only] if opts.only else WRITERS
-        results = sweep(sources, os.path.join(root, "cases"), writers, randoms=opts.random, seed=opts.seed)
+        results = sweep(sources, os.path.join(root, "cases"), writers, randoms=opts.random, seed=opts.seed,
+                        sig=getattr(signal, "SIG" + opts.signal))
         print()
         print(table(results))
         print(f"\n{len(results)} kills in {time.monotonic() - start:.0f} s (width {opts.width}, seed {opts.seed})")

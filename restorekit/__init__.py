@@ -36,6 +36,7 @@ from restorekit.errors import (
     RunDirectoryError,
     UnknownVariableError,
     VocabularyError,
+    WriteFailedError,
 )
 # compress imports TensorFlow and LiteRT only inside its functions, so this import stays cheap;
 # importing it here (not on first use) keeps `restorekit.compress` the function, never the module.
@@ -146,6 +147,7 @@ __all__ = [
     "VerifyResult",
     "VocabRemap",
     "VocabularyError",
+    "WriteFailedError",
     "WarmStart",
     "assign_from_checkpoint_fn",
     "average",

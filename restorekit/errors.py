@@ -24,7 +24,8 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     ├── RunDirectoryError              (ValueError)         a run directory no restart may resume from
     ├── OutputError                    (OSError)            an output that cannot be written safely
     │   ├── OutputExistsError          (FileExistsError)    output would overwrite the source
-    │   └── InsufficientSpaceError                          not enough free disk
+    │   ├── InsufficientSpaceError                          not enough free disk
+    │   └── WriteFailedError                                writing failed (disk full, read-only, ...); nothing left
     ├── GraphError                     (ValueError)         not a graph, truncated, unusable
     │   ├── GraphTooLargeError                              over the 2 GB protobuf limit
     │   └── CompressionError                                a converter refuses the model, or it moved too far
@@ -70,6 +71,7 @@ __all__ = [
     "RunDirectoryError",
     "UnknownVariableError",
     "VocabularyError",
+    "WriteFailedError",
 ]
 
 
@@ -255,6 +257,22 @@ class OutputExistsError(OutputError, FileExistsError):
 
 class InsufficientSpaceError(OutputError):
     """Not enough free disk space for the output."""
+
+
+class WriteFailedError(OutputError):
+    """Writing an output failed part-way (disk full, file too large, read-only, permission, a library's
+    error); what was staged is gone and the source is untouched.
+
+    ``path`` is the output; ``cause`` says what failed (an ``OSError``'s ``strerror``, or
+    the library's message); ``errno`` is the ``OSError``'s, when there was one.
+    """
+
+    def __init__(self, message: str | None = None, *, path=None, cause: str = ""):
+        self.path = None if path is None else str(path)
+        self.cause = cause
+        if message is None:
+            message = f"could not write {self.path!r}: {cause or 'the write failed'}; nothing was left behind"
+        Exception.__init__(self, message)
 
 
 class GraphError(RestoreKitError, ValueError):

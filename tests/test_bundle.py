@@ -28,6 +28,7 @@ from restorekit.errors import (
     InvalidArgumentError,
     NameCollisionError,
     OutputError,
+    WriteFailedError,
 )
 
 tf1 = tf.compat.v1
@@ -87,7 +88,7 @@ def test_bad_arguments_to_the_format_are_invalid_argument_errors(call, message):
 
 
 def test_staging_refuses_a_path_outside_its_directory(tmp_path):
-    with atomic.Staging(str(tmp_path / "out")) as staging:
+    with atomic.Staging(str(tmp_path / "out"), output=str(tmp_path / "out" / "m")) as staging:
         with pytest.raises(InvalidArgumentError, match="not in the staging directory"):
             staging.path(str(tmp_path / "elsewhere" / "m.index"))
     assert files_in(tmp_path / "out") == []
@@ -248,7 +249,7 @@ def test_atomic_output_gives_normal_permissions_and_refuses_a_directory(tmp_path
     os.mkdir(tmp_path / "out")
     with pytest.raises(OutputError, match="is a directory"):
         atomic.write_bytes(str(tmp_path / "out"), b"graph")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(WriteFailedError, match="half.pb.*killed halfway"):  # a library's RuntimeError, worded
         with atomic.atomic_output(str(tmp_path / "half.pb")) as tmp:
             open(tmp, "wb").write(b"half")
             raise RuntimeError("killed halfway")

@@ -1006,12 +1006,27 @@ def test_an_entry_whose_metadata_cannot_be_right_is_never_copied(tmp_path, how, 
 def test_save_waits_for_no_one_a_second_writer_gets_output_exists(small_checkpoint, tmp_path):
     from restorekit.bundle import atomic
 
+    import threading
+
     prefix, _ = small_checkpoint
     out = str(tmp_path / "out" / "model")
     os.makedirs(os.path.dirname(out))
-    with atomic.output_lock(out):  # another writer is between its exists-check and its rename
+    ready, stop = threading.Event(), threading.Event()
+
+    def other_writer():  # between its exists-check and its rename (the thread that holds a lock may retake it)
+        with atomic.output_lock(out):
+            ready.set()
+            stop.wait(60)
+
+    holder = threading.Thread(target=other_writer)
+    holder.start()
+    try:
+        assert ready.wait(30)
         with pytest.raises(OutputExistsError, match="another restorekit process") as info:
             CheckpointEditor(prefix).save(out)
+    finally:
+        stop.set()
+        holder.join(30)
     assert info.value.path == out
     assert not os.path.exists(out + ".index")
     CheckpointEditor(prefix).save(out)  # free again

@@ -432,3 +432,29 @@ def test_unfreeze_of_a_frozen_graph_without_weight_constants_is_an_error(tmp_pat
     hint = "lower it, or pass a list of node names" if weights == "large" else "Pass weights='large'"
     assert hint in str(info.value)
     assert not out.exists() or os.listdir(out) == []
+
+
+def test_unfreeze_refuses_an_output_another_writer_holds(frozen, tmp_path):
+    """One writer per output (issue 22): unfreeze's commit takes the output's lock, as the editor's saves do."""
+    import threading
+
+    from restorekit.bundle import atomic
+
+    prefix = str(tmp_path / "out" / "model.ckpt")
+    ready, stop = threading.Event(), threading.Event()
+
+    def hold():
+        with atomic.output_lock(prefix):
+            ready.set()
+            stop.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert ready.wait(30)
+        with pytest.raises(OutputExistsError, match="another restorekit process"):
+            unfreeze(frozen.path, prefix, trainable_graph=True)
+        assert _files(tmp_path / "out") == [".model.ckpt.restorekit-lock"]  # the holder's lock only
+    finally:
+        stop.set()
+        holder.join(30)

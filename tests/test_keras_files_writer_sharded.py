@@ -140,3 +140,41 @@ def test_a_renamed_layer_in_a_set(saved):
     np.testing.assert_array_equal(after["enc9/kernel"], before["enc1/kernel"])
     with pytest.raises(EditError):
         CheckpointEditor(tmp / "k.weights.json").rename("enc9/kernel", "enc1/kernel")
+
+
+@pytest.mark.parametrize("point", ["after-aside-index", "rename-k_00000.weights.h5", "before-index-rename"])
+def test_keras_loads_the_old_set_after_a_kill_inside_save_in_place(saved, point):
+    """issue 22: the new shards take the old names (Keras opens NAME_00000 first), so the old set is re-published
+    under free names before they land; killed at any point until the new index lands, Keras loads the old weights,
+    and the next write sweeps the asides."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    before, tmp = saved
+    marker = tmp / "reached"
+    code = ("import numpy as np\nfrom restorekit.edit import CheckpointEditor\n"
+            f"ed = CheckpointEditor({str(tmp / 'k.weights.json')!r})\n"
+            "ed.set('enc1/bias', np.ones(32, np.float32))\ned.save_in_place()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", code],
+                             env={**os.environ, "PYTHONPATH": root, "RESTOREKIT_CRASH_HOOK": f"{point}:{marker}"})
+    deadline = time.monotonic() + 300  # guards a hung child only
+    while not marker.exists():
+        assert child.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    marker.unlink()
+    for path, value in loaded(tmp / "k.weights.json").items():
+        np.testing.assert_array_equal(value, before[path], err_msg=path)
+    CheckpointEditor(tmp / "m.weights.h5").save(tmp / "next.weights.h5")  # the next write in the folder sweeps
+    index = json.loads((tmp / "k.weights.json").read_text())["weight_map"]
+    named = {n for v in index.values() for n in ([v] if isinstance(v, str) else v)}
+    assert set(shards(tmp, "k")) == named | {"k_00000.weights.h5"}  # the old set (maybe under its aside names)
+    assert not [n for n in os.listdir(tmp) if n.startswith(".")]
+    CheckpointEditor(tmp / "k.weights.json").save_in_place()  # and the next in-place save gives Keras' names back
+    assert shards(tmp, "k") == ["k_00000.weights.h5", "k_00001.weights.h5"]
+    for path, value in loaded(tmp / "k.weights.json").items():
+        np.testing.assert_array_equal(value, before[path], err_msg=path)

@@ -56,6 +56,10 @@ POINTS = {
     "convert-hf-overwrite": ["shard-4-staged", *COMMIT[:2], "rename-config.json",
                              "rename-model-00002-of-00004.safetensors", *COMMIT[2:]],
     "convert-weights-h5": ["tensor-0", "tensor-8", "before-replace"],
+    # Old shards linked aside and the old index re-pointed at them before the new shards take their names.
+    "keras-sharded-in-place": ["keras-shard-1-staged", "before-aside-link", "before-aside-index", "after-aside-index",
+                               "commit-start", "rename-model_00000.weights.h5", "rename-model_00002.weights.h5",
+                               "before-index-rename", "after-index-rename", "before-remove-after"],
     "import-safetensors": ["tensor-0", "tensor-5", "index-written", ONE[0], *COMMIT[2:]],
     "bundle-writer": ["tensor-0", "tensor-13", "tensor-26", "tensor-39", "index-written", ONE[0], *COMMIT[2:]],
     # Imports TensorFlow in the child (~5 s each): a few points only.
@@ -82,10 +86,11 @@ def sources(tmp_path_factory):
 
 def expected_output(writer: kh.Writer, point: str) -> str:
     """What a kill at ``point`` must leave: no output yet, the old one, or the new one complete."""
-    landed = point in ("after-index-rename", "before-state-file") or (writer.state_file and point == "before-replace")
+    landed = point in ("after-index-rename", "before-state-file", "before-remove-after") or (
+        writer.state_file and point == "before-replace")
     if landed:
         return "complete"
-    if writer.output == "in-place":
+    if writer.output in ("in-place", "keras-in-place"):
         return "old"
     if writer.old is not None:
         # An overwrite deletes the old output (its index first) just before renaming the new one in.
@@ -103,6 +108,26 @@ def test_the_sweep_covers_at_least_100_kill_points_over_every_writer():
 def test_kill_at_a_crash_point(sources, tmp_path, writer, point):
     writer = kh.BY_NAME[writer]
     result = kh.run_case(sources, writer, str(tmp_path / "case"), point=point)
+    assert result.problems == []
+    assert result.output == expected_output(writer, point)
+
+
+# Ctrl-C (SIGINT: a KeyboardInterrupt in the writer) and SIGTERM at points inside a commit: after Ctrl-C the
+# writer itself leaves no orphan, temporary or lock (run_case checks before the next write); SIGTERM ends the
+# process as a kill does, and the next write sweeps.
+SIGNALLED = [("keras-sharded-in-place", p) for p in ("after-aside-index", "rename-model_00001.weights.h5",
+                                                     "before-index-rename")]
+SIGNALLED += [("convert-hf-shards", "rename-model-00002-of-00003.safetensors"), ("convert-hf-shards", "before-index-rename"),
+              ("save-in-place", LINKED[1]), ("save-overwrite", TWO[1]), ("convert-hf-rules", "rename-config.json")]
+SIGNAL_CASES = [(w, p, sig) for w, p in SIGNALLED for sig in ("SIGINT", "SIGTERM")]
+
+
+@pytest.mark.parametrize("writer, point, sig", SIGNAL_CASES, ids=[f"{w}@{p}+{s}" for w, p, s in SIGNAL_CASES])
+def test_ctrl_c_or_sigterm_inside_a_commit(sources, tmp_path, writer, point, sig):
+    import signal
+
+    writer = kh.BY_NAME[writer]
+    result = kh.run_case(sources, writer, str(tmp_path / "case"), point=point, sig=getattr(signal, sig))
     assert result.problems == []
     assert result.output == expected_output(writer, point)
 

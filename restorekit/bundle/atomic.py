@@ -4,7 +4,9 @@
 must appear as one: no library renames a *set* of files. The ``.index`` is what makes a
 checkpoint exist (every reader, TF's too, starts from it), so it is renamed last, and
 whatever it replaces keeps working until that single ``os.replace``. ``atomic_output``
-does it for one file (an exported ``.safetensors``, a frozen ``.pb``).
+does it for one file (an exported ``.safetensors``, a frozen ``.pb``). Both hold the output's
+lock (``restorekit.bundle.locking``) throughout, and a failure while writing leaves them as a
+``WriteFailedError`` naming the output, with nothing staged left behind.
 """
 
 from __future__ import annotations
@@ -20,15 +22,11 @@ import time
 import uuid
 import zlib
 
-from restorekit.bundle.files import is_remote
+from restorekit.bundle.locking import (LOCK_SUFFIX, lock_path, make_directories, output_lock, remove_empty,
+                                       remove_unheld_lock, write_failed)
 from restorekit.bundle.protos import decode_header
 from restorekit.bundle.table import read_table
-from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError, OutputExistsError
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory locks
-    fcntl = None
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 
 __all__ = [
     "Staging",
@@ -42,10 +40,10 @@ __all__ = [
     "sweep_stale",
     "temp_name",
     "write_bytes",
+    "write_failed",
 ]
 
 _TMP_PREFIX = ".restorekit-tmp-"
-_LOCK_SUFFIX = ".restorekit-lock"
 # Inside a staging directory: the names a commit renames or removes, for sweep_stale.
 _JOURNAL = ".restorekit-journal"
 _SHARD = re.compile(r"(.+)\.data-\d{5}-of-(\d{5})")
@@ -159,8 +157,8 @@ def sweep_stale(directory: str) -> None:
         return
     for name in names:
         path = os.path.join(directory, name)
-        if name.endswith(_LOCK_SUFFIX) and name.startswith("."):
-            _remove_unheld_lock(path)
+        if name.endswith(LOCK_SUFFIX) and name.startswith("."):
+            remove_unheld_lock(path)
         elif name.startswith(_TMP_PREFIX) and _is_stale_temporary(name):
             if os.path.isdir(path) and not os.path.islink(path):
                 _remove_orphans(directory, path)
@@ -170,29 +168,62 @@ def sweep_stale(directory: str) -> None:
                     os.remove(path)
 
 
+def _read_journal(staging: str) -> dict | None:
+    """``{name: identities or None}`` a dead commit's journal lists (None: it wrote none; its commit never began).
+
+    An identity is ``[device, inode, size, mtime]`` of a file the commit published or removed under that
+    name (the new one, and an old one it was to replace); journals written before identities
+    were recorded give None for each name.
+    """
+    try:
+        with open(os.path.join(staging, _JOURNAL)) as f:
+            journal = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(journal, list):  # the first format: names only
+        return {name: None for name in journal if isinstance(name, str)}
+    if not isinstance(journal, dict) or not isinstance(journal.get("entries"), list):
+        return None
+    out: dict = {}
+    for entry in journal["entries"]:
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            ids = out.setdefault(entry["name"], [])
+            ids.extend(i for i in entry.get("ids", ()) if isinstance(i, list))
+    return out
+
+
+def _remove_ours(directory: str, name: str, identities) -> None:
+    """Remove ``name`` when it still is a file the journal recorded there (any file, for an old journal)."""
+    path = os.path.join(directory, name)
+    if identities is not None and _identity(path) not in identities:
+        return  # another program wrote that name since: not ours to remove
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
 def _remove_orphans(directory: str, staging: str) -> None:
     """Remove the visible files a writer killed mid-commit left that no index names.
 
     Its shards renamed before its index, or the old shards it was to remove after it
     (an in-place save), are data no checkpoint can reach; its journal lists every name
-    it touched. A shard stays whenever a live ``.index`` names it (the commit's own, if
-    it landed, or another writer's since); a Hugging Face or Keras shard, whenever its
-    ``*.safetensors.index.json`` / ``*.weights.json`` lists it; a ``config.json`` renamed ahead of its
-    weights, whenever any weights file the journal names is visible.
+    it touched and which file each name was. A shard stays whenever a live ``.index`` names it
+    (the commit's own, if it landed, or another writer's since); a Hugging Face or Keras shard,
+    whenever its ``*.safetensors.index.json`` / ``*.weights.json`` lists it (and a Keras set's
+    ``NAME_00000.weights.h5``, which Keras opens first whatever the index lists); a
+    ``config.json`` renamed ahead of its weights, whenever any weights file the journal names
+    is visible. A name that no longer means the file the journal recorded (another program
+    wrote it since) always stays.
     """
-    try:
-        with open(os.path.join(staging, _JOURNAL)) as f:
-            names = json.load(f)
-    except (OSError, ValueError):
+    names = _read_journal(staging)
+    if names is None:
         return  # it died before its commit began: nothing of it is visible
     counts: dict[str, int | None] = {}
-    for name in names:
+    for name, identity in names.items():
         json_shard = _HF_SHARD.fullmatch(name) or _KERAS_SHARD.fullmatch(name)
         if json_shard:
             index = json_shard.group(1) + (_HF_INDEX if name.endswith(".safetensors") else _KERAS_INDEX)
             if not _json_index_names(os.path.join(directory, index), name):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(directory, name))
+                _remove_ours(directory, name, identity)
             continue
         shard = _SHARD.fullmatch(name)
         prefix = shard.group(1) if shard else name[: -len(".meta")] if name.endswith(".meta") else None
@@ -202,24 +233,25 @@ def _remove_orphans(directory: str, staging: str) -> None:
             counts[prefix] = _shard_count(os.path.join(directory, prefix + ".index"))
         count = counts[prefix]
         if count is None or (shard is not None and count != -1 and int(shard.group(2)) != count):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
+            _remove_ours(directory, name, identity)
     _remove_orphan_companions(directory, names)
 
 
-def _remove_orphan_companions(directory: str, names: list) -> None:
+def _remove_orphan_companions(directory: str, names: dict) -> None:
     """Remove a dead commit's ``config.json`` when none of the weights its journal names (new or old) is visible."""
     companions = [n for n in names if n in _COMPANIONS]
     if not companions or any(os.path.exists(os.path.join(directory, n)) for n in names if n not in _COMPANIONS):
         return
     for name in companions:
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(directory, name))
+        _remove_ours(directory, name, names[name])
 
 
 def _json_index_names(index: str, name: str) -> bool:
     """True when the JSON index ``index`` (Hugging Face or Keras) names shard ``name`` in its
     ``weight_map`` (a Keras group may map to a list of shards), or cannot be read: keep it."""
+    if index.endswith(_KERAS_INDEX) and name == os.path.basename(index)[: -len(_KERAS_INDEX)] + "_00000.weights.h5":
+        if os.path.lexists(index):
+            return True  # Keras' loader opens NAME_00000.weights.h5 first, whatever the index lists
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
@@ -242,121 +274,6 @@ def _shard_count(index: str) -> int | None:
         return None
     except (OSError, CorruptCheckpointError, IndexError):
         return -1
-
-
-def _remove_unheld_lock(path: str) -> None:
-    """Remove a lock file no process holds (its holder died); one that is held stays."""
-    if fcntl is None:  # pragma: no cover
-        return
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return
-    try:
-        # Unlink only while holding it, and only if the name still means this file:
-        # lockers re-check the name after locking, so none is left on an orphan.
-        if _same_file(fd, path):
-            os.remove(path)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
-
-
-def lock_path(prefix) -> str:
-    """The hidden lock file beside an output: ``dir/.model.ckpt.restorekit-lock``."""
-    prefix = os.path.abspath(os.fspath(prefix))
-    return os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}{_LOCK_SUFFIX}")
-
-
-def _holder(fd: int) -> str:
-    try:
-        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:  # pragma: no cover
-        pid = ""
-    return f" (pid {pid})" if pid.isdigit() else ""
-
-
-def _acquire(path: str, prefix: str, wait: bool) -> int:
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise OutputExistsError(
-                f"another restorekit process{holder} is writing {prefix!r}; wait for it to finish "
-                "(or pass wait=True to queue behind it)",
-                path=prefix,
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        # The file may have been removed (its holder finished, or a sweep found it
-        # stale) between our open and our lock: then lock whatever the name means now.
-        if _same_file(fd, path):
-            return fd
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def output_lock(prefix, *, wait: bool = False):
-    """Hold the one-writer-at-a-time lock of an output (a checkpoint prefix or a file).
-
-        with output_lock('out/model.ckpt'):
-            ...write out/model.ckpt.index and its shards...
-
-    An advisory ``flock`` on a hidden file beside the output
-    (``.model.ckpt.restorekit-lock``, holding the holder's pid), removed on release.
-    The kernel releases the lock when its holder dies, however it dies; the file it
-    leaves is removed by the next ``sweep_stale``. Not reentrant: a second
-    ``output_lock`` of the same output, even in the same process, waits or raises.
-    Remote (``gs://``...) outputs are not locked: object stores have no such locks.
-
-    Args:
-        wait: block until the other writer finishes instead of raising.
-
-    Yields:
-        The lock file's path (None for a remote output).
-
-    Raises:
-        OutputExistsError: another process holds the lock and ``wait`` is False;
-            ``.path`` is the output.
-    """
-    prefix = os.fspath(prefix)
-    if fcntl is None or is_remote(prefix):  # pragma: no cover - no advisory locks there
-        yield None
-        return
-    path = lock_path(prefix)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = _acquire(path, prefix, wait)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
-    finally:
-        try:
-            if _same_file(fd, path):
-                os.remove(path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def remove_checkpoint_files(prefix) -> list[str]:
@@ -410,29 +327,39 @@ def atomic_output(path):
         with atomic_output('model.pb') as tmp:
             write(tmp)
 
+    The output's lock (``output_lock``) is held throughout. A failure while writing (disk
+    full, a read-only directory, a library's ``RuntimeError``) leaves as a
+    ``WriteFailedError`` naming ``path``, with the temporary file (and any directory
+    made for it) gone.
+
     Raises:
         OutputError: ``path`` is a directory (before anything is written).
+        OutputExistsError: another process is writing ``path``.
+        WriteFailedError: the write failed.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
         raise OutputError(f"output {path!r} is a directory; name a file")
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # A fresh random name the caller creates: not tempfile.mkstemp, whose files are
-    # 0600 (the output gets the permissions any new file gets), and not pre-created,
-    # because open(tmp, 'wb') on an existing file truncates it, and ext4 then flushes
-    # the whole file when it is closed (auto_da_alloc), which made exports ~3x slower.
-    # The name carries our pid, so a writer killed here leaves nothing sweep_stale keeps.
-    sweep_stale(directory)
-    tmp = temp_name(path)
-    try:
-        yield tmp
-        crash_point("before-replace")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with output_lock(path):
+        # A fresh random name the caller creates: not tempfile.mkstemp, whose files are
+        # 0600 (the output gets the permissions any new file gets), and not pre-created,
+        # because open(tmp, 'wb') on an existing file truncates it, and ext4 then flushes
+        # the whole file when it is closed (auto_da_alloc), which made exports ~3x slower.
+        # The name carries our pid, so a writer killed here leaves nothing sweep_stale keeps.
+        sweep_stale(directory)
+        tmp = temp_name(path)
+        try:
+            yield tmp
+            crash_point("before-replace")
+            os.replace(tmp, path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            failed = write_failed(e, path)
+            if failed is not e:
+                raise failed from e
+            raise
 
 
 def write_bytes(path, data: bytes) -> None:
@@ -444,25 +371,62 @@ def write_bytes(path, data: bytes) -> None:
     fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
+def _identity(path: str) -> list | None:
+    """What tells the file at ``path`` from another written there since: device, inode, size, mtime."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 class Staging:
     """A hidden temporary directory inside ``directory`` holding files until ``commit``.
 
-        with Staging('out') as st:
+        with Staging('out', output='out/model') as st:
             write(st.path('out/model.index'))
             st.commit()          # renames every file into 'out/', the .index last
 
-    Leaving the block without ``commit`` (an error) removes everything staged.
+    ``output`` is what the commit publishes (a prefix, a file, an index): its lock
+    (``output_lock``) is held from here until the commit or abort. Leaving the block
+    without ``commit`` (an error, Ctrl-C) removes everything staged; a failure while
+    writing leaves as a ``WriteFailedError`` naming ``output``.
+
+    Raises:
+        OutputExistsError: another process is writing ``output``.
+        WriteFailedError: the directory cannot be made or written.
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, output):
         self.directory = os.path.abspath(directory or ".")
-        os.makedirs(self.directory, exist_ok=True)
-        sweep_stale(self.directory)
-        self.tmpdir = os.path.join(self.directory, _tmp_base())
-        os.mkdir(self.tmpdir)
-        crash_point("staging-made")
+        self.output = os.fspath(output)
+        self._lock = output_lock(self.output)
+        self._lock.__enter__()
+        try:
+            self._created = make_directories(self.directory)
+            sweep_stale(self.directory)
+            self.tmpdir = os.path.join(self.directory, _tmp_base())
+            os.mkdir(self.tmpdir)
+            crash_point("staging-made")
+        except BaseException as e:
+            if os.path.isdir(getattr(self, "tmpdir", "")):
+                _remove_tree(self.tmpdir)
+            remove_empty(getattr(self, "_created", []))
+            self._release()
+            failed = write_failed(e, self.output)
+            if failed is not e:
+                raise failed from e
+            raise
         self._finals: dict[str, str] = {}
+        self._journal_written = False
+        self._asides: list[str] = []
+        self._set_aside_ids: dict = {}
         self.committed = False
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
     def path(self, final: str) -> str:
         """The temporary path that becomes ``final`` on commit (same directory only)."""
@@ -473,7 +437,37 @@ class Staging:
         self._finals[tmp] = final
         return tmp
 
-    def commit(self, *, remove_before=(), remove_after=()) -> None:
+    def set_aside(self, index: str, text: str, links: dict) -> None:
+        """Keep a set being replaced whole under other names while the new one takes its names.
+
+        Each ``old -> aside`` of ``links`` is hard-linked (or copied), then ``text`` (the old
+        index rewritten to name the asides) replaces ``index`` in one rename: the old set is
+        visible all along, and the new shards can then be renamed over the old names. The
+        asides are journalled first (a kill leaves nothing the sweep cannot remove) and
+        removed once the new index is in place.
+        """
+        asides = list(links.values())
+        self._asides = asides
+        self._set_aside_ids = {aside: _identity(old) for old, aside in links.items()}  # a link: the same file
+        self._write_journal(list(self._finals), [], asides)
+        for old, aside in links.items():
+            crash_point("before-aside-link")
+            if os.path.lexists(aside):
+                raise OutputError(f"cannot keep {old!r} aside as {aside!r}: that name is taken")
+            link_or_copy(old, aside)
+        self._write_journal(list(self._finals), [], asides)  # now with the asides' identities
+        tmp = os.path.join(self.tmpdir, ".restorekit-aside-index")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_directory(self.directory)
+        crash_point("before-aside-index")
+        os.replace(tmp, index)
+        fsync_directory(self.directory)
+        crash_point("after-aside-index")
+
+    def commit(self, *, remove_before=(), remove_after=(), index_first: bool = True) -> None:
         """Rename staged files into place in the order staged, ``.index`` files last.
 
         Files staged first are renamed first: a Hugging Face ``config.json`` staged before
@@ -481,6 +475,9 @@ class Staging:
 
         A checkpoint appears when its index does, so a crash at any point leaves the old
         checkpoint, the new one, or none, never an index over shards it did not write.
+        An exception (Ctrl-C included) part-way through removes what this commit made
+        visible that no index names, as the next writer's sweep would after a kill; the
+        journal that lists it goes last.
 
         Args:
             remove_before: files of a checkpoint being overwritten, its ``.index`` first;
@@ -488,15 +485,27 @@ class Staging:
                 one, or neither, and never a mix.
             remove_after: files the new index no longer needs (an in-place save's old
                 shards); deleted once the new index is in place.
+            index_first: when a staged shard would replace an existing file, remove the
+                existing index first (it might name that file). False when the caller
+                knows no old index names a file a new shard replaces (``set_aside``).
         """
         crash_point("commit-start")
+        try:
+            self._publish(list(remove_before), [*remove_after, *self._asides], index_first)
+        except BaseException:
+            self._roll_back()
+            raise
+        finally:
+            self._release()
+
+    def _publish(self, remove_before: list, remove_after: list, index_first: bool) -> None:
         staged = [t for t in self._finals if os.path.exists(t)]
         for tmp in staged:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         finals = set(self._finals.values())
         indexes = [self._finals[t] for t in staged if _is_index(t)]
-        if any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
+        if index_first and any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):
             # A shard is about to replace one an existing index points at: that index
             # goes first, or a crash before the new index lands would show the old
             # index over new shards, a checkpoint that is neither.
@@ -520,23 +529,66 @@ class Staging:
         self.committed = True
         for old in remove_after:
             if old not in finals and os.path.exists(old):
+                crash_point("before-remove-after")
                 os.remove(old)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        _remove_tree(self.tmpdir)
+
+    def _roll_back(self) -> None:
+        """After an exception mid-commit: what the sweep does after a kill, here and now."""
+        if self._journal_written:
+            with contextlib.suppress(OSError):
+                _remove_orphans(self.directory, self.tmpdir)
+        _remove_tree(self.tmpdir)
 
     def _write_journal(self, staged, remove_before, remove_after) -> None:
-        # If this process is killed half-way, sweep_stale reads which names it touched.
-        names = [os.path.basename(self._finals[t]) for t in staged]
-        names += [os.path.basename(p) for p in (*remove_before, *remove_after)
-                  if os.path.dirname(os.path.abspath(p)) == self.directory]
-        with open(os.path.join(self.tmpdir, _JOURNAL), "w") as f:
-            json.dump(names, f)
+        # If this process is killed half-way, sweep_stale reads which names it touched, each with
+        # the identity (device, inode, size, mtime) of the file it publishes or removes there: the sweep removes
+        # a name only while it still means that file, never one another program wrote since.
+        # A staged file's name also takes the file there now, which the commit replaces anyway.
+        entries = [{"name": os.path.basename(self._finals[t]),
+                    "ids": [i for i in (_identity(t), _identity(self._finals[t])) if i]} for t in staged]
+        entries += [{"name": os.path.basename(p), "ids": [i for i in (_identity(p), self._set_aside_ids.get(p)) if i]}
+                    for p in (*remove_before, *remove_after) if os.path.dirname(os.path.abspath(p)) == self.directory]
+        tmp = os.path.join(self.tmpdir, _JOURNAL + ".new")
+        with open(tmp, "w") as f:
+            json.dump({"version": 2, "entries": entries}, f)
+        os.replace(tmp, os.path.join(self.tmpdir, _JOURNAL))
+        self._journal_written = True
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        try:
+            if getattr(self, "tmpdir", None) is not None:
+                self._roll_back() if self._journal_written else _remove_tree(self.tmpdir)
+            remove_empty(getattr(self, "_created", []))
+        finally:
+            self._release()
 
     def __enter__(self) -> "Staging":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if not self.committed:
             self.abort()
+        if exc is not None:
+            failed = write_failed(exc, self.output)
+            if failed is not exc:
+                raise failed from exc
+
+
+def _remove_tree(tmpdir: str) -> None:
+    """Remove a staging directory, its journal last: interrupted here, it still tells the sweep what to remove."""
+    try:
+        names = os.listdir(tmpdir)
+    except OSError:
+        return
+    for name in sorted(names, key=lambda n: n == _JOURNAL):
+        path = os.path.join(tmpdir, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+        except OSError:
+            pass
+    with contextlib.suppress(OSError):
+        os.rmdir(tmpdir)

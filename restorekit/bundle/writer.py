@@ -353,7 +353,7 @@ class BundleWriter:
         if staging is None:
             # A remote prefix (gs://...) is staged locally one shard at a time, uploaded as each is closed.
             remote = files.is_remote(prefix)
-            staging = files.RemoteStaging(files.dirname(prefix)) if remote else atomic.Staging(os.path.dirname(self.prefix))
+            staging = files.RemoteStaging(files.dirname(prefix)) if remote else atomic.Staging(os.path.dirname(self.prefix), output=self.prefix)
         self.staging = staging
         self._entries: dict[bytes, BundleEntry] = {}
         self._lock = threading.Lock()
@@ -480,8 +480,21 @@ class BundleWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+            if self._own_staging and not files.is_remote(self.prefix):
+                failed = atomic.write_failed(exc, self.prefix)
+                if failed is not exc:
+                    raise failed from exc
         elif not self.finished:
-            self.finish()
+            try:
+                self.finish()
+            except BaseException as e:
+                if not self._own_staging or files.is_remote(self.prefix):
+                    raise
+                self.abort()
+                failed = atomic.write_failed(e, self.prefix)
+                if failed is not e:
+                    raise failed from e
+                raise
 
 
 def check_num_shards(num_shards) -> int:

@@ -85,7 +85,7 @@ def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *,
     directory = os.path.dirname(out)
     check_space(directory, sum(source.nbytes(it) for it in plan.values()))
     graph_item = plan.get(OBJECT_GRAPH_KEY)
-    with atomic.Staging(directory) as staging:
+    with atomic.Staging(directory, output=out) as staging:
         tmp = staging.path(out)
         if layout == "torch":
             # Layout 'torch' maps whole layers (gates, splits, added tensors): the view of the edited checkpoint.

@@ -85,7 +85,7 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     elif in_place and shards.count != ckpt.header.num_shards:
         remove_after = [ckpt.data_file(i) for i in range(ckpt.header.num_shards)]
 
-    with (files.RemoteStaging(directory) if remote else atomic.Staging(directory)) as staging:
+    with (files.RemoteStaging(directory) if remote else atomic.Staging(directory, output=prefix)) as staging:
         writer = BundleWriter(prefix, num_shards=shards.count, shard_id=shards.new, staging=staging)
         try:
             sizes = _stage_shards(ckpt, prefix, shards, staging)

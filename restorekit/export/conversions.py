@@ -345,11 +345,12 @@ def export_checkpoint(
     fmt = _target(path, format, options, option="format")
     if fmt == formats.TF:
         raise InvalidArgumentError("export_checkpoint writes torch, safetensors or npz; use CheckpointEditor.save for tf")
-    if options.max_shard_size is not None:
-        _check_sharded_output(path, sources_of, overwrite)
-    else:
-        _check_output(path, fmt, sources_of, overwrite)
-    return _export(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
+    with _locked(path, options):
+        if options.max_shard_size is not None:
+            _check_sharded_output(path, sources_of, overwrite)
+        else:
+            _check_output(path, fmt, sources_of, overwrite)
+        return _export(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
 
 
 def _target(path: str, to: str | None, options: _Options, *, option: str = "to") -> str:
@@ -412,6 +413,13 @@ def import_checkpoint(
         resolve_prefix(src)  # CheckpointNotFoundError when there is nothing at all
         raise InvalidArgumentError(f"{src!r} is a TF checkpoint; import_checkpoint reads torch, safetensors or npz files")
     reader = sources.reader(src, fmt)
+    with _locked(out_prefix, options):
+        return _import(reader, out_prefix, options, layout=layout, overwrite=overwrite, progress=progress,
+                       max_output_bytes=max_output_bytes)
+
+
+def _import(reader, out_prefix: str, options: _Options, *, layout, overwrite: bool, progress: bool,
+            max_output_bytes) -> ExportResult:
     _check_output(out_prefix, formats.TF, list(reader.files), overwrite)
     arrays, record = open_source(reader, layout, max_output_bytes)
     plan = file_plan(reader, record, options)
@@ -486,6 +494,13 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
 def _convert_files(src: str, out: str, fmt: str, to: str, options: _Options, *, overwrite: bool,
                    progress: bool, max_output_bytes: int | None = None) -> ExportResult:
     """File -> file: back to TF names first, then out in the target's conventions."""
+    with _locked(out, options):
+        return _convert_files_locked(src, out, fmt, to, options, overwrite=overwrite, progress=progress,
+                                     max_output_bytes=max_output_bytes)
+
+
+def _convert_files_locked(src: str, out: str, fmt: str, to: str, options: _Options, *, overwrite: bool,
+                          progress: bool, max_output_bytes: int | None = None) -> ExportResult:
     target = formats.module(to)
     reader = sources.reader(src, fmt)
     shard = options.max_shard_size
@@ -564,14 +579,15 @@ def _convert_keras(src: str, out: str, to: str | None, options: _Options, *, ove
                                    "not a TF checkpoint")
     keras_ckpt = Checkpoint(src)
     source = sources.keras_source(keras_ckpt, weights_only=options.weights_only)
-    _check_output(out, formats.TF, list(keras_ckpt.files), overwrite)
-    plan = _tf_plan(source, options)
-    check_space(_out_dir(out), _planned_nbytes(source, plan))
-    parts = _parts(options, _entry_sizes(source, plan))
-    if plan is None:
-        tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
-        return write_tf(out, tensors, progress=progress, parts=parts)
-    return _finish(write_tf(out, _tf_stream(source, plan), progress=progress, parts=parts), plan)
+    with _locked(out, options):
+        _check_output(out, formats.TF, list(keras_ckpt.files), overwrite)
+        plan = _tf_plan(source, options)
+        check_space(_out_dir(out), _planned_nbytes(source, plan))
+        parts = _parts(options, _entry_sizes(source, plan))
+        if plan is None:
+            tensors = ((name, source.read(name), entry.dtype) for name, entry in source.entries.items())
+            return write_tf(out, tensors, progress=progress, parts=parts)
+        return _finish(write_tf(out, _tf_stream(source, plan), progress=progress, parts=parts), plan)
 
 
 def _base_name(src: str, fmt: str) -> str:
@@ -590,15 +606,24 @@ def _copy_tf(src: str, out: str, options: _Options, *, overwrite: bool, progress
     if options.max_shard_size is not None or options.config:
         raise InvalidArgumentError("max_shard_size= and config= apply to safetensors outputs, not a TF checkpoint")
     ckpt = Checkpoint(src)
-    _check_output(out, formats.TF, checkpoint_files(ckpt.prefix), overwrite)
-    plan = _tf_plan(ckpt, options)
-    check_space(_out_dir(out), _planned_nbytes(ckpt, plan))
-    parts = _parts(options, _entry_sizes(ckpt, plan))
-    if plan is None:
-        entries = ckpt.entries
-        tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
-        return write_tf(out, tensors, progress=progress, parts=parts)
-    return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress, parts=parts), plan)
+    with _locked(out, options):
+        _check_output(out, formats.TF, checkpoint_files(ckpt.prefix), overwrite)
+        plan = _tf_plan(ckpt, options)
+        check_space(_out_dir(out), _planned_nbytes(ckpt, plan))
+        parts = _parts(options, _entry_sizes(ckpt, plan))
+        if plan is None:
+            entries = ckpt.entries
+            tensors = ((name, ckpt.read(name), entries[name].dtype) for name in entries)
+            return write_tf(out, tensors, progress=progress, parts=parts)
+        return _finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress, parts=parts), plan)
+
+
+def _locked(out: str, options: _Options):
+    """The output's lock (``atomic.output_lock``), held from the exists-check to the last rename: the name the
+    commit itself locks (a sharded output's single-file name), so no other writer lands in between."""
+    if options.max_shard_size is not None:
+        out = sharded.output_files(out, 1)[1][0]
+    return atomic.output_lock(out)
 
 
 def _entry_sizes(ckpt, plan: OutputPlan | None) -> list:

@@ -213,8 +213,8 @@ def previous_files(out) -> list[str]:
     stem = os.path.basename(single)[: -len(".safetensors")]
     try:
         names = os.listdir(directory)
-    except OSError:
-        return []
+    except OSError:  # a directory that can be written but not listed: what can be asked for by name
+        return [p for p in (os.path.join(directory, stem + INDEX_SUFFIX), single) if os.path.lexists(p)]
     index = [os.path.join(directory, stem + INDEX_SUFFIX)] if stem + INDEX_SUFFIX in names else []
     shards = sorted(os.path.join(directory, n) for n in names
                     if (m := _SHARD.fullmatch(n)) and m.group("stem") == stem)
@@ -263,7 +263,7 @@ def publish_file(out, write, *, texts: dict) -> ExportResult:
     An existing ``out`` is removed first, so a crash never shows old weights beside a new ``config.json``.
     """
     final = os.path.abspath(os.fspath(out))
-    with atomic.Staging(os.path.dirname(final)) as staging:
+    with atomic.Staging(os.path.dirname(final), output=final) as staging:
         extra = stage_texts(staging, texts)
         result = write(staging.path(final))
         staging.commit(remove_before=[final] if os.path.exists(final) else [])
@@ -275,9 +275,13 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
     shards next, the index (or the single file) last."""
     old = check_output(out, overwrite=overwrite)
     directory, paths, index = output_files(out, len(parts))
+    if not overwrite:  # each name asked for itself: a directory that cannot be listed hides nothing
+        taken = [p for p in (*paths, index) if p is not None and os.path.lexists(p)]
+        if taken:
+            raise OutputExistsError(path=taken[0])
     results = []
     weight_map = {}
-    with atomic.Staging(directory) as staging:
+    with atomic.Staging(directory, output=output_files(out, 1)[1][0]) as staging:
         extra = stage_texts(staging, texts)
         for k, (path, part) in enumerate(zip(paths, parts), 1):
             result = write_one(staging.path(path), part)

@@ -19,6 +19,7 @@ than the limit refused, and the index ``NAME.weights.json`` naming each group's 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -154,13 +155,41 @@ def _add_member(archive, like: zipfile.ZipInfo, data, size: int, compress_type: 
         shutil.copyfileobj(data, out, _COPY_BUFFER)
 
 
+# HDF5 metadata a file holds besides its datasets' bytes (a bound for the room check below).
+_H5_SLACK, _H5_PER_DATASET = 64 << 10, 4 << 10
+
+
+def _room(path: str) -> tuple[int | None, str]:
+    """Bytes a file at ``path`` may grow to (the smaller of the file-size limit and the free space), and why."""
+    import resource
+
+    limits = []
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft, f"File too large (the file-size limit, ulimit -f, is {soft} bytes)"))
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        limits.append((st.f_bavail * st.f_frsize, "No space left on device"))
+    except OSError:
+        pass
+    return min(limits) if limits else (None, "")
+
+
 def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
     from restorekit.keras_files import _h5py
 
+    # HDF5 cannot take a failed write: h5py crashes the process (SIGSEGV) closing a file whose write failed
+    # (EFBIG, ENOSPC). So each dataset is checked to fit before it is written, with room for the metadata
+    # written at close; a write that would not fit is refused as the write error it would have been.
+    room, why = _room(path)
+    needed = _H5_SLACK
     h5py = _h5py()
     with h5py.File(path, "w") as f:
         for i, (key, array) in enumerate(tensors):
             array = np.asarray(array() if callable(array) else array)
+            needed += array.nbytes + _H5_PER_DATASET
+            if room is not None and needed > room:
+                raise OSError(errno.EFBIG if why.startswith("File") else errno.ENOSPC, why, path)
             bfloat16 = array.dtype.name == "bfloat16"
             ds = f.create_dataset(key, data=array)
             if bfloat16:
@@ -246,9 +275,11 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
     ``sizes``: key -> bytes as Keras counts them (``keras_size``). Every file is staged in a
     hidden directory beside ``index``, then published shards first and the index last.
     ``replace``: the files of a set being replaced; shards that are not in the new set are
-    removed once the new index is in place. When a new shard takes the name of an existing
-    file, the old index is removed first: a crash then leaves no set rather than an old
-    index over new shards.
+    removed once the new index is in place. When a new shard takes the name of a shard the
+    old index lists (an in-place save; Keras' loader needs ``NAME_00000.weights.h5``, so the
+    names cannot all be new), the old set is first re-published under free shard names
+    (hard links, and its index rewritten to name them, in one rename): at every point the
+    old set or the new one is whole, and the links go once the new index is in place.
 
     Returns:
         The index and shard paths written.
@@ -267,7 +298,7 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
     directory = os.path.dirname(index)
     shards = shard_paths(index, len(parts))
     weight_map: dict = {}
-    with atomic.Staging(directory) as staging:
+    with atomic.Staging(directory, output=index) as staging:
         for i, (path, part) in enumerate(zip(shards, parts)):
             part_attrs = {g: a for g, a in (attrs or {}).items() if starts.get(_vars_owner(g), 0) == i}
             _write_h5(staging.path(path), [(k, tensors[k]) for k in part], part_attrs)
@@ -284,11 +315,49 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
                           indent=4)
         with open(staging.path(index), "w", encoding="utf-8") as f:  # staged last: Staging renames in this order
             f.write(text)
-        taken = [p for p in shards if os.path.exists(p)]
         old = [os.path.abspath(p) for p in replace]
-        staging.commit(remove_before=[index] if taken and os.path.exists(index) else [],
-                       remove_after=[p for p in old if p not in shards and p != index])
+        remove_after = [p for p in old if p not in shards and p != index]
+        named = set_files(index)[:-1] if os.path.exists(index) else []
+        aside = _asides(index, shards, named)
+        if aside:
+            # New shards take names the old index lists: the old set is first re-published under other
+            # names (linked, and its index rewritten to name them), so it stays whole until the new index lands.
+            staging.set_aside(index, _renamed_index(index, aside), aside)
+        # Every file the old index names is out of the new shards' way now: it stays until the new index lands.
+        staging.commit(remove_after=remove_after, index_first=False)
     return (index, *shards)
+
+
+def _asides(index: str, shards: list, old: list) -> dict:
+    """``{old shard: free name}`` for the old set's shards that a new shard's name would replace, when the old
+    index is in place; each free name is a shard name of the same set (``NAME_0000K.weights.h5``, numbered past
+    every shard there), so the sweep and the reader take it as one."""
+    if not os.path.exists(index):
+        return {}
+    taken = [p for p in old if p in shards and p != index and os.path.exists(p)]  # old: the shards it names
+    if not taken:
+        return {}
+    directory = os.path.dirname(index)
+    stem = os.path.basename(shard_paths(index, 1)[0])[: -len("00000.weights.h5")]
+    try:
+        listed = os.listdir(directory)
+    except OSError:  # an unlistable directory: set_aside refuses a name that is taken
+        listed = []
+    numbers = [int(n[len(stem):len(stem) + 5]) for n in listed
+               if n.startswith(stem) and re.fullmatch(r"\d{5}\.weights\.h5", n[len(stem):])]
+    start = max([*numbers, len(shards) - 1, len(old)]) + 1
+    return {p: os.path.join(directory, f"{stem}{start + k:05d}.weights.h5") for k, p in enumerate(taken)}
+
+
+def _renamed_index(index: str, aside: dict) -> str:
+    """The old index's text with each shard ``aside`` moves named by its new name."""
+    with open(index, encoding="utf-8") as f:
+        content = json.load(f)
+    names = {os.path.basename(a): os.path.basename(b) for a, b in aside.items()}
+    weight_map = content.get("weight_map", {})
+    for group, value in weight_map.items():
+        weight_map[group] = [names.get(v, v) for v in value] if isinstance(value, list) else names.get(value, value)
+    return json.dumps(content, indent=4)
 
 
 def write_order(keys) -> list[str]:
