@@ -23,6 +23,7 @@ from restorekit.names import PatternSet, counter_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
 from restorekit.rules import Rules, as_rules
 from restorekit.targets import Target, collect
+from restorekit.torch_target import layout_source
 from restorekit.trackables import is_trackable, object_graph_keys
 
 __all__ = ["as_checkpoint", "scan"]
@@ -85,6 +86,7 @@ def scan(
     dtype_policy=None,
     vocab=None,
     match: str = "auto",
+    layout: str | None = None,
 ) -> RestoreReport:
     """Plan a restore of ``checkpoint`` into ``variables``; build no ops.
 
@@ -132,6 +134,8 @@ def scan(
             when ``variables`` is a Keras model or tf.Module saved from the same
             architecture, else the readable path), ``'path'`` (readable paths and
             raw keys only) or ``'object_graph'``.
+        layout: ``'torch'``: see the checkpoint as its ``layout='torch'`` export (TF
+            names and axes as a ``torch.nn`` twin's ``state_dict``), for a torch module.
 
     Returns:
         A RestoreReport.
@@ -147,7 +151,7 @@ def scan(
         >>> report = restorekit.scan('pretrained/model.ckpt-1000', exclude=['logits'])
         >>> print(report)
     """
-    ckpt = as_checkpoint(checkpoint)
+    ckpt = layout_source(as_checkpoint(checkpoint), layout)
     ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):
         raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")
@@ -484,6 +488,7 @@ def _report(state: _Scan) -> RestoreReport:
         + shared_hints + _dropped_hints(state) + _ema_hints(state),
         _handles=state.handles,
         _policies=state.applied,
+        _source=state.ckpt,
     )
 
 

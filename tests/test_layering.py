@@ -20,9 +20,12 @@ LAYERS = [
     ["bundle"],
     ["checkpoint", "keras_files"],
     ["report", "ema"],
-    ["trackables", "targets", "rules", "policies", "assignment", "hints"],
+    # export.layouts (numpy only) is the one table of TF <-> torch names and axes that
+    # torch_target reads a checkpoint through, so it sits below the targets.
+    ["export.layouts"],
+    ["trackables", "targets", "torch_target", "rules", "policies", "assignment", "hints", "array_values"],
     ["scan"],
-    ["remap", "tf1", "tf2", "initializers", "distribute"],
+    ["remap", "tf1", "tf2", "restore_keras", "restore_torch", "initializers", "distribute"],
     ["scaffold", "finetune", "resume"],
     ["compare", "export", "edit", "graph", "compress", "averaging"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)

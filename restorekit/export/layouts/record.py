@@ -284,7 +284,7 @@ class LayoutRecord:
             CorruptCheckpointError: it is there but does not decode.
         """
         from restorekit.checkpoint import OBJECT_GRAPH_KEY
-        from restorekit.tf2 import decode_object_graph
+        from restorekit.bundle.objectgraph import decode_object_graph
 
         for name, array in self.string_tensors():
             if name == OBJECT_GRAPH_KEY and array.shape == ():
