@@ -115,6 +115,7 @@ def scan(
             such as ``KERAS_FROM_TF1`` (a Keras model from a TF1/slim checkpoint), a
             list of ``(regex, replacement)`` pairs, or both in one list. A rule that
             matches no variable is an error. Not together with ``assignment_map``.
+            Or a ready rule set of names and axes (``'bert-tf-to-hf'``), for a torch module.
         shape_policy: what to do with an entry whose shape differs from its variable:
             ``'skip'`` (default; the record is ``shape_mismatched``), ``'slice_or_pad'``
             (copy the overlapping block, initialize the rest), ``'resize_positions'``
@@ -151,7 +152,7 @@ def scan(
         >>> report = restorekit.scan('pretrained/model.ckpt-1000', exclude=['logits'])
         >>> print(report)
     """
-    ckpt = layout_source(as_checkpoint(checkpoint), layout)
+    ckpt, rules = layout_source(as_checkpoint(checkpoint), layout, rules)
     ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):
         raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from restorekit.errors import InvalidArgumentError
 
-__all__ = ["LayoutSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items"]
+__all__ = ["LayoutSource", "RuleSetSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items"]
 
 
 def _from_torch(obj) -> bool:
@@ -77,14 +77,63 @@ class LayoutSource:
         return f"LayoutSource({self.prefix!r}, layout={self.layout!r})"
 
 
-def layout_source(checkpoint, layout):
-    """``checkpoint`` as scan sees it under ``layout`` (None: itself).
+class RuleSetSource(LayoutSource):
+    """A checkpoint seen through a ready rule set (``'bert-tf-to-hf'``): its weights under the target's names and axes.
+
+    Entries no rule covers (optimizer slots, global_step, anything else) keep their own
+    names, so scan reports them skipped or unused instead of the rule set refusing them.
+    """
+
+    def __init__(self, checkpoint, ruleset):
+        from restorekit.checkpoint import Entry
+
+        self.checkpoint = checkpoint
+        self.layout = ruleset.name
+        self.prefix = checkpoint.prefix
+        covered = {}
+        for name, entry in checkpoint.entries.items():
+            target, _, why = ruleset.target_of(name)
+            if target is not None and why is None:
+                covered[name] = entry.shape
+        self.plan = ruleset.plan(covered)
+        self._source_of = {new: old for old, new in self.plan.names.items()}
+        entries = {}
+        for name, entry in checkpoint.entries.items():
+            new = self.plan.names.get(name)
+            entries[new or name] = entry if new is None else Entry(new, self.plan.shapes[new], entry.dtype, entry.nbytes)
+        self.entries = entries
+
+    def readable_name(self, name: str) -> str:
+        return self._source_of.get(name, name)
+
+    def read(self, name: str):
+        source = self._source_of.get(name)
+        if source is None:
+            return self.checkpoint.read(name)
+        return self.plan.apply(source, self.checkpoint.read(source))
+
+
+def _is_rule_set_name(rules) -> bool:
+    return isinstance(rules, str) or (hasattr(rules, "target_of") and hasattr(rules, "plan"))
+
+
+def layout_source(checkpoint, layout, rules=None) -> tuple:
+    """``checkpoint`` as scan sees it under ``layout`` or a ready rule set, and the ``rules`` left for naming.
+
+    ``layout='torch'`` reads it through the export's per-layer layouts; a rule set name
+    (``'bert-tf-to-hf'``) or ``RuleSet`` through that rule set. Anything else in ``rules``
+    (``KERAS_FROM_TF1``, regex pairs) is returned for scan's naming step.
 
     Raises:
-        InvalidArgumentError: a layout other than None or 'torch'.
+        InvalidArgumentError: a layout other than None or 'torch', both a layout and a
+            rule set, or an unknown rule set name.
     """
-    if layout is None:
-        return checkpoint
-    if layout != "torch":
+    if layout is not None and layout != "torch":
         raise InvalidArgumentError(f"layout is None or 'torch', got {layout!r}")
-    return LayoutSource(checkpoint, layout)
+    if _is_rule_set_name(rules):
+        if layout is not None:
+            raise InvalidArgumentError(f"rule set {rules!r} sets names and axes itself; leave layout=None")
+        from restorekit.export.hf import rule_set
+
+        return RuleSetSource(checkpoint, rule_set(rules)), None
+    return (checkpoint if layout is None else LayoutSource(checkpoint, layout)), rules

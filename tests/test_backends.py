@@ -198,3 +198,81 @@ def test_a_torch_twin_of_a_tf1_convnet_computes_its_outputs(torch_run):
     assert result["torch"]["head_untouched"]
     got = np.load(os.path.join(directory, "torch-convnet.npz"))
     np.testing.assert_allclose(got["y"], np.load(os.path.join(directory, "convnet-io.npz"))["y"], atol=1e-5)
+
+
+# ------------------------------------------------------------------ torch.nn.Module targets, in this process
+
+def _torch():
+    why = _missing("torch")
+    if why:
+        pytest.skip(f"torch.nn.Module targets {why}")
+    import torch
+
+    return torch
+
+
+def test_a_mismatched_torch_parameter_is_reported_and_skipped_or_sliced_by_a_policy(tmp_path):
+    torch = _torch()
+    from conftest import save_variables
+
+    import restorekit
+
+    rng = np.random.default_rng(5)
+    values = {"fc/kernel": rng.standard_normal((4, 3)).astype("float32"), "fc/bias": rng.standard_normal(3).astype("float32"),
+              "out/kernel": rng.standard_normal((3, 2)).astype("float32"), "out/bias": np.ones(2, "float32")}
+    prefix = save_variables(tmp_path / "ckpt" / "model.ckpt", values)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential()
+    module.add_module("fc", torch.nn.Linear(4, 3))
+    module.add_module("out", torch.nn.Linear(3, 5))  # 5 outputs where the checkpoint has 2
+    before = module.out.weight.detach().clone()
+    report = restorekit.scan(prefix, module, layout="torch")
+    assert [r.variable_name for r in report.shape_mismatched] == ["out.weight", "out.bias"]
+    assert any("'out.bias' differs only in shape" in h for h in report.hints)
+    with pytest.raises(restorekit.IncompleteRestoreError):
+        restorekit.restore(report, strict=True)
+    assert torch.equal(module.out.weight, before)  # strict refused before any copy
+    restorekit.restore(report)
+    np.testing.assert_array_equal(module.fc.weight.detach().numpy(), values["fc/kernel"].T)
+    assert torch.equal(module.out.weight, before)
+    sliced = restorekit.scan(prefix, module, layout="torch", shape_policy="slice_or_pad")
+    restorekit.restore(sliced)
+    np.testing.assert_array_equal(module.out.weight.detach().numpy()[:2], values["out/kernel"].T)
+    np.testing.assert_array_equal(module.out.weight.detach().numpy()[2:], before.numpy()[2:])
+    assert module.out.weight.requires_grad  # copied in place: still the module's Parameter
+
+
+def test_a_bert_tf1_checkpoint_restores_into_bert_for_sequence_classification(tmp_path):
+    torch = _torch()
+    transformers = pytest.importorskip("transformers")
+    from conftest import save_variables
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    import restorekit
+
+    values = bert_values()
+    prefix = save_variables(tmp_path / "bert" / "bert_model.ckpt", values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER,
+                                     max_position_embeddings=POSITIONS, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    head = model.classifier.weight.detach().clone()
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    restorekit.restore(report)
+    assert sorted(r.variable_name for r in report.missing) == ["classifier.bias", "classifier.weight"]
+    assert sorted(r.checkpoint_name for r in report.unused) == [  # the pre-training heads
+        "cls.predictions.bias", "cls.predictions.transform.LayerNorm.bias", "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.dense.bias", "cls.predictions.transform.dense.weight", "cls.seq_relationship.bias",
+        "cls.seq_relationship.weight"]
+    assert len(report.skipped) == 2 * len([n for n in values if "adam_" not in n and n != "global_step"]) + 1
+    assert len(report.matched) == len(model.bert.state_dict())
+    assert torch.equal(model.classifier.weight, head)
+    # the same encoder as converting the checkpoint and loading it with from_pretrained
+    restorekit.convert(prefix, tmp_path / "hf" / "model.safetensors", rules="bert-tf-to-hf", weights_only=True,
+                       config={"num_attention_heads": 2})
+    loaded = transformers.BertModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.tensor([[1, 5, 7, 2, 9, 3]])
+    with torch.no_grad():
+        ours, theirs = model.bert(tokens).last_hidden_state, loaded(tokens).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

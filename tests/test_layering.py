@@ -20,9 +20,9 @@ LAYERS = [
     ["bundle"],
     ["checkpoint", "keras_files"],
     ["report", "ema"],
-    # export.layouts (numpy only) is the one table of TF <-> torch names and axes that
-    # torch_target reads a checkpoint through, so it sits below the targets.
-    ["export.layouts"],
+    # export.layouts and export.hf (numpy only) are the one table of TF <-> torch names and
+    # axes and the ready rule sets that torch_target reads a checkpoint through: below the targets.
+    ["export.layouts", "export.hf"],
     ["trackables", "targets", "torch_target", "rules", "policies", "assignment", "hints", "array_values"],
     ["scan"],
     ["remap", "tf1", "tf2", "restore_keras", "restore_torch", "initializers", "distribute"],
