@@ -130,25 +130,25 @@ def _run(directory, backend):
 _RUNS = {}
 
 
-def _run_once(written, backend):
+def _run_once(request, backend):
     why = _missing(backend)
-    if why:
+    if why:  # before the checkpoints are written: nothing to run them with
         pytest.skip(f"the {backend} backend {why}")
-    directory, expected, reports = written
+    directory, expected, reports = request.getfixturevalue("written")
     if backend not in _RUNS:
         _RUNS[backend] = _run(directory, backend)
     return backend, directory, expected, reports, _RUNS[backend]
 
 
 @pytest.fixture(scope="module", params=["jax", "torch"])
-def backend_run(request, written):
-    return _run_once(written, request.param)
+def backend_run(request):
+    return _run_once(request, request.param)
 
 
 @pytest.fixture(scope="module")
-def torch_run(written):
+def torch_run(request):
     """The torch-backend process, which also restores the torch twin."""
-    return _run_once(written, "torch")
+    return _run_once(request, "torch")
 
 
 def test_tensorflow_is_never_imported(backend_run):
