@@ -43,6 +43,7 @@ from restorekit.finetune import (
     group_variables,
     grouped_keras_optimizer,
     layerwise_decay,
+    param_groups,
     scale_gradients,
 )
 from restorekit.graph import (
@@ -151,6 +152,7 @@ __all__ = [
     "inspect_graph",
     "interpolate",
     "layerwise_decay",
+    "param_groups",
     "partial_saver",
     "repair_graph",
     "restore",

@@ -41,7 +41,8 @@ def keras_cases(directory: str, spec: dict) -> dict:
     model = _model(keras, spec["head_units"], spec["head_name"])
     model.compile(optimizer="sgd", loss="mse")
     backup = os.path.join(directory, f"backup-{keras.config.backend()}")
-    x, y = np.ones((4, 6), "float32"), np.zeros((4, spec["head_units"]), "float32")
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((4, 6)).astype("float32"), rng.standard_normal((4, spec["head_units"])).astype("float32")
     warm = restorekit.WarmStart(os.path.join(directory, spec["cases"]["tf1"][0]), backup_dir=backup, verbose=0,
                                 **_options(restorekit, spec["cases"]["tf1"][1]))
     batch_begin = {}
@@ -54,7 +55,21 @@ def keras_cases(directory: str, spec: dict) -> dict:
     model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), warm, Peek()])
     np.savez(os.path.join(directory, f"{keras.config.backend()}-fit.npz"), **batch_begin)
     out["fit"] = {"how": warm.start.how, "matched": len(warm.start.report.matched)}
+    out["groups"] = grouped_fit(keras, restorekit, spec, x, y)
     return out
+
+
+def grouped_fit(keras, restorekit, spec: dict, x, y) -> dict:
+    """One SGD step with the body frozen and the head at 10x: which variables moved, and by how much."""
+    keras.utils.set_random_seed(7)
+    model = _model(keras, spec["head_units"], spec["head_name"])
+    groups = restorekit.group_variables({"body": 0, spec["head_name"]: 10.0}, model)
+    model.compile(optimizer=restorekit.grouped_keras_optimizer(lambda m: keras.optimizers.SGD(0.01 * m), groups),
+                  loss="mse")
+    before = {v.path: v.numpy() for v in model.trainable_variables}
+    model.fit(x, y, epochs=1, batch_size=len(x), verbose=0)
+    moved = {v.path: float(np.abs(v.numpy() - before[v.path]).max()) for v in model.trainable_variables}
+    return {"frozen": groups.groups[0].variables, "moved": moved}
 
 
 def _options(restorekit, options: dict) -> dict:

@@ -190,6 +190,14 @@ def test_warm_start_callback_restores_before_the_first_batch(backend_run):
         np.testing.assert_array_equal(first[name], expected[name])
 
 
+def test_grouped_keras_optimizer_freezes_and_scales_groups_off_tensorflow(backend_run):
+    groups = backend_run[4]["keras"]["groups"]
+    assert groups["frozen"] == ["body/kernel", "body/bias"]
+    moved = groups["moved"]
+    assert moved["body/kernel"] == 0 and moved["body/bias"] == 0
+    assert moved["new_head/kernel"] > 0 and moved["bn/gamma"] > 0
+
+
 def test_a_torch_twin_of_a_tf1_convnet_computes_its_outputs(torch_run):
     _, directory, _, _, result = torch_run
     report = result["torch"]["report"]
@@ -276,3 +284,24 @@ def test_a_bert_tf1_checkpoint_restores_into_bert_for_sequence_classification(tm
     with torch.no_grad():
         ours, theirs = model.bert(tokens).last_hidden_state, loaded(tokens).last_hidden_state
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_param_groups_give_torch_optim_a_rate_per_group_and_freeze_multiplier_zero():
+    torch = _torch()
+    import restorekit
+
+    module = torch.nn.Sequential()
+    module.add_module("stem", torch.nn.Linear(4, 4))
+    module.add_module("body", torch.nn.Linear(4, 4))
+    module.add_module("head", torch.nn.Linear(4, 2))
+    groups = restorekit.param_groups(module, {"stem": 0, "head": 10.0}, lr=0.01, default=0.5)
+    assert [(g["name"], g["lr"], len(g["params"])) for g in groups] == [("'head'", 0.1, 2), ("(default)", 0.005, 2)]
+    assert groups[0]["params"][0] is module.head.weight
+    assert not module.stem.weight.requires_grad and module.body.weight.requires_grad
+    stem = module.stem.weight.detach().clone()
+    optimizer = torch.optim.SGD(groups, lr=1.0)
+    module(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    assert torch.equal(module.stem.weight, stem)
+    with pytest.raises(restorekit.NoMatchError, match="'neck'"):
+        restorekit.param_groups(module, {"neck": 0}, lr=0.01)
