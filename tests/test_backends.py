@@ -21,6 +21,7 @@ CASES = {
     "tf1": ["tf1/model.ckpt", {"rules": "KERAS_FROM_TF1"}],
     "tf2": ["tf2/ckpt-1", {}],
     "h5": ["src.weights.h5", {}],
+    "keras": ["src.keras", {}],
     "tf1_slice": ["tf1/model.ckpt", {"rules": [["^new_head/", "head/"], "KERAS_FROM_TF1"], "shape_policy": "slice_or_pad"}],
 }
 SPEC = {"head_units": 5, "head_name": "new_head", "cases": CASES}
@@ -101,6 +102,7 @@ def written(tmp_path_factory):
     expected = {v.path: v.numpy() for v in source.variables}
     tf.train.Checkpoint(model=source).write(os.path.join(directory, "tf2", "ckpt-1"))
     source.save_weights(os.path.join(directory, "src.weights.h5"))
+    source.save(os.path.join(directory, "src.keras"))
     _write_tf1(tf, os.path.join(directory, "tf1", "model.ckpt"), {_slim(k): a for k, a in expected.items()})
     _write_convnet(tf, directory)
     with open(os.path.join(directory, "spec.json"), "w") as f:
@@ -162,8 +164,8 @@ def test_the_report_equals_the_tensorflow_backends(backend_run, case):
     assert len(reports[case]["matched"]) == len(RESTORED) + (2 if case == "tf1_slice" else 0)
 
 
-@pytest.mark.parametrize("case", ["tf1", "tf2", "h5"], ids=["from a TF1 checkpoint", "from a TF2 checkpoint",
-                                                             "from a .weights.h5"])
+@pytest.mark.parametrize("case", ["tf1", "tf2", "h5", "keras"], ids=["from a TF1 checkpoint", "from a TF2 checkpoint",
+                                                                      "from a .weights.h5", "from a .keras file"])
 def test_restored_values_are_the_checkpoints_bit_for_bit_and_the_head_untouched(backend_run, case):
     backend, directory, expected, _, _ = backend_run
     got = np.load(os.path.join(directory, f"{backend}-{case}.npz"))
