@@ -8,6 +8,8 @@ read and checked before the first copy.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from restorekit.array_values import matched_values
@@ -27,9 +29,12 @@ def _current(tensor) -> np.ndarray:
     return tensor.detach().cpu().numpy()
 
 
-def _writable(value: np.ndarray) -> np.ndarray:
-    # torch.from_numpy shares memory and warns on a read-only array (a decoded shard buffer).
-    return value if value.flags.writeable and value.flags.c_contiguous else np.array(value, order="C")
+def _as_tensor(torch, value: np.ndarray):
+    """A tensor sharing ``value``'s memory (strided: a transposed kernel is not copied first)."""
+    with warnings.catch_warnings():
+        # A decoded shard buffer is read-only; the tensor is only read (copied from), never written.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(value)
 
 
 def restore(report, *, strict: bool = False):
@@ -49,7 +54,7 @@ def restore(report, *, strict: bool = False):
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
         raise nothing_matched(report)
-    values = [(t, torch.from_numpy(_writable(v))) for t, v in matched_values(report, handles, _current)]
+    values = [(t, _as_tensor(torch, v)) for t, v in matched_values(report, handles, _current)]
     with torch.no_grad():
         for tensor, value in values:
             tensor.copy_(value)
