@@ -1,6 +1,6 @@
 """Off TensorFlow (issue 24): scan + restore of a BERT-base TF1 checkpoint into Keras 3 on JAX and into torch.
 
-    python benchmarks/bench_backends.py [--data DIR] [--layers N] [--keep]
+    python benchmarks/bench_backends.py [--data DIR] [--layers N] [--repeats N] [--keep]
 
 A BERT-base-sized TF1 checkpoint with Adam slots (``make_bert_checkpoint.py``, 1.32 GB) is
 restored, each measurement in a fresh process with TensorFlow never imported:
@@ -13,7 +13,8 @@ restored, each measurement in a fresh process with TensorFlow never imported:
 The Keras model holds the 206 weights under their checkpoint names (``/`` as ``__``), so the
 two sides assign the same tensors; the torch model is transformers' BertForPreTraining,
 the safetensors file its weights as ``convert(..., rules='bert-tf-to-hf')`` writes them.
-Each process reports its wall time and its peak RSS above the RSS with the model built.
+Each process reports its wall time and its peak RSS above the RSS with the model built;
+the four cases alternate, --repeats times (default 3), and medians are reported.
 Values are checked equal after (b) and (d). Data goes to --data (default benchmarks/data/)
 and is deleted unless --keep.
 """
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=os.path.join(HERE, "data", "backends"))
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--child")
     args = parser.parse_args(argv)
@@ -165,8 +168,14 @@ def main(argv=None) -> int:
         return 0
     try:
         prepare(args.data, args.layers)
-        results = {c: _run(c, args.data, args.layers)
-                   for c in ("jax-keras", "jax-restorekit", "torch-load_state_dict", "torch-restorekit")}
+        runs: dict = {}
+        for _ in range(args.repeats):
+            for c in ("jax-keras", "jax-restorekit", "torch-load_state_dict", "torch-restorekit"):
+                runs.setdefault(c, []).append(_run(c, args.data, args.layers))
+        results = {c: {**r[0], "seconds": statistics.median(x["seconds"] for x in r),
+                       "peak_above_model": statistics.median(x["peak_above_model"] for x in r),
+                       "values_equal": all(x["values_equal"] for x in r),
+                       "tensorflow_imported": any(x["tensorflow_imported"] for x in r)} for c, r in runs.items()}
     finally:
         if not args.keep:
             shutil.rmtree(args.data, ignore_errors=True)
