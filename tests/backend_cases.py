@@ -55,8 +55,33 @@ def keras_cases(directory: str, spec: dict) -> dict:
     model.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), warm, Peek()])
     np.savez(os.path.join(directory, f"{keras.config.backend()}-fit.npz"), **batch_begin)
     out["fit"] = {"how": warm.start.how, "matched": len(warm.start.report.matched)}
+    out["resumed"] = interrupted_then_resumed(keras, restorekit, spec, directory, x, y)
     out["groups"] = grouped_fit(keras, restorekit, spec, x, y)
     return out
+
+
+def interrupted_then_resumed(keras, restorekit, spec: dict, directory: str, x, y) -> str:
+    """A run warm-started and preempted after its first epoch, then restarted: how the restart began."""
+    backup = os.path.join(directory, f"preempted-{keras.config.backend()}")
+    pretrained = os.path.join(directory, spec["cases"]["h5"][0])
+
+    class Preempt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise KeyboardInterrupt  # after BackupAndRestore (listed first) saved the epoch
+
+    model = _model(keras, spec["head_units"], spec["head_name"])
+    model.compile(optimizer="sgd", loss="mse")
+    try:
+        model.fit(x, y, epochs=2, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup),
+                                                        restorekit.WarmStart(pretrained, backup_dir=backup, verbose=0),
+                                                        Preempt()])
+    except KeyboardInterrupt:
+        pass
+    model = _model(keras, spec["head_units"], spec["head_name"])
+    model.compile(optimizer="sgd", loss="mse")
+    restart = restorekit.WarmStart(os.path.join(directory, "gone.weights.h5"), backup_dir=backup, verbose=0)
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup), restart])
+    return restart.start.how
 
 
 def grouped_fit(keras, restorekit, spec: dict, x, y) -> dict:

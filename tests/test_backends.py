@@ -192,6 +192,11 @@ def test_warm_start_callback_restores_before_the_first_batch(backend_run):
         np.testing.assert_array_equal(first[name], expected[name])
 
 
+def test_warm_start_stays_out_of_a_run_resumed_by_backup_and_restore(backend_run):
+    # the pretrained file of the restart does not exist: a resumed run never reads it
+    assert backend_run[4]["keras"]["resumed"] == "resumed"
+
+
 def test_grouped_keras_optimizer_freezes_and_scales_groups_off_tensorflow(backend_run):
     groups = backend_run[4]["keras"]["groups"]
     assert groups["frozen"] == ["body/kernel", "body/bias"]
