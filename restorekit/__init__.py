@@ -48,6 +48,7 @@ from restorekit.finetune import (
     group_variables,
     grouped_keras_optimizer,
     layerwise_decay,
+    param_groups,
     scale_gradients,
 )
 from restorekit.graph import (
@@ -165,6 +166,7 @@ __all__ = [
     "inspect_graph",
     "interpolate",
     "layerwise_decay",
+    "param_groups",
     "partial_saver",
     "source_savers",
     "repair_graph",

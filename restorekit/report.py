@@ -121,6 +121,9 @@ class RestoreReport:
     # variable_name -> shape policy ('slice_or_pad' or a callable) or VocabRemap, for
     # matched records whose value is computed rather than copied. Private like _handles.
     _policies: dict = field(default=None, compare=False, repr=False)
+    # The opened source scan read (a Checkpoint, Keras file or layout view), so a restore
+    # off TensorFlow reads the very entries planned. Private like _handles.
+    _source: object = field(default=None, compare=False, repr=False)
 
     # -- values
     def source_of(self, record: Record) -> str:
@@ -195,13 +198,14 @@ class RestoreReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __getstate__(self):
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("_handles", "_policies")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("_handles", "_policies", "_source")}
 
     def __setstate__(self, state):
         for name, value in state.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_handles", None)
         object.__setattr__(self, "_policies", None)
+        object.__setattr__(self, "_source", None)
 
     # -- reading
     @property

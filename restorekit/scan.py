@@ -25,6 +25,7 @@ from restorekit.report import Record, RestoreReport
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit.sources import is_several, scan_several
 from restorekit.targets import Target, collect
+from restorekit.torch_target import layout_source
 from restorekit.trackables import is_trackable, object_graph_keys
 
 __all__ = ["as_checkpoint", "scan"]
@@ -88,6 +89,7 @@ def scan(
     dtype_policy=None,
     vocab=None,
     match: str = "auto",
+    layout: str | None = None,
 ) -> RestoreReport:
     """Plan a restore of ``checkpoint`` into ``variables``; build no ops.
 
@@ -120,6 +122,7 @@ def scan(
             such as ``KERAS_FROM_TF1`` (a Keras model from a TF1/slim checkpoint), a
             list of ``(regex, replacement)`` pairs, or both in one list. A rule that
             matches no variable is an error. Not together with ``assignment_map``.
+            Or a ready rule set of names and axes (``'bert-tf-to-hf'``), for a torch module.
         shape_policy: what to do with an entry whose shape differs from its variable:
             ``'skip'`` (default; the record is ``shape_mismatched``), ``'slice_or_pad'``
             (copy the overlapping block, initialize the rest), ``'resize_positions'``
@@ -139,6 +142,8 @@ def scan(
             when ``variables`` is a Keras model or tf.Module saved from the same
             architecture, else the readable path), ``'path'`` (readable paths and
             raw keys only) or ``'object_graph'``.
+        layout: ``'torch'``: see the checkpoint as its ``layout='torch'`` export (TF
+            names and axes as a ``torch.nn`` twin's ``state_dict``), for a torch module.
 
     Returns:
         A RestoreReport.
@@ -159,9 +164,9 @@ def scan(
     if is_several(checkpoint):
         shared = dict(assignment_map=assignment_map, include=include, exclude=exclude, skip_optimizer_slots=
                       skip_optimizer_slots, include_global_step=include_global_step, ema=ema, rules=rules,
-                      shape_policy=shape_policy, dtype_policy=dtype_policy, vocab=vocab, match=match)
+                      shape_policy=shape_policy, dtype_policy=dtype_policy, vocab=vocab, match=match, layout=layout)
         return scan_several(checkpoint, variables, shared, scan)
-    ckpt = as_checkpoint(checkpoint)
+    ckpt, rules = layout_source(as_checkpoint(checkpoint), layout, rules)
     ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):
         raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")
@@ -565,6 +570,7 @@ def _report(state: _Scan) -> RestoreReport:
         + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,
         _handles=state.handles,
         _policies=state.applied,
+        _source=state.ckpt,
     )
 
 

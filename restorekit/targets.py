@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError
 from restorekit.names import strip_output_index, strip_partition
-from restorekit.trackables import is_keras_variable, live_paths, tf_variable
+from restorekit.torch_target import is_torch_module, module_items
+from restorekit.trackables import is_keras_variable, keras_backend, live_paths, tf_variable
 
 __all__ = [
     "Target",
@@ -150,7 +151,10 @@ def _from_object(obj, checkpoint_name=None) -> list[Target]:
     if is_keras_variable(obj):
         if is_sharded(obj.value):
             return [_sharded_target(obj.value, checkpoint_name, name=obj.path)]
-        return [Target(obj.path, _shape(obj), _dtype(obj), obj.value, checkpoint_name)]
+        # On TensorFlow the tf.Variable inside is assigned (distributed and sharded ones too);
+        # on another backend the Keras variable itself, through its own assign.
+        handle = obj.value if keras_backend(obj) == "tensorflow" else obj
+        return [Target(obj.path, _shape(obj), _dtype(obj), handle, checkpoint_name)]
     if not hasattr(obj, "dtype") or not hasattr(obj, "shape") or not hasattr(obj, "name"):
         raise InvalidArgumentError(f"expected a variable, got {type(obj).__name__}: {obj!r}")
     return [Target(variable_name(obj), _shape(obj), _dtype(obj), obj, checkpoint_name)]
@@ -167,12 +171,15 @@ def collect(variables=None) -> list[Target]:
         variables: None (the default graph's global variables), a list of variables
             (ref, resource, Keras 3, or PartitionedVariable), a dict
             ``{checkpoint_name: variable or list of partitions}`` as a Saver takes,
-            or an object with a ``variables`` attribute (Keras model, tf.Module).
+            or an object with a ``variables`` attribute (Keras model, tf.Module),
+            or a ``torch.nn.Module`` (its ``state_dict`` keys, parameters and buffers).
 
     Raises:
         InvalidArgumentError: an element that is not a variable, or no variables at all
             in eager mode with ``variables=None``.
     """
+    if is_torch_module(variables):
+        return [Target(key, shape, dtype, tensor) for key, shape, dtype, tensor in module_items(variables)]
     if variables is None:
         tf = import_tensorflow()
 

@@ -7,7 +7,7 @@ importable from here.
 
 from __future__ import annotations
 
-from restorekit import distribute, keras_files, remap
+from restorekit import distribute, keras_files, remap, restore_keras, restore_torch
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
@@ -117,7 +117,15 @@ def restore(report, *, strict: bool = False):
     Example:
         >>> report = restorekit.scan('ckpt/', model, shape_policy='slice_or_pad')
         >>> restorekit.restore(report)
+
+    Keras 3 models on the JAX or PyTorch backend and ``torch.nn.Module``s restore the
+    same way without TensorFlow (``restorekit.restore_keras``, ``restorekit.restore_torch``).
     """
+    handles = live_handles(report)
+    if restore_torch.is_torch_report(handles):
+        return restore_torch.restore(report, strict=strict)
+    if restore_keras.is_off_tensorflow(handles):
+        return restore_keras.restore(report, strict=strict)
     tf = import_tensorflow()
 
     if not tf.executing_eagerly():
@@ -125,7 +133,6 @@ def restore(report, *, strict: bool = False):
             "restorekit.restore assigns eagerly; in graph mode use restorekit.warm_start(report) "
             "or restorekit.partial_saver(report)"
         )
-    handles = live_handles(report)
     if strict and not report.is_complete:
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:

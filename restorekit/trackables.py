@@ -12,12 +12,25 @@ from collections import deque
 from restorekit._tensorflow import import_tensorflow
 from restorekit.bundle.objectgraph import ObjectGraph
 
-__all__ = ["is_keras_variable", "is_trackable", "layer_paths", "live_paths", "object_graph_keys", "tf_variable"]
+__all__ = ["is_keras_variable", "keras_backend", "is_trackable", "layer_paths", "live_paths", "object_graph_keys", "tf_variable"]
 
 
 def is_keras_variable(var) -> bool:
     """True for a Keras 3 variable: not a tf.Variable, it holds one in ``value`` and is named by ``path``."""
     return type(var).__module__.startswith("keras") and isinstance(getattr(var, "path", None), str)
+
+
+def keras_backend(var) -> str:
+    """The Keras backend a Keras 3 variable lives on: 'tensorflow', 'jax', 'torch' or 'numpy'."""
+    # Each backend defines its variable class (keras.src.backend.jax.core.JaxVariable) under
+    # the re-exported keras.src.backend.Variable; the first such module in the MRO says which.
+    for cls in type(var).__mro__:
+        parts = cls.__module__.split(".")
+        if "backend" in parts[:-2] and parts[parts.index("backend") + 1] != "common":
+            return parts[parts.index("backend") + 1]
+    import keras
+
+    return keras.config.backend()
 
 
 def tf_variable(var):

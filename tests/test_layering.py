@@ -21,14 +21,16 @@ LAYERS = [
     ["checkpoint", "keras_files"],
     ["report", "ema", "rundir"],
     # The formats: one module each behind formats.registry. The safetensors, torch and npz readers they
-    # open are still the export format modules (and what those import), which read only from below.
+    # open are still the export format modules (and what those import), which read only from below;
+    # export.layouts and export.hf (numpy only) are also the one table of TF <-> torch names and axes and
+    # the ready rule sets that torch_target reads a checkpoint through.
     ["formats", "export.base", "export.reading", "export.rawcopy", "export.layout", "export.layouts",
      "export.safetensors", "export.torch", "export.torchfile", "export.npz", "export.sharded", "export.sources",
      "export.formats", "export.options", "export.hf"],
-    ["trackables", "targets", "rules", "policies", "assignment", "hints"],
+    ["trackables", "targets", "torch_target", "rules", "policies", "assignment", "hints", "array_values"],
     ["sources"],  # several sources: scanned one by one (scan passes itself in) and merged
     ["scan"],
-    ["remap", "tf1", "tf2", "initializers", "distribute"],
+    ["remap", "tf1", "tf2", "restore_keras", "restore_torch", "initializers", "distribute"],
     ["scaffold", "finetune", "resume"],
     ["compare", "export", "edit", "graph", "compress", "averaging"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)

@@ -36,6 +36,7 @@ from restorekit.finetune.groups import (
     group_variables,
     layerwise_decay,
 )
+from restorekit.finetune.torch_groups import param_groups
 
 if TYPE_CHECKING:
     # Bound for readers and checkers (and so named in __all__ without F822);
@@ -50,6 +51,7 @@ __all__ = [
     "group_variables",
     "grouped_keras_optimizer",
     "layerwise_decay",
+    "param_groups",
     "scale_gradients",
 ]
 

@@ -20,7 +20,8 @@ from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import GroupError, InvalidArgumentError, NoMatchError, UnknownVariableError, format_names
 from restorekit.names import PatternSet, matches, pattern_hint, strip_output_index, strip_partition
 from restorekit.targets import is_keras_variable, is_partitioned, tf_variable, variable_name
-from restorekit.trackables import is_trackable, layer_paths
+from restorekit.torch_target import is_torch_module, is_torch_tensor
+from restorekit.trackables import is_trackable, keras_backend, layer_paths
 
 __all__ = [
     "DEFAULT_EMBEDDINGS",
@@ -298,6 +299,10 @@ def _check_multiplier(value, what: str) -> float:
 
 def _variable_name(variable) -> tuple[str, object, object]:
     """(name, tf.Variable, Keras variable or None) of a TF1, TF2 or Keras 3 variable."""
+    if is_keras_variable(variable) and keras_backend(variable) != "tensorflow":
+        return variable_name(variable), variable, variable  # JAX, torch backends: the Keras variable is the variable
+    if is_torch_tensor(variable):
+        raise GroupError("torch tensors are grouped by name: pass the torch.nn.Module (its named_parameters)")
     tf = import_tensorflow()
 
     if isinstance(variable, tf.Variable):
@@ -312,10 +317,10 @@ def _variable_name(variable) -> tuple[str, object, object]:
 
 def _collect(variables) -> list[tuple[str, str, object, object]]:
     """(name, name to match, tf.Variable, Keras variable) for every variable given."""
-    tf = import_tensorflow()
-
+    if is_torch_module(variables):  # a torch module's parameters, by their state_dict names (tied ones once)
+        return _unique([(name, name, p, None) for name, p in variables.named_parameters()])
     if variables is None:
-        variables = tf.compat.v1.trainable_variables()
+        variables = import_tensorflow().compat.v1.trainable_variables()
         if not variables:
             raise GroupError(
                 "variables=None reads the default graph's trainable variables, and it has none; "
@@ -323,7 +328,7 @@ def _collect(variables) -> list[tuple[str, str, object, object]]:
             )
     elif hasattr(variables, "trainable_variables") and not isinstance(variables, (list, tuple)):
         variables = variables.trainable_variables
-    elif is_partitioned(variables) or isinstance(variables, tf.Variable):
+    elif is_partitioned(variables) or _is_one_tf_variable(variables):
         variables = [variables]
     elif isinstance(variables, (str, bytes)) or not isinstance(variables, Iterable):
         raise GroupError(
@@ -341,7 +346,17 @@ def _collect(variables) -> list[tuple[str, str, object, object]]:
         else:
             name, tf_var, keras_var = _variable_name(v)
             found.append((name, strip_partition(name) if keras_var is None else name, tf_var, keras_var))
+    return _unique(found)
 
+
+def _is_one_tf_variable(obj) -> bool:
+    if not type(obj).__module__.startswith("tensorflow"):
+        return False  # no TensorFlow import for a model or list on another backend
+    return isinstance(obj, import_tensorflow().Variable)
+
+
+def _unique(found: list) -> list:
+    """``found`` without repeats of one variable; GroupError for two variables of one name, or none."""
     unique, seen, names = [], set(), {}
     for item in found:
         if id(item[2]) in seen:
@@ -381,7 +396,10 @@ def _rule_pairs(rules) -> list[tuple[object, float]]:
 
 
 def _num_parameters(variable) -> int | None:
-    return variable.shape.num_elements()
+    shape = variable.shape
+    if hasattr(shape, "num_elements"):  # a TensorShape, maybe partly unknown
+        return shape.num_elements()
+    return math.prod(shape)  # Keras (any backend) and torch shapes are known
 
 
 def _names_to_match(variables, found) -> dict:
@@ -391,6 +409,9 @@ def _names_to_match(variables, found) -> dict:
     path through the model's layers (``backbone/d1/kernel``) lets a rule name the nested
     model. A tf.Module's variables get their attribute path (``encoder/w``) the same way.
     """
+    if is_torch_module(variables):
+        # state_dict names are dotted; patterns end at a '/' boundary, so they also see 'stem/weight'
+        return {id(p): (name, name.replace(".", "/")) for _, name, p, _ in found}
     paths = layer_paths(variables) if is_trackable(variables) else {}
     names = {}
     for _, match_name, tf_var, keras_var in found:

@@ -1,0 +1,314 @@
+"""Keras 3 on the JAX and PyTorch backends, and torch.nn.Module targets, with TensorFlow blocked (issue 24).
+
+Checkpoints are written here by TensorFlow and Keras on the TensorFlow backend; one
+subprocess per backend (``tests/backend_cases.py``, TensorFlow hidden by
+``tests/blockers/no_tensorflow``) scans and restores them and writes what it got.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCKER = os.path.join(HERE, "blockers", "no_tensorflow")
+CASES = {
+    "tf1": ["tf1/model.ckpt", {"rules": "KERAS_FROM_TF1"}],
+    "tf2": ["tf2/ckpt-1", {}],
+    "h5": ["src.weights.h5", {}],
+    "keras": ["src.keras", {}],
+    "tf1_slice": ["tf1/model.ckpt", {"rules": [["^new_head/", "head/"], "KERAS_FROM_TF1"], "shape_policy": "slice_or_pad"}],
+}
+SPEC = {"head_units": 5, "head_name": "new_head", "cases": CASES}
+RESTORED = ["body/kernel", "body/bias", "bn/gamma", "bn/beta", "bn/moving_mean", "bn/moving_variance"]
+HEAD = ["new_head/kernel", "new_head/bias"]
+
+
+def _missing(*modules) -> str | None:
+    gone = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"needs {' and '.join(gone)} installed (pip install 'restorekit[{gone[0]}]')" if gone else None
+
+
+def _slim(path: str) -> str:
+    """A Keras variable path as tf-slim names it in a TF1 checkpoint."""
+    return re.sub(r"/bias$", "/biases", re.sub(r"/kernel$", "/weights", path))
+
+
+def _model(keras, head_units, head_name):
+    inputs = keras.Input((6,), name="x")
+    h = keras.layers.Dense(8, activation="relu", name="body")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    return keras.Model(inputs, keras.layers.Dense(head_units, name=head_name)(h), name="net")
+
+
+def _write_tf1(tf, prefix, values):
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.get_variable(name, initializer=value) for name, value in values.items()]
+        tf.compat.v1.train.get_or_create_global_step()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            tf.compat.v1.train.Saver(variables + [tf.compat.v1.train.get_global_step()]).save(sess, prefix)
+
+
+def _write_convnet(tf, directory):
+    """A TF1 conv/BN/dense net (slim-style names), its checkpoint, and its outputs on one input."""
+    rng = np.random.default_rng(3)
+    values = {
+        "conv/kernel": rng.standard_normal((3, 3, 3, 4)).astype("float32"),
+        "conv/bias": rng.standard_normal(4).astype("float32"),
+        "bn/gamma": rng.uniform(0.5, 1.5, 4).astype("float32"),
+        "bn/beta": rng.standard_normal(4).astype("float32"),
+        "bn/moving_mean": rng.standard_normal(4).astype("float32"),
+        "bn/moving_variance": rng.uniform(0.5, 2.0, 4).astype("float32"),
+        "fc/kernel": rng.standard_normal((100, 7)).astype("float32"),
+        "fc/bias": rng.standard_normal(7).astype("float32"),
+    }
+    x = rng.standard_normal((2, 5, 5, 3)).astype("float32")
+    graph = tf.Graph()
+    with graph.as_default():
+        v = {name: tf.compat.v1.get_variable(name, initializer=value) for name, value in values.items()}
+        h = tf.nn.conv2d(tf.constant(x), v["conv/kernel"], 1, "SAME") + v["conv/bias"]
+        h = tf.nn.batch_normalization(h, v["bn/moving_mean"], v["bn/moving_variance"], v["bn/beta"], v["bn/gamma"], 1e-3)
+        y = tf.matmul(tf.reshape(tf.nn.relu(h), [2, -1]), v["fc/kernel"]) + v["fc/bias"]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            tf.compat.v1.train.Saver(list(v.values())).save(sess, os.path.join(directory, "convnet", "model.ckpt"))
+            out = sess.run(y)
+    np.savez(os.path.join(directory, "convnet-io.npz"), x=x, y=out)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The checkpoints of one model, written by TF, and the TF backend's reports for the new-head model."""
+    tf = pytest.importorskip("tensorflow")
+    import keras
+
+    import restorekit
+
+    if keras.config.backend() != "tensorflow":
+        pytest.skip("the checkpoints are written with Keras on the TensorFlow backend")
+    directory = str(tmp_path_factory.mktemp("backends"))
+    keras.utils.set_random_seed(1)
+    source = _model(keras, 3, "head")
+    rng = np.random.default_rng(0)
+    for v in source.variables:  # BatchNormalization starts at 1/0: give every weight a value of its own
+        v.assign(rng.standard_normal(v.shape).astype("float32") + (1.5 if "variance" in v.path else 0))
+    expected = {v.path: v.numpy() for v in source.variables}
+    tf.train.Checkpoint(model=source).write(os.path.join(directory, "tf2", "ckpt-1"))
+    source.save_weights(os.path.join(directory, "src.weights.h5"))
+    source.save(os.path.join(directory, "src.keras"))
+    _write_tf1(tf, os.path.join(directory, "tf1", "model.ckpt"), {_slim(k): a for k, a in expected.items()})
+    _write_convnet(tf, directory)
+    with open(os.path.join(directory, "spec.json"), "w") as f:
+        json.dump(SPEC, f)
+    reports = {}
+    for case, (path, options) in CASES.items():
+        keras.utils.set_random_seed(7)
+        model = _model(keras, SPEC["head_units"], SPEC["head_name"])
+        rules = options.get("rules")
+        if rules is not None:
+            rules = restorekit.KERAS_FROM_TF1 if rules == "KERAS_FROM_TF1" else [
+                restorekit.KERAS_FROM_TF1 if r == "KERAS_FROM_TF1" else tuple(r) for r in rules]
+        reports[case] = restorekit.scan(os.path.join(directory, path), model, **{**options, "rules": rules}).to_dict()
+    return directory, expected, reports
+
+
+def _run(directory, backend):
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": os.pathsep.join([BLOCKER, os.path.dirname(HERE)])}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "backend_cases.py"), directory],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert line, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+_RUNS = {}
+
+
+def _run_once(request, backend):
+    why = _missing(backend)
+    if why:  # before the checkpoints are written: nothing to run them with
+        pytest.skip(f"the {backend} backend {why}")
+    directory, expected, reports = request.getfixturevalue("written")
+    if backend not in _RUNS:
+        _RUNS[backend] = _run(directory, backend)
+    return backend, directory, expected, reports, _RUNS[backend]
+
+
+@pytest.fixture(scope="module", params=["jax", "torch"])
+def backend_run(request):
+    return _run_once(request, request.param)
+
+
+@pytest.fixture(scope="module")
+def torch_run(request):
+    """The torch-backend process, which also restores the torch twin."""
+    return _run_once(request, "torch")
+
+
+def test_tensorflow_is_never_imported(backend_run):
+    assert backend_run[4]["tensorflow_imported"] is False
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=[f"from a {c} checkpoint" for c in CASES])
+def test_the_report_equals_the_tensorflow_backends(backend_run, case):
+    _, _, _, reports, result = backend_run
+    assert result["keras"][case] == reports[case]
+    assert len(reports[case]["matched"]) == len(RESTORED) + (2 if case == "tf1_slice" else 0)
+
+
+@pytest.mark.parametrize("case", ["tf1", "tf2", "h5", "keras"], ids=["from a TF1 checkpoint", "from a TF2 checkpoint",
+                                                                      "from a .weights.h5", "from a .keras file"])
+def test_restored_values_are_the_checkpoints_bit_for_bit_and_the_head_untouched(backend_run, case):
+    backend, directory, expected, _, _ = backend_run
+    got = np.load(os.path.join(directory, f"{backend}-{case}.npz"))
+    for name in RESTORED:
+        assert got[f"after/{name}"].tobytes() == expected[name].tobytes(), name
+    for name in HEAD:
+        assert got[f"after/{name}"].tobytes() == got[f"before/{name}"].tobytes(), name
+
+
+def test_slice_or_pad_is_computed_in_numpy(backend_run):
+    backend, directory, expected, _, _ = backend_run
+    got = np.load(os.path.join(directory, f"{backend}-tf1_slice.npz"))
+    kernel, before = got["after/new_head/kernel"], got["before/new_head/kernel"]
+    np.testing.assert_array_equal(kernel[:, :3], expected["head/kernel"])
+    np.testing.assert_array_equal(kernel[:, 3:], before[:, 3:])
+    np.testing.assert_array_equal(got["after/new_head/bias"][:3], expected["head/bias"])
+
+
+def test_warm_start_callback_restores_before_the_first_batch(backend_run):
+    backend, directory, expected, _, result = backend_run
+    assert result["keras"]["fit"] == {"how": "warm_started", "matched": len(RESTORED)}
+    first = np.load(os.path.join(directory, f"{backend}-fit.npz"))
+    for name in RESTORED:
+        np.testing.assert_array_equal(first[name], expected[name])
+
+
+def test_warm_start_stays_out_of_a_run_resumed_by_backup_and_restore(backend_run):
+    # the pretrained file of the restart does not exist: a resumed run never reads it
+    assert backend_run[4]["keras"]["resumed"] == "resumed"
+
+
+def test_grouped_keras_optimizer_freezes_and_scales_groups_off_tensorflow(backend_run):
+    groups = backend_run[4]["keras"]["groups"]
+    assert groups["frozen"] == ["body/kernel", "body/bias"]
+    moved = groups["moved"]
+    assert moved["body/kernel"] == 0 and moved["body/bias"] == 0
+    assert moved["new_head/kernel"] > 0 and moved["bn/gamma"] > 0
+
+
+def test_a_torch_twin_of_a_tf1_convnet_computes_its_outputs(torch_run):
+    _, directory, _, _, result = torch_run
+    report = result["torch"]["report"]
+    assert sorted(r["variable_name"] for r in report["missing"]) == ["logits.bias", "logits.weight"]
+    assert report["unused"] == [] and report["shape_mismatched"] == []
+    assert result["torch"]["head_untouched"]
+    got = np.load(os.path.join(directory, "torch-convnet.npz"))
+    np.testing.assert_allclose(got["y"], np.load(os.path.join(directory, "convnet-io.npz"))["y"], atol=1e-5)
+
+
+# ------------------------------------------------------------------ torch.nn.Module targets, in this process
+
+def _torch():
+    why = _missing("torch")
+    if why:
+        pytest.skip(f"torch.nn.Module targets {why}")
+    import torch
+
+    return torch
+
+
+def test_a_mismatched_torch_parameter_is_reported_and_skipped_or_sliced_by_a_policy(tmp_path):
+    torch = _torch()
+    from conftest import save_variables
+
+    import restorekit
+
+    rng = np.random.default_rng(5)
+    values = {"fc/kernel": rng.standard_normal((4, 3)).astype("float32"), "fc/bias": rng.standard_normal(3).astype("float32"),
+              "out/kernel": rng.standard_normal((3, 2)).astype("float32"), "out/bias": np.ones(2, "float32")}
+    prefix = save_variables(tmp_path / "ckpt" / "model.ckpt", values)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential()
+    module.add_module("fc", torch.nn.Linear(4, 3))
+    module.add_module("out", torch.nn.Linear(3, 5))  # 5 outputs where the checkpoint has 2
+    before = module.out.weight.detach().clone()
+    report = restorekit.scan(prefix, module, layout="torch")
+    assert [r.variable_name for r in report.shape_mismatched] == ["out.weight", "out.bias"]
+    assert any("'out.bias' differs only in shape" in h for h in report.hints)
+    with pytest.raises(restorekit.IncompleteRestoreError):
+        restorekit.restore(report, strict=True)
+    assert torch.equal(module.out.weight, before)  # strict refused before any copy
+    restorekit.restore(report)
+    np.testing.assert_array_equal(module.fc.weight.detach().numpy(), values["fc/kernel"].T)
+    assert torch.equal(module.out.weight, before)
+    sliced = restorekit.scan(prefix, module, layout="torch", shape_policy="slice_or_pad")
+    restorekit.restore(sliced)
+    np.testing.assert_array_equal(module.out.weight.detach().numpy()[:2], values["out/kernel"].T)
+    np.testing.assert_array_equal(module.out.weight.detach().numpy()[2:], before.numpy()[2:])
+    assert module.out.weight.requires_grad  # copied in place: still the module's Parameter
+
+
+def test_a_bert_tf1_checkpoint_restores_into_bert_for_sequence_classification(tmp_path):
+    torch = _torch()
+    transformers = pytest.importorskip("transformers")
+    from conftest import save_variables
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    import restorekit
+
+    values = bert_values()
+    prefix = save_variables(tmp_path / "bert" / "bert_model.ckpt", values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER,
+                                     max_position_embeddings=POSITIONS, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    head = model.classifier.weight.detach().clone()
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    restorekit.restore(report)
+    assert sorted(r.variable_name for r in report.missing) == ["classifier.bias", "classifier.weight"]
+    assert sorted(r.checkpoint_name for r in report.unused) == [  # the pre-training heads
+        "cls.predictions.bias", "cls.predictions.transform.LayerNorm.bias", "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.dense.bias", "cls.predictions.transform.dense.weight", "cls.seq_relationship.bias",
+        "cls.seq_relationship.weight"]
+    assert len(report.skipped) == 2 * len([n for n in values if "adam_" not in n and n != "global_step"]) + 1
+    assert len(report.matched) == len(model.bert.state_dict())
+    assert torch.equal(model.classifier.weight, head)
+    # the same encoder as converting the checkpoint and loading it with from_pretrained
+    restorekit.convert(prefix, tmp_path / "hf" / "model.safetensors", rules="bert-tf-to-hf", weights_only=True,
+                       config={"num_attention_heads": 2})
+    loaded = transformers.BertModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.tensor([[1, 5, 7, 2, 9, 3]])
+    with torch.no_grad():
+        ours, theirs = model.bert(tokens).last_hidden_state, loaded(tokens).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_param_groups_give_torch_optim_a_rate_per_group_and_freeze_multiplier_zero():
+    torch = _torch()
+    import restorekit
+
+    module = torch.nn.Sequential()
+    module.add_module("stem", torch.nn.Linear(4, 4))
+    module.add_module("body", torch.nn.Linear(4, 4))
+    module.add_module("head", torch.nn.Linear(4, 2))
+    groups = restorekit.param_groups(module, {"stem": 0, "head": 10.0}, lr=0.01, default=0.5)
+    assert [(g["name"], g["lr"], len(g["params"])) for g in groups] == [("'head'", 0.1, 2), ("(default)", 0.005, 2)]
+    assert groups[0]["params"][0] is module.head.weight
+    assert not module.stem.weight.requires_grad and module.body.weight.requires_grad
+    stem = module.stem.weight.detach().clone()
+    optimizer = torch.optim.SGD(groups, lr=1.0)
+    module(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    assert torch.equal(module.stem.weight, stem)
+    with pytest.raises(restorekit.NoMatchError, match="'neck'"):
+        restorekit.param_groups(module, {"neck": 0}, lr=0.01)
