@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import restorekit
-from conftest import write_bundle
+from conftest import import_torch, write_bundle
 from restorekit.bundle import atomic
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
@@ -183,7 +183,7 @@ def run_full(args, limit=20_000):
 ], ids=["safetensors", "npz", "hugging-face-shards", "tf-checkpoint", "weights-h5", "torch"])
 def test_a_full_disk_is_one_line_exit_3_naming_the_output_and_nothing_is_left(tmp_path, out, extra):
     if out.endswith(".pt"):
-        pytest.importorskip("torch")  # torch raises RuntimeError from its writer; run with the torch venv
+        import_torch()  # torch raises RuntimeError from its writer
     if out.endswith(".weights.h5"):
         src = tmp_path / "src" / "m.weights.h5"
         src.parent.mkdir()

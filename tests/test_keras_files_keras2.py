@@ -16,6 +16,7 @@ k2 = pytest.importorskip("tf_keras")
 import restorekit  # noqa: E402
 from restorekit.compare import diff_checkpoints  # noqa: E402
 from restorekit.errors import RestoreKitWarning  # noqa: E402
+from conftest import import_torch  # noqa: E402
 
 L3, L2 = keras.layers, k2.layers
 UNITS = 5
@@ -203,7 +204,7 @@ def test_a_cudnn_gru_restores_into_a_reset_after_gru_as_tf_keras_loads_it(tmp_pa
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_a_cudnn_rnn_exported_in_the_torch_layout_computes_what_tf_keras_computes(tmp_path, kind):
-    torch = pytest.importorskip("torch")
+    torch = import_torch()
     from safetensors.numpy import load_file
 
     from restorekit.export import import_checkpoint
