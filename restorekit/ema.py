@@ -73,12 +73,12 @@ def keras_averages(names, graph) -> dict:
     if graph is None:
         return {}
     by_key = graph.by_key
-    averages = {}
+    averages: dict[str, str] = {}
     for name in names:
         tracked = by_key.get(name)
         if tracked is not None and tracked.kind == "optimizer" and tracked.path.endswith(KERAS_AVERAGE_SUFFIX):
             averages[tracked.path.rpartition("/")[2][: -len(KERAS_AVERAGE_SUFFIX)]] = name
-    found = {}
+    found: dict[str, str] = {}
     if not averages:
         return found
     for name in names:

@@ -18,7 +18,7 @@ _BATCH_NORM = re.compile(r"^(?:(?P<base>.+?)_)?(?:bn|batchnorm|batch_norm|batch_
 
 
 def _canonical(name: str) -> str:
-    parts = []
+    parts: list[str] = []
     for part in name.split("/"):
         part = UNIQUIFIED.sub("", part)
         bn = _BATCH_NORM.match(part)

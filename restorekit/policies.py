@@ -420,6 +420,7 @@ class ResizePositions(ShapeAdapter):
         prefix, table = value[..., :k, :], value[..., k:, :].astype(np.float64)
         if self.grid:
             g, h = _square_side(old), _square_side(new)
+            assert g is not None and h is not None  # _lengths refused a grid that is not square
             matrix = resize_matrix(g, h, method)
             grid = table.reshape(*table.shape[:-2], g, g, table.shape[-1])
             # rows, then columns: the separable form of a 2-D resize

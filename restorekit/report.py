@@ -25,10 +25,11 @@ def format_shape(shape, unknown_rank: str = "?") -> str:
 
 def format_bytes(n: int) -> str:
     """A byte count for people: ``512`` -> ``'512 B'``, ``1536`` -> ``'1.5 KiB'`` (up to TiB)."""
+    size: float = n
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     return f"{n} B"  # pragma: no cover
 
 
@@ -117,10 +118,10 @@ class RestoreReport:
     # variable_name -> live variable (or list of partitions). Private: used by
     # partial_saver/warm_start to find the very variables scanned; never compared,
     # pickled or serialized.
-    _handles: dict = field(default=None, compare=False, repr=False)
+    _handles: dict | None = field(default=None, compare=False, repr=False)
     # variable_name -> shape policy ('slice_or_pad' or a callable) or VocabRemap, for
     # matched records whose value is computed rather than copied. Private like _handles.
-    _policies: dict = field(default=None, compare=False, repr=False)
+    _policies: dict | None = field(default=None, compare=False, repr=False)
     # The opened source scan read (a Checkpoint, Keras file or layout view), so a restore
     # off TensorFlow reads the very entries planned. Private like _handles.
     _source: object = field(default=None, compare=False, repr=False)
@@ -132,7 +133,7 @@ class RestoreReport:
 
     def by_source(self, records=None) -> dict:
         """``{checkpoint: [records]}`` of ``records`` (default: the matched ones), in the sources' order."""
-        grouped = {}
+        grouped: dict[str, list[Record]] = {}
         for r in self.matched if records is None else records:
             grouped.setdefault(self.source_of(r), []).append(r)
         return grouped

@@ -6,7 +6,7 @@ Pure Python: used by ``scan(rules=...)``, ``assignment_map=`` and the exporters.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Callable, Mapping
 
 from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
 from restorekit.hints import level_index, one_level_away, shapes_fit
@@ -14,11 +14,12 @@ from restorekit.names import compile_pairs, optimizer_slot_kind
 
 __all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
 
-_SUFFIX = re.compile(r"^(?P<base>.*?)(?:_(?P<n>\d+))?$")
+_SUFFIX = re.compile(r"(?P<base>.*?)(?:_(?P<n>\d+))?", re.DOTALL)
 
 
 def _split_suffix(component: str) -> tuple[str, int]:
-    m = _SUFFIX.match(component)
+    m = _SUFFIX.fullmatch(component)
+    assert m is not None  # every string matches: the number is optional
     return m.group("base"), int(m.group("n") or 0)
 
 
@@ -82,7 +83,7 @@ class Rules:
         """Rewrite one name without seeing the checkpoint (the pairs only)."""
         return self._rewrite(name)
 
-    def bind(self, variable_names, checkpoint_names) -> "callable":
+    def bind(self, variable_names, checkpoint_names) -> Callable[[str], str | None]:
         """A function variable_name -> checkpoint name or None, for these names.
 
         Raises:

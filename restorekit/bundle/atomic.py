@@ -400,7 +400,7 @@ class Staging:
     def __init__(self, directory: str, *, output):
         self.directory = os.path.abspath(directory or ".")
         self.output = os.fspath(output)
-        self._lock = output_lock(self.output)
+        self._lock: contextlib.AbstractContextManager | None = output_lock(self.output)
         self._lock.__enter__()
         try:
             self._created = make_directories(self.directory)

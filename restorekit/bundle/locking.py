@@ -13,10 +13,12 @@ import hashlib
 import os
 import stat
 import threading
+import types
 
 from restorekit.bundle.files import is_remote
 from restorekit.errors import OutputError, OutputExistsError, RestoreKitError, WriteFailedError
 
+fcntl: types.ModuleType | None
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows: no advisory locks
@@ -115,6 +117,7 @@ def _open_lock(path: str, prefix: str) -> int:
     try:
         fd = os.open(path, _OPEN_LOCK | os.O_CREAT, 0o644)
     except OSError as e:
+        why: str | None
         if os.path.islink(path):
             why = "is a symbolic link"
         elif os.path.isdir(path):
@@ -141,6 +144,7 @@ def _refused_lock(path: str, prefix: str, why: str) -> OutputError:
 
 
 def _acquire(path: str, prefix: str, wait: bool) -> int:
+    assert fcntl is not None  # output_lock takes no lock where there is no fcntl
     while True:
         # A holder that just let go removes the directories it made once they are empty: make them again.
         with contextlib.suppress(OSError):

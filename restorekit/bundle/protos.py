@@ -62,6 +62,7 @@ def iter_fields(buf: bytes, pos: int = 0, end: int | None = None):
         start = pos
         key, pos = read_varint(buf, pos, end, "index entry")
         number, wire = key >> 3, key & 7
+        value: int | bytes
         if wire == 0:
             value, pos = read_varint(buf, pos, end, "index entry")
         elif wire == 1:

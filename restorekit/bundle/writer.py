@@ -8,6 +8,7 @@ temporary names and renamed into place on ``finish`` (see ``atomic.py``).
 
 from __future__ import annotations
 
+import io
 import os
 import threading
 
@@ -65,7 +66,7 @@ def copy_checked(fd: int, offset: int, size: int, write) -> int | None:
         The unmasked crc32c of the bytes, or None when the file ended before ``size``.
     """
     buffer = _buffer()
-    view = memoryview(buffer)
+    view = buffer.data
     crc = 0
     done = 0
     while done < size:
@@ -138,7 +139,7 @@ class ShardWriter:
         self.bundle = bundle
         self.shard_id = shard_id
         self.path = bundle.staging.path(bundle.data_path(shard_id))
-        self._file = open(self.path, "wb", buffering=0)
+        self._file: io.FileIO | None = open(self.path, "wb", buffering=0)
         self._offset = 0
         self.closed = False
 
@@ -147,9 +148,11 @@ class ShardWriter:
         """Bytes written to the shard so far."""
         return self._offset
 
-    def _need_open(self) -> None:
+    def _need_open(self) -> io.FileIO:
+        """The shard's open file; raises once the shard is closed."""
         if self._file is None:
             raise EditError(f"data shard {self.shard_id} of {self.bundle.prefix!r} is already closed")
+        return self._file
 
     def add(self, name, array) -> BundleEntry:
         """Write one tensor (numpy, incl. bfloat16, bool, complex, strings/object arrays)."""
@@ -229,8 +232,7 @@ class ShardWriter:
 
     def fileno(self) -> int:
         """The shard file's descriptor, for a caller that places bytes itself (then ``add_placed``)."""
-        self._need_open()
-        return self._file.fileno()
+        return self._need_open().fileno()
 
     def add_placed(self, name, dtype, shape, offset: int, size: int, crc32c: int) -> BundleEntry:
         """Record a fixed-size-dtype tensor whose ``size`` bytes the caller already put at ``offset`` of this
@@ -243,7 +245,7 @@ class ShardWriter:
             ChecksumMismatchError: ``size`` is not the shape's, or the file does not hold the bytes.
         """
         key = self.bundle._key(name)
-        self._need_open()
+        file = self._need_open()
         atomic.crash_point(f"tensor-{len(self.bundle._entries)}")
         code = dtype if isinstance(dtype, int) else dtype_enum(dtype)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -251,23 +253,25 @@ class ShardWriter:
         if code == STRING or size != count * numpy_dtype(code).itemsize:
             raise ChecksumMismatchError(f"{shown!r}: {size} bytes placed for a {dtype_name(code)} tensor of shape "
                                         f"{list(shape)}")
-        if offset < 0 or os.fstat(self._file.fileno()).st_size < offset + size:
+        if offset < 0 or os.fstat(file.fileno()).st_size < offset + size:
             raise ChecksumMismatchError(f"{shown!r}: bytes {offset}..{offset + size} are not in data shard {self.shard_id}")
         self._offset = max(self._offset, offset + size)
-        self._file.seek(self._offset)
+        file.seek(self._offset)
         entry = BundleEntry(dtype=code, shape=tuple(shape), shard_id=self.shard_id, offset=offset, size=size,
                             crc32c=mask_crc(crc32c))
         return self.bundle._record(key, entry)
 
     def _rewind(self, offset: int) -> None:
-        os.ftruncate(self._file.fileno(), offset)
-        self._file.seek(offset)
+        file = self._need_open()
+        os.ftruncate(file.fileno(), offset)
+        file.seek(offset)
         self._offset = offset
 
     def _write(self, data) -> None:
+        file = self._need_open()
         view = memoryview(data).cast("B")
         while view:
-            n = self._file.write(view)
+            n = file.write(view)
             view = view[n:]
 
     def _stream(self, key, code, shape, chunks, *, expected_crc, like=None, expected_size=None) -> BundleEntry:

@@ -5,15 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from restorekit.report import format_bytes
+
 __all__ = ["CompressResult"]
-
-
-def _format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ class CompressResult:
                 f"{self.samples} {self.sample_source} samples)")
         rows = [
             ("", "original", "compressed", ""),
-            ("size", _format_bytes(self.size_before), _format_bytes(self.size_after), f"{self.ratio:.2f}x"),
+            ("size", format_bytes(self.size_before), format_bytes(self.size_after), f"{self.ratio:.2f}x"),
             ("latency", f"{self.latency_before_ms:.3f} ms", f"{self.latency_after_ms:.3f} ms", "per sample"),
         ]
         errors = [("output", "max abs error", "max rel error", "")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -25,7 +26,7 @@ class Item:
     origin: str | None  # source checkpoint name this tensor started from (None: added)
     dtype: int
     shape: tuple
-    base: object = None  # None: the origin's stored bytes; ndarray: a given value; callable: computed
+    base: np.ndarray | Concat | Callable[[], np.ndarray] | None = None  # None: the origin's stored bytes; ndarray: a given value; callable: computed
     ops: tuple = ()  # array -> array functions applied to the base, in order
     cast: int | None = None  # a cast of the origin's bytes, streamed on save
 
@@ -33,6 +34,13 @@ class Item:
     def stored(self) -> bool:
         """True when the output bytes are the origin's bytes, unchanged."""
         return self.base is None and not self.ops and self.cast is None
+
+    @property
+    def read_name(self) -> str:
+        """The source tensor an item reads (one with ``base`` None): only added items lack an origin, and they
+        always have a base."""
+        assert self.origin is not None, "an added item has no source tensor to read"
+        return self.origin
 
 
 @dataclass(frozen=True)

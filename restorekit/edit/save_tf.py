@@ -202,12 +202,12 @@ def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> None
     ckpt = source.checkpoint
     kept, cast = [], []
     for item in plan.values():
-        if item.stored and ckpt.is_partitioned(item.origin):
-            kept += [(item.origin, part) for _, part in ckpt._slices[item.origin]]
+        if item.stored and ckpt.is_partitioned(item.read_name):
+            kept += [(item.read_name, part) for _, part in ckpt._slices[item.read_name]]
         elif item.stored:
-            kept.append((item.origin, ckpt.bundle_entry(item.origin)))
+            kept.append((item.read_name, ckpt.bundle_entry(item.read_name)))
         elif item.base is None and item.cast is not None:
-            cast.append((item.origin, ckpt.bundle_entry(item.origin)))  # its crc is checked as it streams
+            cast.append((item.read_name, ckpt.bundle_entry(item.read_name)))  # its crc is checked as it streams
     for name, entry in kept + cast:
         check_readable(name, entry)
     if not reuse:
@@ -328,7 +328,7 @@ def write_parts(source: Source, writer: BundleWriter, plan: dict[str, Item], par
 
         def fill(shard_id: int) -> set[bytes]:
             shard = writer.shard(shard_id)
-            keys = set()
+            keys: set[bytes] = set()
             for name in parts[shard_id]:
                 if stop.is_set():
                     return keys
@@ -355,21 +355,21 @@ def _write_one(source: Source, writer: BundleWriter, shard, name: str, item: Ite
     for its own shard); return the index keys written."""
     ckpt = source.checkpoint
     keys = set()
-    if item.stored and ckpt.is_partitioned(item.origin):
-        for extents, part in ckpt._slices[item.origin]:
+    if item.stored and ckpt.is_partitioned(item.read_name):
+        for extents, part in ckpt._slices[item.read_name]:
             key = encode_slice_key(name, extents)
             if reuse:
                 writer.add_entry_only(key, part)
             else:
-                _copy(source, shard, key, part, item.origin)
+                _copy(source, shard, key, part, item.read_name)
             keys.add(key)
-        writer.add_entry_only(name, ckpt.bundle_entry(item.origin))
+        writer.add_entry_only(name, ckpt.bundle_entry(item.read_name))
     elif item.stored:
-        entry = ckpt.bundle_entry(item.origin)
+        entry = ckpt.bundle_entry(item.read_name)
         if reuse:
             writer.add_entry_only(name, entry)
         else:
-            _copy(source, shard, name, entry, item.origin)
+            _copy(source, shard, name, entry, item.read_name)
     elif item.base is None and not item.ops and item.cast is not None:
         shard.add_stream(name, item.cast, item.shape, source.cast_chunks(item))
     elif isinstance(item.base, Concat) and not item.ops and item.cast is None and item.dtype != STRING:

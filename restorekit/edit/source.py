@@ -29,9 +29,9 @@ class Source:
     def value(self, item: Item) -> np.ndarray:
         """The array ``item`` stands for (for a stored item, a fresh read)."""
         if item.base is None:
-            value = self.load(item.origin)
+            value = self.load(item.read_name)
             if item.cast is not None:
-                value = cast_array(value, numpy_dtype(item.cast), item.origin)
+                value = cast_array(value, numpy_dtype(item.cast), item.read_name)
         elif isinstance(item.base, np.ndarray):
             value = item.base.copy() if item.ops else item.base
         elif isinstance(item.base, Concat):
@@ -98,17 +98,18 @@ class Source:
 
     def cast_chunks(self, item: Item) -> Iterator[bytes]:
         """The bytes of a pure cast, converted chunk by chunk (memory: one chunk)."""
-        entry = self.checkpoint.bundle_entry(item.origin)
-        check_readable(item.origin, entry)
+        assert item.cast is not None, "cast_chunks is for an item that casts its origin"
+        entry = self.checkpoint.bundle_entry(item.read_name)
+        check_readable(item.read_name, entry)
         source, target = numpy_dtype(entry.dtype), numpy_dtype(item.cast)
         pending = b""
-        for chunk in self.checked_chunks(item.origin):
+        for chunk in self.checked_chunks(item.read_name):
             chunk = pending + chunk
             usable = len(chunk) - len(chunk) % source.itemsize
             pending = chunk[usable:]
-            yield cast_array(np.frombuffer(chunk[:usable], source), target, item.origin).tobytes()
+            yield cast_array(np.frombuffer(chunk[:usable], source), target, item.read_name).tobytes()
         if pending:
-            raise CorruptCheckpointError(f"{item.origin!r}: stored size is not a whole number of {source} values")
+            raise CorruptCheckpointError(f"{item.read_name!r}: stored size is not a whole number of {source} values")
 
     def concat_chunks(self, concat: Concat) -> Iterator[bytes]:
         """The bytes of a ``concat`` result without building it.
@@ -121,9 +122,9 @@ class Source:
         """
         if concat.axis == 0:
             for it in concat.items:
-                if it.stored and not self.checkpoint.is_partitioned(it.origin):
-                    check_readable(it.origin, self.checkpoint.bundle_entry(it.origin))
-                    yield from self.checked_chunks(it.origin)
+                if it.stored and not self.checkpoint.is_partitioned(it.read_name):
+                    check_readable(it.read_name, self.checkpoint.bundle_entry(it.read_name))
+                    yield from self.checked_chunks(it.read_name)
                 else:
                     yield from array_chunks(self.value(it))
             return
@@ -201,7 +202,8 @@ def _int_range(dtype: np.dtype) -> tuple[int, int]:
     except ValueError:  # int4, int2, ...: ml_dtypes types
         import ml_dtypes
 
-        info = ml_dtypes.iinfo(dtype)
+        ml_info = ml_dtypes.iinfo(dtype)
+        return int(ml_info.min), int(ml_info.max)
     return int(info.min), int(info.max)
 
 

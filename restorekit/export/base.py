@@ -176,7 +176,7 @@ def contiguous(array: np.ndarray) -> np.ndarray:
 
 def raw_bytes_view(array: np.ndarray) -> memoryview:
     """The bytes of a contiguous array (works for ml_dtypes such as bfloat16)."""
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 def checkpoint_files(prefix: str) -> list[str]:

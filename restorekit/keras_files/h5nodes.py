@@ -77,7 +77,7 @@ class Group:
 
     def __init__(self, gid, h5py, path: str = ""):
         self.id, self._h5py, self._path = gid, h5py, path
-        self._names = None
+        self._names: tuple[list[str], int] | None = None
         self._members: dict = {}  # the walk asks for some members twice (``vars``, the containers)
 
     @property
@@ -95,7 +95,8 @@ class Group:
     def _list(self) -> tuple[list, int]:
         """Member names in h5py's order (by creation where the group tracks it, else by name), and the count
         HDF5 gives; listed in one H5Literate call, as h5py does, and not at all when the count is 0."""
-        h5py, names = self._h5py, []
+        h5py = self._h5py
+        names: list[bytes] = []
         count = self.id.get_num_objs()
         if count:
             tracked = self.id.get_create_plist().get_link_creation_order() & h5py.h5p.CRT_ORDER_TRACKED

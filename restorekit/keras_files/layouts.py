@@ -7,6 +7,7 @@ package docstring for the layouts and for which variable names are guessed.
 from __future__ import annotations
 
 import re
+from typing import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +107,7 @@ def _variable_names(kind: str | None, layer_config: dict | None, datasets: list)
             if len(kept) == n:
                 return kept
         fitting = [kept for kept in ([v for v in full if v not in dropped]
-                                     for dropped in _drops(_OPTIONAL[kind], len(full) - n))
+                                     for dropped in _drops(_OPTIONAL[kind or ""], len(full) - n))
                    if _ranks_fit(kept, datasets)]
         if len(fitting) == 1:
             return fitting[0]
@@ -353,7 +354,7 @@ class CudnnWeight:
         return self.convert(value)
 
 
-def cudnn_weights(layers: dict) -> dict:
+def cudnn_weights(layers: Mapping[str, list]) -> dict:
     """Key -> CudnnWeight for every weight of a CuDNN RNN in ``layer_variables`` of a legacy file.
 
     Told from the shapes, as Keras 2 tells them: a layer of ``kernel [in, g*u]``,

@@ -81,7 +81,8 @@ class ShardedKerasCheckpoint(KerasCheckpoint):
         self._shards = tuple(os.path.join(folder, name) for name in names)
         self.check_shards()
         h5py = _h5py()
-        self._root, self._where, held = Group(), {}, {}
+        held: dict[str, set] = {}
+        self._root, self._where = Group(), {}
         for shard in self._shards:
             with self._h5(shard) as f:
                 self._merge(h5py, f, shard, held)

@@ -47,10 +47,18 @@ def _group_of(key: str) -> tuple[str, int] | None:
     return (match.group(1) or "", int(match.group(2))) if match else None
 
 
+def _parts(key: str) -> tuple[str, int]:
+    """(layer group, index) of a key that must be a ``.weights.h5`` key (``check_structure`` refuses the others)."""
+    parts = _group_of(key)
+    if parts is None:
+        raise InvalidArgumentError(f"{key!r} is not a Keras .weights.h5 key ('<layer group>/vars/<index>')")
+    return parts
+
+
 def _groups(keys) -> dict:
     out: dict = {}
     for key in keys:
-        group, index = _group_of(key)
+        group, index = _parts(key)
         out.setdefault(group, []).append(index)
     return out
 
@@ -231,7 +239,7 @@ def shard_layout(sizes, max_shard_size: float, *, where: str = "the output") -> 
                 f"{where}: {key!r} takes {int(size)} bytes, more than max_shard_size ({int(max_shard_size)} bytes); "
                 f"Keras keeps each variable whole in one shard: pass a larger max_shard_size"
             )
-        group = _group_of(key)[0]
+        group = _parts(key)[0]
         starts.setdefault(group, len(parts) - 1)  # the group is made before its first tensor may open a shard
         current += size
         if current > max_shard_size:
@@ -366,8 +374,8 @@ def write_order(keys) -> list[str]:
     keys = list(keys)
     seen: dict = {}
     for key in keys:
-        seen.setdefault(_group_of(key)[0], len(seen))
-    return sorted(keys, key=lambda k: (seen[_group_of(k)[0]], _group_of(k)[1]))
+        seen.setdefault(_parts(key)[0], len(seen))
+    return sorted(keys, key=lambda k: (seen[_parts(k)[0]], _parts(k)[1]))
 
 
 def _vars_owner(vars_group: str) -> str:

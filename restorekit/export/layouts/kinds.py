@@ -37,7 +37,7 @@ class Part:
         """The record's note for this part (``first``: the first part of its TF tensor)."""
         if self.key is None:
             return {"drop": True}
-        note = {"name": self.key} if self.stored != self.key else {}
+        note: dict[str, object] = {"name": self.key} if self.stored != self.key else {}
         if set(self.ops) == {"perm"} and not self.extra:
             note["perm"] = list(self.ops["perm"])
         elif self.ops:

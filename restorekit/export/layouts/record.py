@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from restorekit.bundle.objectgraph import ObjectGraph
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NameCollisionError, RestoreKitWarning
 from restorekit.export.layouts import ops as _ops
 from restorekit.export.layouts.names import LAYOUTS, dotted, invert, restore_dtype, torch_name, torch_permutation
@@ -38,7 +39,7 @@ class LayoutRecord:
     layout: str | None = None
     tensors: dict = field(default_factory=dict)
     strings: dict = field(default_factory=dict)
-    graph: object = field(default=None, repr=False, compare=False)
+    graph: ObjectGraph | None = field(default=None, repr=False, compare=False)
     _owners: dict = field(default_factory=dict, repr=False)
     _kept: list = field(default_factory=list, repr=False)
     unmapped: dict = field(default_factory=dict)
@@ -156,7 +157,7 @@ class LayoutRecord:
 
     def note_tensor(self, stored: str, name: str, perm) -> None:
         """Record that ``stored`` holds TF tensor ``name``, permuted by ``perm`` (None: not)."""
-        note = {}
+        note: dict[str, object] = {}
         if stored != name:
             note["name"] = name
         if perm is not None:
@@ -300,9 +301,13 @@ class LayoutRecord:
             yield name, out.reshape(item["shape"])
 
 
-def collision(layout, first: str, second: str, out: str) -> NameCollisionError:
+def collision(layout, first: str | None, second: str | None, out: str) -> NameCollisionError:
+    """Two TF keys (None: a tensor the layout adds for PyTorch) would be stored under one name."""
+    def shown(key: str | None) -> str:
+        return "a tensor added for PyTorch" if key is None else repr(key)
+
     return NameCollisionError(
-        f"layout {layout!r} maps both {first!r} and {second!r} to {out!r}; "
+        f"layout {layout!r} maps both {shown(first)} and {shown(second)} to {out!r}; "
         f"rename one first (CheckpointEditor.rename) or export without layout"
     )
 

@@ -8,6 +8,7 @@ from types import MappingProxyType
 import numpy as np
 
 from restorekit.export.layouts import ops as _ops
+from restorekit.export.layouts.kinds import Part
 from restorekit.export.layouts.plan import plan_checkpoint
 from restorekit.export.layouts.record import LayoutRecord, collision
 
@@ -49,7 +50,7 @@ class TorchView:
         record = LayoutRecord("torch")
         record.unmapped.update(plan.unmapped)
         record._kept.extend(plan.kept)
-        self._parts = {}
+        self._parts: dict[str, Part] = {}
         entries = {}
         seen = set()
         for part in plan.parts:
