@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError, SourceMismatchError, format_names
+from restorekit.formats.registry import Source
 from restorekit.names import PatternSet
 from restorekit.report import format_shape
 
@@ -59,7 +60,7 @@ class AverageResult:
 @dataclass
 class _Source:
     path: str
-    ckpt: object  # anything with .entries {name: Entry} and .read(name)
+    ckpt: Source
     files: list
     names: list  # the entries it offers for the average, in order
     dropped: tuple
@@ -77,6 +78,7 @@ def _open(path: str, weights_only: bool) -> _Source:
     from restorekit.keras_files import KerasCheckpoint, is_keras_path
 
     path = os.fspath(path)
+    ckpt: Source
     if is_keras_path(path) or source_format(path) == TF:
         ckpt = Checkpoint(path)
         if isinstance(ckpt, KerasCheckpoint):
@@ -162,7 +164,8 @@ def _compare_values(srcs: list, names: list, mismatch: str) -> tuple[dict, list]
 
 def _mean(srcs: list, name: str, weights: tuple, total: float) -> np.ndarray:
     """The weighted mean of ``name`` over the sources, accumulated in float64, in the stored dtype."""
-    acc = dtype = None
+    acc: np.ndarray | None = None
+    dtype = None
     for src, w in zip(srcs, weights):
         value = src.ckpt.read(name)
         if acc is None:
@@ -171,6 +174,7 @@ def _mean(srcs: list, name: str, weights: tuple, total: float) -> np.ndarray:
         for i in range(0, flat.size, _CHUNK):
             flat_acc[i:i + _CHUNK] += flat[i:i + _CHUNK].astype(np.float64) * w
         del value, flat
+    assert acc is not None, "average takes two sources or more"
     acc /= total
     return acc.astype(dtype)
 

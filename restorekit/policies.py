@@ -7,6 +7,7 @@ them live in ``restorekit.remap``.
 from __future__ import annotations
 
 import numbers
+from typing import Any, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,7 +101,7 @@ class VocabRemap:
     axis: int = 0
     old_vocab_size: int | None = None
     num_oov_buckets: int = 0
-    backup_initializer: object = None
+    backup_initializer: Callable[..., Any] | None = None
     _words: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):

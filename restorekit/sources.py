@@ -58,10 +58,9 @@ class From:
         options = "".join(f", {k}={v!r}" for k, v in self.options.items())
         return f"From({self.checkpoint!r}{options})"
 
+    # Defining __eq__ alone leaves From unhashable, as it must be: its options are a dict.
     def __eq__(self, other) -> bool:
         return isinstance(other, From) and (self.checkpoint, self.options) == (other.checkpoint, other.options)
-
-    __hash__ = None
 
 
 def is_several(checkpoint) -> bool:
@@ -165,7 +164,7 @@ def merge(reports: list, targets: list, assigned: dict | None) -> RestoreReport:
         {rec.variable_name: (kind, rec) for kind in _KINDS for rec in getattr(rep, kind) if rec.variable_name is not None}
         for rep in reports
     ]
-    out = {kind: [] for kind in _KINDS}
+    out: dict[str, list[Record]] = {kind: [] for kind in _KINDS}
     chosen, handles, policies = {}, {}, {}
     everywhere = range(len(reports))
     for t in targets:
@@ -193,7 +192,7 @@ def merge(reports: list, targets: list, assigned: dict | None) -> RestoreReport:
     for i, rep in enumerate(reports):
         taken = {r.checkpoint_name for r in out["matched"] + out["shape_mismatched"] + out["dtype_mismatched"]
                  if r.source == prefixes[i]}
-        left = {}
+        left: dict[str, Record] = {}
         for kind in _HELD:  # entries this source holds for variables that restore from another
             for r in getattr(rep, kind):
                 if chosen.get(r.variable_name) != i and r.checkpoint_name not in taken:

@@ -41,7 +41,7 @@ class Target:
     """
 
     variable_name: str
-    shape: tuple
+    shape: tuple | None  # None: the rank is unknown (a TF1 variable of unknown shape)
     dtype: str
     handle: object
     # Fixed by a Saver-style {checkpoint_name: variable} dict; else derived by scan.
@@ -112,7 +112,7 @@ def slice_info(var):
     return getattr(var, "_save_slice_info", None)
 
 
-def _shape(var) -> tuple:
+def _shape(var) -> tuple | None:
     shape = var.shape
     if hasattr(shape, "as_list"):
         if shape.rank is None:
@@ -129,8 +129,9 @@ def _dtype(var) -> str:
     return str(dtype).replace("<dtype: '", "").rstrip("'>")
 
 
-def _partition_target(name: str, parts: list, checkpoint_name=None) -> Target:
+def _partition_target(name: str | None, parts: list, checkpoint_name=None) -> Target:
     info = slice_info(parts[0])
+    full_shape: tuple | None
     if info is not None:
         full_shape = tuple(info.full_shape)
         full_name = info.full_name

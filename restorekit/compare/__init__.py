@@ -65,10 +65,13 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
     if by not in _BY:
         raise InvalidArgumentError(f"by={by!r}: choose one of {', '.join(map(repr, _BY))}")
     a, b = open_checkpoint(a), open_checkpoint(b)
-    by_key = _key_pairs(a, b)
-    by_path = _path_pairs(a, b) if by != "key" else None
-    use_path = by == "path" or (by == "auto" and len(by_path[0]) > len(by_key[0]))
-    pairs, only_a, only_b = by_path if use_path else by_key
+    pairs, only_a, only_b = by_key = _key_pairs(a, b)
+    use_path = False
+    if by != "key":
+        by_path = _path_pairs(a, b)
+        use_path = by == "path" or len(by_path[0]) > len(by_key[0])
+        if use_path:
+            pairs, only_a, only_b = by_path
     changed, values, equal = _compare(a, b, pairs, atol)
     if use_path:
         keys = {name: {"a": ka, "b": kb} for name, ka, kb in pairs if name != ka or name != kb}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from restorekit.errors import (
     OutputExistsError,
     format_names,
 )
+
+if TYPE_CHECKING:  # the ONNX backend is imported only when chosen
+    from restorekit.compress.onnx_backend import _OnnxRuntime
 
 PRECISIONS = ("fp16", "int8", "dynamic-int8", "fp32")
 BACKENDS = ("tflite", "onnx", "tensorrt")
@@ -194,6 +198,7 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         else:
             feeds, sample_source = _random_feeds(model.inputs, samples), "random"
         shapes = {s.key: _concrete_shape(_Spec(s.key, s.dtype, feeds[0][s.key].shape)) for s in model.inputs}
+        compressed: _Lite | _OnnxRuntime
         if backend == "tflite":
             content = _convert(model, precision, shapes, feeds)
             compressed = _Lite(content, model)
@@ -214,7 +219,7 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         sample_source=sample_source, next_step=_next_step(backend, out, content),
     )
     if max_error is not None and result.max_error > max_error:
-        worst = max(abs_err, key=abs_err.get)
+        worst = max(abs_err, key=abs_err.__getitem__)
         raise CompressionError(
             f"the {precision} model moved output {worst!r} by up to {abs_err[worst]:.3g}, over max_error="
             f"{max_error:g} ({len(feeds)} {sample_source} samples), so nothing was written.", result=result)

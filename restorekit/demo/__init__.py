@@ -163,12 +163,12 @@ def run_demo(
     say(f"      {prefix}: weights, Momentum slots, EMA shadows, global_step")
     say()
 
-    runs = {arm: [] for arm in ARMS}
+    trials: dict[str, list] = {arm: [] for arm in ARMS}
     for seed in range(seeds):
         for arm in ARMS:
-            runs[arm].append(finetune(tasks, prefix, arm=arm, seed=seed, steps=steps, shots=shots))
+            trials[arm].append(finetune(tasks, prefix, arm=arm, seed=seed, steps=steps, shots=shots))
         if seed == 0:
-            report = runs["warm"][0].report
+            report = trials["warm"][0].report
             say("[2/4] restore report (warm): easy_going_scaffold(pretrained, ema=True) in a MonitoredTrainingSession")
             say(str(report))
             say(count_lines(report))
@@ -176,10 +176,10 @@ def run_demo(
             say(f"[3/4] variable groups: GroupedOptimizer, Adam at {LEARNING_RATE:g} x multiplier")
             for arm in ("probe", "warm"):
                 say(f"      {arm}:")
-                say(str(runs[arm][0].groups))
+                say(str(trials[arm][0].groups))
             say()
 
-    runs = {arm: tuple(r) for arm, r in runs.items()}
+    runs = {arm: tuple(r) for arm, r in trials.items()}
     plot = plot_learning_curves(runs, out / "learning_curve.png", shots=shots)
     say(f"[4/4] test accuracy on digits 5-9 after {steps} steps ({seeds} seeds; "
         "in each seed the three arms see the same images and start from the same head)")
