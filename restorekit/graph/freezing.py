@@ -230,7 +230,7 @@ def freeze(checkpoint, graph, outputs, out=None, *, overwrite: bool = False):
     ckpt = _open_checkpoint(checkpoint)
     loaded = _repair(_load(graph))
     _require_loadable(loaded)
-    if loaded.kind == "SavedModel" and loaded.meta_graph.object_graph_def.nodes:
+    if loaded.kind == "SavedModel" and loaded.meta_graph is not None and loaded.meta_graph.object_graph_def.nodes:
         raise GraphError(
             f"{loaded.source!r} is a TF2 SavedModel: its computation lives in tf.functions whose variables "
             f"are captured, which freezing a TF1 graph cannot reach. Load it and use "
@@ -264,7 +264,7 @@ def freeze(checkpoint, graph, outputs, out=None, *, overwrite: bool = False):
 def _restore_plan(needed: list, vdefs: dict) -> tuple[list, dict]:
     """What to restore into each variable node: ``(node, checkpoint name, index or None)``, and scan targets."""
     tf = _tf()
-    plan = []
+    plan: list[tuple[object, str, tuple[slice, ...] | None]] = []
     targets: dict = {}
     for node in needed:
         shape = tf.TensorShape(_shape_of(node.attr["shape"].shape))

@@ -174,7 +174,7 @@ def _variable_def(raw: bytes, collection: str):
 
 def _variable_defs(meta_graph) -> dict:
     """variable name -> VariableDef, from a MetaGraph's variable collections."""
-    result = {}
+    result: dict = {}
     if meta_graph is None:
         return result
     for key in ("variables", "trainable_variables", "local_variables", "model_variables"):

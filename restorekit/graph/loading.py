@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from restorekit.bundle.varint import read_varint
 from restorekit.errors import (
@@ -19,6 +20,10 @@ from restorekit.errors import (
 from restorekit.graph import common
 from restorekit.graph.common import _protos, _tf
 
+if TYPE_CHECKING:  # TensorFlow's protos, imported when a graph is loaded (untyped: mypy sees Any)
+    from tensorflow.core.framework.graph_pb2 import GraphDef
+    from tensorflow.core.protobuf.meta_graph_pb2 import MetaGraphDef
+
 _OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_>.]*$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\-/>]*$")
 
@@ -30,8 +35,8 @@ class _Loaded:
 
     source: str
     kind: str  # 'GraphDef', 'MetaGraph', 'SavedModel'
-    graph_def: object
-    meta_graph: object = None
+    graph_def: GraphDef
+    meta_graph: MetaGraphDef | None = None
     repaired: list = dataclasses.field(default_factory=list)
     unknown_ops: tuple = ()
 

@@ -106,8 +106,8 @@ def _find_weights(gd, weights, min_bytes: int) -> list[tuple]:
     )
 
 
-def _reference_entries(reference) -> dict[str, tuple[tuple, str]]:
-    """name -> (shape, dtype) of a reference checkpoint or graph."""
+def _reference_entries(reference) -> dict[str, tuple[tuple | None, str]]:
+    """name -> (shape, dtype) of a reference checkpoint or graph (shape None: a graph variable of unknown rank)."""
     from restorekit.checkpoint import Checkpoint
 
     graph_pb2, meta_graph_pb2, saved_model_pb2 = _protos()
@@ -133,7 +133,7 @@ def _reference_entries(reference) -> dict[str, tuple[tuple, str]]:
 
 def _align(units: list[tuple], reference: dict) -> list[Alignment]:
     """New names for ``(name, shape, dtype)`` units: the same name and shape, else a unique shape and dtype match."""
-    new = [None] * len(units)
+    new: list[str | None] = [None] * len(units)
     reasons = [""] * len(units)
     taken = set()
     for i, (name, shape, _) in enumerate(units):
@@ -155,11 +155,10 @@ def _align(units: list[tuple], reference: dict) -> list[Alignment]:
         if len(indexes) == 1 and len(refs) == 1:
             new[indexes[0]] = refs[0]
             reasons[indexes[0]] = f"unique shape match {format_shape(key[0], _UNKNOWN_RANK)}"
-    for i, (name, _, _) in enumerate(units):
-        if new[i] is None:
-            new[i] = name
+    for i, n in enumerate(new):
+        if n is None:
             reasons[i] = "no same-name or unique-shape match in the reference; kept its name"
-    return [Alignment(u[0], n, r) for u, n, r in zip(units, new, reasons)]
+    return [Alignment(u[0], u[0] if n is None else n, r) for u, n, r in zip(units, new, reasons)]
 
 
 _PART = re.compile(r"^(?P<base>.+)/part_(?P<index>\d+)$")
@@ -219,6 +218,7 @@ def _write_outputs(prefix: str, gd, converted: list[ConvertedConstant], layouts:
                 if c.full_name is None:
                     writer.add_stream(c.name, layout.dtype, layout.shape, chunks)
                     continue
+                assert c.offset is not None  # a partition has both its full name and its offset
                 extents = tuple(zip(c.offset, c.shape))
                 writer.add_stream(encode_slice_key(c.full_name, extents), layout.dtype, layout.shape, chunks)
                 parts.setdefault(c.full_name, []).append((layout.dtype, c.full_shape, extents))
