@@ -6,7 +6,7 @@ first use of ``GroupedOptimizer`` so that ``import restorekit`` does not.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError, format_names
@@ -16,11 +16,13 @@ from restorekit.finetune.optimizers import optimizers_per_multiplier, split_by_m
 from restorekit.targets import variable_name
 
 tf = import_tensorflow()
+# The base class is a value of the module imported above (TensorFlow ships no types: Any to mypy).
+_Optimizer: Any = tf.compat.v1.train.Optimizer
 
 __all__ = ["GroupedOptimizer"]
 
 
-class GroupedOptimizer(tf.compat.v1.train.Optimizer):
+class GroupedOptimizer(_Optimizer):
     """One TF1 optimizer per multiplier; one train op for all of them.
 
     ``optimizer_factory(multiplier)`` returns a ``tf.compat.v1.train.Optimizer``

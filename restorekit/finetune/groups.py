@@ -83,6 +83,10 @@ class VariableGroups:
     groups: tuple[VariableGroup, ...]
     default: float
     _members: tuple[_Member, ...] = field(default=(), repr=False, compare=False)
+    # Lookups derived from the fields above by __post_init__ (and again after unpickling).
+    _by_id: dict[int, _Member] = field(init=False, repr=False, compare=False)
+    _by_name: dict[str, _Member] = field(init=False, repr=False, compare=False)
+    _group_of_name: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         by_id = {}
@@ -336,7 +340,7 @@ def _collect(variables) -> list[tuple[str, str, object, object]]:
             "a Keras model or a tf.Module"
         )
 
-    found = []
+    found: list[tuple[str, str, object, object]] = []  # (name, name rules see, tf.Variable, Keras variable or None)
     for v in variables:
         if is_partitioned(v):
             # Rules see the full name: every part of one variable must share a group.
@@ -488,7 +492,7 @@ def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableG
     default = _check_multiplier(default, "default")
     found = _collect(variables)
     names_of = _names_to_match(variables, found)
-    members_of = [[] for _ in range(len(pairs) + 1)]
+    members_of: list[list[tuple[str, object, object]]] = [[] for _ in range(len(pairs) + 1)]
     taken = [False] * len(pairs)
     for item in found:
         index = _first_rule(pairs, names_of[id(item[2])])
@@ -499,13 +503,15 @@ def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableG
         if not used:
             _unused_rule(pattern, pairs, found, names_of)
 
-    groups, members = [], []
+    groups: list[VariableGroup] = []
+    members: list[_Member] = []
     specs = [(p, m) for p, m in pairs] + [(None, default)]
     for (rule, mult), group_members in zip(specs, members_of):
         if not group_members:
             continue
         sizes = [_num_parameters(v) for _, v, _ in group_members]
-        params = None if any(s is None for s in sizes) else sum(sizes)
+        known = [s for s in sizes if s is not None]
+        params = sum(known) if len(known) == len(sizes) else None
         g_index = len(groups)
         groups.append(VariableGroup(rule, mult, tuple(n for n, _, _ in group_members), params))
         members.extend(_Member(n, v, k, g_index) for n, v, k in group_members)

@@ -155,7 +155,7 @@ def _check_base_rate(value) -> None:
             f"learning_rate must be a number or a scalar tensor (the base rate), got {value!r}; "
             "to schedule it, give each group's optimizer a schedule in optimizer_factory"
         )
-    if isinstance(value, numbers.Real) and not (math.isfinite(value) and value >= 0):
+    if isinstance(value, numbers.Real) and not (math.isfinite(value) and float(value) >= 0):
         raise InvalidArgumentError(f"learning_rate must be a finite number >= 0, got {value!r}")
 
 

@@ -22,7 +22,7 @@ def optimizers_per_multiplier(factory, groups: VariableGroups, base: type, what:
         raise InvalidArgumentError(f"optimizer_factory must be callable (multiplier -> optimizer), got {factory!r}")
     if not groups.multipliers:
         raise GroupError(f"every group is frozen, so there is nothing to optimize:\n{groups}")
-    optimizers = {}
+    optimizers: dict[float, object] = {}
     for mult in groups.multipliers:
         opt = factory(mult)
         if not isinstance(opt, base):
@@ -47,7 +47,7 @@ def split_by_multiplier(groups: VariableGroups, items: Iterable, variable: Calla
     Raises:
         GroupError: a variable the groups do not know.
     """
-    split = {m: [] for m in groups.multipliers}
+    split: dict[float, list] = {m: [] for m in groups.multipliers}
     for item in items:
         group = groups.group_of(variable(item))
         if not group.frozen:
