@@ -16,7 +16,7 @@ from restorekit.errors import InvalidArgumentError
 from restorekit.policies import CAST, SLICE_OR_PAD, ShapeAdapter, VocabRemap, policy_name
 from restorekit.report import format_shape, policy_of
 
-__all__ = ["matched_values", "policy_value"]
+__all__ = ["matched_values", "policy_value", "read_arrays"]
 
 
 def _dtype(name: str) -> np.dtype:
@@ -62,7 +62,7 @@ def policy_value(policy, record, value: np.ndarray, handle, current) -> np.ndarr
     return np.asarray(policy(value, handle)).astype(dtype, copy=False)
 
 
-def _read(source, keys: list) -> dict:
+def read_arrays(source, keys: list) -> dict:
     """checkpoint key -> numpy array, each read once (a Keras file opened once for all)."""
     if hasattr(source, "read_many"):
         return dict(zip(keys, source.read_many(keys)))
@@ -82,7 +82,7 @@ def matched_values(report, handles: dict, current) -> list:
     """
     source = report._source if report._source is not None else Checkpoint(report.checkpoint)
     records = list(report.matched)
-    arrays = _read(source, sorted({r.checkpoint_name for r in records}))
+    arrays = read_arrays(source, sorted({r.checkpoint_name for r in records}))
     values = []
     for r in records:
         handle = handles[r.variable_name]

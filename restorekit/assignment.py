@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from restorekit.checkpoint import Checkpoint
+from restorekit.formats.registry import Source
 from restorekit.errors import AssignmentMapError, NoMatchError
 from restorekit.targets import Target, is_partitioned, slice_info, variable_name
 
@@ -29,7 +29,7 @@ def _value_names(value) -> list[str]:
     raise AssignmentMapError(f"assignment_map values are variable names, scopes or variables; got {value!r}")
 
 
-def mapper(assignment_map, targets: list[Target], checkpoint: Checkpoint):
+def mapper(assignment_map, targets: list[Target], checkpoint: Source):
     """A function variable_name -> checkpoint name or None, from init_from_checkpoint-style maps."""
     if assignment_map is None:
         return lambda name: name
@@ -72,7 +72,7 @@ def _from_pairs(assignment_map):
     return {key: values[0] if len(values) == 1 else values for key, values in grouped.items()}
 
 
-def _map_entries(assignment_map: Mapping, targets: list[Target], checkpoint: Checkpoint):
+def _map_entries(assignment_map: Mapping, targets: list[Target], checkpoint: Source):
     """Exact names (variable -> checkpoint) and (variable scope, checkpoint scope) pairs, checked."""
     var_names = [t.variable_name for t in targets]
     known = set(var_names)

@@ -249,7 +249,7 @@ def policy_applies(policy, shape, checkpoint_shape) -> bool:
     return True
 
 
-def dtype_cast_applies(dtype_policy, dtype: str, checkpoint_dtype: str) -> bool:
+def dtype_cast_applies(dtype_policy, dtype: str, checkpoint_dtype: str | None) -> bool:
     """True when ``scan(dtype_policy=...)`` lets a ``checkpoint_dtype`` entry restore into a ``dtype`` variable."""
     return dtype_policy == CAST and dtype in _FLOAT_NAMES and checkpoint_dtype in _FLOAT_NAMES
 

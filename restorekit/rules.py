@@ -208,7 +208,7 @@ def _layer_scope(name: str) -> tuple[str, str]:
     return scope, leaf
 
 
-def _file_scope(scope: str, scopes: dict, index: dict, leaves: set, suffixes: dict) -> tuple[str | None, str]:
+def _file_scope(scope: str, scopes: Mapping, index: dict, leaves: set, suffixes: dict) -> tuple[str | None, str]:
     """(the file's layer scope for a model layer ``scope``, how it was found) or (None, '')."""
     if scope in scopes:
         return scope, ""
@@ -223,7 +223,7 @@ def _file_scope(scope: str, scopes: dict, index: dict, leaves: set, suffixes: di
     return (level[:-2], "one scope level apart") if level else (None, "")
 
 
-def keras_layer_pairs(targets, by_name, layers: dict) -> dict:
+def keras_layer_pairs(targets, by_name, layers: Mapping) -> dict:
     """Pair variables whose path names no entry of a Keras file inside their layer, as Keras loads weights.
 
     ``targets``: ``(variable name, shape, dtype)`` in the model's order; ``by_name``: variable

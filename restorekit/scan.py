@@ -11,14 +11,16 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 from restorekit import policies as policy_rules
 from restorekit.assignment import mapper
-from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
+from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit import keras_files
 from restorekit.ema import KERAS_AVERAGE_SUFFIX, is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning
 from restorekit.formats import open_source
+from restorekit.formats.registry import Source
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit.names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit.report import Record, RestoreReport
@@ -31,7 +33,7 @@ from restorekit.trackables import is_trackable, object_graph_keys
 __all__ = ["as_checkpoint", "scan"]
 
 
-def as_checkpoint(checkpoint) -> Checkpoint:
+def as_checkpoint(checkpoint) -> Source:
     """An open Source, or a path in any readable format (``restorekit.formats.open``: TF, Keras, safetensors, .pt, .npz)."""
     return open_source(checkpoint)
 
@@ -187,24 +189,25 @@ def scan(
 class _Scan:
     """What one scan knows and has found so far."""
 
-    ckpt: Checkpoint
+    ckpt: Source
     targets: list
     match: str
     skip_optimizer_slots: bool
     include_global_step: bool
-    includes: PatternSet = None
-    excludes: PatternSet = None
+    # _resolve_options sets includes, excludes, ema, policies and dtype_policy; _resolve_names sets lookup.
+    includes: PatternSet = field(default_factory=lambda: PatternSet(None))
+    excludes: PatternSet = field(default_factory=lambda: PatternSet(None))
     suffix: str | None = None
-    ema: object = None  # the ExponentialMovingAverage, when one was given (it knows its shadows' names)
-    scoped_shadows: dict = None  # variable name -> shadow entry saved under an extra scope, if unique
-    keras_averages: dict = None  # weight's key -> its Keras 3 use_ema average's key
-    policies: object = None
+    ema: Any = None  # the ExponentialMovingAverage, when one was given (it knows its shadows' names)
+    scoped_shadows: dict | None = None  # variable name -> shadow entry saved under an extra scope, if unique
+    keras_averages: dict | None = None  # weight's key -> its Keras 3 use_ema average's key
+    policies: policy_rules.ShapePolicies = field(default_factory=lambda: policy_rules.ShapePolicies(None))
     dtype_policy: object = None
     vocabularies: dict = field(default_factory=dict)
     assignment_map: object = None
-    lookup: object = None
+    lookup: Callable[[str], str | None] = _same
     pairing: str = "name"  # Record.how of a pairing by lookup: 'name', 'rule' or 'assignment_map'
-    rescope: object = _same
+    rescope: Callable[[str], str] = _same
     graph_keys: dict = field(default_factory=dict)
     positional: set = field(default_factory=set)  # variables paired with another name's entry, by position
     dropped: dict = field(default_factory=dict)  # by-position pairings refused because names answer
@@ -261,7 +264,7 @@ def _resolve_names(state: _Scan, variables, assignment_map, rules) -> None:
             state.graph_keys = _names_beat_positions(state.graph_keys, names, state.by_path)
         _positions_only_where_names_fail(state, names)
     if isinstance(ckpt, keras_files.KerasCheckpoint) and assignment_map is None and state.match != "object_graph":
-        _keras_fallbacks(state, names)
+        _keras_fallbacks(state, ckpt, names)
     if state.match == "object_graph" and not state.graph_keys:
         raise NoMatchError(
             f"match='object_graph' found none of the {len(state.targets)} variables in the object graph of "
@@ -269,11 +272,10 @@ def _resolve_names(state: _Scan, variables, assignment_map, rules) -> None:
         )
 
 
-def _keras_fallbacks(state: _Scan, names: list) -> None:
+def _keras_fallbacks(state: _Scan, ckpt: keras_files.KerasCheckpoint, names: list) -> None:
     """Where paths name no entry of a Keras file: pair inside each layer (by leaf or position, as Keras
     loads weights); and for a legacy Keras 2 file, ``KERAS_FROM_KERAS2`` when it fits more variables
     than the names as they are (Keras 2 numbered layers from 1: its ``dense_1`` is Keras 3's ``dense``)."""
-    ckpt = state.ckpt
     state.aliases = keras_layer_pairs([(t.variable_name, t.shape, t.dtype) for t in state.targets],
                                       state.by_path, ckpt.layer_variables)
     if ckpt.is_weights_file:
@@ -336,7 +338,7 @@ def _state_reason(state: _Scan, name: str) -> tuple[str, str] | None:
     if kind is Kind.OPTIMIZER and state.skip_optimizer_slots:
         return f"optimizer slot ({optimizer_slot_kind(name) or 'Keras 2 optimizer'})", "optimizer"
     if kind is Kind.COUNTER and not state.include_global_step:
-        return counter_kind(name), "counter"
+        return counter_kind(name) or "counter", "counter"
     if kind is Kind.RNG:  # renumbered in every model Keras builds, and only a random stream's position
         return "RNG state (seed generator)", "rng"
     return None
@@ -364,6 +366,7 @@ def _checkpoint_name(state: _Scan, t: Target) -> tuple[str | None, tuple]:
 def _scoped_shadows(state: _Scan) -> dict:
     """Shadows that ``ema.apply()`` inside a variable scope saved as ``scope/v/<suffix>``: tail name -> entry."""
     if state.scoped_shadows is None:
+        assert state.suffix is not None, "asked for shadows only under ema="
         state.scoped_shadows = scoped_shadows(state.ckpt.entries, state.suffix)
     return state.scoped_shadows
 
@@ -574,7 +577,7 @@ def _report(state: _Scan) -> RestoreReport:
     )
 
 
-def _readable(ckpt: Checkpoint, name: str) -> str | None:
+def _readable(ckpt: Source, name: str) -> str | None:
     """The readable path of an object-based checkpoint key, None when it adds nothing."""
     if not ckpt.is_object_based:
         return None

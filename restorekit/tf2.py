@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from restorekit import distribute, keras_files, remap, restore_keras, restore_torch
 from restorekit._tensorflow import import_tensorflow
+from restorekit.array_values import read_arrays
 from restorekit.bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
 from restorekit.formats import detect, open_source
@@ -76,9 +77,9 @@ def _read_matched(tf, source: str, records: list) -> dict:
     keys = sorted({r.checkpoint_name for r in records})
     if detect(source) != "tf":
         # RestoreV2 reads only TF bundles; any other format (a Keras file, safetensors, .pt, .npz) with its reader.
-        arrays = open_source(source).read_many(keys)
+        arrays = read_arrays(open_source(source), keys)
         with tf.device("/cpu:0"):
-            return {k: tf.convert_to_tensor(a) for k, a in zip(keys, arrays)}
+            return {k: tf.convert_to_tensor(a) for k, a in arrays.items()}
     dtype_of = {r.checkpoint_name: r.checkpoint_dtype for r in records}
     size_of = {r.checkpoint_name: _nbytes(r) for r in records}
     return dict(zip(keys, read_tensors(source, keys, [dtype_of[k] for k in keys], sizes=[size_of[k] for k in keys])))
@@ -137,7 +138,7 @@ def restore(report, *, strict: bool = False):
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
         raise _nothing_matched(report)
-    tensors = {}  # (source, checkpoint key) -> tensor: each source's matches read in one go
+    tensors: dict[tuple[str, str], object] = {}  # (source, checkpoint key) -> tensor: each source's matches read in one go
     for source, records in report.by_source().items():
         tensors.update(((source, k), v) for k, v in _read_matched(tf, source, records).items())
     values = []

@@ -9,6 +9,8 @@ torch itself is never imported here: the module and its tensors are only read.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from restorekit.errors import InvalidArgumentError
 
 __all__ = ["LayoutSource", "RuleSetSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items"]
@@ -53,6 +55,7 @@ class LayoutSource:
     is_object_based = False
     object_graph = None
     object_paths: dict = {}
+    entries: Mapping  # name -> Entry, under the layout's (or rule set's) names
 
     def __init__(self, checkpoint, layout: str):
         # Imported here: restorekit.export's package imports scan, which imports this module.
