@@ -3,6 +3,7 @@ and the plan options every save takes (``weights_only``, ``ema``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -34,11 +35,11 @@ def with_options(source: Source, plan: dict[str, Item], *, weights_only: bool, e
         for name, it in plan.items():
             if it.stored and it.origin in shadows:
                 continue
-            shadow = selection.names.get(it.origin, it.origin) if it.stored else it.origin
-            if shadow != it.origin:
+            shadow = selection.names.get(it.read_name, it.read_name) if it.stored else None
+            if shadow is not None and shadow != it.origin:
                 # The weight keeps its key (and its place in a TF2 object graph); its value is the shadow's.
                 entry = ckpt.bundle_entry(shadow)
-                it = Item(it.origin, entry.dtype, tuple(entry.shape), base=lambda s=shadow: source.load(s))
+                it = Item(it.origin, entry.dtype, tuple(entry.shape), base=functools.partial(source.load, shadow))
             edited[name] = it
         plan = edited
         if selection.fallback:

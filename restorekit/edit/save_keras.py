@@ -8,6 +8,7 @@ other formats get the readable paths (``enc1/kernel``) that scan and layout='tor
 
 from __future__ import annotations
 
+import functools
 import os
 
 from restorekit.bundle.files import check_space
@@ -36,7 +37,7 @@ def without_optimizer(plan: dict[str, Item]) -> dict[str, Item]:
 
 def _decoded(source: Source, plan: dict[str, Item]) -> dict[str, Item]:
     """Every item as a value read on demand (h5py reads; casts and edits applied)."""
-    return {name: Item(it.origin, it.dtype, tuple(it.shape), base=lambda it=it: source.value(it))
+    return {name: Item(it.origin, it.dtype, tuple(it.shape), base=functools.partial(source.value, it))
             for name, it in plan.items()}
 
 
