@@ -13,7 +13,7 @@ import numpy as np
 
 from restorekit.bundle.files import check_space
 from restorekit.export import formats, sharded
-from restorekit.export.base import ExportResult, PlannedCheckpoint, WithObjectGraph, refuse
+from restorekit.export.base import ExportResult, PlannedCheckpoint, WithObjectGraph
 from restorekit.export.layouts import TorchView, torch_view
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.export.outputs import (config_files, entry_sizes, finish, locked_output, metadata, out_dir,
@@ -85,9 +85,7 @@ def write_file(ckpt, files, path: str, fmt: str, options: Request, *, overwrite:
 def _write_file(ckpt, path: str, fmt: str, options: Request, *, overwrite: bool, progress: bool) -> ExportResult:
     plan = tf_plan(ckpt, options)
     module = formats.module(fmt)
-    layout, meta = options.layout, metadata(options, fmt)
-    if layout not in module.LAYOUTS:
-        refuse(fmt, layout=layout)  # before a view is planned (it warns about what it cannot map)
+    layout, meta = options.layout, metadata(options, fmt)  # a layout ``fmt`` cannot take: refused by request.OPTIONS
     shard = options.max_shard_size
     directory = sharded.output_files(path, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(path))
     shapes = {n: e.shape for n, e in ckpt.entries.items()}

@@ -90,7 +90,8 @@ def check(options: dict, *, target: str, source: str | None = None, save: bool =
         if target in rule.targets or (source is not None and source in rule.sources):
             continue
         raise OptionNotApplicableError(option, target, rule.applies_to, value=value,
-                                       hint=TARGET_HINTS.get(target, rule.hint),
+                                       hint=" ".join(h for h in (rule.hint and rule.hint + ".",
+                                                                 TARGET_HINTS.get(target)) if h),
                                        source=source if rule.sources else None)
 
 
