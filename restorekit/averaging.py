@@ -246,7 +246,7 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     """
     from restorekit.bundle.files import check_parent, check_space, output_prefix
     from restorekit.export import formats
-    from restorekit.export.conversions import _check_output
+    from restorekit.export.outputs import check_output as _check_output
     from restorekit.export.targets import target_format
     from restorekit.export.tfwrite import write_tf
 

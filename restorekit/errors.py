@@ -16,6 +16,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     │   ├── AssignmentMapError                              an assignment_map that cannot work
     │   ├── EditError                                       an edit that does not fit (shape, dtype)
     │   ├── OutputNameError                                 an output name that contradicts `to` or is not ours
+    │   ├── OptionNotApplicableError                        an option the source or target format does not take
     │   ├── GroupError                                      variable groups used wrongly
     │   │   └── UnknownVariableError       (NoMatchError)       a variable the groups do not hold
     │   ├── VocabularyError                                 a vocabulary file or size that does not fit
@@ -62,6 +63,7 @@ __all__ = [
     "MissingDependencyError",
     "NameCollisionError",
     "NoMatchError",
+    "OptionNotApplicableError",
     "OutputError",
     "OutputExistsError",
     "OutputNameError",
@@ -129,6 +131,34 @@ class OutputNameError(InvalidArgumentError):
     def for_cli(self) -> "OutputNameError":
         """The same error, its options worded as command-line flags."""
         return OutputNameError(self.path, self._words, cli=True)
+
+
+class OptionNotApplicableError(InvalidArgumentError):
+    """An option given for a format it does not apply to; nothing was read or written.
+
+    ``option`` is the keyword (``'num_shards'``), ``value`` what was passed, ``format`` the
+    output format that refuses it (``'npz'``, ``'tf'``, ``'keras'``), ``source`` the source
+    format where the option could apply to either side (``layout``), ``applies_to`` the
+    formats it does apply to (``restorekit.export.request.OPTIONS``) and ``hint`` what to
+    do instead.
+    """
+
+    def __init__(self, option: str, format: str, applies_to: Iterable[str] = (), *, value: object = None,
+                 source: str | None = None, hint: str = ""):
+        self.option = option
+        self.format = format
+        self.applies_to = tuple(applies_to)
+        self.value = value
+        self.source = source
+        self.hint = hint
+        given = f"{option}={value!r}" if value is not None and value is not True else f"{option}="
+        if source is not None:
+            text = f"{given} applies to neither {source} nor {format} files"
+        else:
+            text = f"{given} does not apply to {format} outputs"
+        if self.applies_to:
+            text += f" (it applies to {', '.join(self.applies_to)})"
+        super().__init__(f"{text}; nothing was written." + (f" {hint}" if hint else ""))
 
 
 class NoMatchError(InvalidArgumentError):

@@ -38,9 +38,9 @@ def test_a_to_that_contradicts_the_extension_is_refused_and_nothing_written(pref
     assert _listing(tmp_path / "out") == []
 
 
-def test_export_checkpoint_names_its_own_option(prefix, tmp_path):
-    with pytest.raises(OutputNameError, match="format='npz'"):
-        export_checkpoint(prefix, tmp_path / "x.pt", format="npz")
+def test_export_checkpoint_names_the_target_option_to_as_every_verb_does(prefix, tmp_path):
+    with pytest.raises(OutputNameError, match="to='npz'"):
+        export_checkpoint(prefix, tmp_path / "x.pt", to="npz")
     assert not os.path.exists(tmp_path / "x.pt")
 
 

@@ -139,10 +139,10 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema-suffix", metavar="SUFFIX",
                    help="with --ema: the shadows' name suffix, when not ExponentialMovingAverage")
     p.add_argument("--max-shard-size", metavar="SIZE",
-                   help="write Hugging Face-style safetensors shards of at most SIZE (5GB, 500MiB) plus an index; "
-                        "OUT is then a directory")
+                   help="the largest shard of the output (5GB, 500MiB, bytes): Hugging Face-style safetensors "
+                        "shards plus an index (OUT is then a directory), or with --to tf TF data shards")
     p.add_argument("--num-shards", type=int, metavar="N",
-                   help="a TF checkpoint output: write N data shards balanced by bytes")
+                   help="a TF checkpoint output: write N data shards balanced by bytes (or --max-shard-size)")
     p.add_argument("--config", action="store_true",
                    help="with a *-tf-to-hf rule set, write config.json beside OUT (sizes read from the shapes)")
     p.add_argument("--heads", type=int, metavar="N",

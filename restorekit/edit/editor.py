@@ -19,6 +19,7 @@ from restorekit.edit.save_tf import save_tf
 from restorekit.edit.source import Source
 from restorekit.export import formats
 from restorekit.formats import detect
+from restorekit.export.request import KERAS_SHARDED, check, renamed_keywords, request
 from restorekit.export.targets import target_format
 from restorekit.errors import (
     CorruptCheckpointError,
@@ -82,15 +83,18 @@ class CheckpointEditor:
                 f"convert it first (restorekit.convert({os.fspath(path)!r}, 'model.ckpt')) and edit the result"
             )
         self._keras = fmt == "keras"
+        self._source: Source | None = None
+        self._opened: tuple | None = None
         if self._keras:
             self.prefix = os.fspath(path)
             self._through_outside_state = None
-            Checkpoint(self.prefix)  # CheckpointNotFoundError, CorruptCheckpointError now, not at the first edit
+            # Opened now (CheckpointNotFoundError, CorruptCheckpointError here, not at the first edit), and kept:
+            # every edit and save reads this one open file.
+            self._opened = _fingerprint(self.prefix)
+            self._source = Source(Checkpoint(self.prefix))
         else:
             self.prefix = resolve_prefix(path)
             self._through_outside_state = state_file_points_outside(path)
-        self._source: Source | None = None
-        self._opened: tuple | None = None
         self._items: dict[str, Item] | None = None
         self._layer_names: dict[str, str] = {}  # Keras 3 files: '<group>/vars' -> its layer's new name
 
@@ -376,7 +380,8 @@ class CheckpointEditor:
         return names
 
     # ------------------------------------------------------------------ saving
-    def save(self, out, *, format: str | None = None, layout: str | None = None, weights_only: bool = False, ema=None,
+    @renamed_keywords(format="to")
+    def save(self, out, *, to: str | None = None, layout: str | None = None, weights_only: bool = False, ema=None,
              compact: bool = False, num_shards: int | None = None, overwrite: bool = False,
              update_state_file: bool = False, progress: bool = False, check_kept: bool = True,
              max_shard_size=None) -> str:
@@ -387,7 +392,7 @@ class CheckpointEditor:
                 source's file name is used there), or a file for other formats. A
                 ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
                 first, then uploaded file by file, the ``.index`` last; it must not exist.
-            format: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
+            to: ``'tf'``, or a format of ``restorekit.export.formats`` (``'torch'``,
                 ``'safetensors'``, ``'npz'``); by default the one ``out``'s extension names
                 (``x.safetensors``, ``x.pt``, ``x.npz``), else a TF checkpoint. Those keep what ``convert`` keeps: string
                 tensors and the TF2 object graph (rewritten to the edits) travel in the
@@ -401,6 +406,7 @@ class CheckpointEditor:
             compact: write one new shard holding only the kept tensors (``'tf'``).
             num_shards: write the kept tensors into this many new shards (``'tf'``; implies
                 ``compact``), balanced by bytes in entry order, several written at once.
+                (``to``'s old name ``format=`` still works, with a DeprecationWarning.)
             overwrite: replace an existing output (never the source: use save_in_place).
                 Exactly the old output's files are replaced: its ``.index`` and its
                 ``.data-NNNNN-of-MMMMM`` shards, matched by name literally.
@@ -411,10 +417,12 @@ class CheckpointEditor:
                 rename or delete index-only (milliseconds instead of one read of the
                 checkpoint); the kept bytes are then checked when they are read, by
                 ``Checkpoint.read`` and by TensorFlow's restore, not at save time.
-            max_shard_size: for a Keras 3 file saved as ``NAME.weights.json``: a sharded set
-                as ``model.save_weights(..., max_shard_size=)`` writes it, shards of at most
-                this many bytes (or ``'500MB'``, ``'2GiB'``; Keras' GB float 2 is ``'2GiB'``).
-                From a sharded set it defaults to the largest shard of the source.
+            max_shard_size: the largest shard of the output, in bytes (or ``'500MB'``,
+                ``'2GiB'``): for ``'tf'``, new data shards of at most this size (as
+                ``num_shards``, implies ``compact``; a larger tensor gets a shard alone); for
+                a Keras 3 file saved as ``NAME.weights.json``, a sharded set as
+                ``model.save_weights(..., max_shard_size=)`` writes it (Keras' GB float 2 is
+                ``'2GiB'``; from a sharded set it defaults to the largest shard of the source).
 
         Returns:
             The output prefix (or file).
@@ -422,25 +430,21 @@ class CheckpointEditor:
         Raises:
             OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
             InsufficientSpaceError: the disk cannot hold the output; nothing is written.
-            OutputNameError: ``format`` contradicts ``out``'s extension, or ``out`` has an
+            OutputNameError: ``to`` contradicts ``out``'s extension, or ``out`` has an
                 extension restorekit does not write (``.onnx``, ``.h5``, ``.st``); nothing is written.
-            InvalidArgumentError: a layout the format cannot take, ``ema`` without shadows,
-                ``num_shards`` that is not a positive int or is given for another format.
+            OptionNotApplicableError: an option the output format does not take (a layout for
+                ``'tf'``, ``num_shards`` for a file, ``max_shard_size`` for a file; see
+                ``restorekit.export.request.OPTIONS``); nothing is written.
+            InvalidArgumentError: ``ema`` without shadows, ``num_shards`` that is not a positive int.
             ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
         """
         if self._keras:
-            return self._save_keras(out, format=format, layout=layout, weights_only=weights_only, ema=ema,
+            return self._save_keras(out, to=to, layout=layout, weights_only=weights_only, ema=ema,
                                     overwrite=overwrite, progress=progress, max_shard_size=max_shard_size)
-        if max_shard_size is not None:
-            raise InvalidArgumentError("max_shard_size= writes Keras sharded sets from Keras files; for a TF "
-                                       "checkpoint use num_shards=, or restorekit.convert for safetensors shards")
-        format = target_format(out, format, option="format")  # before anything is read or written
-        if format == formats.TF and layout is not None:
-            raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
-        if num_shards is not None and format != formats.TF:
-            raise InvalidArgumentError(f"num_shards= applies to format='tf'; {format} files take no shard count")
+        format = target_format(out, to)  # before anything is read or written
+        _check_options(format, "tf", layout=layout, num_shards=num_shards, max_shard_size=max_shard_size)
         plan = with_options(self._reader, self._plan, weights_only=weights_only, ema=ema)
         out = os.fspath(out)
         if files.is_remote(out):
@@ -448,7 +452,8 @@ class CheckpointEditor:
                                update_state_file=update_state_file,
                                write_local=lambda path: self._save_local(plan, path, format, layout=layout,
                                                                          compact=compact, overwrite=False,
-                                                                         progress=progress, num_shards=num_shards))
+                                                                         progress=progress, num_shards=num_shards,
+                                                                         max_shard_size=max_shard_size))
         if format != "tf":
             return self._save_local(plan, os.path.abspath(out), format, layout=layout, compact=compact,
                                     overwrite=overwrite, progress=progress)
@@ -467,19 +472,20 @@ class CheckpointEditor:
                     raise OutputExistsError(path=prefix)
                 return save_tf(self._reader, plan, prefix, compact=compact, in_place=False,
                                replacing=existing, update_state_file=update_state_file, progress=progress,
-                               num_shards=num_shards, check_kept=check_kept)
+                               num_shards=num_shards, check_kept=check_kept, max_shard_size=max_shard_size)
         except BaseException:
             _remove_if_empty(made)  # a refused or failed save leaves no directory behind either
             raise
 
     def _save_local(self, plan, path: str, format: str, *, layout, compact: bool, overwrite: bool,
-                    progress: bool, num_shards: int | None = None) -> str:
+                    progress: bool, num_shards: int | None = None, max_shard_size=None) -> str:
         if format == "tf":
             return save_tf(self._reader, plan, path, compact=compact, in_place=False, replacing=False,
-                           update_state_file=False, progress=progress, num_shards=num_shards)
+                           update_state_file=False, progress=progress, num_shards=num_shards,
+                           max_shard_size=max_shard_size)
         return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
-    def _save_keras(self, out, *, format: str | None, layout, weights_only: bool, ema, overwrite: bool, progress: bool,
+    def _save_keras(self, out, *, to: str | None, layout, weights_only: bool, ema, overwrite: bool, progress: bool,
                     max_shard_size=None) -> str:
         """``save`` for a Keras file: a ``.weights.h5`` (Keras' own keys, checked to load) or another format."""
         out = os.fspath(out)
@@ -487,28 +493,27 @@ class CheckpointEditor:
             raise OutputError(f"{out!r}: an edited Keras file is saved locally; copy it to remote storage after")
         if ema is not None and ema is not False:
             raise InvalidArgumentError("ema= reads TF moving-average shadows; a Keras file holds none by name")
+        format = to
         if format is not None and format not in (formats.TF, save_keras.KERAS):
             formats.module(format)
         plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
         if os.path.realpath(out) in {os.path.realpath(f) for f in self.checkpoint.files}:
             raise OutputExistsError(path=out, is_source=True)
         if format is None:  # by the name, as for a TF source: a '.safetensors' is one, a legacy Keras '.h5' refused
-            format = formats.TF if save_keras.is_keras_output(out, formats.TF) else target_format(out, None,
-                                                                                                  option="format")
+            format = formats.TF if save_keras.is_keras_output(out, formats.TF) else target_format(out, None)
         sharded = out.lower().endswith(save_keras.SHARDED)
-        if max_shard_size is not None and not sharded:
-            raise InvalidArgumentError(f"{out!r}: max_shard_size= writes a Keras sharded set; name the output "
-                                       f"'*{save_keras.SHARDED}'")
-        if save_keras.is_keras_output(out, format):
-            if layout is not None:
-                raise InvalidArgumentError(f"a .weights.h5 keeps Keras' own layout; layout={layout!r} does not apply")
+        keras_output = save_keras.is_keras_output(out, format)
+        target = (KERAS_SHARDED if sharded else save_keras.KERAS) if keras_output else format
+        _check_options(target, "keras", layout=layout, max_shard_size=max_shard_size)
+        if keras_output:
             if sharded:
                 return save_keras.save_sharded(self._reader, plan, os.path.abspath(out), overwrite=overwrite,
                                                max_shard_size=max_shard_size, layer_names=self._layer_names)
             return save_keras.save_weights_h5(self._reader, plan, os.path.abspath(out), overwrite=overwrite,
                                               layer_names=self._layer_names)
         return save_keras.save_other(self._reader, plan, os.path.abspath(out), format, layout=layout,
-                                     overwrite=overwrite, progress=progress, layer_names=self._layer_names)
+                                     overwrite=overwrite, progress=progress, layer_names=self._layer_names,
+                                     max_shard_size=max_shard_size)
 
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
                       progress: bool = False, check_kept: bool = True, max_shard_size=None) -> str:
@@ -602,3 +607,8 @@ def _fingerprint(prefix: str) -> tuple | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def _check_options(target: str, source: str, **options) -> None:
+    """``restorekit.export.request.check`` of a save's options (``OptionNotApplicableError``), before anything is read."""
+    check(options, target=target, source=source, save=True)
+    if target == "tf":  # the values too: a shard count or size that cannot work, or both at once
+        request(num_shards=options.get("num_shards"), max_shard_size=options.get("max_shard_size"))

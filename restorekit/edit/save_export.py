@@ -14,7 +14,7 @@ from restorekit.edit.plan import Item
 from restorekit.edit.renames import optimizer_state
 from restorekit.edit.save_tf import check_space, final_plan
 from restorekit.edit.source import Source
-from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError, RestoreKitWarning, format_names
+from restorekit.errors import OutputError, OutputExistsError, RestoreKitWarning, format_names
 from restorekit.export import formats
 from restorekit.export.base import PlannedCheckpoint, WithObjectGraph
 from restorekit.names import is_weight
@@ -77,9 +77,7 @@ def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *,
     plan's renames and deletions), so importing the file back restores with
     ``tf.train.Checkpoint.read``.
     """
-    module = formats.module(format)
-    if layout not in module.LAYOUTS:
-        raise InvalidArgumentError(f"{format} files cannot take layout={layout!r}")
+    module = formats.module(format)  # a layout it cannot take was refused by CheckpointEditor.save (request.OPTIONS)
     if os.path.exists(out) and not overwrite:
         raise OutputExistsError(path=out)
     plan = final_plan(source, plan)

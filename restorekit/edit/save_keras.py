@@ -138,22 +138,22 @@ def _weights(source: Source, plan: dict[str, Item], out: str, layer_names: dict 
 
 
 def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, layout, overwrite: bool,
-               progress: bool, layer_names: dict | None = None) -> str:
-    """Write an edited Keras file as a TF checkpoint or a file of the export registry, under readable paths."""
+               progress: bool, layer_names: dict | None = None, max_shard_size=None) -> str:
+    """Write an edited Keras file as a TF checkpoint (``max_shard_size``: in data shards of at most that size)
+    or a file of the export registry, under readable paths."""
     plan = _readable(source, _decoded(source, plan), layer_names or {})
     source.checkpoint.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     if format == "tf":
-        from restorekit.export.conversions import write_tf
+        from restorekit.export.tfwrite import data_parts, write_tf
 
-        if layout is not None:
-            raise InvalidArgumentError(f"layout={layout!r} applies to torch and safetensors files, not format='tf'")
         prefix = out[: -len(".index")] if out.endswith(".index") else out
         if os.path.exists(prefix + ".index") and not overwrite:
             raise OutputExistsError(path=prefix)
         check_space(os.path.dirname(os.path.abspath(prefix)), sum(source.nbytes(it) for it in plan.values()))
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         tensors = ((name, source.value(it), dtype_name(it.dtype)) for name, it in plan.items())
-        return write_tf(prefix, tensors, progress=progress).path
+        parts = data_parts([(name, source.nbytes(it)) for name, it in plan.items()], max_shard_size=max_shard_size)
+        return write_tf(prefix, tensors, progress=progress, parts=parts).path
     from restorekit.edit.save_export import save_export
 
     return save_export(source, plan, out, format, overwrite=overwrite, layout=layout, progress=progress)

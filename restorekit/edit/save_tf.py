@@ -45,11 +45,12 @@ class _Shards:
 
 def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
             replacing: bool, update_state_file: bool, progress: bool = False, num_shards: int | None = None,
-            check_kept: bool = True) -> str:
+            check_kept: bool = True, max_shard_size=None) -> str:
     """Write ``plan`` as the checkpoint ``prefix``; see ``CheckpointEditor.save``.
 
     ``num_shards`` rewrites the tensors into that many data shards, balanced by bytes,
-    in plan order (a compacting save); several shards are written at once (``WORKERS``).
+    in plan order (a compacting save), ``max_shard_size`` into data shards of at most that
+    many bytes (``tfwrite.data_parts``); several shards are written at once (``WORKERS``).
     A remote ``prefix`` (``gs://``, any ``tf.io.gfile`` path) is written through a
     ``files.RemoteStaging``: each shard is uploaded as soon as it is complete and its
     local copy deleted, reused source shards are uploaded from where they are, and the
@@ -62,10 +63,10 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     remote = files.is_remote(prefix)
     directory = files.dirname(prefix) if remote else os.path.dirname(prefix)
     # A remote shard cannot be linked; a shard count other than the source's means rewriting.
-    compact = compact or num_shards is not None or files.is_remote(ckpt.prefix)
+    compact = compact or num_shards is not None or max_shard_size is not None or files.is_remote(ckpt.prefix)
     check_shard_set(ckpt)
     shards = _shards(source, plan, prefix, compact=compact, in_place=in_place, replacing=replacing,
-                     num_shards=num_shards)
+                     num_shards=num_shards, max_shard_size=max_shard_size)
     if not check_kept:
         # The caller chose the index-only speed: kept bytes are checked when they are read
         # (Checkpoint.read, TF's restore), not now; a truncated or missing shard still fails here.
@@ -110,10 +111,15 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
 
 
 def _shards(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool, in_place: bool,
-            replacing: bool, num_shards: int | None) -> _Shards:
+            replacing: bool, num_shards: int | None, max_shard_size=None) -> _Shards:
     n_src = source.checkpoint.header.num_shards
     if num_shards is not None:
         return _Shards(num_shards, None, False, False, balanced(source, plan, num_shards))
+    if max_shard_size is not None:
+        from restorekit.export.tfwrite import data_parts
+
+        parts = data_parts([(name, source.nbytes(item)) for name, item in plan.items()], max_shard_size=max_shard_size)
+        return _Shards(len(parts), None, False, False, parts)
     if compact:
         # One fresh shard; in place, its file name must differ from every live one.
         count = 2 if replacing and not files.is_remote(prefix) and _old_shard_count(prefix) == 1 else 1

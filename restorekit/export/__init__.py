@@ -14,13 +14,18 @@ One module per format, each with the same verbs (``write``, ``write_checkpoint``
     restorekit.export.hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
     restorekit.export.options       weights_only, ema and rules: what an export writes, under which names
     restorekit.export.sources       a conversion's non-TF source (a file, or a set of shards)
+    restorekit.export.request       the one table of which option applies to which format
+    restorekit.export.outputs       a conversion's output: checks, lock, config.json, result
+    restorekit.export.from_checkpoint  writing an open TF checkpoint or Keras file
+    restorekit.export.from_files    writing an open safetensors, PyTorch or npz file
 
-and three functions over them (``conversions``): :func:`export_checkpoint` (TF
-checkpoint -> file), :func:`import_checkpoint` (file -> TF checkpoint) and
-:func:`convert` (any -> any), each taking ``rules=`` (``'bert-tf-to-hf'``,
-``'gpt2-tf-to-hf'``, their reverses, or rename pairs), ``weights_only=`` and ``ema=``;
-exports also ``max_shard_size=`` and ``config=``. Importing this package never
-imports torch or safetensors.
+and three functions over them (``conversions``, each open -> plan -> write):
+:func:`export_checkpoint` (TF checkpoint -> file), :func:`import_checkpoint` (file ->
+TF checkpoint) and :func:`convert` (any -> any), each taking ``out`` (the output),
+``to`` (the target format, where it is not fixed), ``rules=`` (``'bert-tf-to-hf'``,
+``'gpt2-tf-to-hf'``, their reverses, or rename pairs), ``weights_only=``, ``ema=`` and
+``max_shard_size=`` (the largest shard of the output, TF data shards included);
+exports also ``config=``. Importing this package never imports torch or safetensors.
 
 Round trips are bit-exact (names, dtypes including bfloat16, values), with or
 without ``layout='torch'``: what an export did is recorded inside the file. String

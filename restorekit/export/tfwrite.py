@@ -8,7 +8,7 @@ from restorekit.bundle import atomic
 from restorekit.export import formats, rawimport
 from restorekit.export.base import ExportResult, checkpoint_files, progress_bar
 
-__all__ = ["write_tf"]
+__all__ = ["data_parts", "write_tf"]
 
 
 def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, progress=False,
@@ -49,6 +49,20 @@ def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, 
             raise
         staging.commit(remove_before=old)
     return ExportResult(out_prefix, formats.TF, count, nbytes, layout, tuple(permuted), tuple(strings))
+
+
+def data_parts(sizes, *, num_shards: int | None = None, max_shard_size=None) -> tuple | None:
+    """``write_tf``'s ``parts`` for ``sizes`` (``[(name, bytes)]`` in write order): ``num_shards`` runs balanced by
+    bytes (``bundle.writer.balance``), or runs of at most ``max_shard_size`` bytes each (a larger tensor alone, as
+    safetensors shards are cut: ``sharded.partition``); None for one data shard."""
+    from restorekit.bundle.writer import balance
+    from restorekit.export.sharded import parse_size, partition
+
+    if num_shards is not None:
+        return balance(sizes, num_shards)
+    if max_shard_size is not None:
+        return tuple(tuple(part) for part in partition(list(sizes), parse_size(max_shard_size)))
+    return None
 
 
 def _add(shard, runs, name: str, array, dtype, bar) -> int:

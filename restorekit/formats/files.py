@@ -53,19 +53,33 @@ class FileView(Mapping):
         from restorekit.export import sources
         from restorekit.export.layouts import LayoutRecord
 
-        from restorekit.export.reading import boundary
-
         self.prefix = os.fspath(path)
         self.format = fmt
         self._reader = sources.reader(self.prefix, fmt)
         found = self._reader.read_record()
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
-        with boundary(self.prefix, f"{fmt} file"):
-            if fmt == "npz":  # npz keeps its notes in a member of its own, which only its reader reads
-                self._file = _NpzArchive(self.prefix, self._reader)
-            else:
-                self._file = sources.FileCheckpoint(self._reader, found if found is not None else LayoutRecord())
-        self.entries: Mapping = MappingProxyType(dict(sorted(self._file.entries.items())))
+        self._record = found if found is not None else LayoutRecord()
+        self.entries  # listed on opening: a damaged file (an npz member failing its CRC) is refused here
+
+    @property
+    def reader(self):
+        """The format's reader this view reads through (``restorekit.export.sources.Reader``): what a conversion
+        of the file streams from, so converting an open view opens nothing again."""
+        return self._reader
+
+    @cached_property
+    def _file(self):
+        from restorekit.export import sources
+        from restorekit.export.reading import boundary
+
+        with boundary(self.prefix, f"{self.format} file"):
+            if self.format == "npz":  # npz keeps its notes in a member of its own, which only its reader reads
+                return _NpzArchive(self.prefix, self._reader)
+            return sources.FileCheckpoint(self._reader, self._record)
+
+    @cached_property
+    def entries(self) -> Mapping:
+        return MappingProxyType(dict(sorted(self._file.entries.items())))
 
     def __repr__(self) -> str:
         return f"FileView({self.prefix!r}, {self.format!r}, {len(self.entries)} tensors)"
@@ -265,6 +279,8 @@ def _safetensors(probe: Probe) -> int:
         return BY_BYTES
     if probe.lower.endswith(".index.json") and head.lstrip()[:1] == b"{":
         return BY_BYTES
+    if probe.lower.endswith(_SAFETENSORS_INDEX):
+        return BY_NAME  # unreadable here (a FIFO, a device): the shard set's reader says what is wrong with it
     return _by_name(probe, (".safetensors",))
 
 
