@@ -15,14 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Iterator
 
 import numpy as np
 
 from restorekit.bundle.verification import Problem, VerifyResult
 from restorekit.checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError, EntryNotFoundError
-from restorekit.formats.registry import BY_BYTES, BY_NAME, Probe, register
+from restorekit.formats.registry import BY_BYTES, BY_NAME, EntryMapping, Probe, register
 
 __all__ = ["FileView", "FileVerifyResult"]
 
@@ -40,7 +39,7 @@ _SAFETENSORS_INDEX = ".safetensors.index.json"
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-class FileView(Mapping):
+class FileView(EntryMapping):
     """A non-TF file read as the TF checkpoint it holds: a ``Source`` (see ``restorekit.formats.registry``).
 
     ``entries`` (name -> ``Entry``), ``read(name)``, ``readable_name``, ``object_paths``
@@ -74,22 +73,7 @@ class FileView(Mapping):
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    # -- mapping protocol: name -> Entry
-    def __getitem__(self, name: str):
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise self._unknown(name) from None
-
-    def __contains__(self, name) -> bool:
-        return name in self.entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
+    # -- mapping protocol: registry.EntryMapping, name -> Entry
     def _unknown(self, name: str) -> EntryNotFoundError:
         return EntryNotFoundError(f"{self.prefix!r} has no tensor {name!r}.", name=name,
                                   candidates=list(self.entries) + list(self._paths()))

@@ -72,6 +72,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit.bundle.verification import Problem, VerifyResult
+from restorekit.formats.registry import EntryMapping
 from restorekit.keras_files.archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
 from restorekit.keras_files.h5nodes import NODES, check_contained, check_dataset, check_links, root
 from restorekit.keras_files import layouts
@@ -157,7 +158,7 @@ class _Paths(Mapping):
         return len(self._paths)
 
 
-class KerasCheckpoint(Mapping):
+class KerasCheckpoint(EntryMapping):
     """A read-only view of a Keras file, with the verbs of ``restorekit.Checkpoint``.
 
     Made by ``restorekit.Checkpoint(path)`` for ``.weights.h5``, ``.keras``, ``.h5``
@@ -359,21 +360,6 @@ class KerasCheckpoint(Mapping):
         """Sorted mapping key in the file (``layers/dense/vars/0``) -> KerasEntry."""
         return self._entries
 
-    def __getitem__(self, name: str) -> KerasEntry:
-        try:
-            return self._entries[self._key(name)]
-        except KeyError:
-            raise self._unknown(name) from None
-
-    def __contains__(self, name) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def __repr__(self) -> str:
         return f"KerasCheckpoint({self.prefix!r}, {self.kind}, {len(self)} entries)"
 
@@ -555,6 +541,8 @@ class KerasCheckpoint(Mapping):
 
     def _key(self, name: str) -> str:
         return name if name in self._entries else self._paths.get(name, name)
+
+    _entry_key = _key  # ckpt['enc1/kernel'] takes a readable path too
 
     def _unknown(self, name: str) -> EntryNotFoundError:
         return EntryNotFoundError(
