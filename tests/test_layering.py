@@ -20,13 +20,11 @@ LAYERS = [
     ["bundle", "formats.registry"],  # the Source protocol and the registry know no format: Checkpoint asks them
     ["checkpoint", "keras_files"],
     ["report", "ema", "rundir"],
-    # The formats: one module each behind formats.registry. The safetensors, torch and npz readers they
-    # open are still the export format modules (and what those import), which read only from below;
-    # export.layouts and export.hf (numpy only) are also the one table of TF <-> torch names and axes and
-    # the ready rule sets that torch_target reads a checkpoint through.
-    ["formats", "export.base", "export.reading", "export.rawcopy", "export.layout", "export.layouts",
-     "export.safetensors", "export.torch", "export.torchfile", "export.npz", "export.sharded", "export.sources",
-     "export.formats", "export.options", "export.hf"],
+    # The formats: one module each behind formats.registry, the reading side (safetensors one file or a shard set,
+    # torch, npz, keras, tf; files holds what the file formats share). What they read back through sits with them:
+    # export.layout(s), the layout record of TF <-> torch names and axes (also what torch_target and the ready rule
+    # sets of export.hf read a checkpoint through), and export.base's dtype and byte helpers.
+    ["formats", "export.base", "export.layout", "export.layouts", "export.hf"],
     ["trackables", "targets", "torch_target", "rules", "policies", "assignment", "hints", "array_values"],
     ["sources"],  # several sources: scanned one by one (scan passes itself in) and merged
     ["scan"],
