@@ -26,7 +26,9 @@ import numpy as np
 
 from restorekit.errors import InvalidArgumentError
 from restorekit.export.base import ExportResult, atomic_output, checkpoint_entries, progress_bar, refuse, tf_dtype_of
-from restorekit.formats.npz import (  # noqa: F401  (the reading verbs of this format, as the export table lists them)
+from restorekit.formats.npz import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
+    FORMAT,
+    SUFFIXES,
     RECORD,
     read,
     read_record,
@@ -37,8 +39,6 @@ from restorekit.formats.npz import (  # noqa: F401  (the reading verbs of this f
 __all__ = ["FORMAT", "SUFFIXES", "RECORD", "read", "read_record", "read_shapes", "recognizes", "write",
            "write_checkpoint"]
 
-FORMAT = "npz"
-SUFFIXES = (".npz",)
 LAYOUTS = (None,)  # the layout= values write and write_checkpoint accept
 _MAX_MEMBER_NAME = 0xFFFF  # the zip format's 16-bit name length
 

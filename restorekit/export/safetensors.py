@@ -30,7 +30,9 @@ from restorekit.export.base import (
     raw_bytes_view,
 )
 from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
-from restorekit.formats.safetensors import (  # noqa: F401  (the reading verbs of this format, as the table lists them)
+from restorekit.formats.safetensors import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the table lists them)
+    FORMAT,
+    SUFFIXES,
     _FROM_ST,
     _MAX_HEADER,
     _TO_ST,
@@ -55,8 +57,6 @@ from restorekit.export.rawcopy import (  # noqa: F401  (tests patch _KernelCopy 
 __all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "open_tensors", "read", "read_header", "read_record",
            "read_shapes", "recognizes", "write", "write_checkpoint"]
 
-FORMAT = "safetensors"
-SUFFIXES = (".safetensors",)
 LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
 _CHUNK = 16 << 20

@@ -30,7 +30,9 @@ from restorekit.export.base import (
 )
 from restorekit.export.layout import STORED_AS, LayoutRecord, check_layout
 from restorekit.export.rawcopy import copy_raw
-from restorekit.formats.torch import (  # noqa: F401  (the reading verbs of this format, as the export table lists them)
+from restorekit.formats.torch import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
+    FORMAT,
+    SUFFIXES,
     _BITS,
     _TORCH_DTYPES,
     RECORD_KEY,
@@ -46,8 +48,6 @@ from restorekit.formats.torch import (  # noqa: F401  (the reading verbs of this
 __all__ = ["FORMAT", "SUFFIXES", "load", "read", "read_record", "read_shapes", "recognizes", "to_numpy", "write",
            "write_checkpoint"]
 
-FORMAT = "torch"
-SUFFIXES = (".pt", ".pth", ".bin")
 LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
 

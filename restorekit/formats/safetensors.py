@@ -36,11 +36,12 @@ from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats.reading import check_output_size, reader, regular_file
 from restorekit.formats.registry import BY_BYTES, Probe, register
 
-__all__ = ["FORMAT", "INDEX_SUFFIX", "Header", "SafetensorsReader", "ShardSet", "ShardedSafetensorsReader",
+__all__ = ["FORMAT", "INDEX_SUFFIX", "SUFFIXES", "Header", "SafetensorsReader", "ShardSet", "ShardedSafetensorsReader",
            "TensorInfo", "find", "open_reader", "open_tensors", "read", "read_header", "read_record", "read_shapes",
            "recognizes", "shard_set"]
 
 FORMAT = "safetensors"
+SUFFIXES = (".safetensors",)
 INDEX_SUFFIX = ".safetensors.index.json"
 _SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors")
 
@@ -480,7 +481,7 @@ def detect(probe: Probe) -> int:
         return BY_BYTES
     if probe.lower.endswith(".index.json") and probe.head.lstrip()[:1] == b"{":
         return BY_BYTES
-    return by_name(probe, (".safetensors",))
+    return by_name(probe, SUFFIXES)
 
 
 register(FORMAT, detect=detect, open=lambda path: FileView(path, open_reader(path)), order=30)
