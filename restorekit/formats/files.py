@@ -30,18 +30,6 @@ from restorekit.formats.registry import BY_NAME, EntryMapping, Probe
 
 __all__ = ["FileCheckpoint", "FileReader", "FileVerifyResult", "FileView", "by_name", "tf_shapes"]
 
-# What verify can promise per format: safetensors carries no checksum at all; the zip
-# formats carry zip's CRC-32 per record, which the readers check as they read.
-_CHECKS = {
-    "safetensors": "safetensors carries no checksum: verified means the header is consistent (dtypes, shapes, "
-                   "byte ranges tiling the data) and every tensor reads back and decodes",
-    "torch": "PyTorch files carry no per-tensor checksum: verified means every storage record matches its zip "
-             "CRC-32 and every tensor reads back and decodes",
-    "npz": "npz files carry no per-tensor checksum: verified means every member reads back (zip CRC-32 checked) "
-           "and decodes",
-}
-
-
 class FileReader:
     """One file of a format, read as stored. A format subclasses it with the verbs below.
 
@@ -57,6 +45,7 @@ class FileReader:
     """
 
     fmt = ""
+    checks = ""  # what verify can promise of this format, in words (the formats carry different checksums)
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -220,7 +209,7 @@ class FileView(EntryMapping):
                 if all(p.message != str(e) for p in problems):  # the stored pass may have said it already
                     problems.append(Problem(name, "corrupt", str(e)))
         return FileVerifyResult(self.prefix, len(names), max(stored, checked), tuple(problems),
-                                checks=_CHECKS.get(self.format, ""))
+                                checks=self._reader.checks)
 
 
 @dataclass(frozen=True)

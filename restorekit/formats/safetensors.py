@@ -377,6 +377,8 @@ class SafetensorsReader(FileReader):
     """One ``.safetensors`` file: its tensors as stored (names and axes of the file)."""
 
     fmt = FORMAT
+    checks = ("safetensors carries no checksum: verified means the header is consistent (dtypes, shapes, "
+              "byte ranges tiling the data) and every tensor reads back and decodes")
 
     @property
     def data_files(self) -> tuple[str, ...]:
