@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -167,7 +167,7 @@ def resolve_prefix(path) -> str:
     raise CheckpointNotFoundError(f"no checkpoint at {path!r} (looked for {path + '.index'!r}).{hint}", path)
 
 
-class Checkpoint(Mapping):
+class Checkpoint(registry.EntryMapping):
     """A read-only view of a TensorFlow (V2) checkpoint.
 
     Reads the ``.index`` once, on construction; tensor bytes are read on ``read``.
@@ -237,26 +237,11 @@ class Checkpoint(Mapping):
             entries[name] = Entry(name, tuple(entry.shape), dtype_name(entry.dtype), nbytes)
         self._entries = MappingProxyType(dict(sorted(entries.items())))
 
-    # -- mapping protocol: name -> Entry
+    # -- mapping protocol (registry.EntryMapping): name -> Entry
     @property
     def entries(self) -> Mapping[str, Entry]:
         """Sorted mapping checkpoint name -> Entry (partitioned variables under their full name)."""
         return self._entries
-
-    def __getitem__(self, name: str) -> Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            raise self._unknown(name) from None
-
-    def __contains__(self, name) -> bool:
-        return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.prefix!r}, {len(self)} entries)"

@@ -87,7 +87,7 @@ def _read_matched(tf, source: str, records: list) -> dict:
 
 def _nothing_matched(report) -> InvalidArgumentError:
     if not report.sources and keras_files.is_keras_path(report.checkpoint) and report.missing:
-        ckpt = keras_files.KerasCheckpoint(report.checkpoint)
+        ckpt = keras_files.open_keras(report.checkpoint)
         names = [r.variable_name for r in report.missing + report.shape_mismatched + report.dtype_mismatched]
         if not set(ckpt.layer_names) & {part for n in names for part in n.split("/")[:-1]}:
             return keras_files.no_shared_layers_error(ckpt, names)

@@ -419,7 +419,7 @@ def test_a_file_of_another_format_or_none_reads_by_its_bytes_or_is_corrupt_never
 
 
 def test_a_parsing_library_s_own_exception_becomes_corrupt_checkpoint_error():
-    from restorekit.export.reading import boundary
+    from restorekit.formats.reading import boundary
 
     SafetensorError = type("SafetensorError", (Exception,), {"__module__": "safetensors._safetensors_rust"})
     with pytest.raises(CorruptCheckpointError, match=r"'f.safetensors' is not a readable safetensors file "

@@ -163,7 +163,7 @@ def test_a_dataset_past_the_end_of_the_file_is_refused_and_nothing_written(saved
     # HDF5 itself refuses a dataset past the file's allocated end when it opens it (and a
     # file shorter than that when it opens the file), so the bound is met by what h5py
     # says here: an h5py that did not check is stood in for.
-    import restorekit.keras_files as keras_files
+    import restorekit.keras_files.reader as keras_files
 
     src = tmp_path / name
     src.write_bytes((saved / name).read_bytes())

@@ -15,7 +15,7 @@ import pytest
 import restorekit
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputExistsError
 from restorekit.export import safetensors as st
 from restorekit.export import sources
 from restorekit.keras_files import KerasCheckpoint, is_keras_path
@@ -73,7 +73,10 @@ def test_the_set_reads_as_the_unsharded_file_of_the_same_model(saved):
     sharded = restorekit.Checkpoint(tmp / "set" / "m.weights.json")
     whole = restorekit.Checkpoint(tmp / "m.weights.h5")
     assert isinstance(sharded, ShardedKerasCheckpoint) and isinstance(sharded, restorekit.Checkpoint)
-    assert isinstance(KerasCheckpoint(tmp / "set" / "m.weights.json"), ShardedKerasCheckpoint)
+    assert isinstance(restorekit.formats.open(tmp / "set" / "m.weights.json"), ShardedKerasCheckpoint)
+    # the single-file reader refuses an index by name, rather than switching class under its caller
+    with pytest.raises(InvalidArgumentError, match="sharded Keras 3 weights set.*restorekit.Checkpoint"):
+        KerasCheckpoint(tmp / "set" / "m.weights.json")
     assert list(sharded.entries) == list(whole.entries) and len(sharded) == len(whole)
     for key, entry in whole.entries.items():
         assert sharded.entries[key] == entry, key  # name, shape, dtype, size, readable path

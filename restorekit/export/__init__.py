@@ -1,16 +1,18 @@
 """Checkpoints to and from PyTorch ``state_dict`` files, safetensors and npz.
 
 One module per format, each with the same verbs (``write``, ``write_checkpoint``,
-``read``, ``read_shapes``, ``read_record``; see ``formats``)::
+``read``, ``read_shapes``, ``read_record``; see ``formats``). The writers live here; the
+reading verbs are the readers' of ``restorekit.formats`` (``formats.safetensors``,
+``formats.torch``, ``formats.npz``), which each format module imports::
 
-    restorekit.export.safetensors   streaming writer and reader of .safetensors
-    restorekit.export.torch         torch.save / torch.load(weights_only=True)
-    restorekit.export.npz           streaming numpy .npz writer and reader
+    restorekit.export.safetensors   streaming writer of .safetensors
+    restorekit.export.torch         torch.save
+    restorekit.export.npz           streaming numpy .npz writer
     restorekit.export.layout        TF <-> PyTorch names and axes (layout='torch')
     restorekit.export.formats       the table of formats every caller dispatches through
     restorekit.export.base          what the formats share (ExportResult, progress, ...)
     restorekit.export.rawcopy       crc-checked copies of stored bytes (the fast path)
-    restorekit.export.sharded       Hugging Face-style safetensors shards + index, both ways
+    restorekit.export.sharded       Hugging Face-style safetensors shards + index, written
     restorekit.export.hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
     restorekit.export.options       weights_only, ema and rules: what an export writes, under which names
     restorekit.export.sources       a conversion's non-TF source (a file, or a set of shards)
@@ -47,13 +49,6 @@ from restorekit.export.base import (  # noqa: F401  (the shared helpers, importa
     raw_bytes_view,
     tf_dtype_of,
 )
-from restorekit.export.conversions import (
-    convert,
-    export_checkpoint,
-    import_checkpoint,
-    source_format,
-    target_format,  # noqa: F401  (importable from here as before)
-)
 
 __all__ = [
     "FORMATS",
@@ -66,7 +61,17 @@ __all__ = [
 ]
 
 
+_CONVERSIONS = ("convert", "export_checkpoint", "import_checkpoint", "source_format", "target_format")
+
+
 def __getattr__(name: str):
+    # The conversions are imported on first use: the format readers below this package
+    # (restorekit.formats) read through export.layout(s) and export.base, and importing those
+    # must not import the conversions, which import the readers.
+    if name in _CONVERSIONS:
+        from restorekit.export import conversions
+
+        return getattr(conversions, name)
     # FORMATS lists the format modules found in this package; computed on first use so
     # that importing restorekit does not import them.
     if name == "FORMATS":

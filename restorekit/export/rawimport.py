@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export import safetensors, sharded
+from restorekit.export import safetensors
 from restorekit.export.layout import STORED_AS
 from restorekit.export.rawcopy import _KernelCopy, write_all  # the export's kernel copy thread, shared
+from restorekit.formats.safetensors import SafetensorsReader
 
 __all__ = ["RawRuns", "StoredBytes", "source_arrays"]
 
@@ -60,16 +61,10 @@ def source_arrays(reader, record, max_output_bytes: int | None = None):
     Every header is read and checked now, before anything is written: a file shorter
     than its header says is refused here (``CorruptCheckpointError``).
     """
-    if reader.fmt != "safetensors" or sys.byteorder != "little":
+    if not isinstance(reader.source, SafetensorsReader) or sys.byteorder != "little":
         return None
-    files = reader.source.files if reader.module is sharded else (reader.source,)
-    headers = [(path, safetensors.read_header(path)) for path in files]
-    if reader.module is not sharded:
-        from restorekit.export.reading import check_output_size
-
-        path, header = headers[0]
-        check_output_size(path, os.path.getsize(path), {n: i.end - i.begin for n, i in header.tensors.items()},
-                          max_output_bytes)
+    headers = reader.source.headers()  # one file, or every shard of a set (checked against each other)
+    reader.source.check_size(headers, max_output_bytes)
     return _arrays(headers, record)
 
 

@@ -1,25 +1,24 @@
-"""Streaming writer and reader of ``.safetensors`` files, with bit-exact TF round trips.
+"""Streaming writer of ``.safetensors`` files, with bit-exact TF round trips; the reader is ``restorekit.formats.safetensors``.
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype,
 shape, byte range; ``__metadata__`` -> str), then the raw little-endian tensor bytes.
-We read and write it ourselves because the ``safetensors`` package can neither write
-tensor by tensor (``save_file`` takes a whole dict) nor read bfloat16 into numpy; the
-package itself is not needed here, and the tests check our files load with it.
+We write it ourselves because the ``safetensors`` package cannot write tensor by tensor
+(``save_file`` takes a whole dict); the package itself is not needed here, and the tests
+check our files load with it. The reading verbs of the export format table (``read``,
+``read_shapes``, ``read_record``, ``recognizes``) are the reader's, imported here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 
 from restorekit.bundle import atomic, files
-from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
+from restorekit.errors import InvalidArgumentError, OutputError
 from restorekit.export.base import (
     ExportResult,
     atomic_output,
@@ -31,7 +30,21 @@ from restorekit.export.base import (
     raw_bytes_view,
 )
 from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
-from restorekit.export.reading import check_output_size, reader, regular_file
+from restorekit.formats.safetensors import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the table lists them)
+    FORMAT,
+    SUFFIXES,
+    _FROM_ST,
+    _MAX_HEADER,
+    _TO_ST,
+    Header,
+    TensorInfo,
+    open_tensors,
+    read,
+    read_header,
+    read_record,
+    read_shapes,
+    recognizes,
+)
 from restorekit.export.rawcopy import (  # noqa: F401  (tests patch _KernelCopy here)
     UncheckedRange,
     _KernelCopy,
@@ -44,33 +57,8 @@ from restorekit.export.rawcopy import (  # noqa: F401  (tests patch _KernelCopy 
 __all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "open_tensors", "read", "read_header", "read_record",
            "read_shapes", "recognizes", "write", "write_checkpoint"]
 
-FORMAT = "safetensors"
-SUFFIXES = (".safetensors",)
 LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
-# TF dtype name -> safetensors dtype. Others are stored as a stand-in (STORED_AS,
-# complex128 as float64 pairs) and named in the layout record.
-_TO_ST = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint64": "U64",
-    "uint32": "U32",
-    "uint16": "U16",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
-_FROM_ST = {v: k for k, v in _TO_ST.items()}
-_MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers ("header too large")
-_MAX_RANK = 64  # numpy's limit
 _CHUNK = 16 << 20
 # The generic writer does not know the header before the tensors, so it leaves this
 # much room for it and writes it last; small files are then rewritten compactly.
@@ -84,30 +72,6 @@ _COMPACT_BELOW = 64 << 20
 # 2 MiB of file size, and mmap readers get 2 MiB-aligned tensors too.
 _FOLIO = 2 << 20
 _FOLIO_ABOVE = 64 << 20
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str  # safetensors code, e.g. 'BF16'
-    shape: tuple
-    begin: int  # byte range within the data section
-    end: int
-
-
-@dataclass(frozen=True)
-class Header:
-    """A parsed safetensors header: tensors in file order, metadata, restorekit record."""
-
-    tensors: dict
-    metadata: dict
-    data_start: int
-    record: LayoutRecord | None
-
-
-def _numpy_dtype(st_dtype: str) -> np.dtype:
-    from restorekit.bundle.format import dtype_enum, numpy_dtype
-
-    return numpy_dtype(dtype_enum(_FROM_ST[st_dtype]))
 
 
 def _stored(array: np.ndarray, tf_dtype: str, record: LayoutRecord, out: str) -> tuple[str, np.ndarray]:
@@ -380,173 +344,3 @@ def _follows(previous, entry) -> bool:
             and entry.offset == previous.offset + previous.size)
 
 
-@reader("safetensors file")
-def read_header(path) -> Header:
-    """Parse and check the header of a ``.safetensors`` file (no tensor bytes are read).
-
-    Parsed strictly, as the format defines it: shape entries are non-negative JSON
-    integers (not ``2.9``, not ``true``), dtypes are the format's, byte ranges are
-    ordered pairs of integers that tile the data section, each range holds exactly
-    its shape's bytes (computed without overflow), names appear once, and the header
-    fits the file and the format's 100,000,000-byte limit.
-
-    Raises:
-        CheckpointNotFoundError: no file at ``path``.
-        CorruptCheckpointError: not a well-formed safetensors file (names the tensor).
-        InvalidArgumentError: a dtype of the format that restorekit cannot hold.
-    """
-    path = os.fspath(path)
-    size = regular_file(path, "safetensors file")
-    header, n = _read_json(path, size)
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _bad(path, "__metadata__ is not an object of strings")
-    tensors = {name: _tensor_info(path, name, info) for name, info in header.items()}
-    _check_coverage(path, tensors, size - 8 - n)
-    record = None
-    if METADATA_KEY in metadata:
-        record = LayoutRecord.from_json(metadata[METADATA_KEY], where=path)
-    ordered = dict(sorted(tensors.items(), key=lambda kv: kv[1].begin))
-    return Header(ordered, metadata, 8 + n, record)
-
-
-def _bad(path: str, why: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path!r} is not a valid safetensors file: {why}")
-
-
-def _unique(pairs: list) -> dict:
-    """json object hook: a name given twice is an error (json.loads would keep the last)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"{key!r} appears twice")
-        out[key] = value
-    return out
-
-
-def _read_json(path: str, size: int) -> tuple[dict, int]:
-    """(the JSON header as a dict, its length in bytes)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise _bad(path, "shorter than its 8-byte header length")
-        n = struct.unpack("<Q", head)[0]
-        if n > _MAX_HEADER or 8 + n > size:
-            raise _bad(path, f"header length {n} does not fit a {size}-byte file (nor the format's {_MAX_HEADER})")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_unique)
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise _bad(path, f"header is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(header, dict):
-        raise _bad(path, "header is not a JSON object")
-    return header, n
-
-
-# Every dtype the format defines; those restorekit lacks are refused as unsupported, not corrupt.
-_ST_DTYPES = frozenset(_FROM_ST) | {"F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C128"}
-
-
-def _is_count(value) -> bool:
-    return type(value) is int and value >= 0  # bool is an int subclass, and 2.9 is not an int
-
-
-def _tensor_info(path: str, name: str, info) -> TensorInfo:
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise _bad(path, f"entry {name!r} lacks dtype, shape or data_offsets")
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-        raise _bad(path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}, which the format does not define")
-    if dtype not in _FROM_ST:
-        raise InvalidArgumentError(f"{path!r}: tensor {name!r} has dtype {dtype!r}, which restorekit cannot read")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise _bad(path, f"tensor {name!r} has shape {str(shape)[:80]}; dimensions are non-negative integers")
-    if len(shape) > _MAX_RANK:
-        raise _bad(path, f"tensor {name!r} has {len(shape)} dimensions, over numpy's {_MAX_RANK}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
-        raise _bad(path, f"tensor {name!r} has data_offsets {str(offsets)[:80]}; expected [begin, end], begin <= end")
-    begin, end = offsets
-    # Python integers do not wrap, so a product past 2**63 is compared as it is.
-    need = math.prod(shape) * _numpy_dtype(dtype).itemsize
-    if end - begin != need:
-        raise _bad(path, f"tensor {name!r}: byte range {begin}..{end} does not hold {dtype} {shape} ({need} bytes)")
-    return TensorInfo(dtype, tuple(shape), begin, end)
-
-
-def _check_coverage(path: str, tensors: dict, data_size: int) -> None:
-    """The tensors must tile the data section: no overlap, no gap, nothing after."""
-    cursor = 0
-    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if info.begin != cursor:
-            raise _bad(path, f"tensor {name!r} starts at {info.begin}, expected {cursor} (overlap or gap)")
-        cursor = info.end
-    if cursor != data_size:
-        raise _bad(path, f"tensors cover {cursor} bytes of a {data_size}-byte data section")
-
-
-@reader("safetensors file")
-def read_shapes(path) -> dict:
-    """Stored name -> shape of every tensor of a ``.safetensors`` file (reads only the header)."""
-    return {name: info.shape for name, info in read_header(path).tensors.items()}
-
-
-@reader("safetensors file")
-def read_record(path) -> LayoutRecord | None:
-    """The restorekit layout record of a ``.safetensors`` file, or None (a file from elsewhere)."""
-    return read_header(path).record
-
-
-def recognizes(head: bytes, suffix: str) -> bool:
-    """True when a file's first bytes are a safetensors header length followed by its JSON."""
-    return len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20)
-
-
-@reader("safetensors file")
-def read(path, *, max_output_bytes: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(name, ndarray)`` for each tensor of a ``.safetensors`` file, as stored.
-
-    One tensor is read at a time; bfloat16 and float8 come back as ml_dtypes arrays.
-    Names and axes are those in the file (see ``import_checkpoint`` for TF ones).
-    ``max_output_bytes`` is honoured as by the other readers (a safetensors file holds
-    every byte it yields, so only a limit below its size refuses it).
-
-    Raises:
-        CheckpointNotFoundError, CorruptCheckpointError: as ``read_header``.
-        OutputError: over ``max_output_bytes``.
-    """
-    path = os.fspath(path)
-    header = read_header(path)
-    check_output_size(path, os.path.getsize(path), {n: i.end - i.begin for n, i in header.tensors.items()},
-                      max_output_bytes)
-    return _arrays(path, header)
-
-
-def open_tensors(path) -> dict:
-    """Stored name -> every tensor of a ``.safetensors`` file as a private memory map (read on use).
-
-    Raises:
-        CheckpointNotFoundError, CorruptCheckpointError: as ``read_header``.
-    """
-    path = os.fspath(path)
-    header = read_header(path)
-    out = {}
-    for name, info in header.tensors.items():
-        dtype = _numpy_dtype(info.dtype)
-        if info.end == info.begin:
-            out[name] = np.empty(info.shape, dtype=dtype)
-        else:
-            # copy-on-write: a caller may hand the array to torch.from_numpy, nothing reaches the file
-            count = (info.end - info.begin) // dtype.itemsize
-            out[name] = np.memmap(path, dtype=dtype, mode="c", offset=header.data_start + info.begin,
-                                  shape=(count,)).reshape(tuple(info.shape))
-    return out
-
-
-def _arrays(path: str, header: Header):
-    with open(path, "rb") as f:
-        for name, info in header.tensors.items():
-            array = np.empty(info.shape, dtype=_numpy_dtype(info.dtype))
-            f.seek(header.data_start + info.begin)
-            if array.nbytes and f.readinto(raw_bytes_view(array)) != array.nbytes:
-                raise CorruptCheckpointError(f"{path!r}: tensor {name!r} is truncated")
-            yield name, array

@@ -1,12 +1,7 @@
-"""Hugging Face-style sharded safetensors: ``model-0000N-of-0000M.safetensors`` + ``model.safetensors.index.json``, both ways.
+"""Hugging Face-style sharded safetensors, written: ``model-0000N-of-0000M.safetensors`` + ``model.safetensors.index.json``.
 
-Reading: a directory of shards, or its ``*.safetensors.index.json``, is one set of
-tensors (:func:`find`, then the same verbs as a format module: ``read``,
-``read_shapes``, ``read_record``). A shard missing from the set, an index naming a file
-that is not there, shards of two saves mixed in one directory, or a tensor the index
-and the shards disagree about is a ``CorruptCheckpointError`` before anything is read.
-
-Writing (:func:`write_checkpoint`, :func:`write`): tensors in order, a new shard
+Reading a set of shards is ``restorekit.formats.safetensors.ShardedSafetensorsReader``
+(the one-file reader's subclass). Writing (:func:`write_checkpoint`, :func:`write`): tensors in order, a new shard
 whenever the next tensor would take the current one over ``max_shard_size`` (a tensor
 larger than that gets a shard of its own), as ``save_pretrained`` does. Each shard is a
 complete safetensors file carrying restorekit's layout record for its own tensors, so
@@ -23,21 +18,17 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass
 
 from restorekit.bundle import atomic, files
-from restorekit.bundle.jsonfile import read_json
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputExistsError
+from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.export import safetensors
 from restorekit.export.base import ExportResult
 from restorekit.export.layout import LayoutRecord
+from restorekit.formats.safetensors import _SHARD, INDEX_SUFFIX, _shard_name
 
-__all__ = ["ShardSet", "find", "output_files", "parse_size", "read", "read_record", "read_shapes", "write",
-           "write_checkpoint"]
+__all__ = ["output_files", "parse_size", "write", "write_checkpoint"]
 
 LAYOUTS = safetensors.LAYOUTS  # a set of shards takes the layouts one safetensors file takes
-INDEX_SUFFIX = ".safetensors.index.json"
-_SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -58,135 +49,6 @@ def parse_size(value) -> int:
     if size <= 0:
         raise InvalidArgumentError(f"max_shard_size={value!r} must be positive")
     return size
-
-
-@dataclass(frozen=True)
-class ShardSet:
-    """A set of safetensors shards read as one: its files in order, and the index's weight map (None without one)."""
-
-    files: tuple
-    index: str | None = None
-    weight_map: dict | None = None
-
-    @property
-    def path(self) -> str:
-        return self.index or os.path.dirname(self.files[0])
-
-
-def _bad(where: str, why: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where!r} is not a complete set of safetensors shards: {why}")
-
-
-def find(path) -> ShardSet | None:
-    """The shard set at ``path`` (a directory or an index file), or None when ``path`` is neither.
-
-    A directory holding one ``*.safetensors.index.json`` is read through it; one without
-    an index but with ``NAME-0000N-of-0000M.safetensors`` files (or a single
-    ``model.safetensors``) is read from those.
-
-    Raises:
-        CorruptCheckpointError: shards missing, mixed, or an unreadable index.
-    """
-    path = os.fspath(path)
-    if path.endswith(".index.json") and os.path.exists(path) and not os.path.isdir(path):
-        return _from_index(path)  # refuses a FIFO or device by name
-    if not os.path.isdir(path):
-        return None
-    names = sorted(os.listdir(path))
-    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
-    if len(indexes) > 1:
-        raise _bad(path, f"it holds {len(indexes)} index files ({', '.join(indexes)}); name the one to read")
-    if indexes:
-        return _from_index(os.path.join(path, indexes[0]))
-    groups: dict[tuple, set] = {}
-    for n in names:
-        m = _SHARD.fullmatch(n)
-        if m:
-            groups.setdefault((m.group("stem"), int(m.group("n"))), set()).add(int(m.group("i")))
-    if not groups:
-        single = [n for n in names if n.endswith(".safetensors")]
-        return ShardSet((os.path.join(path, single[0]),)) if len(single) == 1 else None
-    if len(groups) > 1:
-        saves = ", ".join(f"{stem}-*-of-{n:05d}" for stem, n in sorted(groups))
-        raise _bad(path, f"shards of {len(groups)} different saves are mixed in it ({saves})")
-    (stem, total), present = next(iter(groups.items()))
-    missing = [_shard_name(stem, i, total) for i in range(1, total + 1) if i not in present]
-    if missing or total == 0:
-        raise _bad(path, f"missing {', '.join(missing) or 'every shard'}")
-    return ShardSet(tuple(os.path.join(path, _shard_name(stem, i, total)) for i in range(1, total + 1)))
-
-
-def _from_index(index: str) -> ShardSet:
-    data = read_json(index, "safetensors index").value
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CorruptCheckpointError(f"{index!r} is not a safetensors index (its weight_map is not an object of "
-                                     f"name -> file)")
-    directory = os.path.dirname(os.path.abspath(index))
-    files = list(dict.fromkeys(weight_map.values()))
-    if not files:
-        raise _bad(index, "its weight_map is empty")
-    for name in files:
-        if os.path.basename(name) != name:
-            raise _bad(index, f"it names {name!r}, not a file beside it")
-    missing = [name for name in files if not os.path.isfile(os.path.join(directory, name))]
-    if missing:
-        raise _bad(index, f"it names {', '.join(repr(m) for m in missing)}, which {'is' if len(missing) == 1 else 'are'} not in {directory!r}")
-    stems = {(m.group("stem"), m.group("n")) for m in map(_SHARD.fullmatch, files) if m}
-    strays = [n for n in os.listdir(directory) if n not in files and (m := _SHARD.fullmatch(n))
-              and any(m.group("stem") == stem for stem, _ in stems)]
-    if strays:
-        raise _bad(index, f"{', '.join(sorted(strays))} in the same directory belong to another save; remove them")
-    return ShardSet(tuple(os.path.join(directory, n) for n in files), index, dict(weight_map))
-
-
-def _shard_name(stem: str, i: int, total: int) -> str:
-    return f"{stem}-{i:05d}-of-{total:05d}.safetensors"
-
-
-def _headers(shards: ShardSet) -> list:
-    """Each shard's parsed header, checked against the index and against the other shards."""
-    headers = []
-    owner: dict[str, str] = {}
-    for path in shards.files:
-        header = safetensors.read_header(path)
-        for name in header.tensors:
-            if name in owner:
-                raise _bad(shards.path, f"tensor {name!r} is in both {owner[name]!r} and {path!r}")
-            owner[name] = path
-            if shards.weight_map is not None and shards.weight_map.get(name) != os.path.basename(path):
-                raise _bad(shards.path, f"tensor {name!r} is in {os.path.basename(path)!r}, the index says "
-                                        f"{shards.weight_map.get(name)!r}")
-        headers.append(header)
-    if shards.weight_map is not None:
-        absent = [n for n in shards.weight_map if n not in owner]
-        if absent:
-            raise _bad(shards.path, f"the index lists {', '.join(repr(n) for n in absent[:5])}, which no shard holds")
-    return headers
-
-
-def read_shapes(shards: ShardSet) -> dict:
-    """Stored name -> shape over every shard (reads only the headers)."""
-    return {name: info.shape for header in _headers(shards) for name, info in header.tensors.items()}
-
-
-def read_record(shards: ShardSet) -> LayoutRecord | None:
-    """The shards' restorekit layout records merged into one, or None (files from elsewhere)."""
-    records = [h.record for h in _headers(shards) if h.record is not None]
-    if not records:
-        return None
-    merged = LayoutRecord(records[0].layout)
-    for record in records:
-        merged.tensors.update(record.tensors)
-        merged.strings.update(record.strings)
-    return merged
-
-
-def read(shards: ShardSet):
-    """Yield ``(stored name, ndarray)`` over every shard in order, one tensor at a time."""
-    _headers(shards)
-    for path in shards.files:
-        yield from safetensors.read(path)
 
 
 # ------------------------------------------------------------------ writing
@@ -385,11 +247,3 @@ def write(out, tensors, *, sizes: list, layout: str | None = None, metadata: dic
 def _is_string(item) -> bool:
     dtype = item[2] if len(item) > 2 else None
     return dtype == "string" or getattr(getattr(item[1], "dtype", None), "kind", "") == "O"
-
-
-def find_source(path) -> ShardSet:
-    """``find(path)``, or CheckpointNotFoundError when nothing is there."""
-    shards = find(path)
-    if shards is None:
-        raise CheckpointNotFoundError(f"no safetensors shards or index at {os.fspath(path)!r}", os.fspath(path))
-    return shards

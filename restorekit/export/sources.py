@@ -1,4 +1,8 @@
-"""The non-TF sources of a conversion (one file of a format, or a set of safetensors shards), read back to TF names."""
+"""The non-TF sources of a conversion (one file of a format, or a set of safetensors shards), read back to TF names.
+
+The readers are the formats' own (``restorekit.formats.safetensors``, ``torch``, ``npz``);
+this module adds what a conversion plans with them: its output plan, sizes, tensors.
+"""
 
 from __future__ import annotations
 
@@ -7,56 +11,65 @@ import os
 
 import numpy as np
 
-from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError
-from restorekit.export import formats, sharded
+from types import ModuleType
+
+from restorekit.errors import InvalidArgumentError
+from restorekit.export import formats
 from restorekit.export.base import PlannedCheckpoint
 from restorekit.export.options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
+from restorekit.formats import npz, safetensors, torch
+from restorekit.formats.files import FileCheckpoint, FileReader, _tf_layout, tf_shapes
+from restorekit.formats.safetensors import ShardedSafetensorsReader, shard_set
 from restorekit.names import is_weight
 
-__all__ = ["FileCheckpoint", "Reader", "file_plan", "file_sizes", "open_source", "reader", "shard_set", "source_nbytes",
-           "tf_shapes", "tf_sizes", "tf_tensors"]
-
-
-def shard_set(path: str):
-    """The safetensors shard set at ``path``, or None (also for any directory holding a TF checkpoint)."""
-    if os.path.isdir(path):
-        names = os.listdir(path)
-        if "checkpoint" in names or any(n.endswith(".index") for n in names):
-            return None
-    elif not path.endswith(".index.json"):
-        return None
-    return sharded.find(path)
+__all__ = ["FileCheckpoint", "Reader", "ShardedSafetensorsReader", "file_plan", "file_sizes", "open_source", "reader",
+           "shard_set", "source_nbytes", "tf_shapes", "tf_sizes", "tf_tensors"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Reader:
-    """A non-TF source: one file of a format module, or a set of safetensors shards."""
+    """A conversion's non-TF source: the format's reader (``restorekit.formats``) and the export module of its format."""
 
-    path: str
-    fmt: str
-    files: tuple
-    source: object  # the path the verbs take (a ShardSet for shards)
-    module: object
+    source: FileReader  # one file, or a set of safetensors shards (ShardedSafetensorsReader)
+    module: ModuleType  # the export format module: its LAYOUTS are what a conversion of the file may ask for
+
+    @property
+    def path(self) -> str:
+        return self.source.path
+
+    @property
+    def fmt(self) -> str:
+        return self.source.fmt
+
+    @property
+    def files(self) -> tuple:
+        return self.source.files
 
     def read(self, max_output_bytes: int | None = None):
-        # Passed only when set, so a format whose read takes no limit still reads by default.
-        limit = {} if max_output_bytes is None else {"max_output_bytes": max_output_bytes}
-        return self.module.read(self.source, **limit)
+        return self.source.read(max_output_bytes)
 
     def read_shapes(self) -> dict:
-        return self.module.read_shapes(self.source)
+        return self.source.read_shapes()
 
     def read_record(self):
-        return self.module.read_record(self.source)
+        return self.source.read_record()
+
+    def stored_tensors(self) -> dict:
+        return self.source.stored_tensors()
 
 
 def reader(src: str, fmt: str) -> Reader:
-    shards = shard_set(src) if fmt == "safetensors" else None
-    if shards is not None:
-        return Reader(src, fmt, tuple(shards.files) + ((shards.index,) if shards.index else ()), shards, sharded)
-    if not os.path.isfile(src):
-        raise CheckpointNotFoundError(f"no file at {src!r}", src)
-    return Reader(src, fmt, (src,), src, formats.module(fmt))
+    """The reader of the ``fmt`` file (or safetensors shard set) at ``src``.
+
+    Raises:
+        CheckpointNotFoundError: nothing there.
+        InvalidArgumentError: ``fmt`` is no file format.
+    """
+    module = formats.module(fmt)
+    return Reader(_READERS[fmt](src), module)
+
+
+_READERS = {"safetensors": safetensors.open_reader, "torch": torch.TorchReader, "npz": npz.NpzReader}
 
 
 def source_nbytes(reader: Reader) -> int:
@@ -76,66 +89,6 @@ def source_nbytes(reader: Reader) -> int:
                 pass  # the reader reports a damaged archive with its own words
         total += size
     return total
-
-
-def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
-    """The TF shape of one stored tensor (or of the piece of a TF tensor it holds), from its note."""
-    from restorekit.export.layout import invert
-
-    ops = note.get("ops", {})
-    if "view" in ops:
-        shape = tuple(int(d) for d in ops["view"][0])
-    perm = ops.get("perm", note.get("perm"))
-    if perm is not None:
-        shape = tuple(shape[i] for i in invert(perm))
-    return shape
-
-
-def _joined_shape(pieces: list) -> tuple:
-    """The shape of a TF tensor stored in pieces ``[(take, shape)]`` (``take`` as ``ops.take``)."""
-    if len(pieces) == 1 and pieces[0][0] is None:
-        return pieces[0][1]
-    take, shape = pieces[0]
-    axis = take[0]
-    if len(take) == 2:  # rows taken one by one: stacked back along a new axis
-        return shape[:axis] + (len(pieces),) + shape[axis:]
-    return shape[:axis] + (sum(s[axis] for _, s in pieces),) + shape[axis + 1:]
-
-
-def _tf_layout(stored_shapes, record) -> list:
-    """[(TF name, TF shape, [stored names])] of the numeric tensors of a file, in the order
-    ``LayoutRecord.restore_all`` yields them: a tensor stored in parts when its last part
-    comes, added tensors (``drop``) left out."""
-    parts: dict[str, int] = {}
-    for stored, note in record.tensors.items():
-        if "drop" not in note:
-            parts[note.get("name", stored)] = parts.get(note.get("name", stored), 0) + 1
-    pieces: dict[str, list] = {}
-    out = []
-    for stored, shape in stored_shapes:
-        note = record.tensors.get(stored, {})
-        if "drop" in note:
-            continue
-        name = note.get("name", stored)
-        pieces.setdefault(name, []).append((stored, note, tuple(shape)))
-        if len(pieces[name]) < parts.get(name, 1):
-            continue
-        group = pieces.pop(name)
-        main = [(n.get("ops", {}).get("take"), _tf_piece_shape(n, s)) for _, n, s in group if "sum" not in n]
-        shape = _joined_shape(main or [(None, _tf_piece_shape(group[0][1], group[0][2]))])
-        if any(n.get("dtype") == "complex128" for _, n, _ in group):
-            shape = shape[:-1]
-        out.append((name, shape, [s for s, _, _ in group]))
-    return out
-
-
-def tf_shapes(shapes: dict, record) -> dict:
-    """TF name -> TF shape of every tensor of a file, through its layout record (string tensors too):
-    the pieces of a split tensor joined, tensors added for PyTorch left out."""
-    out = {name: shape for name, shape, _ in _tf_layout(shapes.items(), record)}
-    for name, item in record.strings.items():
-        out[name] = tuple(item["shape"])
-    return out
 
 
 def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None = None):
@@ -184,16 +137,13 @@ def tf_tensors(arrays, record, plan: OutputPlan | None = None):
 def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     """(output name, shape, bytes) of every numeric tensor of a safetensors source, in the order
     ``tf_tensors`` yields them."""
-    if reader.module is not sharded and reader.fmt != "safetensors":
+    if not isinstance(reader.source, safetensors.SafetensorsReader):
         raise InvalidArgumentError(f"max_shard_size= splits TF checkpoints and safetensors files; convert this "
                                    f"{reader.fmt} file to a TF checkpoint first")
-    from restorekit.export import safetensors
-
-    files = reader.source.files if reader.module is sharded else (reader.source,)
     wanted = {source: out for out, source in plan.names.items()} if plan is not None else None
     infos = {}
-    for path in files:
-        infos.update(safetensors.read_header(path).tensors)
+    for _, header in reader.source.headers():
+        infos.update(header.tensors)
     sizes = []
     for name, shape, stored in _tf_layout(((n, info.shape) for n, info in infos.items()), record):
         if wanted is not None:
@@ -212,103 +162,6 @@ def tf_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     if plan is None:
         return [(name, entry.nbytes) for name, entry in entries.items()]
     return [(out, entries[src].nbytes) for out, src in plan.names.items() if src in entries]
-
-
-def _stored_tensors(reader: Reader) -> dict:
-    """Stored name -> (shape, numpy dtype, function reading the array) of every numeric tensor of a source,
-    without reading any tensor's data."""
-    from restorekit.export import safetensors
-
-    if reader.fmt == "safetensors":
-        files = reader.source.files if reader.module is sharded else (reader.source,)
-        out = {}
-        for path in files:
-            for name, array in safetensors.open_tensors(path).items():
-                out[name] = (tuple(array.shape), array.dtype, lambda a=array: a)
-        return out
-    if reader.fmt == "torch":
-        from restorekit.export.torch import load, to_numpy
-
-        state, _ = load(reader.source)
-        return {name: (tuple(t.shape), to_numpy(t.reshape(-1)[:0]).dtype, lambda t=t: to_numpy(t))
-                for name, t in state.items()}
-    if reader.fmt == "npz":
-        return _npz_tensors(reader.source)
-    raise InvalidArgumentError(f"layout='torch' cannot read {reader.fmt} files as a whole; convert to a TF checkpoint first")
-
-
-def _npz_tensors(path: str) -> dict:
-    import zipfile
-
-    out = {}
-    with zipfile.ZipFile(path) as archive:
-        for member in archive.namelist():
-            if not member.endswith(".npy"):
-                continue
-            with archive.open(member) as f:
-                major, _ = np.lib.format.read_magic(f)
-                read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-                shape, _, dtype = read(f)
-            name = member[: -len(".npy")]
-            out[name] = (tuple(shape), dtype, lambda n=name: _npz_read(path, n))
-    return out
-
-
-def _npz_read(path: str, name: str) -> np.ndarray:
-    with np.load(path, allow_pickle=False) as data:
-        return data[name]
-
-
-class FileCheckpoint:
-    """A non-TF source seen as the TF checkpoint it holds: entries under TF names (the record undone),
-    each read on demand (the parts of a split tensor joined). Duck-types what ``torch_view`` and the
-    writers read of a ``Checkpoint``, so a file-to-file conversion to layout 'torch' maps whole layers
-    as an export from the TF checkpoint does. Nothing is copied as raw bytes."""
-
-    def __init__(self, reader: Reader, record):
-        from restorekit.checkpoint import Entry
-        from restorekit.export.base import tf_dtype_of
-
-        self.prefix = reader.path
-        self._record = record
-        self._stored = _stored_tensors(reader)
-        self._parts = {}
-        entries = {}
-        for name, shape, parts in _tf_layout(((n, s[0]) for n, s in self._stored.items()), record):
-            notes = [record.tensors.get(p, {}) for p in parts]
-            dtype = next((n["dtype"] for n in notes if "dtype" in n), None)
-            if dtype is None:
-                dtype = tf_dtype_of(np.empty(0, self._stored[parts[0]][1]))
-            nbytes = sum(int(np.prod(self._stored[p][0], dtype=np.int64)) * self._stored[p][1].itemsize for p in parts)
-            entries[name] = Entry(name, tuple(shape), dtype, nbytes)
-            self._parts[name] = parts
-        self._strings = dict(record.string_tensors())
-        for name, array in self._strings.items():
-            entries[name] = Entry(name, tuple(array.shape), "string", 0)
-        self.entries = entries
-        self.is_object_based = OBJECT_GRAPH_KEY in self._strings
-
-    @property
-    def object_graph(self):
-        return self._record.object_graph()
-
-    def read(self, name: str) -> np.ndarray:
-        from restorekit.export.layouts import LayoutRecord, restore_dtype
-
-        if name in self._strings:
-            return self._strings[name]
-        parts = self._parts[name]
-        # the notes of this tensor alone: restore_all then joins just its parts
-        record = LayoutRecord(self._record.layout, {p: self._record.tensors[p] for p in parts if p in self._record.tensors})
-        for _, array, dtype in record.restore_all((p, self._stored[p][2]()) for p in parts):
-            return restore_dtype(array, dtype)
-        raise CorruptCheckpointError(f"{self.prefix!r}: {name!r} could not be read back")  # every part was an added one
-
-    def is_partitioned(self, name: str) -> bool:
-        return True  # decoded from the file, never copied as TF shard bytes
-
-    def readable_name(self, name: str) -> str:
-        return name
 
 
 def keras_source(ckpt, *, weights_only: bool = False):

@@ -5,9 +5,11 @@
 
 Formats (one module each, registered on import): ``tf`` (TF bundles, TF2 object-based
 checkpoints, SavedModel variables), ``keras`` (``.weights.h5``, ``.keras``, sharded
-``.weights.json``, legacy Keras 2 ``.h5``), and ``safetensors`` (one file or a Hugging
-Face shard set), ``torch`` and ``npz`` in ``files``: read under the TF names of the
-checkpoint they were converted from when restorekit wrote them, else under their own.
+``.weights.json``, legacy Keras 2 ``.h5``), ``safetensors`` (one file, or a Hugging Face
+shard set read by a subclass of the one-file reader), ``torch`` and ``npz``; ``files``
+is what the last three share. A file restorekit wrote reads under the TF names of the
+checkpoint it was converted from, a file from elsewhere under its own. The writers are
+``restorekit.export``'s.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The safetensors (one file or a Hugging Face shard set), PyTorch and npz formats as Sources.
+"""What the file formats (safetensors, PyTorch, npz) share: a reader's verbs, and the Source over them.
 
-A ``FileView`` shows such a file's tensors under the TF names of the checkpoint it
-holds (a restorekit layout record undone; a file from elsewhere keeps its stored
-names), each read on demand, one at a time (an npz file is read through once on
-opening, one tensor at a time, since its exact dtypes live in its reader's notes).
-The readers themselves are the export format modules (``restorekit.export.safetensors``,
-``torch``, ``npz``), imported only when a file is opened.
+Each format module (``restorekit.formats.safetensors``, ``torch``, ``npz``) defines a
+``FileReader`` subclass, reading its files as stored (names and axes of the file), and
+registers ``FileView(path, reader)`` as its Source. A ``FileView`` shows the file's
+tensors under the TF names of the checkpoint it holds (a restorekit layout record
+undone; a file from elsewhere keeps its stored names), each read on demand, one at a
+time (``FileCheckpoint``; npz has its own, since its exact dtypes live in its reader's
+notes). Sharding is the reader's business: a set of safetensors shards is one more
+reader with the same verbs.
 """
 
 from __future__ import annotations
@@ -15,32 +17,62 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
-from typing import Iterator
 
 import numpy as np
 
 from restorekit.bundle.verification import Problem, VerifyResult
-from restorekit.checkpoint import Checkpoint
-from restorekit.errors import CorruptCheckpointError, EntryNotFoundError
-from restorekit.formats.registry import BY_BYTES, BY_NAME, Probe, register
+from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry
+from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, EntryNotFoundError
+from restorekit.export.base import tf_dtype_of
+from restorekit.export.layouts import LayoutRecord, restore_dtype
+from restorekit.formats.reading import boundary
+from restorekit.formats.registry import BY_NAME, EntryMapping, Probe
 
-__all__ = ["FileView", "FileVerifyResult"]
+__all__ = ["FileCheckpoint", "FileReader", "FileVerifyResult", "FileView", "by_name", "tf_shapes"]
 
-# What verify can promise per format: safetensors carries no checksum at all; the zip
-# formats carry zip's CRC-32 per record, which the readers check as they read.
-_CHECKS = {
-    "safetensors": "safetensors carries no checksum: verified means the header is consistent (dtypes, shapes, "
-                   "byte ranges tiling the data) and every tensor reads back and decodes",
-    "torch": "PyTorch files carry no per-tensor checksum: verified means every storage record matches its zip "
-             "CRC-32 and every tensor reads back and decodes",
-    "npz": "npz files carry no per-tensor checksum: verified means every member reads back (zip CRC-32 checked) "
-           "and decodes",
-}
-_SAFETENSORS_INDEX = ".safetensors.index.json"
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+class FileReader:
+    """One file of a format, read as stored. A format subclasses it with the verbs below.
+
+    ``read(max_output_bytes)`` yields ``(stored name, ndarray)`` one tensor at a time;
+    ``read_shapes()`` gives stored name -> shape, ``read_record()`` restorekit's layout
+    record or None; ``stored_tensors()`` gives stored name -> (shape, numpy dtype, a
+    function reading the array), reading no tensor data; ``checkpoint(record)`` is the
+    file under TF names (``FileCheckpoint`` by default). ``files`` lists every file it
+    reads (an output must be none of them).
+
+    Raises:
+        CheckpointNotFoundError: no file at ``path`` (on construction).
+    """
+
+    fmt = ""
+    checks = ""  # what verify can promise of this format, in words (the formats carry different checksums)
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise CheckpointNotFoundError(f"no file at {self.path!r}", self.path)
+        self.files: tuple[str, ...] = (self.path,)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r})"
+
+    def read(self, max_output_bytes: int | None = None):
+        raise NotImplementedError
+
+    def read_shapes(self) -> dict:
+        raise NotImplementedError
+
+    def read_record(self) -> LayoutRecord | None:
+        return None
+
+    def stored_tensors(self) -> dict:
+        raise NotImplementedError
+
+    def checkpoint(self, record: LayoutRecord):
+        return FileCheckpoint(self, record)
 
 
-class FileView(Mapping):
+class FileView(EntryMapping):
     """A non-TF file read as the TF checkpoint it holds: a ``Source`` (see ``restorekit.formats.registry``).
 
     ``entries`` (name -> ``Entry``), ``read(name)``, ``readable_name``, ``object_paths``
@@ -49,37 +81,21 @@ class FileView(Mapping):
     file (their layout record undone), never copied as TF shard bytes.
     """
 
-    def __init__(self, path, fmt: str):
-        from restorekit.export import sources
-        from restorekit.export.layouts import LayoutRecord
-
+    def __init__(self, path, reader: "FileReader"):
         self.prefix = os.fspath(path)
-        self.format = fmt
-        self._reader = sources.reader(self.prefix, fmt)
-        found = self._reader.read_record()
+        self.format = fmt = reader.fmt
+        self._reader = reader
+        found = reader.read_record()
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
-        self._record = found if found is not None else LayoutRecord()
-        self.entries  # listed on opening: a damaged file (an npz member failing its CRC) is refused here
+        with boundary(self.prefix, f"{fmt} file"):
+            self._file = reader.checkpoint(found if found is not None else LayoutRecord())
+        self.entries: Mapping = MappingProxyType(dict(sorted(self._file.entries.items())))
 
     @property
-    def reader(self):
-        """The format's reader this view reads through (``restorekit.export.sources.Reader``): what a conversion
-        of the file streams from, so converting an open view opens nothing again."""
+    def reader(self) -> "FileReader":
+        """The format's reader this view reads through: what a conversion of the file streams from, so
+        converting an open view opens nothing again."""
         return self._reader
-
-    @cached_property
-    def _file(self):
-        from restorekit.export import sources
-        from restorekit.export.reading import boundary
-
-        with boundary(self.prefix, f"{self.format} file"):
-            if self.format == "npz":  # npz keeps its notes in a member of its own, which only its reader reads
-                return _NpzArchive(self.prefix, self._reader)
-            return sources.FileCheckpoint(self._reader, self._record)
-
-    @cached_property
-    def entries(self) -> Mapping:
-        return MappingProxyType(dict(sorted(self._file.entries.items())))
 
     def __repr__(self) -> str:
         return f"FileView({self.prefix!r}, {self.format!r}, {len(self.entries)} tensors)"
@@ -88,22 +104,7 @@ class FileView(Mapping):
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    # -- mapping protocol: name -> Entry
-    def __getitem__(self, name: str):
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise self._unknown(name) from None
-
-    def __contains__(self, name) -> bool:
-        return name in self.entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.entries)
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
+    # -- mapping protocol: registry.EntryMapping, name -> Entry
     def _unknown(self, name: str) -> EntryNotFoundError:
         return EntryNotFoundError(f"{self.prefix!r} has no tensor {name!r}.", name=name,
                                   candidates=list(self.entries) + list(self._paths()))
@@ -144,8 +145,6 @@ class FileView(Mapping):
             EntryNotFoundError: no such tensor (lists the closest names).
             CorruptCheckpointError: the file cannot be read.
         """
-        from restorekit.export.reading import boundary
-
         if name not in self.entries:
             if name == "_CHECKPOINTABLE_OBJECT_GRAPH":
                 raise self._unknown(name)
@@ -198,8 +197,6 @@ class FileView(Mapping):
         """
         from tqdm import tqdm
 
-        from restorekit.export.reading import boundary
-
         problems = []
         stored = 0
         try:  # the format's reader: one stored tensor at a time, its checks on the way
@@ -218,40 +215,7 @@ class FileView(Mapping):
                 if all(p.message != str(e) for p in problems):  # the stored pass may have said it already
                     problems.append(Problem(name, "corrupt", str(e)))
         return FileVerifyResult(self.prefix, len(names), max(stored, checked), tuple(problems),
-                                checks=_CHECKS.get(self.format, ""))
-
-
-class _NpzArchive:
-    """An npz file's tensors as restorekit's npz reader gives them back (bfloat16 from its bits, strings exact).
-
-    Listing reads the archive through once, one tensor at a time, since the exact dtypes
-    live in the reader's notes; ``read`` then takes one member alone.
-    """
-
-    def __init__(self, path: str, reader):
-        from restorekit.checkpoint import Entry
-        from restorekit.export.base import tf_dtype_of
-
-        self._path = path
-        self._strings = {}
-        entries = {}
-        for name, array in reader.read():
-            dtype = tf_dtype_of(array)
-            entries[name] = Entry(name, tuple(array.shape), dtype, 0 if dtype == "string" else array.nbytes)
-            if dtype == "string":  # object-graph sized: kept as the reader restored them (exact lengths)
-                self._strings[name] = array
-            del array
-        self.entries = entries
-
-    def read(self, name: str) -> np.ndarray:
-        from restorekit.bundle.format import dtype_enum, numpy_dtype
-
-        if name in self._strings:
-            return self._strings[name]
-        with np.load(self._path, allow_pickle=False) as data:
-            array = data[name]
-        target = numpy_dtype(dtype_enum(self.entries[name].dtype))
-        return array if array.dtype == target else np.ascontiguousarray(array).view(target)
+                                checks=self._reader.checks)
 
 
 @dataclass(frozen=True)
@@ -259,53 +223,117 @@ class FileVerifyResult(VerifyResult):
     """``VerifyResult`` of a non-TF file; its ``checks`` line says what its format lets verify check."""
 
 
-# -- detection and registration
+def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
+    """The TF shape of one stored tensor (or of the piece of a TF tensor it holds), from its note."""
+    from restorekit.export.layout import invert
 
-def _by_name(probe: Probe, suffixes) -> int:
+    ops = note.get("ops", {})
+    if "view" in ops:
+        shape = tuple(int(d) for d in ops["view"][0])
+    perm = ops.get("perm", note.get("perm"))
+    if perm is not None:
+        shape = tuple(shape[i] for i in invert(perm))
+    return shape
+
+
+def _joined_shape(pieces: list) -> tuple:
+    """The shape of a TF tensor stored in pieces ``[(take, shape)]`` (``take`` as ``ops.take``)."""
+    if len(pieces) == 1 and pieces[0][0] is None:
+        return pieces[0][1]
+    take, shape = pieces[0]
+    axis = take[0]
+    if len(take) == 2:  # rows taken one by one: stacked back along a new axis
+        return shape[:axis] + (len(pieces),) + shape[axis:]
+    return shape[:axis] + (sum(s[axis] for _, s in pieces),) + shape[axis + 1:]
+
+
+def _tf_layout(stored_shapes, record) -> list:
+    """[(TF name, TF shape, [stored names])] of the numeric tensors of a file, in the order
+    ``LayoutRecord.restore_all`` yields them: a tensor stored in parts when its last part
+    comes, added tensors (``drop``) left out."""
+    parts: dict[str, int] = {}
+    for stored, note in record.tensors.items():
+        if "drop" not in note:
+            parts[note.get("name", stored)] = parts.get(note.get("name", stored), 0) + 1
+    pieces: dict[str, list] = {}
+    out = []
+    for stored, shape in stored_shapes:
+        note = record.tensors.get(stored, {})
+        if "drop" in note:
+            continue
+        name = note.get("name", stored)
+        pieces.setdefault(name, []).append((stored, note, tuple(shape)))
+        if len(pieces[name]) < parts.get(name, 1):
+            continue
+        group = pieces.pop(name)
+        main = [(n.get("ops", {}).get("take"), _tf_piece_shape(n, s)) for _, n, s in group if "sum" not in n]
+        shape = _joined_shape(main or [(None, _tf_piece_shape(group[0][1], group[0][2]))])
+        if any(n.get("dtype") == "complex128" for _, n, _ in group):
+            shape = shape[:-1]
+        out.append((name, shape, [s for s, _, _ in group]))
+    return out
+
+
+def tf_shapes(shapes: dict, record) -> dict:
+    """TF name -> TF shape of every tensor of a file, through its layout record (string tensors too):
+    the pieces of a split tensor joined, tensors added for PyTorch left out."""
+    out = {name: shape for name, shape, _ in _tf_layout(shapes.items(), record)}
+    for name, item in record.strings.items():
+        out[name] = tuple(item["shape"])
+    return out
+
+
+class FileCheckpoint:
+    """A non-TF source seen as the TF checkpoint it holds: entries under TF names (the record undone),
+    each read on demand (the parts of a split tensor joined). Duck-types what ``torch_view`` and the
+    writers read of a ``Checkpoint``, so a file-to-file conversion to layout 'torch' maps whole layers
+    as an export from the TF checkpoint does. Nothing is copied as raw bytes."""
+
+    def __init__(self, reader: "FileReader", record):
+        self.prefix = reader.path
+        self._record = record
+        self._stored = reader.stored_tensors()
+        self._parts = {}
+        entries = {}
+        for name, shape, parts in _tf_layout(((n, s[0]) for n, s in self._stored.items()), record):
+            notes = [record.tensors.get(p, {}) for p in parts]
+            dtype = next((n["dtype"] for n in notes if "dtype" in n), None)
+            if dtype is None:
+                dtype = tf_dtype_of(np.empty(0, self._stored[parts[0]][1]))
+            nbytes = sum(int(np.prod(self._stored[p][0], dtype=np.int64)) * self._stored[p][1].itemsize for p in parts)
+            entries[name] = Entry(name, tuple(shape), dtype, nbytes)
+            self._parts[name] = parts
+        self._strings = dict(record.string_tensors())
+        for name, array in self._strings.items():
+            entries[name] = Entry(name, tuple(array.shape), "string", 0)
+        self.entries = entries
+        self.is_object_based = OBJECT_GRAPH_KEY in self._strings
+
+    @property
+    def object_graph(self):
+        return self._record.object_graph()
+
+    def read(self, name: str) -> np.ndarray:
+        if name in self._strings:
+            return self._strings[name]
+        parts = self._parts[name]
+        # the notes of this tensor alone: restore_all then joins just its parts
+        record = LayoutRecord(self._record.layout, {p: self._record.tensors[p] for p in parts if p in self._record.tensors})
+        for _, array, dtype in record.restore_all((p, self._stored[p][2]()) for p in parts):
+            return restore_dtype(array, dtype)
+        raise CorruptCheckpointError(f"{self.prefix!r}: {name!r} could not be read back")  # every part was an added one
+
+    def is_partitioned(self, name: str) -> bool:
+        return True  # decoded from the file, never copied as TF shard bytes
+
+    def readable_name(self, name: str) -> str:
+        return name
+
+
+def by_name(probe: Probe, suffixes) -> int:
     """A file (or a missing path) named as this format claims it by name: its reader says what is wrong with it."""
     return BY_NAME if not probe.is_dir and probe.suffix in suffixes else 0
 
-
-def _safetensors(probe: Probe) -> int:
-    if probe.is_dir:
-        names = probe.listing
-        if "checkpoint" in names or any(n.endswith(".index") for n in names):
-            return 0  # a TF checkpoint directory, even with a safetensors file beside it
-        if any(n.endswith(_SAFETENSORS_INDEX) for n in names) or any(n.endswith(".safetensors") for n in names):
-            return BY_BYTES
-        return 0
-    head = probe.head
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
-        return BY_BYTES
-    if probe.lower.endswith(".index.json") and head.lstrip()[:1] == b"{":
-        return BY_BYTES
-    if probe.lower.endswith(_SAFETENSORS_INDEX):
-        return BY_NAME  # unreadable here (a FIFO, a device): the shard set's reader says what is wrong with it
-    return _by_name(probe, (".safetensors",))
-
-
-def _npz(probe: Probe) -> int:
-    if probe.members and all(m.endswith(".npy") for m in probe.members):
-        return BY_BYTES
-    return _by_name(probe, (".npz",))
-
-
-def _torch(probe: Probe) -> int:
-    if probe.members is not None and any(m == "data.pkl" or m.endswith("/data.pkl") for m in probe.members):
-        return BY_BYTES
-    if probe.members is None and probe.head[:1] == b"\x80" and probe.head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        # torch.save's legacy format: a bare pickle (PROTO opcode, protocol 2 to 5)
-        return BY_BYTES
-    return _by_name(probe, _TORCH_SUFFIXES)
-
-
-def _opener(fmt: str):
-    return lambda path: FileView(path, fmt)
-
-
-register("safetensors", detect=_safetensors, open=_opener("safetensors"), order=30)
-register("torch", detect=_torch, open=_opener("torch"), order=31)
-register("npz", detect=_npz, open=_opener("npz"), order=32)
 
 # isinstance(Checkpoint('model.safetensors'), Checkpoint) holds, as for Keras files.
 Checkpoint.register(FileView)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from restorekit.formats.registry import BY_BYTES, BY_NAME, Probe, register
-from restorekit.keras_files import KERAS_SUFFIXES, KerasCheckpoint
+from restorekit.keras_files import KERAS_SUFFIXES, open_keras
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
@@ -21,4 +21,4 @@ def detect(probe: Probe) -> int:
     return BY_NAME if probe.lower.endswith(KERAS_SUFFIXES) else 0
 
 
-register("keras", detect=detect, open=KerasCheckpoint, order=20)
+register("keras", detect=detect, open=open_keras, order=20)

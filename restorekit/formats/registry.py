@@ -22,14 +22,16 @@ import importlib
 import os
 import pkgutil
 import zipfile
+from collections.abc import Mapping as _MappingABC
 from typing import Callable, Iterator, Mapping, Protocol, runtime_checkable
 
-from restorekit.errors import InvalidArgumentError
+from restorekit.errors import EntryNotFoundError, InvalidArgumentError
 
 __all__ = [
     "BY_BYTES",
     "BY_NAME",
     "EntryInfo",
+    "EntryMapping",
     "Format",
     "Probe",
     "Source",
@@ -92,6 +94,44 @@ class Source(Protocol):
     def readable_name(self, name: str) -> str: ...
 
     def verify(self, *, progress: bool = False): ...
+
+
+class EntryMapping(_MappingABC):
+    """The ``Mapping`` half of a Source, written once: name -> entry over ``self.entries``.
+
+    A reader subclasses it and provides ``entries`` and ``_unknown(name)`` (the
+    ``EntryNotFoundError`` naming its closest names). ``source[name]`` raises that error,
+    which is a ``KeyError``, so ``Mapping.get(name, default)`` returns the default and
+    ``except KeyError`` catches it; ``in``, iteration and ``len`` are over the entries'
+    names. ``_entry_key`` is where a reader also takes another spelling of a name (a
+    Keras file takes a readable path).
+    """
+
+    __slots__ = ()
+
+    entries: Mapping
+
+    def _entry_key(self, name: str) -> str:
+        return name
+
+    def _unknown(self, name: str) -> EntryNotFoundError:
+        return EntryNotFoundError(f"{getattr(self, 'prefix', self)!r} has no entry {name!r}.", name=name,
+                                  candidates=list(self.entries))
+
+    def __getitem__(self, name: str):
+        try:
+            return self.entries[self._entry_key(name)]
+        except KeyError:
+            raise self._unknown(name) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 @dataclasses.dataclass(frozen=True)

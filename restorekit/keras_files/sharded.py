@@ -32,7 +32,7 @@ import numpy as np
 from restorekit.bundle import files
 from restorekit.bundle.jsonfile import read_json
 from restorekit.errors import CorruptCheckpointError, format_names
-from restorekit.keras_files import KerasCheckpoint, _h5py
+from restorekit.keras_files.reader import KerasCheckpoint, _h5py
 from restorekit.keras_files.h5nodes import check_storage
 from restorekit.keras_files.layouts import CONTAINERS, Keras3Walk
 from restorekit.keras_files.memtree import Group, sorted_tree, tree_types

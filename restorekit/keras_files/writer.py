@@ -184,7 +184,7 @@ def _room(path: str) -> tuple[int | None, str]:
 
 
 def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
-    from restorekit.keras_files import _h5py
+    from restorekit.keras_files.reader import _h5py
 
     # HDF5 cannot take a failed write: h5py crashes the process (SIGSEGV) closing a file whose write failed
     # (EFBIG, ENOSPC). So each dataset is checked to fit before it is written, with room for the metadata
