@@ -20,6 +20,7 @@ from restorekit.export.base import ExportResult
 from restorekit.export.layouts import TorchView
 from restorekit.export.outputs import check_output
 from restorekit.export.request import KERAS, Request, given, renamed_keywords, request
+from restorekit.export import sources
 from restorekit.export.sources import shard_set
 from restorekit.export.targets import target_format
 from restorekit.export.tfwrite import write_tf
@@ -243,7 +244,7 @@ def import_checkpoint(
 def _import(source, fmt: str, out: str, options: Request, *, overwrite: bool, progress: bool,
             max_output_bytes) -> ExportResult:
     options.check(formats.TF, fmt)
-    return from_files.write_tf_checkpoint(source.reader, out, options, overwrite=overwrite, progress=progress,
+    return from_files.write_tf_checkpoint(sources.of_view(source), out, options, overwrite=overwrite, progress=progress,
                                           max_output_bytes=max_output_bytes)
 
 
@@ -297,7 +298,7 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     if fmt in (formats.TF, KERAS):
         return _export(source, fmt, out, to, options, overwrite=overwrite, progress=progress)
     options.check(to, fmt)
-    return from_files.write_file(source.reader, out, to, options, overwrite=overwrite, progress=progress,
+    return from_files.write_file(sources.of_view(source), out, to, options, overwrite=overwrite, progress=progress,
                                  max_output_bytes=max_output_bytes)
 
 

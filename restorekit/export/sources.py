@@ -22,7 +22,7 @@ from restorekit.formats.files import FileCheckpoint, FileReader, _tf_layout, tf_
 from restorekit.formats.safetensors import ShardedSafetensorsReader, shard_set
 from restorekit.names import is_weight
 
-__all__ = ["FileCheckpoint", "Reader", "ShardedSafetensorsReader", "file_plan", "file_sizes", "open_source", "reader",
+__all__ = ["FileCheckpoint", "Reader", "ShardedSafetensorsReader", "file_plan", "file_sizes", "of_view", "open_source", "reader",
            "shard_set", "source_nbytes", "tf_shapes", "tf_sizes", "tf_tensors"]
 
 
@@ -67,6 +67,11 @@ def reader(src: str, fmt: str) -> Reader:
     """
     module = formats.module(fmt)
     return Reader(_READERS[fmt](src), module)
+
+
+def of_view(view) -> Reader:
+    """The conversion's reader of an open ``FileView``: the reader it opened, nothing opened again."""
+    return Reader(view.reader, formats.module(view.format))
 
 
 _READERS = {"safetensors": safetensors.open_reader, "torch": torch.TorchReader, "npz": npz.NpzReader}
