@@ -565,6 +565,7 @@ def test_a_bug_still_shows_its_traceback(capsys):
         COMMANDS.pop("raise-test", None)
 
 
+@pytest.mark.slow
 def test_commands_that_load_tensorflow_print_no_native_log_lines(tmp_path):
     prefix, meta, _, _ = _trained_graph(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}

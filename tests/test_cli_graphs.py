@@ -34,7 +34,8 @@ _NATIVE = ("absl::InitializeLog", "I0000", "W0000", "oneDNN", "cudart", "XNNPACK
            "fully_quantize")
 
 
-@pytest.mark.parametrize("command", ["freeze", "unfreeze", "compress", "compress-int8"])
+@pytest.mark.parametrize("command", [pytest.param(c, marks=pytest.mark.slow) for c in ("freeze", "unfreeze", "compress")]
+                         + ["compress-int8"])  # one fresh TF process each: the int8 one by default, all in CI
 def test_commands_that_load_tensorflow_print_no_native_log_lines(frozen, tmp_path, command):
     prefix, pb = frozen
     samples = tmp_path / "samples.npz"

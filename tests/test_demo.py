@@ -194,6 +194,7 @@ def test_cold_backbone_starts_fresh(demo):
     assert not np.array_equal(result.cold[0].initial["backbone/conv1/weights"], result.cold[1].initial["backbone/conv1/weights"])
 
 
+@pytest.mark.slow  # a second whole demo run; the module fixture already runs one
 def test_cli_demo_passes_its_options_through(tmp_path, capsys):
     assert cli_main(["demo", "--seeds", "2", "--steps", "1", "--shots", "1", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out

@@ -207,6 +207,7 @@ def ps(tmp_path_factory):
 SOURCES = ["from_plain", "from_three", "from_tf1"]
 
 
+@pytest.mark.slow  # the parameter-server cluster child (module fixture ps)
 def test_tf_saves_a_sharded_variable_as_one_logical_tensor_sliced_per_shard(ps):
     saved = ps["three_saved"]
     assert saved["shards"]["emb"] == [[3, 4], [2, 4], [2, 4]]
@@ -214,6 +215,7 @@ def test_tf_saves_a_sharded_variable_as_one_logical_tensor_sliced_per_shard(ps):
     assert len(saved["sliced"]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SOURCES, ids=["unsharded-tf2", "three-shards-tf2", "tf1-partitioned-in-three"])
 def test_restored_values_equal_the_source_in_two_shards_on_two_ps(ps, case):
     result = ps[case]
@@ -224,16 +226,19 @@ def test_restored_values_equal_the_source_in_two_shards_on_two_ps(ps, case):
     assert "part_" not in result["report"]
 
 
+@pytest.mark.slow
 def test_tf_restore_into_the_same_module_agrees(ps):
     assert ps["tf_restore_equal"] == {"emb": True, "dense/kernel": True, "dense/bias": True}
 
 
+@pytest.mark.slow
 def test_a_grown_sharded_embedding_keeps_the_saved_rows(ps):
     grown = ps["grown_emb"]
     assert grown["kept"] and grown["fresh"] and grown["shards"] == [[5, 4], [4, 4]]
     assert "1 via slice_or_pad" in grown["report"]
 
 
+@pytest.mark.slow
 def test_keras_model_restores_by_logical_paths_and_its_optimizer_stays_fresh(ps):
     same = ps["keras"]["same"]
     assert same["matched"] == ["net/body/bias", "net/body/kernel", "net/head/bias", "net/head/kernel"]
@@ -243,6 +248,7 @@ def test_keras_model_restores_by_logical_paths_and_its_optimizer_stays_fresh(ps)
     assert "part_" not in same["report"]
 
 
+@pytest.mark.slow
 def test_keras_model_with_a_new_head_restores_the_body_only(ps):
     new_head = ps["keras"]["new_head"]
     assert new_head["matched"] == ["net/body/bias", "net/body/kernel"]
@@ -250,6 +256,7 @@ def test_keras_model_with_a_new_head_restores_the_body_only(ps):
     assert new_head["body_equal"] and new_head["head_untouched"]
 
 
+@pytest.mark.slow
 def test_resume_or_warm_start_resumes_sharded_keras_variables_which_tf_cannot_restore(ps):
     resume = ps["resume"]
     assert resume["how"] == "resumed" and resume["checkpoint"] == "ckpt-1" and resume["sharded"] == 4
@@ -259,6 +266,7 @@ def test_resume_or_warm_start_resumes_sharded_keras_variables_which_tf_cannot_re
     assert len(resume["optimizer_equal"]) == 10 and all(resume["optimizer_equal"])  # Adam built, then restored
 
 
+@pytest.mark.slow
 def test_a_sharded_resume_into_a_changed_model_is_refused_before_any_assign(ps):
     assert ps["resume"]["changed_model"] == "IncompleteRestoreError"
     assert ps["resume"]["changed_model_untouched"]

@@ -1033,6 +1033,7 @@ def test_save_waits_for_no_one_a_second_writer_gets_output_exists(small_checkpoi
     assert Checkpoint(out).verify().ok
 
 
+@pytest.mark.slow  # two writer processes, each importing TensorFlow
 def test_two_saves_to_one_new_output_from_two_processes_leave_one_whole_checkpoint(small_checkpoint, tmp_path):
     import multiprocessing
 

@@ -14,6 +14,8 @@ import os
 import random
 import sys
 
+import pytest
+
 from fuzzing import flip, outcome_counts, overwrite, run_all, run_cases, truncate
 
 SEED = 20250612
@@ -298,6 +300,7 @@ def worker(directory: str, start: int) -> None:
 # ------------------------------------------------------------------ the test
 
 
+@pytest.mark.slow
 def test_damaged_graph_files_load_or_raise_restorekit_errors(tmp_path):
     total, base_rss, finished, failures = run_all(__file__, tmp_path, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     outcomes = outcome_counts(finished)

@@ -20,6 +20,8 @@ import struct
 import sys
 import zipfile
 
+import pytest
+
 from fuzzing import flip, outcome_counts, overwrite, run_all, run_cases, truncate
 
 SEED = 20250613
@@ -260,6 +262,7 @@ def worker(directory: str, start: int) -> None:
 # ------------------------------------------------------------------ the test
 
 
+@pytest.mark.slow
 def test_damaged_keras_files_read_or_raise_restorekit_errors(tmp_path):
     cases = _corpus(tmp_path)
     listed = []

@@ -87,7 +87,17 @@ AMBIGUOUS = [
 ]
 
 
-@pytest.mark.parametrize("build", [b for _, b in LAYERS], ids=[i for i, _ in LAYERS])
+# A fixed cross-section (dense, conv, norm, recurrent, wrapper, attention) runs by default; the rest are
+# marked slow and run with ``-m slow`` (CI runs both).
+FAST = {"Dense", "Conv2D(use_bias=False)", "BatchNormalization", "GRU", "Bidirectional(LSTM)", "MultiHeadAttention",
+        "Attention(use_scale=True)", "BatchNormalization(scale=False)"}
+
+
+def _cases(table):
+    return [pytest.param(b, id=i, marks=() if i in FAST else pytest.mark.slow) for i, b in table]
+
+
+@pytest.mark.parametrize("build", _cases(LAYERS))
 def test_a_bare_weights_file_names_each_layers_variables_as_the_layer_does(tmp_path, build):
     keras.utils.clear_session()  # the twin below gets the same auto names
     model = build()
@@ -111,7 +121,7 @@ def test_a_bare_weights_file_names_each_layers_variables_as_the_layer_does(tmp_p
         assert d["equal"] and d["same"] == len(model.weights), d
 
 
-@pytest.mark.parametrize("build", [b for _, b in AMBIGUOUS], ids=[i for i, _ in AMBIGUOUS])
+@pytest.mark.parametrize("build", _cases(AMBIGUOUS))
 def test_a_layer_whose_variable_count_fits_two_configs_restores_by_position(tmp_path, build):
     keras.utils.clear_session()
     model = build()

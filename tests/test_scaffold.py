@@ -14,6 +14,7 @@ from conftest import save_variables
 tf1 = tf.compat.v1
 
 
+@pytest.mark.slow
 def test_resnet_finetune_in_monitored_session_then_restart_resumes(resnet_checkpoint, tmp_path):
     from test_scan import build_finetune_graph
 

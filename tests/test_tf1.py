@@ -93,6 +93,7 @@ def test_initialize_uninitialized_returns_the_names(small_checkpoint):
             np.testing.assert_array_equal(sess.run(kernel), values["dense/kernel"])
 
 
+@pytest.mark.slow
 def test_resnet_partial_restore_values_equal_checkpoint(resnet_checkpoint):
     from test_scan import build_finetune_graph
 
