@@ -50,7 +50,10 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
     such as the model name in ``seq/dense/kernel``, pairs with ``dense/kernel`` when
     that is unambiguous; the object-graph entry has no counterpart and is left out).
     ``by='auto'`` pairs by path when that pairs more tensors than keys do; the result's
-    ``paired_by`` says which. Tensors are read one pair at a time.
+    ``paired_by`` says which. A file restorekit exported with layout 'torch' beside a
+    torch-layout file without its record (a foreign ``.pt`` and restorekit's conversion
+    of it) is read as stored, with PyTorch names and axes, when that pairs more; the
+    result's ``as_stored`` names that side ('a', 'b' or None). Tensors are read one pair at a time.
 
     Values are equal when their bytes are; otherwise ``max_abs_diff`` is reported
     (NaN where NaNs sit in different places) and the tensor counts as different when
@@ -65,6 +68,7 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
     if by not in _BY:
         raise InvalidArgumentError(f"by={by!r}: choose one of {', '.join(map(repr, _BY))}")
     a, b = open_checkpoint(a), open_checkpoint(b)
+    a, b, as_stored = _conventions(a, b)
     by_key = _key_pairs(a, b)
     by_path = _path_pairs(a, b) if by != "key" else None
     use_path = by == "path" or (by == "auto" and len(by_path[0]) > len(by_key[0]))
@@ -83,6 +87,7 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
         "a": a.prefix,
         "b": b.prefix,
         "paired_by": "path" if use_path else "key",
+        "as_stored": as_stored,
         "equal": not (only_a or only_b or changed or values),
         "only_in_a": only_a,
         "only_in_b": only_b,
@@ -91,6 +96,29 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
         "same": equal,
         "paths": paths,
     }
+
+
+def _conventions(a, b) -> tuple:
+    """(a, b, which side is read as stored): one naming for both sides.
+
+    A file restorekit wrote with layout 'torch' reads back under TF names and axes (its
+    layout record undone); a torch-layout file from elsewhere has no record and reads as
+    stored. Beside each other (a foreign ``.pt`` and restorekit's conversion of it, a
+    torch twin's ``state_dict`` and an export of the TF checkpoint), the recorded side is
+    read as stored too, when that pairs more tensors by name.
+    """
+    from restorekit.formats.files import FileView
+
+    recorded = [x for x in (a, b) if getattr(x, "record_layout", None) is not None]
+    if len(recorded) != 1:
+        return a, b, None
+    other = b if recorded[0] is a else a
+    if not isinstance(other, FileView) or other.format not in ("safetensors", "torch"):
+        return a, b, None
+    stored = FileView(recorded[0].prefix, recorded[0].format, stored=True)
+    if len(set(stored.entries) & set(other.entries)) <= len(set(recorded[0].entries) & set(other.entries)):
+        return a, b, None
+    return (stored, b, "a") if recorded[0] is a else (a, stored, "b")
 
 
 def _key_pairs(a, b) -> tuple[list, list, list]:

@@ -49,7 +49,7 @@ class FileView(Mapping):
     file (their layout record undone), never copied as TF shard bytes.
     """
 
-    def __init__(self, path, fmt: str):
+    def __init__(self, path, fmt: str, *, stored: bool = False):
         from restorekit.export import sources
         from restorekit.export.layouts import LayoutRecord
 
@@ -58,7 +58,7 @@ class FileView(Mapping):
         self.prefix = os.fspath(path)
         self.format = fmt
         self._reader = sources.reader(self.prefix, fmt)
-        found = self._reader.read_record()
+        found = None if stored else self._reader.read_record()  # stored: names and axes as in the file
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
         with boundary(self.prefix, f"{fmt} file"):
             if fmt == "npz":  # npz keeps its notes in a member of its own, which only its reader reads
