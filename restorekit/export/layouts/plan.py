@@ -99,6 +99,8 @@ def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict |
             plan.kept.append(key)
         elif t is None and (graph is not None or optimizer_slot_kind(key)):
             plan.parts.append(Part(torch_name(key), key, "other", tuple(entry.shape), entry.dtype))
+            if optimizer_slot_kind(key):  # name-based (TF1) slots and Adam's beta powers: kept, TF axes
+                plan.kept.append(key)
         else:
             path = (live.get(t.object_path) or readable_path(t)) if t is not None else key
             if t is not None and any(_INTERNAL.fullmatch(p) for p in path.split("/")):
