@@ -27,9 +27,13 @@ Dense) in a bare ``.weights.h5``. The guesses: the creation order per built-in l
 type (``kernel, bias``; ``depthwise_kernel, pointwise_kernel, bias``; ``gamma, beta,
 moving_mean, moving_variance``; ``embeddings``; ...), less the optional variables
 (``use_bias``, ``center``, ``scale``) when exactly one set of them fits the count
-(a SeparableConv2D with two variables has no bias), and ``kernel, bias`` for a
-sub-layer of unknown class with two variables of falling rank. Where nothing fits,
-or two configs fit (a BatchNormalization with three variables), and for custom
+(a SeparableConv2D with two variables has no bias), the other sets a layer saves by
+config (BatchNormalization ``renorm=True``; Dense, EinsumDense and Embedding after
+``quantize('int8' | 'int4' | 'float8')``, told apart by their int8 kernels), and
+``kernel, bias`` for a sub-layer of unknown class with two variables of falling rank.
+SpectralNormalization saves its layer's kernel a second time, under its own ``vars/0``:
+that copy keeps its key. Where nothing fits, or two configs fit (a BatchNormalization
+with three variables: ``scale=False`` and ``center=False`` write the same file), and for custom
 layers, the variable keeps its index (``custom/0``); ``scan`` pairs such variables by
 position inside the layer of the same name, as Keras' ``load_weights`` does. Legacy
 files name their weights; those names are used as stored, less a repeated layer
