@@ -92,9 +92,10 @@ LAYERS = [
     ("Embedding quantized int4", _quantized(lambda: L.Embedding(10, 4), (3,), "int4")),
 ]
 
-# Layers whose variables a bare weights file cannot name: their count fits two configs and the file keeps no
-# config, so they keep their indices; scan still restores them completely, each variable paired by position
-# inside its layer, as Keras' load_weights pairs it (a .keras file's config names them).
+# Layers whose variables a bare weights file cannot name: their count fits two configs that write the same file
+# (same groups, shapes and dtypes; only the values differ) and the file keeps no config, so they keep their indices;
+# scan still restores them completely, each variable paired by position inside its layer, as Keras' load_weights
+# pairs it (a .keras file's config names them), and diff pairs them by the names the other side gives the layer.
 AMBIGUOUS = [
     ("Attention(use_scale=True)", _dot_attention(use_scale=True)),
     ("GroupNormalization(center=False)", _one(lambda: L.GroupNormalization(2, center=False), (4,))),
@@ -103,6 +104,7 @@ AMBIGUOUS = [
     ("BatchNormalization(center=False)", _one(lambda: L.BatchNormalization(center=False), (5,))),
     ("LayerNormalization(scale=False)", _one(lambda: L.LayerNormalization(scale=False), (5,))),
     ("Attention(score_mode='concat')", _dot_attention(score_mode="concat")),
+    ("BatchNormalization(renorm=True, center=False)", _one(lambda: L.BatchNormalization(renorm=True, center=False), (5,))),
 ]
 
 
@@ -151,6 +153,13 @@ def test_a_layer_whose_variable_count_fits_two_configs_restores_by_position(tmp_
     restorekit.restore(report)
     for a, b in zip(model.weights, twin.weights):
         assert (a.numpy() == b.numpy()).all(), a.path
+    # the file lists the sets of names that fit; a side that names them says which, so diff pairs them all
+    assert list(ckpt.undecided) == [layer] and len(ckpt.undecided[layer]) == 2, ckpt.undecided
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    for other in ("m.keras", "ckpt"):
+        for x, y in (("m.weights.h5", other), (other, "m.weights.h5")):
+            d = diff_checkpoints(str(tmp_path / x), str(tmp_path / y), by="path")
+            assert d["equal"] and d["same"] == len(model.weights), d
 
 
 def test_spectral_normalizations_own_copy_of_its_layers_kernel_keeps_its_key(tmp_path):

@@ -148,9 +148,34 @@ def _path_pairs(a, b) -> tuple[list, list, list]:
     rest_a = [p for p in pa if p not in pb]
     rest_b = [p for p in pb if p not in pa]
     matched = _scoped_matches(rest_a, rest_b)
+    taken = set(matched.values())
+    matched.update(_undecided_matches(a, b, [p for p in rest_a if p not in matched], [q for q in rest_b if q not in taken]))
     pairs += [(p, pa[p], pb[q]) for p, q in matched.items()]
     taken = set(matched.values())
     return pairs, [p for p in rest_a if p not in matched], [q for q in rest_b if q not in taken]
+
+
+def _undecided_matches(a, b, rest_a: list, rest_b: list) -> dict:
+    """A's path -> B's path inside a layer whose variables one side keeps by index and the other names.
+
+    A bare ``.weights.h5`` keeps indices where two configs write the same file (a
+    BatchNormalization with ``scale=False`` or ``center=False``: ``bn/0``, ``bn/1``,
+    ``bn/2``) and lists the sets of names that fit (``KerasCheckpoint.undecided``); the
+    other side's names for the layer (a ``.keras`` file's config, a TF2 checkpoint) say
+    which set it is, and so which index is which variable.
+    """
+    matched: dict = {}
+    for one, rest_one, rest_other, flip in ((a, rest_a, rest_b, False), (b, rest_b, rest_a, True)):
+        for scope, sets in getattr(one, "undecided", {}).items():
+            indexed = [p for p in rest_one if p.rpartition("/")[0] == scope and p.rpartition("/")[2].isdigit()]
+            named = {p.rpartition("/")[2]: p for p in rest_other if p.rpartition("/")[0] == scope}
+            fitting = [names for names in sets if len(names) == len(indexed) and set(names) == set(named)]
+            if len(fitting) != 1:
+                continue
+            for p in indexed:
+                q = named[fitting[0][int(p.rpartition("/")[2])]]
+                matched.update({q: p} if flip else {p: q})
+    return matched
 
 
 def _unique_suffixes(paths) -> dict:

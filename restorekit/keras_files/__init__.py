@@ -176,6 +176,7 @@ class KerasCheckpoint(Mapping):
         kind: what the file is, in words (``'Keras 3 weights file (.weights.h5)'``).
         config: the model config (parsed JSON, never deserialized), or None.
         layer_names: the saved model's top-level layer names.
+        undecided: layer path -> the sets of names two configs give its indexed variables.
 
     Raises:
         CheckpointNotFoundError: no file at the path.
@@ -189,6 +190,7 @@ class KerasCheckpoint(Mapping):
     """
 
     is_object_based = True
+    undecided: Mapping = MappingProxyType({})
     _walked_ranges = None  # key -> (offset, size) or None, found while walking a Keras 3 file (see _stored_ranges)
 
     def __new__(cls, path=None):  # path=None: copy and pickle call __new__ without it
@@ -350,6 +352,7 @@ class KerasCheckpoint(Mapping):
             # Walked through low-level nodes: h5py's high-level objects cost more than the walk itself.
             walker = Keras3Walk(self.prefix, NODES, config_index(self.config))
             walker.visit(root(f, h5py, self.prefix), "", "", root=True)
+            self.undecided = MappingProxyType(walker.undecided)  # see Keras3Walk; diff pairs them by the other side
             # Where the bytes lie is read now, from the datasets the walk has open: reopening each later costs more.
             standard: dict = {}
             self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key], d, standard)

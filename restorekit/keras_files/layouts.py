@@ -110,10 +110,11 @@ def config_index(config) -> dict:
     return index
 
 
-def _variable_names(kind: str | None, layer_config: dict | None, datasets: list) -> list:
+def _variable_names(kind: str | None, layer_config: dict | None, datasets: list, undecided: list | None = None) -> list:
     """Names for a layer's variables by position (see the module docstring for what is guessed).
 
     None for a variable that is another layer's, saved again (SpectralNormalization's kernel).
+    Where two sets of names fit, the indices; ``undecided`` then gets the sets.
     """
     n = len(datasets)
     full = _VARIABLES.get(kind or "")
@@ -130,6 +131,8 @@ def _variable_names(kind: str | None, layer_config: dict | None, datasets: list)
                    if _fits(kept, datasets)]
         if len(fitting) == 1:
             return fitting[0]
+        if undecided is not None and len(fitting) > 1:
+            undecided.extend(tuple(names) for names in fitting)
     elif layer_config is None and n == 2 and len(datasets[0].shape) > len(datasets[1].shape) >= 1:
         return ["kernel", "bias"]  # a sub-layer of an unknown class (no config says it is a custom layer)
     return [str(i) for i in range(n)]
@@ -188,6 +191,7 @@ class Keras3Walk:
         self.readable: dict = {}
         self.objects: dict = {}  # key -> the dataset object it was described from (valid while the file is open)
         self.owners: dict = {}  # '<group>/vars' -> the readable path of the object that owns it ('enc1', 'block/a')
+        self.undecided: dict = {}  # layer path -> the sets of names that fit its indexed variables (in order)
         self._taken: set = set()
 
     def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
@@ -224,7 +228,10 @@ class Keras3Walk:
             if isinstance(ds, self.h5py.Dataset):
                 found.append(_describe(ds, f"{vars_key}/{index}", self.path))
                 self.objects[found[-1].key] = ds
-        names = [str(i) for i in range(len(found))] if optimizer else _variable_names(kind, layer_config, found)
+        fitting: list = []
+        names = [str(i) for i in range(len(found))] if optimizer else _variable_names(kind, layer_config, found, fitting)
+        if fitting:
+            self.undecided[own] = tuple(fitting)
         for data, var in zip(found, names):
             self.datasets.append(data)
             path = data.key if optimizer or var is None else f"{own}/{var}"
