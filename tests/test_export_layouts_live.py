@@ -117,25 +117,3 @@ def test_the_torch_twin_loads_the_export_and_computes_what_keras_computes(saved,
     with torch.no_grad():
         out = twin(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(out, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("name", ["m.weights.h5", "m.keras"])
-def test_the_same_models_keras_files_name_the_blocks_without_the_model(tmp_path, name):
-    """A Keras file keeps every layer's name in its groups: where Keras paths collide (``fc/kernel`` of both blocks)
-    the readable path holds the names of the layers around it, and layout 'torch' gives the twin's names."""
-    import restorekit
-    from safetensors.numpy import load_file
-
-    model = nested_model()
-    model.save_weights(tmp_path / "m.weights.h5")
-    model.save(tmp_path / "m.keras")
-    ckpt = Checkpoint(str(tmp_path / name))
-    assert "block_b/fc/kernel" in {ckpt.readable_name(k) for k in ckpt.entries}
-    restorekit.convert(tmp_path / name, tmp_path / "m.safetensors", layout="torch")
-    assert sorted(load_file(str(tmp_path / "m.safetensors"))) == TWIN_NAMES
-    values = load_file(str(tmp_path / "m.safetensors"))
-    by_path = {"block_b/fc/kernel": "block_b.fc.weight", "block_a/fc/kernel": "block_a.fc.weight"}
-    for path, stored in by_path.items():
-        np.testing.assert_array_equal(values[stored], ckpt.read(path).T)
-    block_b_fc = model.get_layer("block_b").get_layer("fc").kernel
-    np.testing.assert_array_equal(values["block_b.fc.weight"], np.asarray(block_b_fc).T)

@@ -192,27 +192,21 @@ class Keras3Walk:
         self.objects: dict = {}  # key -> the dataset object it was described from (valid while the file is open)
         self.owners: dict = {}  # '<group>/vars' -> the readable path of the object that owns it ('enc1', 'block/a')
         self.undecided: dict = {}  # layer path -> the sets of names that fit its indexed variables (in order)
-        self._pending: list = []  # (key, Keras path, path of layer names), named once the walk is done
+        self._taken: set = set()
 
-    def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None,
-              tree: str = "") -> None:
-        """Walk ``group``; ``tree``: the names of every layer around it (``block_a/``), functional ones too."""
+    def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
         vars_group = group.get("vars")
         if not isinstance(vars_group, self.h5py.Group):
             for name, child in group.items():  # a container: a list of layers named by class
                 if isinstance(child, self.h5py.Group):
-                    self.visit(child, f"{key}/{name}" if key else name, scope, class_hint=_UNIQUIFIED.sub("", name),
-                               tree=tree)
-            if root:
-                self._name_paths()
+                    self.visit(child, f"{key}/{name}" if key else name, scope, class_hint=_UNIQUIFIED.sub("", name))
             return
         name = text(vars_group.attrs.get("name")) or key.rsplit("/", 1)[-1] or "model"
         kind, layer_config = self.index.get(name, (None, None))
         kind = kind or _guess_kind(class_hint, name)
         own = name if root else scope + name
         self.owners[f"{key}/vars" if key else "vars"] = "" if root else own
-        self._own_variables(vars_group, f"{key}/vars" if key else "vars", own, kind, layer_config, key == "optimizer",
-                            name if root else tree + name)
+        self._own_variables(vars_group, f"{key}/vars" if key else "vars", own, kind, layer_config, key == "optimizer")
         functional = kind == "functional" or any(
             isinstance(group.get(c), self.h5py.Group) and any(_UNIQUIFIED.sub("", k) == "input_layer" for k in group[c])
             for c in CONTAINERS
@@ -225,30 +219,9 @@ class Keras3Walk:
                 if root and child_name == "optimizer":
                     self.visit(child, child_key, "optimizer/")
                 else:
-                    self.visit(child, child_key, inner, class_hint=_UNIQUIFIED.sub("", child_name),
-                               tree="" if root else f"{tree}{name}/")
-        if root:
-            self._name_paths()
+                    self.visit(child, child_key, inner, class_hint=_UNIQUIFIED.sub("", child_name))
 
-    def _name_paths(self) -> None:
-        """Each variable's readable path: its Keras path; where two share one (the ``fc`` of two nested
-        functional blocks: both ``fc/kernel``, as Keras names them), the names of every layer around
-        it (``block_a/fc/kernel``); where that is shared too, its key."""
-        counts: dict = {}
-        for _, path, _ in self._pending:
-            counts[path] = counts.get(path, 0) + 1
-        nested = {}
-        for _, path, tree_path in self._pending:
-            if counts[path] > 1:
-                nested[tree_path] = nested.get(tree_path, 0) + 1
-        for key, path, tree_path in self._pending:
-            if counts[path] > 1:
-                path = tree_path if nested[tree_path] == 1 and counts.get(tree_path, 0) == 0 else key
-            self.readable[key] = path
-        self._pending = []
-
-    def _own_variables(self, vars_group, vars_key: str, own: str, kind, layer_config, optimizer: bool,
-                       tree_own: str) -> None:
+    def _own_variables(self, vars_group, vars_key: str, own: str, kind, layer_config, optimizer: bool) -> None:
         found = []
         for index in sorted((k for k in vars_group if k.isdigit()), key=int):
             ds = vars_group[index]
@@ -261,10 +234,11 @@ class Keras3Walk:
             self.undecided[own] = tuple(fitting)
         for data, var in zip(found, names):
             self.datasets.append(data)
-            if optimizer or var is None:
-                self.readable[data.key] = data.key
-            else:
-                self._pending.append((data.key, f"{own}/{var}", f"{tree_own}/{var}"))
+            path = data.key if optimizer or var is None else f"{own}/{var}"
+            if path in self._taken:
+                path = data.key
+            self._taken.add(path)
+            self.readable[data.key] = path
 
 
 def _guess_kind(class_hint: str | None, name: str) -> str | None:
