@@ -173,3 +173,40 @@ def test_verify_reads_one_tensor_at_a_time(tmp_path):
         tracemalloc.stop()
     assert result.ok and result.tensors == 12
     assert peak < 8 << 20
+
+
+@requires_torch
+def test_a_foreign_pt_and_restorekits_torch_layout_conversion_of_it_pair_every_tensor(tmp_path):
+    """A torch-layout export read back undoes its record (TF names); beside a foreign .pt it is read as stored."""
+    import torch
+    from torch import nn
+
+    class ScaleShift(nn.Module):  # a [1, 16] scale beside a [16] shift: no Linear, kept as it is
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(1, 16)), nn.Parameter(torch.randn(16))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.rnn = nn.Conv1d(1, 8, 3), nn.BatchNorm1d(8), nn.LSTM(8, 16)
+            self.layernorm, self.proj, self.head = ScaleShift(), nn.Linear(16, 4, bias=False), nn.Linear(4, 2)
+
+    torch.manual_seed(0)
+    net = Net()
+    net.bn.running_mean.normal_()
+    net.bn.num_batches_tracked.fill_(7)
+    torch.save(net.state_dict(), tmp_path / "f.pt")
+    assert len(net.state_dict()) == 16
+    with pytest.warns(UserWarning):  # the guessed names are warned about (no record in a foreign file)
+        convert(tmp_path / "f.pt", tmp_path / "g.safetensors", layout="torch")
+    assert open_checkpoint(tmp_path / "g.safetensors").record_layout == "torch"
+    for a, b, side in (("f.pt", "g.safetensors", "b"), ("g.safetensors", "f.pt", "a")):
+        d = diff_checkpoints(tmp_path / a, tmp_path / b)
+        assert d["equal"] and d["same"] == 16 and d["as_stored"] == side, d
+    # a changed tensor is still told
+    state = net.state_dict()
+    state["head.bias"] = state["head.bias"] + 1
+    torch.save(state, tmp_path / "h.pt")
+    d = diff_checkpoints(tmp_path / "h.pt", tmp_path / "g.safetensors")
+    assert not d["equal"] and d["same"] == 15 and [v["name"] for v in d["values"]] == ["head.bias"], d

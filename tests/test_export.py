@@ -734,3 +734,86 @@ def test_linear_layers_named_like_embeddings_stay_kernels():
     named = {note["name"]: note.get("perm") for note in record.tensors.values()}
     assert named["embed_out/kernel"] and named["transformer/embed_proj/kernel"] and named["unembed/kernel"]
     assert "encoder/embed/embeddings" in named and named["encoder/embed/embeddings"] is None
+
+
+_HPARAMS_MODULE = '''
+import typing
+
+
+class Metadata:
+    def __init__(self, key_type):
+        self.key_type = key_type
+
+
+class AnyNode:
+    def __init__(self, value):
+        self._val = value
+
+
+class DictConfig:
+    """Pickled as omegaconf's is: __new__, then a state of nested objects and typing globals."""
+
+    def __init__(self, content):
+        self._content = {k: AnyNode(v) for k, v in content.items()}
+        self._metadata = Metadata(typing.Any)
+
+
+class Flags(dict):
+    """A dict subclass: its items are set on it one by one."""
+'''
+
+
+def _lightning_files(tmp_path, monkeypatch):
+    """A training checkpoint whose hyper-parameters are objects of a module that is gone when it is read."""
+    import torch
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "hparams_lib_gone.py").write_text(_HPARAMS_MODULE)
+    monkeypatch.syspath_prepend(str(lib))
+    import hparams_lib_gone
+
+    state = {"layer.weight": torch.randn(3, 4), "layer.bias": torch.randn(3)}
+    marker = tmp_path / "pwned"
+    good = tmp_path / "epoch=3.ckpt"
+    torch.save({"epoch": 3, "global_step": 30, "state_dict": state, "optimizer_states": [],
+                "hyper_parameters": {"cfg": hparams_lib_gone.DictConfig({"lr": 0.1})}}, good)
+    torch.save({"state_dict": state, "hyper_parameters": {"hook": _Evil(marker)}}, tmp_path / "hook.ckpt")
+    bad = tmp_path / "bad.pt"
+    torch.save({"layer.weight": hparams_lib_gone.DictConfig({"not": "a tensor"}), "layer.bias": state["layer.bias"]}, bad)
+    flags = tmp_path / "flags.ckpt"
+    torch.save({"state_dict": state, "hyper_parameters": hparams_lib_gone.Flags(lr=0.1)}, flags)
+    monkeypatch.delitem(sys.modules, "hparams_lib_gone")
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    sys.path.remove(str(lib))
+    return state, good, bad, flags, marker
+
+
+@requires_torch
+def test_a_training_checkpoint_with_unimportable_hyper_parameters_reads_its_state_dict(tmp_path, monkeypatch):
+    state, good, _, _, marker = _lightning_files(tmp_path, monkeypatch)
+    import torch
+
+    with pytest.raises(pickle.UnpicklingError, match="hparams_lib_gone"):
+        torch.load(good, weights_only=True)  # what torch itself says: the module's classes are not allowed
+    import_checkpoint(good, tmp_path / "out" / "m.ckpt")
+    back = Checkpoint(tmp_path / "out" / "m.ckpt")
+    assert sorted(back.entries) == ["layer.bias", "layer.weight"]
+    for name, tensor in state.items():
+        np.testing.assert_array_equal(back.read(name), tensor.numpy())
+    # the hyper-parameters' globals were built as empty stand-ins, never imported or called; torch still
+    # refuses what it blocks outright (os.system), by name
+    with pytest.raises(CorruptCheckpointError, match=r"calls .*'posix\.system'.*whose module posix is blocked"):
+        import_checkpoint(tmp_path / "hook.ckpt", tmp_path / "out2" / "m.ckpt")
+    assert not marker.exists() and not (tmp_path / "out2").exists()
+
+
+@requires_torch
+def test_an_unimportable_class_among_the_weights_is_refused_by_its_name(tmp_path, monkeypatch):
+    _, _, bad, flags, _ = _lightning_files(tmp_path, monkeypatch)
+    with pytest.raises(CorruptCheckpointError, match=r"the pickle calls 'hparams_lib_gone\.DictConfig'"):
+        import_checkpoint(bad, tmp_path / "out" / "m.ckpt")
+    # outside the weights, but of a kind torch's loader cannot build even as a stand-in: named, with torch's reason
+    with pytest.raises(CorruptCheckpointError, match=r"calls 'hparams_lib_gone\.Flags', .* \(Can only SETITEM"):
+        import_checkpoint(flags, tmp_path / "out" / "m.ckpt")
+    assert _listing(tmp_path / "out") == []

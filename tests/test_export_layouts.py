@@ -477,3 +477,22 @@ def test_a_keras_files_optimizer_state_is_reported_kept_in_tf_layout(tmp_path):
     optimizer = [k for k in Checkpoint(str(tmp_path / "m.weights.h5")).entries if k.startswith("optimizer/")]
     assert optimizer and len(result.kept) == len(optimizer)
     assert f"{len(optimizer)} optimizer tensors left in TF layout" in str(result)
+
+
+def test_a_tf1_checkpoints_name_based_optimizer_slots_are_reported_kept_in_tf_layout(tmp_path):
+    """TF1 slots (``fc/kernel/Adam``) and Adam's beta powers stay in TF axes, and the result says so."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, (2, 4))
+        kernel = tf1.get_variable("fc/kernel", [4, 3])
+        bias = tf1.get_variable("fc/bias", [3])
+        step = tf1.train.AdamOptimizer(0.1).minimize(tf.reduce_sum(tf.square(tf.matmul(x, kernel) + bias)))
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            sess.run(step, {x: np.ones((2, 4), np.float32)})
+            prefix = tf1.train.Saver().save(sess, str(tmp_path / "tf1" / "ckpt"))
+    result = export_checkpoint(prefix, tmp_path / "m.safetensors", layout="torch")
+    assert sorted(result.kept) == ["beta1_power", "beta2_power", "fc/bias/Adam", "fc/bias/Adam_1",
+                                   "fc/kernel/Adam", "fc/kernel/Adam_1"]
+    assert "6 optimizer tensors left in TF layout" in str(result)
+    stored = arrays(tmp_path / "m.safetensors")
+    assert stored["fc.weight"].shape == (3, 4) and stored["fc.kernel.Adam"].shape == (4, 3)

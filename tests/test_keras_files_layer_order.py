@@ -34,6 +34,15 @@ def _dot_attention(**kwargs):
     return build
 
 
+def _quantized(layer, shape, mode):
+    def build():
+        inp = keras.Input(shape)
+        model = keras.Model(inp, layer()(inp))
+        model.quantize(mode)
+        return model
+    return build
+
+
 # (id, model builder): each layer with and without its optional variables.
 LAYERS = [
     ("Dense", _one(lambda: L.Dense(3), (4,))),
@@ -71,11 +80,22 @@ LAYERS = [
     ("MultiHeadAttention", _attention()),
     ("MultiHeadAttention(use_bias=False)", _attention(use_bias=False)),
     ("Attention(score_mode='concat', use_scale=True)", _dot_attention(score_mode="concat", use_scale=True)),
+    ("BatchNormalization(renorm=True)", _one(lambda: L.BatchNormalization(renorm=True), (5,))),
+    ("STFTSpectrogram", _one(lambda: L.STFTSpectrogram(frame_length=16, frame_step=8), (64, 1))),
+    ("Dense quantized int8", _quantized(lambda: L.Dense(3), (4,), "int8")),
+    ("Dense(use_bias=False) quantized int8", _quantized(lambda: L.Dense(3, use_bias=False), (4,), "int8")),
+    ("Dense quantized int4", _quantized(lambda: L.Dense(3), (4,), "int4")),
+    ("Dense quantized float8", _quantized(lambda: L.Dense(3), (4,), "float8")),
+    ("EinsumDense quantized int8",
+     _quantized(lambda: L.EinsumDense("ab,bc->ac", output_shape=3, bias_axes="c"), (4,), "int8")),
+    ("Embedding quantized int8", _quantized(lambda: L.Embedding(10, 4), (3,), "int8")),
+    ("Embedding quantized int4", _quantized(lambda: L.Embedding(10, 4), (3,), "int4")),
 ]
 
-# Layers whose variables a bare weights file cannot name: their count fits two configs and the file keeps no
-# config, so they keep their indices; scan still restores them completely, each variable paired by position
-# inside its layer, as Keras' load_weights pairs it (a .keras file's config names them).
+# Layers whose variables a bare weights file cannot name: their count fits two configs that write the same file
+# (same groups, shapes and dtypes; only the values differ) and the file keeps no config, so they keep their indices;
+# scan still restores them completely, each variable paired by position inside its layer, as Keras' load_weights
+# pairs it (a .keras file's config names them), and diff pairs them by the names the other side gives the layer.
 AMBIGUOUS = [
     ("Attention(use_scale=True)", _dot_attention(use_scale=True)),
     ("GroupNormalization(center=False)", _one(lambda: L.GroupNormalization(2, center=False), (4,))),
@@ -84,6 +104,7 @@ AMBIGUOUS = [
     ("BatchNormalization(center=False)", _one(lambda: L.BatchNormalization(center=False), (5,))),
     ("LayerNormalization(scale=False)", _one(lambda: L.LayerNormalization(scale=False), (5,))),
     ("Attention(score_mode='concat')", _dot_attention(score_mode="concat")),
+    ("BatchNormalization(renorm=True, center=False)", _one(lambda: L.BatchNormalization(renorm=True, center=False), (5,))),
 ]
 
 
@@ -139,6 +160,35 @@ def test_a_layer_whose_variable_count_fits_two_configs_restores_by_position(tmp_
     report = restorekit.scan(str(tmp_path / "m.weights.h5"), twin.weights)
     assert report.is_complete and len(report.matched) == len(model.weights), str(report)
     assert any("by position" in r.reason for r in report.matched), str(report)
+    restorekit.restore(report)
+    for a, b in zip(model.weights, twin.weights):
+        assert (a.numpy() == b.numpy()).all(), a.path
+    # the file lists the sets of names that fit; a side that names them says which, so diff pairs them all
+    assert list(ckpt.undecided) == [layer] and len(ckpt.undecided[layer]) == 2, ckpt.undecided
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    for other in ("m.keras", "ckpt"):
+        for x, y in (("m.weights.h5", other), (other, "m.weights.h5")):
+            d = diff_checkpoints(str(tmp_path / x), str(tmp_path / y), by="path")
+            assert d["equal"] and d["same"] == len(model.weights), d
+
+
+def test_spectral_normalizations_own_copy_of_its_layers_kernel_keeps_its_key(tmp_path):
+    """SpectralNormalization saves its layer's kernel twice (its own ``vars/0`` and the layer's): the copy is no
+    variable of its own, so only ``vector_u`` is named under the wrapper and the copy keeps its file key."""
+    build = _one(lambda: L.SpectralNormalization(L.Dense(3)), (4,))
+    keras.utils.clear_session()
+    model = build()
+    for v in model.weights:
+        v.assign(tf.random.normal(v.shape, seed=3))
+    model.save_weights(tmp_path / "m.weights.h5")
+    ckpt = restorekit.Checkpoint(str(tmp_path / "m.weights.h5"))
+    names = {ckpt.readable_name(k): k for k in ckpt.entries}
+    assert sorted(n for n in names if n != names[n]) == sorted(v.path for v in model.weights)
+    assert [n for n in names if n == names[n]] == ["layers/spectral_normalization/vars/0"]
+    keras.utils.clear_session()
+    twin = build()
+    report = restorekit.scan(str(tmp_path / "m.weights.h5"), twin.weights)
+    assert report.is_complete and len(report.matched) == len(model.weights), str(report)
     restorekit.restore(report)
     for a, b in zip(model.weights, twin.weights):
         assert (a.numpy() == b.numpy()).all(), a.path

@@ -190,8 +190,15 @@ def _diff(args) -> int:
         same = "identical" if args.atol == 0 else f"equal within {args.atol:g}"
         print(f"{verdict}: {result['same']} tensors {same}, {len(result['only_in_a'])} only in A, "
               f"{len(result['only_in_b'])} only in B, {len(result['changed'])} changed shape/dtype, "
-              f"{len(result['values'])} changed values; {_pairing(result['paired_by'], args.by)}")
+              f"{len(result['values'])} changed values; {_pairing(result['paired_by'], args.by)}"
+              + _as_stored(result.get("as_stored")))
     return EXIT_OK if result["equal"] else EXIT_DIFFERENT
+
+
+def _as_stored(side) -> str:
+    if side is None:
+        return ""
+    return f" ({side.upper()}'s layout record not undone: both as stored, PyTorch names and axes)"
 
 
 def _pairing(paired_by: str, forced) -> str:

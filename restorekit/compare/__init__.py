@@ -50,7 +50,10 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
     such as the model name in ``seq/dense/kernel``, pairs with ``dense/kernel`` when
     that is unambiguous; the object-graph entry has no counterpart and is left out).
     ``by='auto'`` pairs by path when that pairs more tensors than keys do; the result's
-    ``paired_by`` says which. Tensors are read one pair at a time.
+    ``paired_by`` says which. A file restorekit exported with layout 'torch' beside a
+    torch-layout file without its record (a foreign ``.pt`` and restorekit's conversion
+    of it) is read as stored, with PyTorch names and axes, when that pairs more; the
+    result's ``as_stored`` names that side ('a', 'b' or None). Tensors are read one pair at a time.
 
     Values are equal when their bytes are; otherwise ``max_abs_diff`` is reported
     (NaN where NaNs sit in different places) and the tensor counts as different when
@@ -65,6 +68,7 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
     if by not in _BY:
         raise InvalidArgumentError(f"by={by!r}: choose one of {', '.join(map(repr, _BY))}")
     a, b = open_checkpoint(a), open_checkpoint(b)
+    a, b, as_stored = _conventions(a, b)
     pairs, only_a, only_b = by_key = _key_pairs(a, b)
     use_path = False
     if by != "key":
@@ -86,6 +90,7 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
         "a": a.prefix,
         "b": b.prefix,
         "paired_by": "path" if use_path else "key",
+        "as_stored": as_stored,
         "equal": not (only_a or only_b or changed or values),
         "only_in_a": only_a,
         "only_in_b": only_b,
@@ -94,6 +99,29 @@ def diff_checkpoints(a, b, *, atol: float = 0.0, by: str = "auto") -> dict:
         "same": equal,
         "paths": paths,
     }
+
+
+def _conventions(a, b) -> tuple:
+    """(a, b, which side is read as stored): one naming for both sides.
+
+    A file restorekit wrote with layout 'torch' reads back under TF names and axes (its
+    layout record undone); a torch-layout file from elsewhere has no record and reads as
+    stored. Beside each other (a foreign ``.pt`` and restorekit's conversion of it, a
+    torch twin's ``state_dict`` and an export of the TF checkpoint), the recorded side is
+    read as stored too, when that pairs more tensors by name.
+    """
+    from restorekit.formats.files import FileView
+
+    recorded = [x for x in (a, b) if getattr(x, "record_layout", None) is not None]
+    if len(recorded) != 1:
+        return a, b, None
+    other = b if recorded[0] is a else a
+    if not isinstance(other, FileView) or other.format not in ("safetensors", "torch"):
+        return a, b, None
+    stored = FileView(recorded[0].prefix, recorded[0].reader, stored=True)
+    if len(set(stored.entries) & set(other.entries)) <= len(set(recorded[0].entries) & set(other.entries)):
+        return a, b, None
+    return (stored, b, "a") if recorded[0] is a else (a, stored, "b")
 
 
 def _key_pairs(a, b) -> tuple[list, list, list]:
@@ -123,9 +151,34 @@ def _path_pairs(a, b) -> tuple[list, list, list]:
     rest_a = [p for p in pa if p not in pb]
     rest_b = [p for p in pb if p not in pa]
     matched = _scoped_matches(rest_a, rest_b)
+    taken = set(matched.values())
+    matched.update(_undecided_matches(a, b, [p for p in rest_a if p not in matched], [q for q in rest_b if q not in taken]))
     pairs += [(p, pa[p], pb[q]) for p, q in matched.items()]
     taken = set(matched.values())
     return pairs, [p for p in rest_a if p not in matched], [q for q in rest_b if q not in taken]
+
+
+def _undecided_matches(a, b, rest_a: list, rest_b: list) -> dict:
+    """A's path -> B's path inside a layer whose variables one side keeps by index and the other names.
+
+    A bare ``.weights.h5`` keeps indices where two configs write the same file (a
+    BatchNormalization with ``scale=False`` or ``center=False``: ``bn/0``, ``bn/1``,
+    ``bn/2``) and lists the sets of names that fit (``KerasCheckpoint.undecided``); the
+    other side's names for the layer (a ``.keras`` file's config, a TF2 checkpoint) say
+    which set it is, and so which index is which variable.
+    """
+    matched: dict = {}
+    for one, rest_one, rest_other, flip in ((a, rest_a, rest_b, False), (b, rest_b, rest_a, True)):
+        for scope, sets in getattr(one, "undecided", {}).items():
+            indexed = [p for p in rest_one if p.rpartition("/")[0] == scope and p.rpartition("/")[2].isdigit()]
+            named = {p.rpartition("/")[2]: p for p in rest_other if p.rpartition("/")[0] == scope}
+            fitting = [names for names in sets if len(names) == len(indexed) and set(names) == set(named)]
+            if len(fitting) != 1:
+                continue
+            for p in indexed:
+                q = named[fitting[0][int(p.rpartition("/")[2])]]
+                matched.update({q: p} if flip else {p: q})
+    return matched
 
 
 def _unique_suffixes(paths) -> dict:

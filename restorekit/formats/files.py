@@ -81,11 +81,11 @@ class FileView(EntryMapping):
     file (their layout record undone), never copied as TF shard bytes.
     """
 
-    def __init__(self, path, reader: "FileReader"):
+    def __init__(self, path, reader: "FileReader", *, stored: bool = False):
         self.prefix = os.fspath(path)
         self.format = fmt = reader.fmt
         self._reader = reader
-        found = reader.read_record()
+        found = None if stored else reader.read_record()  # stored: names and axes as in the file
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
         with boundary(self.prefix, f"{fmt} file"):
             self._file = reader.checkpoint(found if found is not None else LayoutRecord())

@@ -86,31 +86,86 @@ def to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _torch_load(path: str):
+class _StandIn:
+    """What torch builds for a global outside the weights (a Lightning checkpoint's omegaconf
+    hyper-parameters): an empty object; the real global is never imported or called."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+def _outside_weights(scan) -> tuple:
+    """The unknown globals of ``scan`` when none of them builds a weight: the weights sit in a
+    dict of plain tensors under the checkpoint's 'state_dict' (or 'model') entry. Else ()."""
+    state = torchfile.state_of(scan.obj, lambda v: isinstance(v, torchfile.View))
+    if state is scan.obj or not isinstance(state, dict) or not state:
+        return ()
+    if not all(isinstance(v, torchfile.View) and v.kind == "dense" for v in state.values()):
+        return ()
+    return tuple(dict.fromkeys(scan.unknown))
+
+
+_UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _torch_load(path: str, stand_ins: tuple = ()):
     """``torch.load(weights_only=True)``, memory-mapped where the format allows; torch's
-    refusals and errors as restorekit's."""
+    refusals and errors as restorekit's. ``stand_ins``: globals torch builds as ``_StandIn``."""
     torch = _torch()
     try:
-        if os.fspath(path).endswith(".safetensors"):
-            # torch.load hands a path so named to safetensors whatever its bytes; this one
-            # holds torch's format (it was sniffed so), so it goes in as an open file.
-            with open(path, "rb") as f:
-                return torch.load(f, map_location="cpu", weights_only=True)
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+        with torch.serialization.safe_globals([(_StandIn, name) for name in stand_ins]):
+            return _load_file(torch, path)
     except pickle.UnpicklingError as e:
-        text = _ANSI.sub("", str(e)).strip()
-        first = text.splitlines()[0] if text else type(e).__name__
+        why = _reason(_ANSI.sub("", str(e)).strip() or type(e).__name__)
+        if stand_ins:
+            names = ", ".join(map(repr, stand_ins[:5])) + (" ..." if len(stand_ins) > 5 else "")
+            raise CorruptCheckpointError(
+                f"refusing to load {path!r}: its weights are plain tensors, but the rest of its pickle calls {names}, "
+                f"which torch.load(weights_only=True) cannot build even as empty stand-ins ({why}). Nothing in it "
+                f"was run; load it only if you trust its source, and save its state_dict alone"
+            ) from None
         raise CorruptCheckpointError(
             f"refusing to load {path!r}: it is not a plain weights file and torch.load(weights_only=True) "
-            f"rejected it ({first}). Nothing in it was run; load it only if you trust its source."
+            f"rejected it ({why}). Nothing in it was run; load it only if you trust its source."
         ) from None
     except _SAFE_ERRORS + (OSError,) as e:
         raise _unreadable(path, e) from None
+
+
+def _load_file(torch, path: str):
+    if os.fspath(path).endswith(".safetensors"):
+        # torch.load hands a path so named to safetensors whatever its bytes; this one
+        # holds torch's format (it was sniffed so), so it goes in as an open file.
+        with open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+
+
+def _reason(text: str) -> str:
+    """What torch's weights_only refusal says went wrong: its first lines only say that it failed."""
+    unsupported = _UNSUPPORTED.search(text)
+    if unsupported is not None:
+        return f"the pickle calls {unsupported.group(1)!r}, which is not a tensor or a plain container"
+    lines = [line.strip().removeprefix("WeightsUnpickler error:").strip() for line in text.splitlines()]
+    detail = [line for line in lines[1:] if line and not line.startswith(("Please file an issue", "Check the documentation"))]
+    return detail[0] if detail else lines[0]
 
 
 def _unreadable(path: str, e: BaseException) -> CorruptCheckpointError:
@@ -161,8 +216,9 @@ def _load(path: str) -> _Loaded:
         raise _unreadable(path, e.cause) from None
     obj = None
     if scan.unknown:
-        # Globals torch's weights_only loader must judge first: refused there, nothing ran.
-        obj = _torch_load(path)
+        # Globals torch's weights_only loader must judge first: refused there, nothing ran;
+        # those outside the weights (hyper-parameters of a training checkpoint) it builds as stand-ins.
+        obj = _torch_load(path, _outside_weights(scan))
     views = torchfile.views_of(path, scan)
     sizes = torchfile.check_views(path, scan, views)
     if obj is None:

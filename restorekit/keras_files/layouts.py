@@ -44,6 +44,24 @@ _VARIABLES = {
 for _conv in ("conv1d", "conv2d", "conv3d", "conv1d_transpose", "conv2d_transpose", "conv3d_transpose",
               "depthwise_conv1d", "depthwise_conv2d"):
     _VARIABLES[_conv] = ("kernel", "bias")
+_VARIABLES["stft_spectrogram"] = ("real_kernel", "imag_kernel")
+_VARIABLES["spectral_normalization"] = (None, "vector_u")  # None: its layer's kernel again, saved under its layer
+# Other sets of variables a layer of the kind saves, by config (Keras 3.15, checked against layer.weights):
+# renorm=True, and quantize('int8' | 'int4' | 'float8'). A quantized kernel is stored as int8, which tells them apart.
+_QUANTIZED_DENSE = (
+    ("kernel", "bias", "kernel_scale"),
+    ("kernel", "bias", "kernel_scale", "kernel_zero", "g_idx"),
+)
+_FLOAT8 = ("kernel", "bias", "inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
+           "outputs_grad_scale", "outputs_grad_amax_history")
+_VARIANTS = {
+    "batch_normalization": (("gamma", "beta", "moving_mean", "moving_variance", "moving_stddev", "renorm_mean",
+                             "renorm_stddev"),),
+    "dense": (*_QUANTIZED_DENSE, _FLOAT8),
+    "einsum_dense": (*_QUANTIZED_DENSE, _FLOAT8),
+    "embedding": (("embeddings", "embeddings_scale"), ("embeddings", "embeddings_scale", "embeddings_zero", "g_idx")),
+}
+_INT8_STORED = {"kernel", "embeddings"}  # quantized variants only: int8 values with a scale
 # Config switches that drop a variable: (config key, value that drops it).
 _SWITCHES = {"bias": ("use_bias", False), "gamma": ("scale", False), "beta": ("center", False),
              "scale": ("use_scale", False)}
@@ -51,8 +69,8 @@ _SWITCHES = {"bias": ("use_bias", False), "gamma": ("scale", False), "beta": ("c
 # layer with fewer variables is named only when one set of them fits its count: a SeparableConv2D with 2
 # is use_bias=False; a BatchNormalization with 3 is scale=False or center=False, which the file cannot
 # tell, so its variables keep their indices (scan pairs them by position, as Keras' load_weights does).
-_OPTIONAL = {kind: tuple(v for v in names if v in _SWITCHES or v == "concat_score_weight")
-             for kind, names in _VARIABLES.items()}
+def _optional(names: tuple) -> tuple:
+    return tuple(v for v in names if v in _SWITCHES or v == "concat_score_weight")
 # Sub-objects saved under their attribute's name, of a known class (MultiHeadAttention's projections).
 _ATTRIBUTE_KINDS = {"query_dense": "einsum_dense", "key_dense": "einsum_dense", "value_dense": "einsum_dense",
                     "output_dense": "einsum_dense"}
@@ -93,27 +111,48 @@ def config_index(config) -> dict:
     return index
 
 
-def _variable_names(kind: str | None, layer_config: dict | None, datasets: list) -> list[str]:
-    """Names for a layer's variables by position (see the module docstring for what is guessed)."""
+def _variable_names(kind: str | None, layer_config: dict | None, datasets: list, undecided: list | None = None) -> list:
+    """Names for a layer's variables by position (see the module docstring for what is guessed).
+
+    None for a variable that is another layer's, saved again (SpectralNormalization's kernel).
+    Where two sets of names fit, the indices; ``undecided`` then gets the sets.
+    """
     n = len(datasets)
     full = _VARIABLES.get(kind or "")
     if full is not None:
+        variants = (full, *_VARIANTS.get(kind, ()))
         if layer_config is not None:
-            kept = [v for v in full if not (v in _SWITCHES and layer_config.get(_SWITCHES[v][0]) is _SWITCHES[v][1])]
-            if kind == "einsum_dense" and not layer_config.get("bias_axes"):
-                kept = [v for v in kept if v != "bias"]
-            if kind == "attention" and layer_config.get("score_mode", "dot") != "concat":
-                kept = [v for v in kept if v != "concat_score_weight"]
-            if len(kept) == n:
-                return kept
-        fitting = [kept for kept in ([v for v in full if v not in dropped]
-                                     for dropped in _drops(_OPTIONAL[kind or ""], len(full) - n))
-                   if _ranks_fit(kept, datasets)]
+            configured = [kept for kept in (_configured(kind, v, layer_config) for v in variants)
+                          if len(kept) == n and _fits(kept, datasets)]
+            if len(configured) == 1:
+                return configured[0]
+        fitting = [kept for variant in variants
+                   for kept in ([v for v in variant if v not in dropped]
+                                for dropped in _drops(_optional(variant), len(variant) - n))
+                   if _fits(kept, datasets)]
         if len(fitting) == 1:
             return fitting[0]
+        if undecided is not None and len(fitting) > 1:
+            undecided.extend(tuple(names) for names in fitting)
     elif layer_config is None and n == 2 and len(datasets[0].shape) > len(datasets[1].shape) >= 1:
         return ["kernel", "bias"]  # a sub-layer of an unknown class (no config says it is a custom layer)
     return [str(i) for i in range(n)]
+
+
+def _configured(kind: str, variant: tuple, layer_config: dict) -> list:
+    """The variables of ``variant`` that ``layer_config`` keeps (use_bias, center, scale, bias_axes, score_mode)."""
+    kept = [v for v in variant if not (v in _SWITCHES and layer_config.get(_SWITCHES[v][0]) is _SWITCHES[v][1])]
+    if kind == "einsum_dense" and not layer_config.get("bias_axes"):
+        kept = [v for v in kept if v != "bias"]
+    if kind == "attention" and layer_config.get("score_mode", "dot") != "concat":
+        kept = [v for v in kept if v != "concat_score_weight"]
+    return kept
+
+
+def _int8(names: list) -> bool:
+    """Whether a set of variables is an int8- or int4-quantized layer's (an int8 kernel with its scale)."""
+    return "inputs_scale" not in names and any(
+        v is not None and v.endswith("_scale") and v.rpartition("_")[0] in _INT8_STORED for v in names)
 
 
 def _drops(optional: tuple, count: int):
@@ -128,9 +167,15 @@ def _drops(optional: tuple, count: int):
             yield (first, *rest)
 
 
-def _ranks_fit(names: list, datasets: list) -> bool:
-    """False where a name cannot be the dataset at its place: a kernel is of rank 2 or more, a bias not."""
+def _fits(names: list, datasets: list) -> bool:
+    """False where a name cannot be the dataset at its place: a kernel is of rank 2 or more, a bias not;
+    a quantized layer's kernel is stored as int8, an unquantized one's is not."""
+    int8 = _int8(names)
     for name, data in zip(names, datasets):
+        if name in _INT8_STORED and (data.dtype == "int8") != int8:
+            return False
+        if name is None:
+            continue
         if name.endswith("kernel") and len(data.shape) < 2:
             return False
         if name in ("bias", "gamma", "beta", "moving_mean", "moving_variance") and len(data.shape) > 2:
@@ -147,6 +192,7 @@ class Keras3Walk:
         self.readable: dict = {}
         self.objects: dict = {}  # key -> the dataset object it was described from (valid while the file is open)
         self.owners: dict = {}  # '<group>/vars' -> the readable path of the object that owns it ('enc1', 'block/a')
+        self.undecided: dict = {}  # layer path -> the sets of names that fit its indexed variables (in order)
         self._taken: set = set()
 
     def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
@@ -183,10 +229,13 @@ class Keras3Walk:
             if isinstance(ds, self.h5py.Dataset):
                 found.append(_describe(ds, f"{vars_key}/{index}", self.path))
                 self.objects[found[-1].key] = ds
-        names = [str(i) for i in range(len(found))] if optimizer else _variable_names(kind, layer_config, found)
+        fitting: list = []
+        names = [str(i) for i in range(len(found))] if optimizer else _variable_names(kind, layer_config, found, fitting)
+        if fitting:
+            self.undecided[own] = tuple(fitting)
         for data, var in zip(found, names):
             self.datasets.append(data)
-            path = data.key if optimizer else f"{own}/{var}"
+            path = data.key if optimizer or var is None else f"{own}/{var}"
             if path in self._taken:
                 path = data.key
             self._taken.add(path)

@@ -27,9 +27,13 @@ Dense) in a bare ``.weights.h5``. The guesses: the creation order per built-in l
 type (``kernel, bias``; ``depthwise_kernel, pointwise_kernel, bias``; ``gamma, beta,
 moving_mean, moving_variance``; ``embeddings``; ...), less the optional variables
 (``use_bias``, ``center``, ``scale``) when exactly one set of them fits the count
-(a SeparableConv2D with two variables has no bias), and ``kernel, bias`` for a
-sub-layer of unknown class with two variables of falling rank. Where nothing fits,
-or two configs fit (a BatchNormalization with three variables), and for custom
+(a SeparableConv2D with two variables has no bias), the other sets a layer saves by
+config (BatchNormalization ``renorm=True``; Dense, EinsumDense and Embedding after
+``quantize('int8' | 'int4' | 'float8')``, told apart by their int8 kernels), and
+``kernel, bias`` for a sub-layer of unknown class with two variables of falling rank.
+SpectralNormalization saves its layer's kernel a second time, under its own ``vars/0``:
+that copy keeps its key. Where nothing fits, or two configs fit (a BatchNormalization
+with three variables: ``scale=False`` and ``center=False`` write the same file), and for custom
 layers, the variable keeps its index (``custom/0``); ``scan`` pairs such variables by
 position inside the layer of the same name, as Keras' ``load_weights`` does. Legacy
 files name their weights; those names are used as stored, less a repeated layer
@@ -174,6 +178,7 @@ class KerasCheckpoint(EntryMapping):
         kind: what the file is, in words (``'Keras 3 weights file (.weights.h5)'``).
         config: the model config (parsed JSON, never deserialized), or None.
         layer_names: the saved model's top-level layer names.
+        undecided: layer path -> the sets of names two configs give its indexed variables.
 
     Raises:
         CheckpointNotFoundError: no file at the path.
@@ -187,6 +192,7 @@ class KerasCheckpoint(EntryMapping):
     """
 
     is_object_based = True
+    undecided: Mapping = MappingProxyType({})
     _walked_ranges = None  # key -> (offset, size) or None, found while walking a Keras 3 file (see _stored_ranges)
 
     def __init__(self, path):
@@ -343,6 +349,7 @@ class KerasCheckpoint(EntryMapping):
             # Walked through low-level nodes: h5py's high-level objects cost more than the walk itself.
             walker = Keras3Walk(self.prefix, NODES, config_index(self.config))
             walker.visit(root(f, h5py, self.prefix), "", "", root=True)
+            self.undecided = MappingProxyType(walker.undecided)  # see Keras3Walk; diff pairs them by the other side
             # Where the bytes lie is read now, from the datasets the walk has open: reopening each later costs more.
             standard: dict = {}
             self._walked_ranges = {d.key: _stored_range(h5py, walker.objects[d.key], d, standard)

@@ -45,7 +45,10 @@ Names: ``/`` -> ``.``; TF2's ``/.ATTRIBUTES/VARIABLE_VALUE`` dropped; tf-slim le
 variable by its attribute path (``model/fc1/_kernel`` -> ``model.fc1.weight``, as a
 torch twin with ``self.fc1 = nn.Linear(...)`` names it), except functional and
 Sequential models, whose attribute paths run through Keras internals: their Keras
-``variable.path`` (``dense_1/kernel``).
+``variable.path`` (``dense_1/kernel``). Where those collide (nested functional blocks each
+holding a ``fc``: both ``fc/kernel``), only the live model knows the layers' names:
+``torch_view(checkpoint, model=model)`` names each variable by the layers on its way
+(``block_a.fc.weight``, see ``live``); without it a warning says so.
 
 The MultiHeadAttention twin: ``q = query(x).view(B, T, h, hd)`` (likewise k, v),
 ``softmax(q k^T / sqrt(hd)) v`` per head, concatenated to ``[B, T, h*hd]``, then

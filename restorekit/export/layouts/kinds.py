@@ -213,7 +213,10 @@ def _batch_norm(scope, leaves, ctx):
     if (_name(m, "weight") in names) != (_name(m, "bias") in names):
         missing, fill = ("weight", 1) if _name(m, "weight") not in names else ("bias", 0)
         parts.append(_added(_name(m, missing), "BatchNormalization", mean.shape, mean.dtype, fill))
-    parts.append(_added(_name(m, "num_batches_tracked"), "BatchNormalization", (), "int64", 0))
+    if "num_batches_tracked" in leaves:  # a torch file's own, back from its guessed TF names: kept, not added again
+        parts.append(_part(_name(m, "num_batches_tracked"), leaves.pop("num_batches_tracked"), "BatchNormalization"))
+    else:
+        parts.append(_added(_name(m, "num_batches_tracked"), "BatchNormalization", (), "int64", 0))
     return parts
 
 

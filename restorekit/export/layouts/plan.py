@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from restorekit.export.layouts import kinds
 from restorekit.export.layouts.kinds import Part
+from restorekit.export.layouts.live import PRIVATE, model_paths
 from restorekit.export.layouts.names import dotted, split_leaf, torch_name
 
 # Segments of an object path that are Keras' own bookkeeping for functional and
@@ -24,8 +25,6 @@ _INTERNAL = re.compile(
     r"_operations|_functional|_layers|_self_tracked_trackables|layer-\d+|layer_with_weights-\d+"
     r"|_?variables|_trainable_variables|_non_trainable_variables|\.ATTRIBUTES"
 )
-# MultiHeadAttention keeps its projections in private attributes; torch users know them by the Keras names.
-_PRIVATE = {"_query_dense": "query", "_key_dense": "key", "_value_dense": "value", "_output_dense": "attention_output"}
 LEAF_ALIASES = {
     "weights": "kernel",
     "biases": "bias",
@@ -41,6 +40,7 @@ class Plan:
     parts: list = field(default_factory=list)
     unmapped: dict = field(default_factory=dict)
     kept: list = field(default_factory=list)
+    internal: list = field(default_factory=list)  # readable paths that run through Keras internals (no model given)
 
     def by_key(self) -> dict:
         out: dict = {}
@@ -69,17 +69,22 @@ def readable_path(tracked) -> str:
     parts = tracked.object_path.split("/")
     if tracked.kind != "variable" or any(_INTERNAL.fullmatch(p) for p in parts):
         return tracked.path
-    return "/".join([_PRIVATE.get(p, p) for p in parts[:-1]] + [parts[-1].lstrip("_")])
+    return "/".join([PRIVATE.get(p, p) for p in parts[:-1]] + [parts[-1].lstrip("_")])
 
 
-def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None) -> Plan:
-    """Plan the torch layout of every entry of ``checkpoint`` (see the module docstring)."""
+def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None) -> Plan:
+    """Plan the torch layout of every entry of ``checkpoint`` (see the module docstring).
+
+    ``model``: the live Keras model the checkpoint was written from; object-graph
+    variables are then named by the layers on their way (``restorekit.export.layouts.live``).
+    """
     from restorekit.names import optimizer_slot_kind
 
     plan = Plan()
     graph = checkpoint.object_graph
     entries = checkpoint.entries
     tracked = graph.by_key if graph is not None else {}
+    live = {} if model is None else model_paths(model, [t.object_path for t in tracked.values() if t.kind == "variable"])
     model = []
     for key, entry in entries.items():
         t = tracked.get(key)
@@ -94,8 +99,12 @@ def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict |
             plan.kept.append(key)
         elif t is None and (graph is not None or optimizer_slot_kind(key)):
             plan.parts.append(Part(torch_name(key), key, "other", tuple(entry.shape), entry.dtype))
+            if optimizer_slot_kind(key):  # name-based (TF1) slots and Adam's beta powers: kept, TF axes
+                plan.kept.append(key)
         else:
-            path = readable_path(t) if t is not None else key
+            path = (live.get(t.object_path) or readable_path(t)) if t is not None else key
+            if t is not None and any(_INTERNAL.fullmatch(p) for p in path.split("/")):
+                plan.internal.append(path)
             # the layer's own names (its attribute and its Keras name), for name tie-breaks
             names = (path, t.path, t.full_name) if t is not None else (path,)
             hint = " ".join(split_leaf(n)[0].rpartition("/")[2] for n in names).lower()

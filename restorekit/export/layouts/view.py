@@ -13,7 +13,8 @@ from restorekit.export.layouts.plan import plan_checkpoint
 from restorekit.export.layouts.record import LayoutRecord, collision
 
 
-def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float = 1.0, layer_kinds: dict | None = None):
+def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float = 1.0, layer_kinds: dict | None = None,
+               model=None):
     """``checkpoint`` as layout 'torch' stores it (``layout`` None: ``checkpoint`` itself).
 
     The format writers take the view where they take a ``Checkpoint``
@@ -31,22 +32,29 @@ def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float =
         layer_kinds: ``{layer path: Keras class name}`` for layers whose kind the
             tensors leave open (``'DepthwiseConv2D'``, ``'Conv2DTranspose'``,
             ``'EinsumDense'``, ``'Conv1D'``).
+        model: the live Keras model a TF2 checkpoint was written from
+            (``tf.train.Checkpoint(model=model)``). Its object graph names the layers of
+            functional and Sequential models only by position (``_operations/1``); with
+            the model, each variable is named by the layers on its way
+            (``block_a.fc.weight``), as a torch twin of the same tree names it. Without it,
+            layers whose Keras paths collide (nested functional blocks each with an ``fc``)
+            keep those positions, and a warning says so.
     """
     if layout != "torch":
         return checkpoint
-    return TorchView(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds)
+    return TorchView(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model)
 
 
 class TorchView:
     """The stored tensors of a layout-'torch' export of a checkpoint; duck-types what writers read of a ``Checkpoint``."""
 
-    def __init__(self, checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None):
+    def __init__(self, checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None):
         from restorekit.checkpoint import Entry
 
         self._source = checkpoint
         self.prefix = checkpoint.prefix
         self.object_graph = None  # names are decided; the record below carries them
-        plan = plan_checkpoint(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds)
+        plan = plan_checkpoint(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model)
         record = LayoutRecord("torch")
         record.unmapped.update(plan.unmapped)
         record._kept.extend(plan.kept)
@@ -68,6 +76,9 @@ class TorchView:
         self.entries = MappingProxyType(entries)
         self._record = record
         record.warn_unmapped(stacklevel=4)
+        if plan.internal:
+            _warn_internal(plan.internal)
+
 
     @property
     def layout_record(self) -> LayoutRecord:
@@ -113,3 +124,19 @@ class TorchView:
     def readable_name(self, name: str) -> str:
         part = self._parts.get(name)
         return part.key if part is not None and part.key is not None else name
+
+
+def _warn_internal(paths: list) -> None:
+    import warnings
+
+    from restorekit.errors import RestoreKitWarning
+
+    shown = ", ".join(repr(p) for p in paths[:3]) + (f" ... and {len(paths) - 3} more" if len(paths) > 3 else "")
+    warnings.warn(
+        f"layout 'torch': {len(paths)} variable(s) are named by Keras' internal attributes ({shown}): the "
+        f"checkpoint records their layers only by position and their Keras paths collide (nested functional "
+        f"blocks with layers of one name); pass torch_view(checkpoint, model=<the Keras model>) to name them "
+        f"by their layers",
+        RestoreKitWarning,
+        stacklevel=5,
+    )
