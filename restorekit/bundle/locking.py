@@ -42,11 +42,22 @@ def remove_unheld_lock(path: str) -> None:
     except OSError:
         return
     try:
-        if _lock_problem(os.fstat(fd)) is not None:
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # Unlink only while holding it, and only if the name still means this file:
-        # lockers re-check the name after locking, so none is left on an orphan.
+        ours = _lock_problem(os.fstat(fd)) is None
+        if ours:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while its holder lives
+    except OSError:
+        ours = False
+    if ours:
+        _release(fd, path)
+    else:
+        os.close(fd)
+
+
+def _release(fd: int, path: str) -> None:
+    """Let go of a held lock: remove its file, only if the name still means the file ``fd`` locks
+    (lockers re-check the name after locking, so none is left on an orphan), then close ``fd``,
+    which releases the ``flock``."""
+    try:
         if _same_file(fd, path):
             os.remove(path)
     except OSError:
@@ -277,12 +288,8 @@ def output_lock(prefix, *, wait: bool = False):
     finally:
         if _leave(path):
             try:
-                if _same_file(fd, path):
-                    os.remove(path)
-            except OSError:
-                pass
+                _release(fd, path)
             finally:
-                os.close(fd)
                 remove_empty(created)
 
 
