@@ -15,6 +15,7 @@ import stat
 import threading
 
 from restorekit.bundle.files import is_remote
+from restorekit.bundle.interrupts import terminate_cleanly
 from restorekit.errors import OutputError, OutputExistsError, RestoreKitError, WriteFailedError
 
 try:
@@ -241,7 +242,9 @@ def output_lock(prefix, *, wait: bool = False):
     that holds a lock may take it again (every commit takes its output's lock, and a
     caller such as ``convert`` holds it around the whole write); another thread or
     process waits or raises. Directories made for the lock that hold nothing when it is
-    released (the write failed) are removed. Remote (``gs://``...) outputs are not
+    released (the write failed) are removed. A SIGTERM while the lock is held (in the main
+    thread, SIGTERM at its default action) runs the same cleanup as Ctrl-C before the
+    process ends (``interrupts.terminate_cleanly``). Remote (``gs://``...) outputs are not
     locked: object stores have no such locks.
 
     Args:
@@ -267,6 +270,12 @@ def output_lock(prefix, *, wait: bool = False):
         finally:
             _leave(path)
         return
+    with terminate_cleanly(), _hold(prefix, path, wait):
+        yield path
+
+
+@contextlib.contextmanager
+def _hold(prefix: str, path: str, wait: bool):
     try:
         created = make_directories(os.path.dirname(path))
     except OSError as e:
@@ -284,7 +293,7 @@ def output_lock(prefix, *, wait: bool = False):
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass  # a full disk: the lock holds without its pid
-        yield path
+        yield
     finally:
         if _leave(path):
             try:
