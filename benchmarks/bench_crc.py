@@ -4,8 +4,7 @@
 
 The BERT-base + Adam checkpoint of make_bert_checkpoint.py (~1.3 GB; written into
 ``DIR/crc/`` when missing, after checking free space, and deleted afterwards unless
-``--keep``). Every round times, in one process with the shard in the page cache and
-the order rotating between rounds:
+``--keep``). Every round times, in one process with the shard in the page cache:
 
 - the reference: crc32c of every entry's bytes on two threads (``crc.file_crcs``'s
   split) over a copy of the data shard already in memory, with the fastest crc32c
@@ -14,7 +13,8 @@ the order rotating between rounds:
   a read lease), with the check forced onto ``preadv`` reads (no lease), with one
   thread, and with ``check_kept=False`` (index only).
 
-Results are medians; ratios are medians of the per-round ratio to the reference.
+Each case runs right next to a reference pass (order alternating); results are medians,
+ratios the median of those paired ratios.
 Goals: checked rename <= 1.3x the reference; unchecked rename < 0.05 s.
 """
 
@@ -130,25 +130,32 @@ def main(argv=None) -> int:
             "unchecked rename (check_kept=False)": lambda: rename(prefix, out, check_kept=False),
         }
         reference = next(iter(cases))
+        names = list(cases)
         want = [e.crc32c for e in entries]
         got = [mask_crc(v) for v in in_memory_pass(memory, ranges, fast, 2)]
         assert got == want, "the reference pass computed wrong crcs"
+        # Each case is paired with a reference pass right next to it (order alternating): the machine is shared.
         times = {name: [] for name in cases}
-        names = list(cases)
+        ratios = {name: [] for name in cases}
         for round_ in range(args.repeat + 1):
-            order = names[round_ % len(names):] + names[: round_ % len(names)]
-            for name in order:
-                start = time.perf_counter()
-                cases[name]()
-                seconds = time.perf_counter() - start
+            for name in names[1:]:
+                pair = [reference, name] if round_ % 2 else [name, reference]
+                timed = {}
+                for step in pair:
+                    start = time.perf_counter()
+                    cases[step]()
+                    timed[step] = time.perf_counter() - start
                 if round_:  # round 0 warms the page cache and the imports
-                    times[name].append(seconds)
+                    times[name].append(timed[name])
+                    times[reference].append(timed[reference])
+                    ratios[name].append(timed[name] / timed[reference])
+        ratios[reference] = [1.0]
         print(f"crc32c implementation: {crc.IMPLEMENTATION}; {crc.THREADS} threads; {os.cpu_count()} cores; "
               f"{kept / 1e9:.2f} GB checked; load average {os.getloadavg()[0]:.1f}")
         for name, ts in times.items():
-            ratios = [t / r for t, r in zip(ts, times[reference])]
+            shown = ", ".join(f"{r:.2f}" for r in ratios[name]) if name != reference else "-"
             print(f"{name:52s} {statistics.median(ts) * 1e3:8.1f} ms  {kept / statistics.median(ts) / 1e9:5.1f} GB/s"
-                  f"  {statistics.median(ratios):5.2f}x reference  (rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+                  f"  {statistics.median(ratios[name]):5.2f}x reference  (paired rounds: {shown})")
     finally:
         if made and not args.keep:
             shutil.rmtree(directory, ignore_errors=True)
