@@ -73,10 +73,10 @@ class _NoLease:
     """Force file_crcs onto its preadv path (as for a file another process holds open for writing)."""
 
     def __enter__(self):
-        self.saved, crc.fcntl = crc.fcntl, None
+        self.saved, crc._LINUX = crc._LINUX, False
 
     def __exit__(self, *exc):
-        crc.fcntl = self.saved
+        crc._LINUX = self.saved
 
 
 class _Threads:

@@ -52,7 +52,7 @@ def tf_shard(tmp_path):
 def test_file_crcs_of_a_tf_shard_match_the_index_and_google_crc32c(tf_shard, monkeypatch, lease, threads):
     prefix, ckpt = tf_shard
     if not lease:
-        monkeypatch.setattr(crc, "fcntl", None)
+        monkeypatch.setattr(crc, "_LINUX", False)
     monkeypatch.setattr(crc, "_SPLIT_MIN", 0)
     monkeypatch.setattr(crc, "CHUNK", 1 << 16)
     path = ckpt.data_file(0)
@@ -108,7 +108,7 @@ shard = src + ".data-00000-of-00001"
 crc.CHUNK = 1 << 16
 crc._SPLIT_MIN = 0
 if mode == "reads":
-    crc.fcntl = None  # as for a shard another process holds open for writing: no lease
+    crc._LINUX = False  # as for a shard another process holds open for writing: no lease
 leases = []
 real_lease_init = crc._Lease.__init__
 def lease_init(self, fd):
@@ -157,3 +157,22 @@ def test_a_shard_truncated_by_another_process_during_the_check_is_a_restorekit_e
         assert report["broken"] is True
     assert not out.exists()  # nothing published, no directory made for it left behind
     assert not [n for n in os.listdir(os.path.dirname(prefix)) if "restorekit" in n]  # no lock or staging left
+
+
+def test_a_shard_open_for_writing_elsewhere_is_read_not_mapped(tf_shard):
+    """No lease while a writer has the file open (the kernel refuses it): the check reads instead, same crcs."""
+    _, ckpt = tf_shard
+    path = ckpt.data_file(0)
+    entries = [ckpt.bundle_entry(n) for n in ckpt]
+    writer = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lease = crc._Lease(fd)
+        assert not lease.held
+        got = crc.file_crcs(fd, [(e.offset, e.size) for e in entries], path=path, threads=2)
+    finally:
+        os.close(fd)
+        os.close(writer)
+    from restorekit.bundle.table import mask_crc
+
+    assert [mask_crc(c) for c in got] == [e.crc32c for e in entries]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +37,12 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
+
+# The lease commands of fcntl(2) on Linux (Python names F_SETSIG and the lease ones only from 3.x on).
+_LINUX = sys.platform.startswith("linux") and fcntl is not None
+_F_SETSIG, _F_SETLEASE, _F_GETLEASE = (getattr(fcntl, n, v) for n, v in
+                                       (("F_SETSIG", 10), ("F_SETLEASE", 1024), ("F_GETLEASE", 1025))) \
+    if _LINUX else (None, None, None)
 
 try:  # the optional `fast` extra
     import crc32c as _fast
@@ -148,7 +155,7 @@ class _Lease:
     def __init__(self, fd: int):
         self.fd = fd
         self.held = False
-        if fcntl is None or not hasattr(fcntl, "F_SETLEASE"):
+        if not _LINUX:
             return
         # The kernel signals the lease's owner when a writer arrives (SIGIO by default, which kills).
         # Send a signal that is ignored instead, then take away the owner, so nothing is signalled:
@@ -157,8 +164,8 @@ class _Lease:
             quiet = signal.SIGURG
             if signal.getsignal(quiet) not in (signal.SIG_DFL, signal.SIG_IGN):
                 return
-            fcntl.fcntl(fd, fcntl.F_SETSIG, quiet)
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            fcntl.fcntl(fd, _F_SETSIG, quiet)
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
         except (OSError, ValueError, AttributeError):
             return  # open for writing somewhere, not our file, or a file system without leases
         self.held = True
@@ -169,13 +176,13 @@ class _Lease:
 
     def broken(self) -> bool:
         """True once another process wants to write or truncate the file (the kernel is breaking the lease)."""
-        return fcntl.fcntl(self.fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+        return fcntl.fcntl(self.fd, _F_GETLEASE) != fcntl.F_RDLCK
 
     def release(self) -> None:
         if self.held:
             self.held = False
             try:
-                fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+                fcntl.fcntl(self.fd, _F_SETLEASE, fcntl.F_UNLCK)
             except OSError:  # pragma: no cover
                 pass
 
