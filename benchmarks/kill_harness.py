@@ -401,7 +401,7 @@ def _stderr(case: str) -> str:
         return f.read().decode(errors="replace")[-3000:]
 
 
-def _kill_at(proc: subprocess.Popen, point: str, marker: str, case: str, sig: int = signal.SIGKILL) -> None:
+def _kill_at(proc: subprocess.Popen, point: str, marker: str, case: str, sig: int = signal.SIGKILL) -> int:
     deadline = time.monotonic() + CHILD_TIMEOUT
     while not os.path.exists(marker):
         if proc.poll() is not None:
@@ -419,6 +419,7 @@ def _kill_at(proc: subprocess.Popen, point: str, marker: str, case: str, sig: in
         proc.kill()
         proc.wait()
         raise HarnessError(f"the writer did not exit after signal {sig} at {point!r}") from None
+    return proc.returncode
 
 
 def _wait_ready(proc: subprocess.Popen, case: str) -> None:
@@ -477,7 +478,9 @@ def run_case(sources: Sources, writer: Writer, case: str, *, point: str | None =
     """Run ``writer`` in a child under ``case`` (a new directory), kill it, and check what it left.
 
     ``sig``: the signal sent at ``point``. After SIGINT (Ctrl-C: a KeyboardInterrupt in the
-    writer) the writer itself must leave nothing behind, before any next write sweeps.
+    writer) or SIGTERM (turned into the same cleanup while a write holds its lock) the writer
+    itself must leave nothing behind, before any next write sweeps; SIGTERM must still end
+    the process as SIGTERM does (killed by the signal, not an exit code).
     """
     os.makedirs(case)
     args = _args(sources, writer, case)
@@ -485,16 +488,19 @@ def run_case(sources: Sources, writer: Writer, case: str, *, point: str | None =
     before = _digest(args["src"], writer)
     if point is not None:
         marker = os.path.join(case, "reached")
-        _kill_at(_spawn(writer, args, case, **{HOOK: f"{point}:{marker}"}), point, marker, case, sig)
+        code = _kill_at(_spawn(writer, args, case, **{HOOK: f"{point}:{marker}"}), point, marker, case, sig)
         kill, outcome = point if sig == signal.SIGKILL else f"{point}+{signal.Signals(sig).name}", "killed"
     else:
         outcome = _kill_after(_spawn(writer, args, case), delay, case)
         kill = f"random+{delay * 1000:.1f}ms"
     problems: list[str] = []
-    if sig == signal.SIGINT:
+    if point is not None and sig == signal.SIGTERM and code != -signal.SIGTERM:
+        problems.append(f"after SIGTERM the writer exited with {code}, not killed by SIGTERM:\n{_stderr(case)}")
+    if sig in (signal.SIGINT, signal.SIGTERM):
+        shown = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
         for directory in sorted({os.path.dirname(args["src"]), os.path.dirname(args["out"])}):
             if os.path.isdir(directory):
-                problems.extend(f"after Ctrl-C: {p}" for p in leftovers(directory))
+                problems.extend(f"after {shown}: {p}" for p in leftovers(directory))
     output = check(sources, writer, args, before, problems)
     return Result(writer.name, kill, outcome, output, problems)
 

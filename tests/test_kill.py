@@ -112,9 +112,9 @@ def test_kill_at_a_crash_point(sources, tmp_path, writer, point):
     assert result.output == expected_output(writer, point)
 
 
-# Ctrl-C (SIGINT: a KeyboardInterrupt in the writer) and SIGTERM at points inside a commit: after Ctrl-C the
-# writer itself leaves no orphan, temporary or lock (run_case checks before the next write); SIGTERM ends the
-# process as a kill does, and the next write sweeps.
+# Ctrl-C (SIGINT: a KeyboardInterrupt in the writer) and SIGTERM at points inside a commit: after either the
+# writer itself leaves no orphan, temporary or lock (run_case checks before the next write; SIGTERM runs the
+# same cleanup while a write holds its lock, bundle/interrupts.py), and SIGTERM still ends the process by SIGTERM.
 SIGNALLED = [("keras-sharded-in-place", p) for p in ("after-aside-index", "rename-model_00001.weights.h5",
                                                      "before-index-rename")]
 SIGNALLED += [("convert-hf-shards", "rename-model-00002-of-00003.safetensors"), ("convert-hf-shards", "before-index-rename"),

@@ -16,6 +16,7 @@ import threading
 import types
 
 from restorekit.bundle.files import is_remote
+from restorekit.bundle.interrupts import terminate_cleanly
 from restorekit.errors import OutputError, OutputExistsError, RestoreKitError, WriteFailedError
 
 fcntl: types.ModuleType | None
@@ -44,11 +45,22 @@ def remove_unheld_lock(path: str) -> None:
     except OSError:
         return
     try:
-        if _lock_problem(os.fstat(fd)) is not None:
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # Unlink only while holding it, and only if the name still means this file:
-        # lockers re-check the name after locking, so none is left on an orphan.
+        ours = _lock_problem(os.fstat(fd)) is None
+        if ours:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while its holder lives
+    except OSError:
+        ours = False
+    if ours:
+        _release(fd, path)
+    else:
+        os.close(fd)
+
+
+def _release(fd: int, path: str) -> None:
+    """Let go of a held lock: remove its file, only if the name still means the file ``fd`` locks
+    (lockers re-check the name after locking, so none is left on an orphan), then close ``fd``,
+    which releases the ``flock``."""
+    try:
         if _same_file(fd, path):
             os.remove(path)
     except OSError:
@@ -234,7 +246,9 @@ def output_lock(prefix, *, wait: bool = False):
     that holds a lock may take it again (every commit takes its output's lock, and a
     caller such as ``convert`` holds it around the whole write); another thread or
     process waits or raises. Directories made for the lock that hold nothing when it is
-    released (the write failed) are removed. Remote (``gs://``...) outputs are not
+    released (the write failed) are removed. A SIGTERM while the lock is held (in the main
+    thread, SIGTERM at its default action) runs the same cleanup as Ctrl-C before the
+    process ends (``interrupts.terminate_cleanly``). Remote (``gs://``...) outputs are not
     locked: object stores have no such locks.
 
     Args:
@@ -260,6 +274,12 @@ def output_lock(prefix, *, wait: bool = False):
         finally:
             _leave(path)
         return
+    with terminate_cleanly(), _hold(prefix, path, wait):
+        yield path
+
+
+@contextlib.contextmanager
+def _hold(prefix: str, path: str, wait: bool):
     try:
         created = make_directories(os.path.dirname(path))
     except OSError as e:
@@ -277,16 +297,12 @@ def output_lock(prefix, *, wait: bool = False):
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass  # a full disk: the lock holds without its pid
-        yield path
+        yield
     finally:
         if _leave(path):
             try:
-                if _same_file(fd, path):
-                    os.remove(path)
-            except OSError:
-                pass
+                _release(fd, path)
             finally:
-                os.close(fd)
                 remove_empty(created)
 
 

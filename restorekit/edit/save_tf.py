@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +17,8 @@ from restorekit.bundle.format import decode_tensor, encode_slice_key
 from restorekit.bundle.objectgraph import rewrite_keys
 from restorekit.bundle.protos import decode_entry, decode_header
 from restorekit.bundle.table import mask_crc, read_table
-from restorekit.bundle.writer import BundleWriter, balance, check_num_shards, copy_checked
+from restorekit.bundle.crc import file_crcs
+from restorekit.bundle.writer import BundleWriter, balance, check_num_shards
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit.plan import ATTRIBUTES, STRING, Concat, Item
 from restorekit.edit.source import Source, check_readable
@@ -71,7 +74,8 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
         # The caller chose the index-only speed: kept bytes are checked when they are read
         # (Checkpoint.read, TF's restore), not now; a truncated or missing shard still fails here.
         ckpt.check_shards()
-    check_sources(source, plan, reuse=shards.reuse and check_kept)  # before anything is staged
+    # The metadata now, before anything is staged; the kept bytes' crcs meanwhile, awaited before publishing.
+    kept_checked = check_sources(source, plan, reuse=shards.reuse and check_kept)
     if remote:
         check_space(tempfile.gettempdir(), _largest_new_shard(source, plan, shards))
     else:
@@ -99,8 +103,10 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
             sizes.update(writer.shard_sizes)
             atomic.crash_point("before-verify")
             verify(staging.path(prefix + ".index"), sizes, expected)
+            kept_checked.result()  # a failed check raises here, and nothing is published
             atomic.crash_point("before-commit")
         except BaseException:
+            kept_checked.cancel() or _settle(kept_checked)
             writer.abort()
             raise
         staging.commit(remove_before=remove_before, remove_after=remove_after)
@@ -186,19 +192,24 @@ def _stage_shards(ckpt, prefix: str, shards: _Shards, staging) -> dict[int, int]
     return sizes
 
 
-def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> None:
-    """Check what the output takes from the source before anything is written.
+def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> Future:
+    """Check what the output takes from the source before anything is published.
 
     A shard-reusing save writes only an index for the tensors it keeps, so it reads
     each kept tensor once here and checks its crc32c: without this a flipped bit in
     the source would pass into the output unnoticed (and TF would refuse it later).
-    The cost is one sequential read of the kept bytes per save, each byte read once
-    through a 1 MiB buffer and crc'd from the CPU cache (google_crc32c runs at several
-    GB/s), so about the time of reading the shards from the page cache or the disk,
-    where a rename used to read only the index: measured on a 105 MB checkpoint in the
-    page cache, rename + save went from 19 ms to 47 ms (~3.5 GB/s); from a cold disk
-    it costs one read of the kept bytes at the disk's speed. A compacting save checks each crc
-    while it copies; here it only refuses entries whose metadata cannot be right.
+    The cost is one pass over the kept bytes per save, on every core and without copying
+    them (``crc.file_crcs``: each shard mapped under a read lease, so another process
+    truncating it cannot crash this one), so about the time of one two-thread crc32c pass
+    over the bytes in the page cache (benchmarks/bench_crc.py), or one read of the kept
+    bytes at the disk's speed from a cold disk. That pass runs on a background thread
+    while the index is written and verified (its threads release the GIL): the returned
+    future's ``result()`` raises what it found, and ``save_tf`` waits for it before it
+    publishes anything. A compacting save checks each crc while it copies; here it only
+    refuses entries whose metadata cannot be right (at once).
+
+    Returns:
+        A future of the kept bytes' check (already done when there is nothing to check).
 
     Raises:
         ChecksumMismatchError: a kept tensor fails its crc32c (names it).
@@ -217,37 +228,55 @@ def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> None
     for name, entry in kept + cast:
         check_readable(name, entry)
     if not reuse:
-        return
-    kept.sort(key=lambda pair: (pair[1].shard_id, pair[1].offset))
-    handles: dict[int, int] = {}
+        done = Future()
+        done.set_result(None)
+        return done
+    pool = ThreadPoolExecutor(1, thread_name_prefix="restorekit-check")
     try:
-        for name, entry in kept:
-            _check_kept(ckpt, name, entry, handles)
+        return pool.submit(_check_kept_bytes, ckpt, kept)
     finally:
-        for fd in handles.values():
-            os.close(fd)
+        pool.shutdown(wait=False)
 
 
-def _check_kept(ckpt, name: str, entry, handles: dict) -> None:
-    if entry.dtype == STRING:
+def _settle(future: Future) -> None:
+    """Wait for a running check to end (its threads map the source), dropping what it raises."""
+    with contextlib.suppress(BaseException):
+        future.result()
+
+
+def _check_kept_bytes(ckpt, kept: list) -> None:
+    strings = [(name, entry) for name, entry in kept if entry.dtype == STRING]
+    for name, entry in strings:
         decode_tensor(ckpt.read_raw(entry, name), STRING, entry.shape, name=name, crc32c=entry.crc32c)
-        return
-    path = ckpt.data_file(entry.shard_id)
-    if entry.shard_id not in handles:
-        try:
-            handles[entry.shard_id] = os.open(path, os.O_RDONLY)
-        except OSError:
-            raise CorruptCheckpointError(f"data shard {path!r} for {name!r} is missing or unreadable") from None
-    crc = copy_checked(handles[entry.shard_id], entry.offset, entry.size, lambda view: None)
-    if crc is None:
-        raise CorruptCheckpointError(
-            f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
-        )
-    if mask_crc(crc) != entry.crc32c:
-        raise ChecksumMismatchError(
-            f"{name!r}: source bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed "
-            f"{mask_crc(crc):#010x}); the source data shard is corrupt (or belongs to another save), nothing was written"
-        )
+    by_shard: dict[int, list] = {}
+    for name, entry in kept:
+        if entry.dtype != STRING:
+            by_shard.setdefault(entry.shard_id, []).append((name, entry))
+    for shard_id, entries in sorted(by_shard.items()):
+        _check_kept(ckpt.data_file(shard_id), entries)
+
+
+def _check_kept(path: str, entries: list) -> None:
+    """Check the crc32c of every ``(name, entry)`` kept from the data shard ``path`` (``crc.file_crcs``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        raise CorruptCheckpointError(f"data shard {path!r} for {entries[0][0]!r} is missing or unreadable") from None
+    try:
+        crcs = file_crcs(fd, [(entry.offset, entry.size) for _, entry in entries], path=path)
+    finally:
+        os.close(fd)
+    for (name, entry), crc in zip(entries, crcs):
+        if crc is None:
+            raise CorruptCheckpointError(
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+            )
+        if mask_crc(crc) != entry.crc32c:
+            raise ChecksumMismatchError(
+                f"{name!r}: source bytes fail their crc32c check (stored {entry.crc32c:#010x}, computed "
+                f"{mask_crc(crc):#010x}); the source data shard is corrupt (or belongs to another save), "
+                "nothing was written"
+            )
 
 
 def final_plan(source: Source, plan: dict[str, Item]) -> dict[str, Item]:

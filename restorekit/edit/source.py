@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-import google_crc32c
 import numpy as np
 
 from restorekit.bundle import files
+from restorekit.bundle.crc import extend
 from restorekit.bundle.format import DTYPE_NAMES, decode_tensor, dtype_name, numpy_dtype
 from restorekit.bundle.table import mask_crc
 from restorekit.bundle.writer import CHUNK_SIZE, array_chunks
@@ -91,7 +91,7 @@ class Source:
         entry = self.checkpoint.bundle_entry(name)
         crc = 0
         for chunk in self.raw_chunks(entry, name):
-            crc = google_crc32c.extend(crc, chunk)
+            crc = extend(crc, chunk)
             yield chunk
         if mask_crc(crc) != entry.crc32c:
             raise ChecksumMismatchError(f"{name!r}: tensor bytes fail their crc32c check; the data shard is corrupt")

@@ -163,7 +163,7 @@ def copy_unchecked_run(run: list, out, handles: dict, bar=None) -> None:
 
 def _copy_buffered(fd: int, offset: int, size: int, out, bar) -> bool:
     """Copy ``size`` bytes at ``offset`` of ``fd`` to ``out`` through a reused buffer; False when the file ends first."""
-    from restorekit.bundle.writer import COPY_CHUNK
+    from restorekit.bundle.crc import COPY_CHUNK
 
     view = memoryview(bytearray(min(COPY_CHUNK, size)))
     done = 0

@@ -163,8 +163,22 @@ def _add_member(archive, like: zipfile.ZipInfo, data, size: int, compress_type: 
         shutil.copyfileobj(data, out, _COPY_BUFFER)
 
 
-# HDF5 metadata a file holds besides its datasets' bytes (a bound for the room check below).
-_H5_SLACK, _H5_PER_DATASET = 64 << 10, 4 << 10
+# HDF5 metadata a file holds besides its datasets' bytes (bounds for the room check below): measured with
+# h5py 3.14 / HDF5 1.14, a dataset's header takes ~0.5 KB and each group ~1 KB (a key 6 groups deep, all
+# new, costs 6.5 KB); an attribute its value's bytes and name plus its header.
+_H5_SLACK, _H5_PER_DATASET, _H5_PER_GROUP, _H5_PER_ATTR = 64 << 10, 1 << 10, 2 << 10, 1 << 10
+
+
+def _attr_bytes(name: str, value) -> int:
+    try:
+        size = np.asarray(value).nbytes
+    except (TypeError, ValueError):  # pragma: no cover - h5py refuses it anyway
+        size = 0
+    if isinstance(value, (str, bytes)):
+        size = len(value.encode() if isinstance(value, str) else value)
+    elif isinstance(value, (list, tuple)):
+        size = sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in value)
+    return size + len(name) + _H5_PER_ATTR
 
 
 def _room(path: str) -> tuple[int | None, str]:
@@ -191,19 +205,32 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
     # written at close; a write that would not fit is refused as the write error it would have been.
     room, why = _room(path)
     needed = _H5_SLACK
+    groups: set = set()
+
+    def fits(more: int) -> None:
+        nonlocal needed
+        needed += more
+        if room is not None and needed > room:
+            raise OSError(errno.EFBIG if why.startswith("File") else errno.ENOSPC, why, path)
+
+    def new_groups(key: str) -> int:
+        parts = key.strip("/").split("/")[:-1]
+        made = {"/".join(parts[: n + 1]) for n in range(len(parts))} - groups
+        groups.update(made)
+        return len(made)
+
     h5py = _h5py()
     with h5py.File(path, "w") as f:
         for i, (key, array) in enumerate(tensors):
             array = np.asarray(array() if callable(array) else array)
-            needed += array.nbytes + _H5_PER_DATASET
-            if room is not None and needed > room:
-                raise OSError(errno.EFBIG if why.startswith("File") else errno.ENOSPC, why, path)
+            fits(array.nbytes + _H5_PER_DATASET + _H5_PER_GROUP * new_groups(key))
             bfloat16 = array.dtype.name == "bfloat16"
             ds = f.create_dataset(key, data=array)
             if bfloat16:
                 ds.attrs["dtype"] = "bfloat16"
             atomic.crash_point(f"tensor-{i}")
         for group, values in (attrs or {}).items():
+            fits(_H5_PER_GROUP * new_groups(f"{group}/x") + sum(_attr_bytes(n, v) for n, v in values.items()))
             target = f.require_group(group) if group else f
             for name, value in values.items():
                 target.attrs[name] = value
