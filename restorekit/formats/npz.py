@@ -129,7 +129,7 @@ def _strings(path: str, name: str, array: np.ndarray, lengths) -> np.ndarray:
         raise CorruptCheckpointError(f"{path!r}: the record's string lengths do not fit {name!r}")
     rows = np.ascontiguousarray(array).reshape(-1).view(np.uint8).reshape(-1, width) if width else None
     out = np.empty(array.size, dtype=object)
-    out[:] = [rows[i, :n].tobytes() if width else b"" for i, n in enumerate(lengths)]
+    out[:] = [rows[i, :n].tobytes() for i, n in enumerate(lengths)] if rows is not None else [b""] * array.size
     return out.reshape(array.shape)
 
 
