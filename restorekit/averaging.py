@@ -73,7 +73,7 @@ def _open(path: str, weights_only: bool) -> _Source:
     from restorekit.export.base import checkpoint_files
     from restorekit.export.conversions import source_format
     from restorekit.export.formats import TF
-    from restorekit.export.layout import LayoutRecord
+    from restorekit.formats.files import FileView
     from restorekit.export.options import OBJECT_GRAPH_KEY, select
     from restorekit.keras_files import KerasCheckpoint, is_keras_path
 
@@ -86,11 +86,12 @@ def _open(path: str, weights_only: bool) -> _Source:
         else:
             files = checkpoint_files(ckpt.prefix)
     else:
+        # the format's own Source over its reader (npz keeps its exact dtypes in notes only its reader reads)
         reader = sources.reader(path, source_format(path))
-        ckpt = sources.FileCheckpoint(reader, reader.read_record() or LayoutRecord())
+        ckpt = FileView(path, reader.source)
         files = list(reader.files)
     names = list(ckpt.entries)
-    graph = ckpt.object_graph if getattr(ckpt, "is_object_based", False) and weights_only else None
+    graph = ckpt.object_graph if ckpt.is_object_based and weights_only else None
     # the one rule for "which entries are weights" (optimizer slots, beta powers, global_step, save_counter)
     selection = select(names, graph=graph, weights_only=weights_only)
     kept = [n for n in selection.names.values() if n != OBJECT_GRAPH_KEY]

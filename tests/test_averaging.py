@@ -241,6 +241,27 @@ def test_safetensors_sources_average_into_safetensors_and_npz(tmp_path):
         np.testing.assert_array_equal(npz["w"], _reference(values, "w"))
 
 
+def test_npz_sources_average_bfloat16_as_bfloat16(tmp_path):
+    # restorekit's npz files keep bfloat16 as its uint16 bits plus a note only the npz reader reads:
+    # the average reads them through that reader, so it takes the mean of the values, not of the bits
+    from safetensors.numpy import load_file, save_file
+
+    values = [{"w": np.random.RandomState(i).randn(4, 3).astype(BF16), "n": np.array([4, 2], np.int64)}
+              for i in range(2)]
+    paths = []
+    for i, v in enumerate(values):
+        save_file(v, str(tmp_path / f"m{i}.safetensors"))
+        paths.append(str(tmp_path / f"m{i}.npz"))
+        restorekit.convert(str(tmp_path / f"m{i}.safetensors"), paths[-1])
+    with np.load(paths[0]) as npz:
+        assert npz["w"].dtype == np.uint16  # the bits, as the file stores them
+    average(paths, str(tmp_path / "mean.safetensors"), weights=[1, 3])
+    got = load_file(str(tmp_path / "mean.safetensors"))
+    assert got["w"].dtype == BF16
+    np.testing.assert_array_equal(got["w"], _reference(values, "w", [1, 3]))
+    np.testing.assert_array_equal(got["n"], [4, 2])
+
+
 # ------------------------------------------------------------------ CLI
 
 

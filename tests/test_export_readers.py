@@ -229,6 +229,30 @@ def test_npz_round_trip_is_bit_exact_for_bfloat16_float8_and_strings_ending_in_n
     assert read["bf16"].dtype == values["bf16"].dtype
 
 
+def test_npz_to_layout_torch_keeps_bfloat16_as_an_export_from_tf_does(tmp_path):
+    # layout 'torch' maps the npz file as the TF checkpoint it holds: its bfloat16 kept as bits in the file
+    # are read back through the npz record, so the output is the one the TF checkpoint itself gives
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    from restorekit import convert
+
+    rng = np.random.RandomState(0)
+    values = {"dense/kernel": rng.randn(4, 3).astype(ml_dtypes.bfloat16),
+              "dense/bias": rng.randn(3).astype(ml_dtypes.bfloat16), "steps": np.arange(2, dtype=np.int64)}
+    prefix = write_bundle(tmp_path / "src" / "m", values)
+    export_checkpoint(prefix, tmp_path / "m.npz")
+    with np.load(tmp_path / "m.npz") as stored:
+        assert stored["dense/kernel"].dtype == np.uint16  # the bits, as npz holds them
+    convert(prefix, str(tmp_path / "from_tf.safetensors"), layout="torch")
+    convert(str(tmp_path / "m.npz"), str(tmp_path / "from_npz.safetensors"), layout="torch")
+    want, got = load_file(str(tmp_path / "from_tf.safetensors")), load_file(str(tmp_path / "from_npz.safetensors"))
+    assert sorted(got) == sorted(want) and "dense.weight" in got
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].tobytes() == want[name].tobytes(), name
+    np.testing.assert_array_equal(got["dense.weight"], values["dense/kernel"].T)
+
+
 def test_npz_refuses_a_tensor_named_like_its_record(tmp_path):
     with pytest.raises(InvalidArgumentError, match="__restorekit__"):
         npz_format.write(tmp_path / "x.npz", [("__restorekit__", np.ones(2))])

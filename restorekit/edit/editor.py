@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import warnings
@@ -21,6 +22,7 @@ from restorekit.export import formats
 from restorekit.formats import detect
 from restorekit.export.request import KERAS_SHARDED, check, renamed_keywords, request
 from restorekit.export.targets import target_format
+from restorekit.keras_files.reader import KerasCheckpoint
 from restorekit.errors import (
     CorruptCheckpointError,
     EditError,
@@ -108,6 +110,13 @@ class CheckpointEditor:
         return self._reader.checkpoint
 
     @property
+    def _keras_file(self) -> KerasCheckpoint:
+        """The source as the Keras file it is (an editor of a Keras file)."""
+        ckpt = self.checkpoint
+        assert isinstance(ckpt, KerasCheckpoint), "only an editor of a Keras file has one"
+        return ckpt
+
+    @property
     def _reader(self) -> Source:
         if self._source is None:
             self._opened = _fingerprint(self.prefix)  # what save_in_place must still find
@@ -144,7 +153,7 @@ class CheckpointEditor:
 
     def _by_layer(self, name) -> bool:
         """True when ``name`` is a readable path of a Keras 3 file: renamed as a layer, not as a key."""
-        return self._keras and isinstance(name, str) and name not in self._plan and self.checkpoint.is_weights_file
+        return self._keras and isinstance(name, str) and name not in self._plan and self._keras_file.is_weights_file
 
     def _item(self, name) -> Item:
         return lookup(self._plan, name, self.prefix)
@@ -248,7 +257,7 @@ class CheckpointEditor:
         if isinstance(rule, RuleSet) or (isinstance(rule, str) and rule in RULE_SETS):
             self._items, changed = renames.apply_rule_set(self._plan, rule)
             return changed
-        if self._keras and self.checkpoint.is_weights_file and not keras_renames.changes_keys(self._plan, rule):
+        if self._keras and self._keras_file.is_weights_file and not keras_renames.changes_keys(self._plan, rule):
             # No key of the file is named: the rule is about readable paths, so it renames whole layers.
             self._layer_names, changed = keras_renames.rename_all(self.checkpoint, self._plan, self._layer_names, rule)
             return changed
@@ -301,7 +310,7 @@ class CheckpointEditor:
         check_new_name(self._plan, name, self.prefix)
         self._plan[name] = values.new_item(name, value)
 
-    def delete(self, pattern) -> list[str]:
+    def delete(self, pattern) -> builtins.list[str]:
         """Delete an entry by exact name, or every entry a pattern (``names.matches`` rule) takes.
 
         An exact name deletes only itself (``'dense/kernel'`` keeps ``'dense/kernel/Momentum'``).
@@ -331,7 +340,7 @@ class CheckpointEditor:
         check_new_name(self._plan, new_name, self.prefix)
         self._plan[new_name] = values.concat_item(names, items, axis)
 
-    def cast(self, pattern, dtype) -> list[str]:
+    def cast(self, pattern, dtype) -> builtins.list[str]:
         """Cast entries to ``dtype`` (e.g. float32 to ``'bfloat16'`` or ``'float16'``).
 
         An exact name is cast whatever its numeric dtype; a pattern casts only the
@@ -365,11 +374,11 @@ class CheckpointEditor:
         ckpt = self.checkpoint
         for n in names:
             item = plan[n]
-            streamable = item.stored and not ckpt.is_partitioned(item.origin)
+            streamable = item.stored and not ckpt.is_partitioned(item.read_name)
             plan[n] = values.cast_item(n, item, code, streamable=streamable)
         return names
 
-    def strip_optimizer_slots(self) -> list[str]:
+    def strip_optimizer_slots(self) -> builtins.list[str]:
         """Delete optimizer slots and state (Adam m/v, Momentum, beta powers, TF2 optimizer objects).
 
         Returns:
@@ -497,7 +506,7 @@ class CheckpointEditor:
         if format is not None and format not in (formats.TF, save_keras.KERAS):
             formats.module(format)
         plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
-        if os.path.realpath(out) in {os.path.realpath(f) for f in self.checkpoint.files}:
+        if os.path.realpath(out) in {os.path.realpath(f) for f in self._keras_file.files}:
             raise OutputExistsError(path=out, is_source=True)
         if format is None:  # by the name, as for a TF source: a '.safetensors' is one, a legacy Keras '.h5' refused
             format = formats.TF if save_keras.is_keras_output(out, formats.TF) else target_format(out, None)

@@ -125,6 +125,7 @@ def _shards(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
         from restorekit.export.tfwrite import data_parts
 
         parts = data_parts([(name, source.nbytes(item)) for name, item in plan.items()], max_shard_size=max_shard_size)
+        assert parts is not None  # a max_shard_size always gives parts
         return _Shards(len(parts), None, False, False, parts)
     if compact:
         # One fresh shard; in place, its file name must differ from every live one.

@@ -85,7 +85,7 @@ class ExportResult:
 
 
 
-def progress_bar(total: int, enabled: bool, desc: str):
+def progress_bar(total: int | None, enabled: bool, desc: str):
     """A tqdm byte counter on stderr; silent unless enabled and stderr is a terminal."""
     from tqdm import tqdm
 

@@ -67,7 +67,7 @@ def _write_file(reader, out: str, to: str, options: Request, *, overwrite: bool,
     meta = metadata(options, to)
     if write_layout == "torch":
         # The file as the TF checkpoint it holds, mapped layer by layer as an export from TF maps it.
-        source = sources.FileCheckpoint(reader, record)
+        source: sources.FileCheckpoint | PlannedCheckpoint = sources.FileCheckpoint(reader.source, record)
         if plan is not None and not plan.identity:
             source = PlannedCheckpoint(source, plan.names, graph=plan.graph)
         view = torch_view(source)

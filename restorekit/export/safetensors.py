@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 import numpy as np
 
@@ -238,7 +238,7 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
     entries = [(out, st_dtype, shape, *ranges[out]) for name, out, st_dtype, shape, *_ in by_name]
     groups = _groups(plan)
     header = _encode_header(entries, _metadata(metadata, record), start=_copy_alignment(groups))
-    handles: dict[str, object] = {}
+    handles: dict[str, BinaryIO] = {}
     try:
         with atomic_output(path) as tmp, open(tmp, "wb", buffering=0) as f, progress_bar(offset, progress, "safetensors") as bar:
             write_all(f, header)
@@ -333,7 +333,7 @@ def _copy_alignment(groups: list) -> int:
             start = (group[0][5].offset - offset) % _FOLIO
             weight[start] = weight.get(start, 0) + size
         offset += size
-    best = max(weight, key=weight.get, default=None)
+    best = max(weight, key=weight.__getitem__, default=None)
     if best is None or weight[best] < _FOLIO_ABOVE or best % 8:
         return 0
     return best or _FOLIO

@@ -145,13 +145,13 @@ def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     if not isinstance(reader.source, safetensors.SafetensorsReader):
         raise InvalidArgumentError(f"max_shard_size= splits TF checkpoints and safetensors files; convert this "
                                    f"{reader.fmt} file to a TF checkpoint first")
-    wanted = {source: out for out, source in plan.names.items()} if plan is not None else None
+    wanted = {source: out for out, source in plan.names.items()} if plan is not None else {}
     infos = {}
     for _, header in reader.source.headers():
         infos.update(header.tensors)
     sizes = []
     for name, shape, stored in _tf_layout(((n, info.shape) for n, info in infos.items()), record):
-        if wanted is not None:
+        if plan is not None:
             if name not in wanted:
                 continue
             name = wanted[name]
@@ -163,7 +163,7 @@ def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
 def tf_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     """(output name, bytes) of every tensor of a source (strings count 0), from headers and shapes only:
     what balancing an import over several TF data shards needs."""
-    entries = FileCheckpoint(reader, record).entries
+    entries = FileCheckpoint(reader.source, record).entries
     if plan is None:
         return [(name, entry.nbytes) for name, entry in entries.items()]
     return [(out, entries[src].nbytes) for out, src in plan.names.items() if src in entries]

@@ -66,10 +66,12 @@ def from_numpy(array: np.ndarray, tf_dtype: str | None = None):
     raise InvalidArgumentError(f"dtype {tf_dtype!r} has no PyTorch equivalent")
 
 
-def _save(path: str, state: dict, record: LayoutRecord) -> None:
+def _save(path: str, state: collections.OrderedDict, record: LayoutRecord) -> None:
     torch = _torch()
     check_strings(record, "the state_dict metadata")
-    state._metadata = {RECORD_KEY: record.to_json()}
+    # torch's state_dict convention: its metadata is an attribute of the OrderedDict (torch.load keeps it),
+    # which typeshed's OrderedDict does not declare
+    state._metadata = {RECORD_KEY: record.to_json()}  # type: ignore[attr-defined]
     with atomic_output(path) as tmp:
         torch.save(state, tmp)
 

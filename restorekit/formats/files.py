@@ -89,7 +89,11 @@ class FileView(EntryMapping):
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
         with boundary(self.prefix, f"{fmt} file"):
             self._file = reader.checkpoint(found if found is not None else LayoutRecord())
-        self.entries: Mapping = MappingProxyType(dict(sorted(self._file.entries.items())))
+        self._entries: Mapping = MappingProxyType(dict(sorted(self._file.entries.items())))
+
+    @property
+    def entries(self) -> Mapping:
+        return self._entries
 
     @property
     def reader(self) -> "FileReader":

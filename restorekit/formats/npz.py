@@ -111,15 +111,20 @@ def _restore(path: str, name: str, array: np.ndarray, note: dict | None) -> np.n
     dtype = note.get("dtype")
     if dtype == "string":
         return _strings(path, name, array, note.get("lengths"))
-    from restorekit.bundle.format import dtype_enum, numpy_dtype
-
-    try:
-        target = numpy_dtype(dtype_enum(dtype))
-    except (ValueError, TypeError, KeyError):
-        raise CorruptCheckpointError(f"{path!r}: the record gives {name!r} the unknown dtype {dtype!r}") from None
+    target = _noted_dtype(path, name, dtype)
     if array.dtype.kind != "u" or array.dtype.itemsize != target.itemsize:
         raise CorruptCheckpointError(f"{path!r}: {name!r} is {array.dtype}, not the bits of {dtype}")
     return np.ascontiguousarray(array).view(target)
+
+
+def _noted_dtype(path: str, name: str, dtype) -> np.dtype:
+    """The numpy dtype of the TF dtype name the record gives a tensor stored as its bits."""
+    from restorekit.bundle.format import dtype_enum, numpy_dtype
+
+    try:
+        return numpy_dtype(dtype_enum(dtype))
+    except (ValueError, TypeError, KeyError):
+        raise CorruptCheckpointError(f"{path!r}: the record gives {name!r} the unknown dtype {dtype!r}") from None
 
 
 def _strings(path: str, name: str, array: np.ndarray, lengths) -> np.ndarray:
@@ -129,7 +134,7 @@ def _strings(path: str, name: str, array: np.ndarray, lengths) -> np.ndarray:
         raise CorruptCheckpointError(f"{path!r}: the record's string lengths do not fit {name!r}")
     rows = np.ascontiguousarray(array).reshape(-1).view(np.uint8).reshape(-1, width) if width else None
     out = np.empty(array.size, dtype=object)
-    out[:] = [rows[i, :n].tobytes() if width else b"" for i, n in enumerate(lengths)]
+    out[:] = [rows[i, :n].tobytes() for i, n in enumerate(lengths)] if rows is not None else [b""] * array.size
     return out.reshape(array.shape)
 
 
@@ -192,17 +197,14 @@ class NpzReader(FileReader):
         return read_shapes(self.path)
 
     def stored_tensors(self) -> dict:
+        # as ``read`` gives them back (bfloat16 from its bits, strings exact), from the headers and the record
+        with boundary(self.path, _WHAT), open_zip(self.path, _WHAT) as archive:
+            members, notes = _members(self.path, archive)
         out = {}
-        with zipfile.ZipFile(self.path) as archive:
-            for member in archive.namelist():
-                if not member.endswith(".npy"):
-                    continue
-                with archive.open(member) as f:
-                    major, _ = np.lib.format.read_magic(f)
-                    header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-                    shape, _, dtype = header(f)
-                name = member[: -len(".npy")]
-                out[name] = (tuple(shape), dtype, lambda n=name: _member(self.path, n))
+        for name, member in members.items():
+            note = notes.get(name)
+            out[name] = (member.shape, _dtype_of(self.path, name, member, note),
+                         lambda n=name, note=note: _member(self.path, n, note))
         return out
 
     def checkpoint(self, record):
@@ -210,9 +212,19 @@ class NpzReader(FileReader):
         return _NpzArchive(self.path, self)
 
 
-def _member(path: str, name: str) -> np.ndarray:
-    with np.load(path, allow_pickle=False) as data:
-        return data[name]
+def _member(path: str, name: str, note: dict | None) -> np.ndarray:
+    """One tensor as ``read`` gives it back (``note``: what the record says of it)."""
+    with boundary(path, _WHAT), open_zip(path, _WHAT) as archive:
+        member = _Member(path, archive, archive.getinfo(name + ".npy"))
+        return _restore(path, name, member.read(path, archive), note)
+
+
+def _dtype_of(path: str, name: str, member: _Member, note: dict | None) -> np.dtype:
+    """The numpy dtype ``_restore`` gives a member."""
+    if note is None:
+        return member.dtype
+    dtype = note.get("dtype")
+    return np.dtype(object) if dtype == "string" else _noted_dtype(path, name, dtype)
 
 
 class _NpzArchive:

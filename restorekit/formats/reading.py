@@ -10,6 +10,7 @@ file) before anything of that size is allocated.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -119,7 +120,7 @@ def reader(what: str):
     def decorate(function):
         @functools.wraps(function)
         def wrapper(path, *args, **kwargs):
-            where = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path)
+            where = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path)
             with boundary(where, what):
                 result = function(path, *args, **kwargs)
             if isinstance(result, types.GeneratorType):
@@ -165,7 +166,7 @@ def check_output_size(path: str, input_bytes: int, sizes: dict, max_output_bytes
     total = sum(sizes.values())
     if total <= limit:
         return
-    largest = max(sizes, key=sizes.get)
+    largest = max(sizes, key=sizes.__getitem__)
     default = (
         f"; the default is the larger of {format_bytes(DEFAULT_MAX_OUTPUT_BYTES)} and {OUTPUT_RATIO} times the file"
         if max_output_bytes is None
@@ -188,8 +189,7 @@ def open_zip(path: str, what: str) -> zipfile.ZipFile:
         archive = zipfile.ZipFile(path)
     names = archive.namelist()
     if len(set(names)) != len(names):
-        seen = set()
-        twice = next(n for n in names if n in seen or seen.add(n))
+        twice = next(n for n, count in collections.Counter(names).items() if count > 1)
         archive.close()
         raise CorruptCheckpointError(f"{path!r} is not a readable {what}: the archive holds {twice!r} twice")
     return archive

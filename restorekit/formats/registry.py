@@ -48,13 +48,26 @@ HEAD_BYTES = 16
 
 @runtime_checkable
 class EntryInfo(Protocol):
-    """What every source says of one tensor without reading it."""
+    """What every source says of one tensor without reading it.
 
-    name: str
-    shape: tuple
-    dtype: str
-    nbytes: int
-    path: str | None  # the readable path (``dense/kernel`` of a TF2 or Keras key), None where there is none
+    Read-only members, so a frozen dataclass (``Entry``, ``KerasEntry``) is one.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def path(self) -> str | None:
+        """The readable path (``dense/kernel`` of a TF2 or Keras key), None where there is none."""
 
 
 @runtime_checkable
@@ -91,6 +104,12 @@ class Source(Protocol):
     @property
     def object_graph(self): ...
 
+    @property
+    def is_object_based(self) -> bool: ...
+
+    @property
+    def object_paths(self) -> Mapping[str, str]: ...
+
     def readable_name(self, name: str) -> str: ...
 
     def verify(self, *, progress: bool = False): ...
@@ -109,7 +128,9 @@ class EntryMapping(_MappingABC):
 
     __slots__ = ()
 
-    entries: Mapping
+    @property
+    def entries(self) -> Mapping:
+        raise NotImplementedError
 
     def _entry_key(self, name: str) -> str:
         return name

@@ -169,9 +169,9 @@ def _reason(text: str) -> str:
 
 
 def _unreadable(path: str, e: BaseException) -> CorruptCheckpointError:
-    detail = _ANSI.sub("", str(e)).strip().splitlines()
-    detail = detail[0] if detail else ""
-    detail = f"{type(e).__name__}: {detail}" if detail and not detail.isdigit() else type(e).__name__
+    lines = _ANSI.sub("", str(e)).strip().splitlines()
+    first = lines[0] if lines else ""
+    detail = f"{type(e).__name__}: {first}" if first and not first.isdigit() else type(e).__name__
     return CorruptCheckpointError(
         f"{path!r} is not a readable PyTorch file ({detail}; it is neither torch.save's zip format nor its legacy one)"
     )

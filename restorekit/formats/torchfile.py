@@ -347,21 +347,21 @@ def check_views(path: str, scan: Scan, views: dict) -> dict:
 
 
 def _geometry(path: str, name: str, view: View) -> tuple[tuple, tuple, int]:
-    shape, stride, offset = view.shape, view.stride, view.offset
-    ok = (
-        view.storage is not None
+    shape, stride, offset, storage = view.shape, view.stride, view.offset, view.storage
+    if not (
+        storage is not None
         and view.itemsize > 0
         and isinstance(shape, (tuple, list))
         and isinstance(stride, (tuple, list))
+        and isinstance(offset, int)
         and len(shape) == len(stride) <= _MAX_RANK
         and all(type(d) is int and d >= 0 for d in (*shape, *stride, offset))
-    )
-    if not ok:
+    ):
         raise CorruptCheckpointError(
             f"{path!r}: tensor {name!r} has a malformed storage, shape, strides or offset "
             f"({_short(shape)}, {_short(stride)}, {_short(offset)})"
         )
-    if view.storage.nbytes % view.itemsize:
+    if storage.nbytes % view.itemsize:
         raise CorruptCheckpointError(f"{path!r}: tensor {name!r}: its storage is not a whole number of elements")
     return tuple(shape), tuple(stride), offset
 

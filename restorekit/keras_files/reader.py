@@ -204,7 +204,7 @@ class KerasCheckpoint(EntryMapping):
         _regular(self.prefix, False)
         self.config = None
         self.metadata = None
-        self._member = None  # (offset, size) of model.weights.h5 inside a .keras archive
+        self._member: tuple[int, int] | None = None  # (offset, size) of model.weights.h5 inside a .keras archive
         with files.open_regular(self.prefix) as fh:
             is_zip = zipfile.is_zipfile(fh)
         if is_zip or self.prefix.lower().endswith(".keras"):
@@ -442,7 +442,8 @@ class KerasCheckpoint(EntryMapping):
         """Key -> (offset, size) in its file of every dataset that ``stored_range`` describes."""
         h5py = _h5py()
         base = self._member[0] if self._member is not None else 0
-        ranges, standard = {}, {}
+        ranges: dict[str, tuple[int, int]] = {}
+        standard: dict = {}
         for path, keys in self._by_file(self._data).items():
             limit = self._size_of(path)
             for key, found in self._ranges_in(h5py, path, keys, standard):
