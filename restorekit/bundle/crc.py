@@ -21,35 +21,40 @@ reported the same way. See benchmarks/bench_crc.py.
 
 from __future__ import annotations
 
+import importlib
 import mmap
 import os
 import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import google_crc32c
 import numpy as np
 
 from restorekit.errors import CheckpointChangedError
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX
-    fcntl = None
+
+
+def _optional(name: str) -> Any:
+    """The module ``name``, or None where it is not installed (or, for fcntl, not POSIX)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+fcntl = _optional("fcntl")
 
 # The lease commands of fcntl(2) on Linux (Python names F_SETSIG and the lease ones only from 3.x on).
 _LINUX = sys.platform.startswith("linux") and fcntl is not None
 _F_SETSIG, _F_SETLEASE, _F_GETLEASE = (getattr(fcntl, n, v) for n, v in
                                        (("F_SETSIG", 10), ("F_SETLEASE", 1024), ("F_GETLEASE", 1025))) \
-    if _LINUX else (None, None, None)
+    if _LINUX else (0, 0, 0)
 
-try:  # the optional `fast` extra
-    import crc32c as _fast
-
-    if not getattr(_fast, "hardware_based", False):  # its software fallback is slower than google_crc32c's
-        _fast = None
-except ImportError:
+_fast = _optional("crc32c")  # the optional `fast` extra
+if not getattr(_fast, "hardware_based", False):  # its software fallback is slower than google_crc32c's
     _fast = None
 
 __all__ = ["COPY_CHUNK", "IMPLEMENTATION", "THREADS", "combine", "extend", "file_crcs", "read_chunks"]
@@ -239,7 +244,7 @@ def read_chunks(fd: int, offset: int, size: int):
     buffer = getattr(_scratch, "buffer", None)
     if buffer is None:
         buffer = _scratch.buffer = np.empty(COPY_CHUNK, np.uint8)
-    view = memoryview(buffer)
+    view = buffer.data
     done = 0
     while done < size:
         n = os.preadv(fd, [view[: min(COPY_CHUNK, size - done)]], offset + done)

@@ -106,7 +106,8 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
             kept_checked.result()  # a failed check raises here, and nothing is published
             atomic.crash_point("before-commit")
         except BaseException:
-            kept_checked.cancel() or _settle(kept_checked)
+            if not kept_checked.cancel():
+                _settle(kept_checked)
             writer.abort()
             raise
         staging.commit(remove_before=remove_before, remove_after=remove_after)
@@ -229,7 +230,7 @@ def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> Futu
     for name, entry in kept + cast:
         check_readable(name, entry)
     if not reuse:
-        done = Future()
+        done: Future = Future()
         done.set_result(None)
         return done
     pool = ThreadPoolExecutor(1, thread_name_prefix="restorekit-check")

@@ -22,7 +22,7 @@ _OUTPUT_INDEX = re.compile(r":\d+$")
 CONTAINERS = ("layers", "_layer_checkpoint_dependencies")  # the latter: Keras 2.13-2.15 .keras files
 
 # Variables of the built-in layers in creation order (trainable first, as Keras saves them).
-_VARIABLES = {
+_VARIABLES: dict[str, tuple[str | None, ...]] = {
     "dense": ("kernel", "bias"),
     "einsum_dense": ("kernel", "bias"),
     "embedding": ("embeddings",),
@@ -118,7 +118,8 @@ def _variable_names(kind: str | None, layer_config: dict | None, datasets: list,
     Where two sets of names fit, the indices; ``undecided`` then gets the sets.
     """
     n = len(datasets)
-    full = _VARIABLES.get(kind or "")
+    kind = kind or ""
+    full = _VARIABLES.get(kind)
     if full is not None:
         variants = (full, *_VARIANTS.get(kind, ()))
         if layer_config is not None:

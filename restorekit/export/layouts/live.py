@@ -46,7 +46,8 @@ def model_paths(model, object_paths) -> dict:
 
 
 def _walk(model, parts: list) -> str | None:
-    node, names, in_layers = model, [], False
+    node, in_layers = model, False
+    names: list[str] = []
     for i, part in enumerate(parts):
         positional = isinstance(node, (list, tuple)) and part.isdigit()
         tf_keras = _LAYER_N.fullmatch(part)
