@@ -246,10 +246,6 @@ class Checkpoint(registry.EntryMapping):
     def __repr__(self) -> str:
         return f"Checkpoint({self.prefix!r}, {len(self)} entries)"
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
-
     # -- object-based (TF2) checkpoints
     @property
     def is_object_based(self) -> bool:

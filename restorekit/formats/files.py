@@ -104,10 +104,6 @@ class FileView(EntryMapping):
     def __repr__(self) -> str:
         return f"FileView({self.prefix!r}, {self.format!r}, {len(self.entries)} tensors)"
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
-
     # -- mapping protocol: registry.EntryMapping, name -> Entry
     def _unknown(self, name: str) -> EntryNotFoundError:
         return EntryNotFoundError(f"{self.prefix!r} has no tensor {name!r}.", name=name,

@@ -154,6 +154,11 @@ class EntryMapping(_MappingABC):
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every tensor, as its entries count them."""
+        return sum(e.nbytes for e in self.entries.values())
+
 
 @dataclasses.dataclass(frozen=True)
 class Probe:

@@ -86,26 +86,6 @@ def to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-class _StandIn:
-    """What torch builds for a global outside the weights (a Lightning checkpoint's omegaconf
-    hyper-parameters): an empty object; the real global is never imported or called."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        pass
-
-    def __setitem__(self, key, value):
-        pass
-
-    def append(self, value):
-        pass
-
-    def extend(self, values):
-        pass
-
-
 def _outside_weights(scan) -> tuple:
     """The unknown globals of ``scan`` when none of them builds a weight: the weights sit in a
     dict of plain tensors under the checkpoint's 'state_dict' (or 'model') entry. Else ()."""
@@ -122,10 +102,11 @@ _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 def _torch_load(path: str, stand_ins: tuple = ()):
     """``torch.load(weights_only=True)``, memory-mapped where the format allows; torch's
-    refusals and errors as restorekit's. ``stand_ins``: globals torch builds as ``_StandIn``."""
+    refusals and errors as restorekit's. ``stand_ins``: globals torch builds as empty
+    placeholders (``torchfile.Placeholder``: never imported or called)."""
     torch = _torch()
     try:
-        with torch.serialization.safe_globals([(_StandIn, name) for name in stand_ins]):
+        with torch.serialization.safe_globals([(torchfile.Placeholder, name) for name in stand_ins]):
             return _load_file(torch, path)
     except pickle.UnpicklingError as e:
         why = _reason(_ANSI.sub("", str(e)).strip() or type(e).__name__)

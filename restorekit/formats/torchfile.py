@@ -82,8 +82,9 @@ class Scan:
     prefix: str = ""  # the archive's top folder ('archive/'), zip format only
 
 
-class _Placeholder:
-    """Anything the scan does not need: absorbs construction, state and items."""
+class Placeholder:
+    """Anything the scan does not need (and what torch builds for a training checkpoint's globals outside
+    its weights): absorbs construction, state and items; the real global is never imported or called."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -157,7 +158,7 @@ class _Unpickler(pickle.Unpickler):
             if size:
                 return _Itemsize(size)
         self.unknown.append(f"{module}.{name}")
-        return _Placeholder
+        return Placeholder
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] in ("storage", b"storage")):
@@ -301,7 +302,7 @@ def views_of(path: str, scan: Scan) -> dict:
 
 
 def _type_name(obj) -> str:
-    return "placeholder object" if isinstance(obj, _Placeholder) else type(obj).__name__
+    return "placeholder object" if isinstance(obj, Placeholder) else type(obj).__name__
 
 
 def check_views(path: str, scan: Scan, views: dict) -> dict:

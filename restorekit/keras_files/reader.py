@@ -370,10 +370,6 @@ class KerasCheckpoint(EntryMapping):
     def __repr__(self) -> str:
         return f"KerasCheckpoint({self.prefix!r}, {self.kind}, {len(self)} entries)"
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
-
     # -- readable paths (what scan matches by)
     @cached_property
     def object_graph(self):
