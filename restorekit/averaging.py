@@ -18,7 +18,7 @@ import numpy as np
 from restorekit.errors import InvalidArgumentError, SourceMismatchError, format_names
 from restorekit.formats.registry import Source
 from restorekit.names import PatternSet
-from restorekit.report import format_shape
+from restorekit.report import format_shape, summary_row
 
 __all__ = ["AverageResult", "average", "interpolate"]
 
@@ -49,11 +49,11 @@ class AverageResult:
         weights = ", ".join(f"{w:.4g}" for w in self.weights)
         lines = [f"restorekit: averaged {len(self.sources)} checkpoints (weights {weights}) -> {self.path!r} "
                  f"({self.format})",
-                 f"  averaged   {len(self.averaged):5d}",
-                 f"  copied     {len(self.copied):5d}   {format_names(self.copied)}".rstrip()]
+                 summary_row("averaged", len(self.averaged)),
+                 summary_row("copied", len(self.copied), format_names(self.copied))]
         for label, names in (("taken", self.taken), ("dropped", self.dropped), ("skipped", self.skipped)):
             if names:
-                lines.append(f"  {label:<10} {len(names):5d}   {format_names(names)}")
+                lines.append(summary_row(label, len(names), format_names(names)))
         return "\n".join(lines)
 
 

@@ -23,6 +23,11 @@ def format_shape(shape, unknown_rank: str = "?") -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def summary_row(label: str, count: int, detail: str = "") -> str:
+    """One row of a summary table (``  matched      310   ...``), as every result's ``str`` prints it."""
+    return f"  {label:<11}{count:>5}   {detail}".rstrip()
+
+
 def format_bytes(n: int) -> str:
     """A byte count for people: ``512`` -> ``'512 B'``, ``1536`` -> ``'1.5 KiB'`` (up to TiB)."""
     size: float = n
@@ -223,7 +228,7 @@ class RestoreReport:
         lines = [f"restorekit: {self.checkpoint} -> {self.num_variables} variables"]
 
         def row(label: str, records, detail: str) -> None:
-            lines.append(f"  {label:<11}{len(records):>5}   {detail}".rstrip())
+            lines.append(summary_row(label, len(records), detail))
 
         def listing(records, limit: int = 4) -> str:
             text = ", ".join(r.describe() for r in records[:limit])
