@@ -18,7 +18,7 @@ from restorekit.assignment import mapper
 from restorekit.checkpoint import OBJECT_GRAPH_KEY
 from restorekit import keras_files
 from restorekit.ema import KERAS_AVERAGE_SUFFIX, is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
-from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning, format_names
 from restorekit.formats import open_source
 from restorekit.formats.registry import Source
 from restorekit.hints import UNIQUIFIED, restore_hints, shapes_fit
@@ -26,7 +26,7 @@ from restorekit.names import Kind, PatternSet, counter_kind, entry_kind, optimiz
 from restorekit.report import Record, RestoreReport
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit.sources import is_several, scan_several
-from restorekit.targets import Target, collect
+from restorekit.targets import Target, collect, variable_name
 from restorekit.torch_target import layout_source
 from restorekit.trackables import is_trackable, object_graph_keys
 
@@ -306,9 +306,10 @@ def _positions_only_where_names_fail(state: _Scan, names: list) -> None:
     ``match='object_graph'`` keeps them all, still reported.
     """
     cross = {}
+    saved_as = _keras_paths(state)
     for name, key in state.graph_keys.items():
         path = state.ckpt.readable_name(key)
-        if path not in (name, state.rescope(name)) and state.by_path(name) != key:
+        if path not in (name, state.rescope(name)) and state.by_path(name) != key and saved_as.get(name) != key:
             cross[name] = key
     if not cross:
         return
@@ -317,6 +318,24 @@ def _positions_only_where_names_fail(state: _Scan, names: list) -> None:
         state.graph_keys = {n: k for n, k in state.graph_keys.items() if n not in cross}
     else:
         state.positional = set(cross)
+
+
+def _keras_paths(state: _Scan) -> dict:
+    """Variable name -> the key saved under that Keras variable's own path, for pairings names agree with.
+
+    Two nested blocks' ``fc/kernel`` repeat a Keras path, so the checkpoint's readable path
+    is the object path (``model/_operations/1/...``) and the variable is named by its layers
+    (``block_a/fc/kernel``); the saved ``full_name`` is still the variable's own Keras path.
+    """
+    by_key = state.ckpt.object_graph.by_key
+    out = {}
+    for t in state.targets:
+        key = state.graph_keys.get(t.variable_name)
+        tracked = by_key.get(key) if key is not None and not t.partitioned else None
+        # a layer scope in it: TF's default 'Variable' names say nothing about which variable it was
+        if tracked is not None and "/" in tracked.full_name and tracked.full_name == variable_name(t.handle):
+            out[t.variable_name] = key
+    return out
 
 
 def _skip_reason(state: _Scan, name: str) -> tuple[str, str] | None:
@@ -553,8 +572,30 @@ def _pair_fits(t: Target, entry) -> bool:
     return entry is not None and t.dtype == entry.dtype and shapes_fit(t.shape, entry.shape)
 
 
+def _repeated(state: _Scan) -> dict:
+    """Missing variable name -> how many variables bear it (more than one: the name cannot tell them apart)."""
+    counts: dict = {}
+    for t in state.targets:
+        counts[t.variable_name] = counts.get(t.variable_name, 0) + 1
+    return {r.variable_name: counts[r.variable_name] for r in state.missing if counts[r.variable_name] > 1}
+
+
+def _repeated_names_hints(state: _Scan) -> tuple:
+    """Names that several variables bear (two nested blocks' ``fc/kernel`` in ``model.weights``) are left
+    missing, never paired by a guess; a scope hint for them would give every one the same entry."""
+    repeated = _repeated(state)
+    if not repeated:
+        return ()
+    name, count = next(iter(repeated.items()))
+    return (f"{len(repeated)} missing variable name(s) each name several variables (e.g. {name!r} names {count}: "
+            f"{format_names(repeated, 4)}), so which checkpoint entry is whose cannot be decided by name. Pass the "
+            f"model itself (scan(checkpoint, model)): each variable is then named by the layers it sits in "
+            f"('block/{name}'), or pass assignment_map={{checkpoint name: variable}} for each.",)
+
+
 def _report(state: _Scan) -> RestoreReport:
     ckpt = state.ckpt
+    repeated = _repeated(state)
     shared_hints = tuple(
         f"{name!r} and {first!r} both match checkpoint entry {_readable(ckpt, key) or key!r}; {first!r} restores "
         f"from it and {name!r} is left to its initializer (an assignment_map can give one entry to both)."
@@ -569,8 +610,9 @@ def _report(state: _Scan) -> RestoreReport:
         dtype_mismatched=tuple(state.dtype_mismatched),
         skipped=tuple(state.skipped),
         unused=tuple(state.unused),
-        hints=restore_hints(state.missing, state.shape_mismatched, state.dtype_mismatched, state.unused)
-        + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,
+        hints=_repeated_names_hints(state) + restore_hints(
+            [r for r in state.missing if r.variable_name not in repeated], state.shape_mismatched,
+            state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,
         _handles=state.handles,
         _policies=state.applied,
         _source=state.ckpt,

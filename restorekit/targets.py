@@ -15,7 +15,7 @@ from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError
 from restorekit.names import strip_output_index, strip_partition
 from restorekit.torch_target import is_torch_module, module_items
-from restorekit.trackables import is_keras_variable, keras_backend, live_paths, tf_variable
+from restorekit.trackables import is_keras_variable, keras_backend, layer_paths, live_paths, tf_variable
 
 __all__ = [
     "Target",
@@ -262,14 +262,15 @@ def _placed(t, groups: dict, sharded: dict) -> Target:
 
 
 def _unique_names(targets: list[Target], root) -> None:
-    """Rename variables whose names repeat (tf.Module's 'Variable') to their attribute path in ``root``."""
+    """Rename variables whose names repeat to their path in ``root``: through the named layers that hold them
+    (``block_a/fc/kernel`` for two nested blocks' ``fc/kernel``), else their attribute path (tf.Module's 'Variable')."""
     counts: dict[str, int] = {}
     for t in targets:
         counts[t.variable_name] = counts.get(t.variable_name, 0) + 1
     if all(n == 1 for n in counts.values()):
         return
 
-    paths = live_paths(root)
+    paths = {**live_paths(root), **layer_paths(root)}
     for t in targets:
         if counts[t.variable_name] > 1 and id(t.handle) in paths:
             t.variable_name = paths[id(t.handle)]

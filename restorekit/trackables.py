@@ -117,6 +117,7 @@ def layer_paths(root) -> dict[int, str]:
         ):
             if prefix:  # the root's own variables keep their Keras path
                 paths.setdefault(id(variable), f"{prefix}/{variable.name}")
+                paths.setdefault(id(tf_variable(variable)), f"{prefix}/{variable.name}")
         for sub in getattr(layer, "_layers", ()):  # Keras 3 keeps a layer's direct sublayers here
             if id(sub) not in seen:
                 seen.add(id(sub))

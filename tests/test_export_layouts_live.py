@@ -77,12 +77,9 @@ def test_with_the_model_each_variable_is_named_by_the_layers_on_its_way(saved):
     assert rooted["_operations/2/_operations/2/_kernel"] == "block_b/fc/kernel"
 
 
-@requires_torch
-def test_the_torch_twin_loads_the_export_and_computes_what_keras_computes(saved, tmp_path):
-    torch = import_torch()
-    from safetensors.numpy import load_file
+def _twin(torch):
+    """The torch.nn twin of ``nested_model``: ``block_a.fc.weight``, ``block_c.bn.running_var``, ..."""
     nn = torch.nn
-    model, prefix = saved
 
     class Block(nn.Module):
         def __init__(self, width, units):
@@ -108,12 +105,40 @@ def test_the_torch_twin_loads_the_export_and_computes_what_keras_computes(saved,
         def forward(self, x):
             return self.head(self.block_c(self.block_b(self.block_a(x))))
 
-    result = export_checkpoint(torch_view(Checkpoint(prefix), model=model), tmp_path / "m.safetensors")
-    assert not result.unmapped
-    state = {k: torch.from_numpy(v) for k, v in load_file(str(tmp_path / "m.safetensors")).items()}
-    twin = Twin().eval()
+    return Twin().eval()
+
+
+def _twin_computes_what_keras_computes(torch, model, safetensors_path) -> None:
+    from safetensors.numpy import load_file
+
+    state = {k: torch.from_numpy(v) for k, v in load_file(str(safetensors_path)).items()}
+    twin = _twin(torch)
     twin.load_state_dict(state, strict=True)
     x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
     with torch.no_grad():
         out = twin(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(out, np.asarray(model(x, training=False)), atol=1e-5, rtol=0)
+
+
+@requires_torch
+def test_the_torch_twin_loads_the_export_and_computes_what_keras_computes(saved, tmp_path):
+    torch = import_torch()
+    model, prefix = saved
+    result = export_checkpoint(torch_view(Checkpoint(prefix), model=model), tmp_path / "m.safetensors")
+    assert not result.unmapped
+    _twin_computes_what_keras_computes(torch, model, tmp_path / "m.safetensors")
+
+
+@requires_torch
+@pytest.mark.parametrize("name", ["m.weights.h5", "m.keras"], ids=["weights_h5", "keras_archive"])
+def test_the_models_keras_files_convert_to_the_twins_names_without_the_model(tmp_path, name):
+    # A Keras file names each layer's group (block_a, block_b): the paths the two blocks share ('fc/kernel')
+    # read through the block names, so the torch layout needs no live model.
+    from restorekit.cli import main
+
+    torch = import_torch()
+    model = nested_model()
+    model.save(tmp_path / name) if name.endswith(".keras") else model.save_weights(tmp_path / name)
+    out = tmp_path / "m.safetensors"
+    assert main(["convert", str(tmp_path / name), str(out), "--layout", "torch"]) == 0
+    _twin_computes_what_keras_computes(torch, model, out)

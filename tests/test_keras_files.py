@@ -113,6 +113,32 @@ def test_nested_sequential_and_lstm_get_keras_paths(tmp_path):
     assert "other/a/kernel" not in ckpt.object_paths and "a/bias/x" not in ckpt.object_paths
 
 
+@pytest.mark.parametrize("name", ["m.weights.h5", "m.keras"], ids=["weights_h5", "keras_archive"])
+def test_a_keras_path_two_nested_blocks_share_reads_through_the_block_names(tmp_path, name):
+    # block_a and block_b each hold 'pre' and 'fc', built outside their scopes: Keras paths 'fc/kernel' twice
+    from test_export_layouts_live import nested_model
+
+    model = nested_model()
+    model.save(tmp_path / name) if name.endswith(".keras") else model.save_weights(tmp_path / name)
+    ckpt = restorekit.Checkpoint(tmp_path / name)
+    by_key = {k: ckpt.readable_name(k) for k in ckpt}
+    assert sorted(by_key.values()) == sorted(
+        [f"{b}/{layer}/{leaf}" for b in ("block_a", "block_b") for layer in ("pre", "fc") for leaf in ("kernel", "bias")]
+        + ["block_c/fc/kernel", "block_c/fc/bias", "block_c/bn/gamma", "block_c/bn/beta", "block_c/bn/moving_mean",
+           "block_c/bn/moving_variance", "head/kernel", "head/bias"])
+    assert by_key["layers/functional_1/layers/dense_1/vars/0"] == "block_b/fc/kernel"
+    paths = {v.path for v in model.weights}
+    assert "fc/kernel" in paths and "fc/kernel" not in ckpt.object_paths  # given to neither block by a guess
+    for tree, v in zip(sorted(ckpt.object_paths), sorted(model.weights, key=lambda v: _tree_path(model, v))):
+        np.testing.assert_array_equal(ckpt.read(tree), v.numpy(), err_msg=tree)
+
+
+def _tree_path(model, variable) -> str:
+    from restorekit.trackables import layer_paths
+
+    return layer_paths(model)[id(variable)]
+
+
 def test_unknown_count_keeps_the_index(tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(center=False, name="bn")],

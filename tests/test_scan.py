@@ -662,3 +662,62 @@ def test_how_tells_object_graph_readable_path_and_ema_apart(tmp_path):
     assert {r.variable_name: r.how for r in report.matched} == {"w": ("name", "ema"), "b": ("name", "ema_fallback")}
     assert [r.how for r in report.skipped] == [("raw_weights",)]
     assert "ema fallback (no shadow entry, raw weights): b" in str(report)
+
+
+# ---------------------------------------------------------------- nested blocks whose layers share names
+
+
+@pytest.fixture
+def nested_files(tmp_path):
+    """The model of tests/test_export_layouts_live.py (``block_a/fc``, ``block_b/fc``, Sequential ``block_c``), saved
+    as a TF2 checkpoint, a .weights.h5 and a .keras, and a fresh model of the same architecture with other values."""
+    from test_export_layouts_live import nested_model
+
+    model = nested_model()
+    files = {"tf2": tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt")),
+             "weights.h5": str(tmp_path / "m.weights.h5"), "keras": str(tmp_path / "m.keras")}
+    model.save_weights(files["weights.h5"])
+    model.save(files["keras"])
+    fresh = nested_model()
+    rng = np.random.default_rng(7)
+    for v in fresh.weights:
+        v.assign(np.abs(rng.standard_normal(v.shape)).astype(np.float32) + 0.25)
+    return model, fresh, files
+
+
+NESTED_KINDS = ["tf2", "weights.h5", "keras"]
+
+
+@pytest.mark.parametrize("kind", NESTED_KINDS, ids=["tf2 checkpoint", "weights.h5", ".keras"])
+def test_nested_blocks_sharing_layer_names_restore_completely_from_their_own_file(nested_files, kind):
+    model, fresh, files = nested_files
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    assert not np.allclose(np.asarray(fresh(x, training=False)), np.asarray(model(x, training=False)))
+    report = scan(files[kind], fresh)
+    assert len(report.matched) == report.num_variables == 16 and report.is_complete, report
+    names = {r.variable_name for r in report.matched}
+    assert {"block_a/fc/kernel", "block_b/fc/kernel", "block_a/pre/bias", "block_b/pre/bias"} <= names
+    if kind == "tf2":  # the object graph pairs every variable; none is dropped for a path that is not a name
+        assert {r.how for r in report.matched} == {("object_graph",)}
+    restorekit.restore(report, strict=True)
+    for saved, restored in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved), err_msg=saved.path)
+    np.testing.assert_array_equal(np.asarray(fresh(x, training=False)), np.asarray(model(x, training=False)))
+
+
+@pytest.mark.parametrize("kind", NESTED_KINDS, ids=["tf2 checkpoint", "weights.h5", ".keras"])
+def test_repeated_names_in_a_flat_variable_list_are_left_missing_and_said_so(nested_files, kind):
+    # model.weights names both blocks' layers 'pre/...' and 'fc/...': no name tells block_a's from block_b's
+    model, fresh, files = nested_files
+    report = scan(files[kind], fresh.weights)
+    repeated = ["pre/kernel", "pre/bias", "fc/kernel", "fc/bias"]
+    assert sorted(r.variable_name for r in report.missing) == sorted(repeated * 2)
+    assert len(report.matched) == 8 and not report.shape_mismatched
+    saved = {v.path: np.asarray(v) for v in model.weights if v.path not in repeated}
+    restorekit.restore(report)
+    for v in fresh.weights:  # what was paired is right, what could not be decided is untouched
+        if v.path in saved:
+            np.testing.assert_array_equal(np.asarray(v), saved[v.path], err_msg=v.path)
+    hint = next(h for h in report.hints if "cannot be decided by name" in h)
+    assert "'pre/kernel' names 2" in hint and "scan(checkpoint, model)" in hint
+    assert not any("assignment_map={'block_a/'" in h for h in report.hints), report.hints

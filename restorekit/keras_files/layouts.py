@@ -195,20 +195,24 @@ class Keras3Walk:
         self.owners: dict = {}  # '<group>/vars' -> the readable path of the object that owns it ('enc1', 'block/a')
         self.undecided: dict = {}  # layer path -> the sets of names that fit its indexed variables (in order)
         self._taken: set = set()
+        self._tree: dict = {}  # key -> (its Keras path, its path through every named layer: 'block_a/fc/kernel')
 
-    def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None) -> None:
+    def visit(self, group, key: str, scope: str, *, root: bool = False, class_hint: str | None = None,
+              tree: str = "") -> None:
         vars_group = group.get("vars")
         if not isinstance(vars_group, self.h5py.Group):
             for name, child in group.items():  # a container: a list of layers named by class
                 if isinstance(child, self.h5py.Group):
-                    self.visit(child, f"{key}/{name}" if key else name, scope, class_hint=_UNIQUIFIED.sub("", name))
+                    self.visit(child, f"{key}/{name}" if key else name, scope, class_hint=_UNIQUIFIED.sub("", name),
+                               tree=tree)
             return
         name = text(vars_group.attrs.get("name")) or key.rsplit("/", 1)[-1] or "model"
         kind, layer_config = self.index.get(name, (None, None))
         kind = kind or _guess_kind(class_hint, name)
         own = name if root else scope + name
         self.owners[f"{key}/vars" if key else "vars"] = "" if root else own
-        self._own_variables(vars_group, f"{key}/vars" if key else "vars", own, kind, layer_config, key == "optimizer")
+        self._own_variables(vars_group, f"{key}/vars" if key else "vars", own, kind, layer_config, key == "optimizer",
+                            name if root else tree + name)
         functional = kind == "functional" or any(
             isinstance(group.get(c), self.h5py.Group) and any(_UNIQUIFIED.sub("", k) == "input_layer" for k in group[c])
             for c in CONTAINERS
@@ -219,11 +223,29 @@ class Keras3Walk:
             if child_name != "vars" and isinstance(child, self.h5py.Group):
                 child_key = f"{key}/{child_name}" if key else child_name
                 if root and child_name == "optimizer":
-                    self.visit(child, child_key, "optimizer/")
+                    self.visit(child, child_key, "optimizer/", tree="optimizer/")
                 else:
-                    self.visit(child, child_key, inner, class_hint=_UNIQUIFIED.sub("", child_name))
+                    self.visit(child, child_key, inner, class_hint=_UNIQUIFIED.sub("", child_name),
+                               tree="" if root else f"{tree}{name}/")
+        if root:
+            self._name_repeated_paths_by_tree()
 
-    def _own_variables(self, vars_group, vars_key: str, own: str, kind, layer_config, optimizer: bool) -> None:
+    def _name_repeated_paths_by_tree(self) -> None:
+        """Give a Keras path that several variables share (two nested Functional blocks' ``fc/kernel``: their
+        layers were built outside the blocks' scopes) to none of them: each reads its path through the named
+        layers (``block_a/fc/kernel``, ``block_b/fc/kernel``), as the model's layer tree says, when those differ."""
+        by_path: dict = {}
+        for key, (path, tree) in self._tree.items():
+            by_path.setdefault(path, []).append((key, tree))
+        for path, found in by_path.items():
+            trees = [tree for _, tree in found]
+            if len(found) < 2 or len(set(trees)) < len(trees) or set(trees) & set(self.readable.values()):
+                continue
+            for key, tree in found:
+                self.readable[key] = tree
+
+    def _own_variables(self, vars_group, vars_key: str, own: str, kind, layer_config, optimizer: bool,
+                       tree: str) -> None:
         found = []
         for index in sorted((k for k in vars_group if k.isdigit()), key=int):
             ds = vars_group[index]
@@ -237,6 +259,8 @@ class Keras3Walk:
         for data, var in zip(found, names):
             self.datasets.append(data)
             path = data.key if optimizer or var is None else f"{own}/{var}"
+            if path != data.key:
+                self._tree[data.key] = (path, f"{tree}/{var}")
             if path in self._taken:
                 path = data.key
             self._taken.add(path)

@@ -20,7 +20,9 @@ Layouts (learned from Keras' own ``saving_lib`` and ``legacy_h5_format``):
   holding part of the groups; read as one file by ``sharded.ShardedKerasCheckpoint``.
 
 Readable names are Keras variable paths without the saving model's own name:
-``enc1/kernel``, ``block/a/kernel``, ``rnn/lstm_cell/kernel``. A Keras 3 file stores
+``enc1/kernel``, ``block/a/kernel``, ``rnn/lstm_cell/kernel``. A Keras path that several
+variables share (two nested Functional blocks' ``fc/kernel``) is given to none of them:
+each reads its path through the named layers instead (``block_a/fc/kernel``). A Keras 3 file stores
 variables by position only, so their names come from the layer's class: from
 ``config.json`` in a ``.keras`` file, guessed from the group name (``dense_1`` ->
 Dense) in a bare ``.weights.h5``. The guesses: the creation order per built-in layer
