@@ -139,6 +139,10 @@ def _run(case: str, data: str, layers: int) -> dict:
 def prepare(data: str, layers: int) -> None:
     """The checkpoint, and the same weights as a .weights.h5 (Keras on jax) and a safetensors file (torch)."""
     make_bert_checkpoint.LAYERS = layers
+    made = [os.path.join(data, f) for f in ("bert_model.ckpt.index", "model.safetensors", "m.weights.h5")]
+    if all(os.path.exists(f) for f in made):  # kept by an earlier --keep run
+        print(f"reusing the files in {data}")
+        return
     prefix = make_bert_checkpoint.write(data)
     import restorekit
 

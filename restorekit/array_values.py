@@ -16,7 +16,7 @@ from restorekit.errors import InvalidArgumentError
 from restorekit.policies import CAST, SLICE_OR_PAD, ShapeAdapter, VocabRemap, policy_name
 from restorekit.report import format_shape, policy_of
 
-__all__ = ["matched_values", "policy_value"]
+__all__ = ["matched_values", "policy_value", "report_source"]
 
 
 def _dtype(name: str) -> np.dtype:
@@ -69,19 +69,25 @@ def _read(source, keys: list) -> dict:
     return {k: source.read(k) for k in keys}
 
 
-def matched_values(report, handles: dict, current) -> list:
+def report_source(report):
+    """The source ``report`` was scanned from, as scan saw it (a layout or rule set view), reopened if it was not kept."""
+    return report._source if report._source is not None else Checkpoint(report.checkpoint)
+
+
+def matched_values(report, handles: dict, current, records=None) -> list:
     """(handle, numpy value) for every matched record of ``report``, all computed and checked before any is assigned.
 
     Args:
         report: a RestoreReport made by ``scan`` in this process.
         handles: its live handles (``report.live_handles``).
         current: handle -> the variable's value as numpy (for ``slice_or_pad``).
+        records: only these of its matched records (default: all).
 
     Raises:
         InvalidArgumentError: a policy returned a value of another shape than its variable.
     """
-    source = report._source if report._source is not None else Checkpoint(report.checkpoint)
-    records = list(report.matched)
+    source = report_source(report)
+    records = list(report.matched if records is None else records)
     arrays = _read(source, sorted({r.checkpoint_name for r in records}))
     values = []
     for r in records:

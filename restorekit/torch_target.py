@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from restorekit.errors import InvalidArgumentError
 
-__all__ = ["LayoutSource", "RuleSetSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items"]
+__all__ = ["LayoutSource", "RuleSetSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items", "stored_tensor"]
 
 
 def _from_torch(obj) -> bool:
@@ -106,6 +106,15 @@ class RuleSetSource(LayoutSource):
     def readable_name(self, name: str) -> str:
         return self._source_of.get(name, name)
 
+    def stored(self, name: str):
+        """``(checkpoint, key, transposed)`` when the value of ``name`` is the checkpoint's tensor ``key`` as stored
+        (``squeeze0`` and ``unsqueeze0`` only reshape it) or, ``transposed``, its 2-D transpose; None otherwise."""
+        source = self._source_of.get(name, name)
+        transform = self.plan.transforms.get(source)
+        if transform not in (None, "transpose", "squeeze0", "unsqueeze0"):
+            return None
+        return self.checkpoint, source, transform == "transpose"
+
     def read(self, name: str):
         source = self._source_of.get(name)
         if source is None:
@@ -116,6 +125,24 @@ class RuleSetSource(LayoutSource):
             # a restore copies into a tensor anyway, and torch's strided copy is ~3x faster than numpy's.
             return array.T
         return self.plan.apply(source, array)
+
+
+def stored_tensor(source, name: str):
+    """``(checkpoint, key, transposed)`` when a restore may read the value of ``name`` straight from a TF checkpoint's
+    bytes (as stored, or transposed for 2-D); None when it must be computed (a layout's axes, a Keras file, ...)."""
+    if isinstance(source, RuleSetSource):
+        found = source.stored(name)
+    elif isinstance(source, LayoutSource):
+        return None
+    else:
+        found = source, name, False
+    checkpoint = found[0] if found else None
+    # read_into and check: a TF checkpoint's reader (not a Keras file's or another format's).
+    if checkpoint is None or not (hasattr(checkpoint, "read_into") and hasattr(checkpoint, "check")):
+        return None
+    if checkpoint.stored_range(found[1]) is None:  # partitioned: its slices are assembled by read
+        return None
+    return found
 
 
 def _is_rule_set_name(rules) -> bool:

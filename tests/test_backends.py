@@ -319,3 +319,59 @@ def test_param_groups_give_torch_optim_a_rate_per_group_and_freeze_multiplier_ze
     assert torch.equal(module.stem.weight, stem)
     with pytest.raises(restorekit.NoMatchError, match="'neck'"):
         restorekit.param_groups(module, {"neck": 0}, lr=0.01)
+
+
+def _tiny_bert(tmp_path):
+    torch = _torch()
+    transformers = pytest.importorskip("transformers")
+    from conftest import save_variables
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    values = bert_values()
+    prefix = save_variables(tmp_path / "bert" / "bert_model.ckpt", values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER, max_position_embeddings=POSITIONS)
+    torch.manual_seed(0)
+    return torch, prefix, values, transformers.BertForPreTraining(config).eval()
+
+
+def test_a_torch_restore_reads_stored_tensors_straight_into_the_parameters(tmp_path, monkeypatch):
+    torch, prefix, values, model = _tiny_bert(tmp_path)
+    import restorekit
+
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    query = model.bert.encoder.layer[0].attention.self.query.weight
+    embeddings = model.bert.embeddings.word_embeddings.weight
+    versions = query._version, embeddings._version
+    # No array of its own per tensor: every matched value is read into its parameter (through one buffer if transposed).
+    monkeypatch.setattr(restorekit.Checkpoint, "read", lambda *a, **k: pytest.fail("staged a whole tensor"))
+    restorekit.restore(report)
+    monkeypatch.undo()
+    assert query.detach().numpy().tobytes() == values["bert/encoder/layer_0/attention/self/query/kernel"].T.tobytes()
+    assert embeddings.detach().numpy().tobytes() == values["bert/embeddings/word_embeddings"].tobytes()
+    state = model.state_dict()
+    for record in report.matched:
+        source = report._source.readable_name(record.checkpoint_name)
+        want = values[source].T if report._source.plan.transforms.get(source) == "transpose" else values[source]
+        assert state[record.variable_name].numpy().tobytes() == want.tobytes(), record.variable_name
+    # written through numpy or by copy_: autograd sees the change either way
+    assert query._version > versions[0] and embeddings._version > versions[1]
+    assert query.requires_grad and isinstance(query, torch.nn.Parameter)
+
+
+def test_a_corrupt_tensor_stops_a_torch_restore_before_any_parameter_changes(tmp_path):
+    torch, prefix, values, model = _tiny_bert(tmp_path)
+    import restorekit
+
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    ckpt = restorekit.Checkpoint(prefix)
+    # the tensor stored last: a restore that copied as it checked would have written all the others
+    last = max((n for n in ckpt.entries if "adam" not in n and n != "global_step"), key=lambda n: ckpt.bundle_entry(n).offset)
+    shard = prefix + ".data-00000-of-00001"
+    data = bytearray(open(shard, "rb").read())
+    data[ckpt.bundle_entry(last).offset] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(restorekit.ChecksumMismatchError, match=re.escape(repr(last))):
+        restorekit.restore(report)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

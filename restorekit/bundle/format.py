@@ -25,6 +25,7 @@ from restorekit.errors import (
 __all__ = [
     "DTYPE_NAMES",
     "FLOAT_DTYPES",
+    "check_crc",
     "check_tensor_bytes",
     "DT_BFLOAT16",
     "DT_BOOL",
@@ -55,6 +56,7 @@ __all__ = [
     "decode_slice_key",
     "decode_tensor",
     "dtype_enum",
+    "empty_tensor",
     "dtype_name",
     "encode_slice_key",
     "encode_string_tensor",
@@ -345,21 +347,51 @@ def decode_tensor(raw: bytes, dtype: int, shape: tuple, *, name: str = "", crc32
             return strings.reshape(shape)
         except ValueError:
             raise CorruptCheckpointError(f"{name!r}: stored shape {list(shape)} is not a possible array shape") from None
-    np_dtype = numpy_dtype(dtype)
-    if len(raw) != count * np_dtype.itemsize:
+    _check_nbytes(dtype, shape, len(raw), name)
+    check_crc(raw, crc32c, name=name)
+    out = empty_tensor(dtype, shape, len(raw), name=name)
+    out.reshape(-1).view(np.uint8)[:] = np.frombuffer(raw, np.uint8)
+    return out
+
+
+def _check_nbytes(dtype: int, shape: tuple, nbytes: int, name: str) -> None:
+    if nbytes != math.prod(int(d) for d in shape) * numpy_dtype(dtype).itemsize:
         raise CorruptCheckpointError(
-            f"{name!r}: {len(raw)} bytes do not hold a {dtype_name(dtype)} tensor of shape {list(shape)}"
+            f"{name!r}: {nbytes} bytes do not hold a {dtype_name(dtype)} tensor of shape {list(shape)}"
         )
-    if crc32c is not None and tensor_crc(raw) != crc32c:
-        raise ChecksumMismatchError(
-            f"{name!r}: tensor bytes fail their crc32c check (stored {crc32c:#010x}, "
-            f"computed {tensor_crc(raw):#010x}); the data shard is corrupt"
-        )
+
+
+def empty_tensor(dtype: int, shape: tuple, nbytes: int, *, name: str = "") -> np.ndarray:
+    """An uninitialized array for a stored non-string tensor of ``nbytes`` bytes, its size checked before it is allocated.
+
+    Raises:
+        CorruptCheckpointError: ``nbytes`` does not fit the dtype and shape, or the shape is not a possible array.
+        InvalidArgumentError: more dimensions than a numpy array can have.
+    """
+    _check_nbytes(dtype, shape, nbytes, name)
     _check_numpy_rank(name, shape)
     try:
-        return np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
+        return np.empty(shape, dtype=numpy_dtype(dtype))
     except ValueError:  # dimensions numpy cannot index, e.g. (0, 2**40, 2**40)
         raise CorruptCheckpointError(f"{name!r}: stored shape {list(shape)} is not a possible array shape") from None
+
+
+def check_crc(raw, crc32c: int | None, *, name: str = "") -> None:
+    """Check a non-string tensor's bytes (bytes, or an array over them, read without a copy) against its crc32c.
+
+    Raises:
+        ChecksumMismatchError: the bytes do not match ``crc32c`` (None: nothing to check).
+    """
+    if crc32c is None:
+        return
+    if isinstance(raw, np.ndarray):
+        raw = raw.reshape(-1).view(np.uint8)  # the crc reads the array's memory as it is (C order)
+    crc = tensor_crc(raw)
+    if crc != crc32c:
+        raise ChecksumMismatchError(
+            f"{name!r}: tensor bytes fail their crc32c check (stored {crc32c:#010x}, "
+            f"computed {crc:#010x}); the data shard is corrupt"
+        )
 
 
 # ------------------------------------------------------------------ slice keys
