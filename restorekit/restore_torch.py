@@ -18,11 +18,10 @@ import warnings
 
 import numpy as np
 
-from restorekit.array_values import matched_values, report_source
-from restorekit.bundle.format import dtype_enum, numpy_dtype
-from restorekit.errors import CheckpointChangedError, CorruptCheckpointError, IncompleteRestoreError, MissingDependencyError
-from restorekit.report import live_handles, nothing_matched, plain_records
-from restorekit.torch_target import is_torch_tensor, stored_tensor
+from restorekit.array_values import checked_plan, reading_checked
+from restorekit.errors import IncompleteRestoreError, MissingDependencyError
+from restorekit.report import live_handles, nothing_matched
+from restorekit.torch_target import is_torch_tensor
 
 __all__ = ["is_torch_report", "restore"]
 
@@ -61,12 +60,8 @@ def restore(report, *, strict: bool = False):
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
         raise nothing_matched(report)
-    source = report_source(report)
-    stored = _stored(source, report, handles)
-    for checkpoint, key, _, _, _ in stored:
-        checkpoint.check(key)
-    rest = [r for r in report.matched if r.variable_name not in {s[4] for s in stored}]
-    values = [(t, _as_tensor(torch, v)) for t, v in matched_values(report, handles, _current, rest)]
+    stored, values = checked_plan(report, handles, _current, _in_place)
+    values = [(t, _as_tensor(torch, v)) for t, v in values]
     with torch.no_grad():
         _copy_stored(torch, stored)
         for tensor, value in values:
@@ -74,27 +69,15 @@ def restore(report, *, strict: bool = False):
     return report
 
 
-def _stored(source, report, handles: dict) -> list:
-    """(checkpoint, key, transposed, tensor, variable name) for each plain match a restore reads as stored, in file order."""
-    out = []
-    for r in plain_records(report):
-        found = stored_tensor(source, r.checkpoint_name)
-        tensor = handles[r.variable_name]
-        if found is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            continue
-        checkpoint, key, transposed = found
-        entry = checkpoint.entries[key]
-        shape = tuple(tensor.shape)
-        if (tuple(reversed(entry.shape)) != shape) if transposed else (np.prod(entry.shape) != np.prod(shape)):
-            continue  # the matched value has other axes than the stored one: computed instead
-        try:
-            view = tensor.detach().numpy()  # bfloat16 and other dtypes numpy lacks have none
-        except (TypeError, RuntimeError):
-            continue
-        if entry.dtype == "string" or view.dtype != numpy_dtype(dtype_enum(entry.dtype)):
-            continue
-        out.append((checkpoint, key, transposed, tensor, r.variable_name))
-    return sorted(out, key=lambda s: s[0].stored_range(s[1])[:2])
+def _in_place(stored) -> bool:
+    """A tensor that can be read into: on the CPU, contiguous, of a dtype numpy has (bfloat16 has none)."""
+    tensor = stored.handle
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return False
+    try:
+        return tensor.detach().numpy().dtype == stored.dtype
+    except (TypeError, RuntimeError):
+        return False
 
 
 def _written(torch, tensor) -> None:
@@ -107,21 +90,14 @@ def _written(torch, tensor) -> None:
 
 def _copy_stored(torch, stored: list) -> None:
     """Read each stored value into its tensor: as stored straight into its memory, transposed through one buffer."""
-    size = max((s[0].entries[s[1]].nbytes for s in stored if s[2]), default=0)
-    buffer = np.empty(size, np.uint8)
-    for checkpoint, key, transposed, tensor, _ in stored:
-        entry = checkpoint.entries[key]
-        view = tensor.detach().numpy()
-        try:
-            if transposed:
-                stored_value = buffer[: entry.nbytes].view(view.dtype).reshape(entry.shape)
-                checkpoint.read_into(key, stored_value)
-                tensor.copy_(torch.from_numpy(stored_value).T)
+    buffer = np.empty(max((s.entry.nbytes for s in stored if s.transposed), default=0), np.uint8)
+    for s in stored:
+        tensor, entry = s.handle, s.entry
+        with reading_checked(s):
+            if s.transposed:
+                value = buffer[: entry.nbytes].view(s.dtype).reshape(entry.shape)
+                s.checkpoint.read_into(s.key, value)
+                tensor.copy_(torch.from_numpy(value).T)
             else:
-                checkpoint.read_into(key, view.reshape(entry.shape))
+                s.checkpoint.read_into(s.key, tensor.detach().numpy().reshape(entry.shape))
                 _written(torch, tensor)
-        except CorruptCheckpointError as e:
-            # check() passed a moment ago: the shard was rewritten in place while it was read.
-            raise CheckpointChangedError(
-                f"{checkpoint.prefix!r} changed while it was restored ({e}); the module holds a partial restore"
-            ) from None

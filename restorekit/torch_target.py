@@ -140,9 +140,10 @@ def stored_tensor(source, name: str):
     # read_into and check: a TF checkpoint's reader (not a Keras file's or another format's).
     if checkpoint is None or not (hasattr(checkpoint, "read_into") and hasattr(checkpoint, "check")):
         return None
-    if checkpoint.stored_range(found[1]) is None:  # partitioned: its slices are assembled by read
+    key = checkpoint.key(found[1])  # a TF2 readable path -> its key
+    if checkpoint.stored_range(key) is None:  # partitioned: its slices are assembled by read
         return None
-    return found
+    return checkpoint, key, found[2]
 
 
 def _is_rule_set_name(rules) -> bool:
