@@ -102,7 +102,15 @@ def _options(restorekit, options: dict) -> dict:
     def rule(item):
         return restorekit.KERAS_FROM_TF1 if item == "KERAS_FROM_TF1" else tuple(item) if isinstance(item, list) else item
 
-    return {k: ([rule(i) for i in v] if k == "rules" and isinstance(v, list) else rule(v)) for k, v in options.items()}
+    def policy(item):  # ["ResizePositions", {...}] -> restorekit.ResizePositions(...)
+        return getattr(restorekit, item[0])(**item[1]) if isinstance(item, list) else item
+
+    def option(k, v):
+        if k == "shape_policy" and isinstance(v, dict):
+            return {name: policy(p) for name, p in v.items()}
+        return [rule(i) for i in v] if k == "rules" and isinstance(v, list) else rule(v)
+
+    return {k: option(k, v) for k, v in options.items()}
 
 
 def torch_twin(directory: str) -> dict:
@@ -130,8 +138,16 @@ def torch_twin(directory: str) -> dict:
     x = np.load(os.path.join(directory, "convnet-io.npz"))["x"]
     with torch.no_grad():
         y = twin(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).numpy()
-    np.savez(os.path.join(directory, "torch-convnet.npz"), y=y, num_batches_tracked=twin.bn.num_batches_tracked.numpy())
-    return {"report": report.to_dict(), "head_untouched": bool(torch.equal(head, twin.logits.weight))}
+    # The same net for one-channel images: its first kernel adapted from the RGB one, in numpy.
+    gray = Twin()
+    gray.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+    adapted = restorekit.scan(os.path.join(directory, "convnet", "model.ckpt"), gray, layout="torch",
+                              shape_policy={"conv.weight": restorekit.AdaptInputChannels(axis=1)})
+    restorekit.restore(adapted)
+    np.savez(os.path.join(directory, "torch-convnet.npz"), y=y, num_batches_tracked=twin.bn.num_batches_tracked.numpy(),
+             gray_conv=gray.conv.weight.detach().numpy(), gray_fc=gray.fc.weight.detach().numpy())
+    return {"report": report.to_dict(), "head_untouched": bool(torch.equal(head, twin.logits.weight)),
+            "gray_report": adapted.to_dict()}
 
 
 def main(directory: str) -> None:

@@ -24,7 +24,13 @@ CASES = {
     "h5": ["src.weights.h5", {}],
     "keras": ["src.keras", {}],
     "tf1_slice": ["tf1/model.ckpt", {"rules": [["^new_head/", "head/"], "KERAS_FROM_TF1"], "shape_policy": "slice_or_pad"}],
+    # TF1 ExponentialMovingAverage shadows restored instead of the raw weights
+    "tf1_ema": ["tf1_ema/model.ckpt", {"rules": "KERAS_FROM_TF1", "ema": True}],
+    # a checkpoint whose body took 4 inputs: its kernel's rows resized to 6 as a 1-D table (prefix row kept)
+    "tf1_resize": ["tf1_narrow/model.ckpt", {"rules": "KERAS_FROM_TF1", "shape_policy": {
+        "body/kernel": ["ResizePositions", {"num_prefix_tokens": 1, "grid": False}]}}],
 }
+COMPUTED = ["tf1_ema", "tf1_resize"]  # values the TF backend's restore computes too: compared with it exactly
 SPEC = {"head_units": 5, "head_name": "new_head", "cases": CASES}
 RESTORED = ["body/kernel", "body/bias", "bn/gamma", "bn/beta", "bn/moving_mean", "bn/moving_variance"]
 HEAD = ["new_head/kernel", "new_head/bias"]
@@ -84,6 +90,21 @@ def _write_convnet(tf, directory):
     np.savez(os.path.join(directory, "convnet-io.npz"), x=x, y=out)
 
 
+def _write_tf1_ema(tf, prefix, values):
+    """A TF1 checkpoint with raw weights and ExponentialMovingAverage shadows of other values, saved by a Saver."""
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.get_variable(name, initializer=value) for name, value in values.items()]
+        ema = tf.compat.v1.train.ExponentialMovingAverage(0.9)
+        update = ema.apply(variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(update)
+            for v in variables:  # shadows of their own, so a restore of the raw weights shows
+                sess.run(ema.average(v).assign(v * 0.5 - 1))
+            tf.compat.v1.train.Saver().save(sess, prefix)
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """The checkpoints of one model, written by TF, and the TF backend's reports for the new-head model."""
@@ -105,6 +126,10 @@ def written(tmp_path_factory):
     source.save_weights(os.path.join(directory, "src.weights.h5"))
     source.save(os.path.join(directory, "src.keras"))
     _write_tf1(tf, os.path.join(directory, "tf1", "model.ckpt"), {_slim(k): a for k, a in expected.items()})
+    _write_tf1_ema(tf, os.path.join(directory, "tf1_ema", "model.ckpt"), {_slim(k): a for k, a in expected.items()})
+    narrow = {_slim(k): a for k, a in expected.items()}
+    narrow["body/weights"] = rng.standard_normal((4, 8)).astype("float32")
+    _write_tf1(tf, os.path.join(directory, "tf1_narrow", "model.ckpt"), narrow)
     _write_convnet(tf, directory)
     with open(os.path.join(directory, "spec.json"), "w") as f:
         json.dump(SPEC, f)
@@ -116,7 +141,15 @@ def written(tmp_path_factory):
         if rules is not None:
             rules = restorekit.KERAS_FROM_TF1 if rules == "KERAS_FROM_TF1" else [
                 restorekit.KERAS_FROM_TF1 if r == "KERAS_FROM_TF1" else tuple(r) for r in rules]
-        reports[case] = restorekit.scan(os.path.join(directory, path), model, **{**options, "rules": rules}).to_dict()
+        shape_policy = options.get("shape_policy")
+        if isinstance(shape_policy, dict):
+            shape_policy = {k: getattr(restorekit, p[0])(**p[1]) for k, p in shape_policy.items()}
+        report = restorekit.scan(os.path.join(directory, path), model, **{**options, "rules": rules,
+                                                                           "shape_policy": shape_policy})
+        reports[case] = report.to_dict()
+        if case in COMPUTED:  # what the TensorFlow path restores
+            restorekit.restore(report)
+            np.savez(os.path.join(directory, f"tensorflow-{case}.npz"), **{v.path: v.numpy() for v in model.variables})
     return directory, expected, reports
 
 
@@ -189,6 +222,48 @@ def test_slice_or_pad_is_computed_in_numpy(backend_run):
     np.testing.assert_array_equal(kernel[:, :3], expected["head/kernel"])
     np.testing.assert_array_equal(kernel[:, 3:], before[:, 3:])
     np.testing.assert_array_equal(got["after/new_head/bias"][:3], expected["head/bias"])
+
+
+def test_ema_shadows_restore_off_tensorflow_as_on_it(backend_run):
+    backend, directory, expected, _, result = backend_run
+    assert all(r["how"][-1] == "ema" for r in result["keras"]["tf1_ema"]["matched"])
+    got = np.load(os.path.join(directory, f"{backend}-tf1_ema.npz"))
+    on_tf = np.load(os.path.join(directory, "tensorflow-tf1_ema.npz"))
+    for name in RESTORED:
+        shadow = expected[name] * np.float32(0.5) - np.float32(1)  # as TF computed it: float32 ops
+        np.testing.assert_array_equal(got[f"after/{name}"], shadow, err_msg=name)
+        assert got[f"after/{name}"].tobytes() == on_tf[name].tobytes(), name
+    for name in HEAD:
+        assert got[f"after/{name}"].tobytes() == got[f"before/{name}"].tobytes(), name
+
+
+def test_resize_positions_is_computed_in_numpy_as_on_tensorflow(backend_run):
+    import restorekit
+
+    backend, directory, expected, _, result = backend_run
+    got = np.load(os.path.join(directory, f"{backend}-tf1_resize.npz"))
+    on_tf = np.load(os.path.join(directory, "tensorflow-tf1_resize.npz"))
+    narrow = restorekit.Checkpoint(os.path.join(directory, "tf1_narrow", "model.ckpt")).read("body/weights")
+    want = restorekit.ResizePositions(num_prefix_tokens=1, grid=False).adapt(narrow, (6, 8))
+    assert got["after/body/kernel"].tobytes() == want.tobytes() == on_tf["body/kernel"].tobytes()
+    np.testing.assert_array_equal(got["after/body/kernel"][0], narrow[0])  # the prefix row kept as it is
+    for name in RESTORED[1:]:
+        assert got[f"after/{name}"].tobytes() == expected[name].tobytes(), name
+
+
+def test_adapt_input_channels_into_a_torch_module_is_computed_in_numpy(torch_run):
+    import restorekit
+
+    _, directory, _, _, result = torch_run
+    report = result["torch"]["gray_report"]
+    assert "conv.weight" in [r["variable_name"] for r in report["matched"]]
+    assert report["shape_mismatched"] == [] and report["unused"] == []
+    got = np.load(os.path.join(directory, "torch-convnet.npz"))
+    kernel = restorekit.Checkpoint(os.path.join(directory, "convnet", "model.ckpt")).read("conv/kernel")  # HWIO
+    want = restorekit.AdaptInputChannels().adapt(kernel, (3, 3, 1, 4)).transpose(3, 2, 0, 1)  # to torch's OIHW
+    assert got["gray_conv"].shape == (4, 1, 3, 3)
+    assert got["gray_conv"].tobytes() == np.ascontiguousarray(want).tobytes()
+    np.testing.assert_allclose(kernel.sum(axis=2).transpose(2, 0, 1)[:, None], got["gray_conv"], atol=1e-6)  # the sum of RGB
 
 
 def test_warm_start_callback_restores_before_the_first_batch(backend_run):
