@@ -450,3 +450,35 @@ def test_a_corrupt_tensor_stops_a_torch_restore_before_any_parameter_changes(tmp
     with pytest.raises(restorekit.ChecksumMismatchError, match=re.escape(repr(last))):
         restorekit.restore(report)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_ema_shadows_restore_into_a_torch_module_through_a_rule_set(tmp_path):
+    _torch()
+    transformers = pytest.importorskip("transformers")
+    tf = pytest.importorskip("tensorflow")
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    import restorekit
+
+    values = bert_values(optimizer=False)
+    prefix = str(tmp_path / "bert" / "bert_model.ckpt")
+    _write_tf1_ema(tf, prefix, values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER, max_position_embeddings=POSITIONS)
+    model = transformers.BertForPreTraining(config).eval()
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf", ema=True)
+    assert len(report.matched) == len(values) and all(r.how[-1] == "ema" for r in report.matched)
+    assert list(report.unused) == [] and len(report.skipped) == len(values)  # the raw weights
+    restorekit.restore(report)
+    state, shadows = model.state_dict(), restorekit.Checkpoint(prefix)
+    for record in report.matched:
+        source = report._source.readable_name(record.checkpoint_name)
+        assert source.endswith("/ExponentialMovingAverage"), source
+        want = shadows.read(source)
+        np.testing.assert_array_equal(want, values[source.rpartition("/")[0]] * np.float32(0.5) - np.float32(1))
+        if report._source.plan.transforms.get(source.rpartition("/")[0]) == "transpose":
+            want = want.T
+        assert state[record.variable_name].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), record.variable_name
+    # without ema= the shadows are skipped by name and the raw weights restore, as before
+    plain = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    assert all("ema" not in r.how for r in plain.matched) and len(plain.skipped) == len(values)
