@@ -36,6 +36,15 @@ def keras_cases(directory: str, spec: dict) -> dict:
         np.savez(os.path.join(directory, f"{keras.config.backend()}-{case}.npz"),
                  **{"before/" + k: v for k, v in before.items()}, **{"after/" + k: v for k, v in after.items()})
         out[case] = report.to_dict()
+    # A flipped byte in the tensor stored last: refused before any variable changes.
+    model = _model(keras, spec["head_units"], spec["head_name"])
+    before = {v.path: v.numpy() for v in model.variables}
+    try:
+        restorekit.restore(restorekit.scan(os.path.join(directory, spec["corrupt"]), model, rules=restorekit.KERAS_FROM_TF1))
+        raised = None
+    except restorekit.CorruptCheckpointError as e:
+        raised = type(e).__name__
+    out["corrupt"] = {"raised": raised, "unchanged": all(np.array_equal(v.numpy(), before[v.path]) for v in model.variables)}
     # WarmStart as a fit callback beside BackupAndRestore: warm-starts, then a rerun resumes from the backup.
     keras.utils.set_random_seed(7)
     model = _model(keras, spec["head_units"], spec["head_name"])

@@ -131,8 +131,18 @@ def written(tmp_path_factory):
     narrow["body/weights"] = rng.standard_normal((4, 8)).astype("float32")
     _write_tf1(tf, os.path.join(directory, "tf1_narrow", "model.ckpt"), narrow)
     _write_convnet(tf, directory)
+    corrupt = os.path.join(directory, "tf1_corrupt", "model.ckpt")
+    os.makedirs(os.path.dirname(corrupt))
+    for suffix in (".index", ".data-00000-of-00001"):
+        with open(os.path.join(directory, "tf1", "model.ckpt" + suffix), "rb") as f:
+            data = bytearray(f.read())
+        if suffix != ".index":
+            stored = restorekit.Checkpoint(os.path.join(directory, "tf1", "model.ckpt"))
+            data[max(stored.bundle_entry(_slim(n)).offset for n in RESTORED)] ^= 0x01
+        with open(corrupt + suffix, "wb") as f:
+            f.write(bytes(data))
     with open(os.path.join(directory, "spec.json"), "w") as f:
-        json.dump(SPEC, f)
+        json.dump({**SPEC, "corrupt": "tf1_corrupt/model.ckpt"}, f)
     reports = {}
     for case, (path, options) in CASES.items():
         keras.utils.set_random_seed(7)
@@ -264,6 +274,10 @@ def test_adapt_input_channels_into_a_torch_module_is_computed_in_numpy(torch_run
     assert got["gray_conv"].shape == (4, 1, 3, 3)
     assert got["gray_conv"].tobytes() == np.ascontiguousarray(want).tobytes()
     np.testing.assert_allclose(kernel.sum(axis=2).transpose(2, 0, 1)[:, None], got["gray_conv"], atol=1e-6)  # the sum of RGB
+
+
+def test_a_corrupt_tensor_stops_the_restore_before_any_variable_changes(backend_run):
+    assert backend_run[4]["keras"]["corrupt"] == {"raised": "ChecksumMismatchError", "unchanged": True}
 
 
 def test_warm_start_callback_restores_before_the_first_batch(backend_run):
