@@ -8,15 +8,19 @@ numpy arrays; this module computes them, with the same policies ``scan`` chose
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import numpy as np
 
 from restorekit.bundle.format import dtype_enum, numpy_dtype
 from restorekit.checkpoint import Checkpoint
-from restorekit.errors import InvalidArgumentError
+from restorekit.errors import CheckpointChangedError, CorruptCheckpointError, InvalidArgumentError
 from restorekit.policies import CAST, SLICE_OR_PAD, ShapeAdapter, VocabRemap, policy_name
-from restorekit.report import format_shape, policy_of
+from restorekit.report import format_shape, plain_records, policy_of
+from restorekit.torch_target import stored_tensor
 
-__all__ = ["matched_values", "policy_value", "read_arrays"]
+__all__ = ["Stored", "checked_plan", "matched_values", "policy_value", "read_arrays", "report_source", "reading_checked"]
 
 
 def _dtype(name: str) -> np.dtype:
@@ -69,19 +73,25 @@ def read_arrays(source, keys: list) -> dict:
     return {k: source.read(k) for k in keys}
 
 
-def matched_values(report, handles: dict, current) -> list:
+def report_source(report):
+    """The source ``report`` was scanned from, as scan saw it (a layout or rule set view), reopened if it was not kept."""
+    return report._source if report._source is not None else Checkpoint(report.checkpoint)
+
+
+def matched_values(report, handles: dict, current, records=None) -> list:
     """(handle, numpy value) for every matched record of ``report``, all computed and checked before any is assigned.
 
     Args:
         report: a RestoreReport made by ``scan`` in this process.
         handles: its live handles (``report.live_handles``).
         current: handle -> the variable's value as numpy (for ``slice_or_pad``).
+        records: only these of its matched records (default: all).
 
     Raises:
         InvalidArgumentError: a policy returned a value of another shape than its variable.
     """
-    source = report._source if report._source is not None else Checkpoint(report.checkpoint)
-    records = list(report.matched)
+    source = report_source(report)
+    records = list(report.matched if records is None else records)
     arrays = read_arrays(source, sorted({r.checkpoint_name for r in records}))
     values = []
     for r in records:
@@ -95,3 +105,79 @@ def matched_values(report, handles: dict, current) -> list:
             )
         values.append((handle, value))
     return values
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A matched value a restore reads as a TF checkpoint stores it (``transposed``: its 2-D transpose)."""
+
+    checkpoint: Checkpoint  # the TF checkpoint whose shard bytes are read
+    key: str
+    transposed: bool
+    handle: object
+    variable_name: str
+    shape: tuple  # the variable's
+    dtype: np.dtype  # the stored one, the variable's too
+
+    @property
+    def entry(self):
+        return self.checkpoint.entries[self.key]
+
+
+def _stored(report, handles: dict, source, accepts) -> list:
+    out = []
+    for r in plain_records(report):
+        found = stored_tensor(source, r.checkpoint_name)
+        if found is None:
+            continue
+        checkpoint, key, transposed = found
+        entry = checkpoint.entries[key]
+        if entry.dtype == "string" or entry.dtype != r.dtype:
+            continue
+        stored_shape = tuple(reversed(entry.shape)) if transposed else entry.shape
+        # As stored: the same shape, or one the rule set only reshaped to (squeeze0, unsqueeze0).
+        if (stored_shape != tuple(r.shape)) if transposed else (np.prod(stored_shape) != np.prod(r.shape)):
+            continue
+        stored = Stored(checkpoint, key, transposed, handles[r.variable_name], r.variable_name, tuple(r.shape),
+                        _dtype(entry.dtype))
+        if accepts(stored):
+            out.append(stored)
+    return sorted(out, key=lambda s: s.checkpoint.stored_range(s.key)[:2])
+
+
+def checked_plan(report, handles: dict, current, accepts=lambda stored: True) -> tuple[list, list]:
+    """Every matched value of ``report`` checked before any is assigned, without holding them all in memory.
+
+    Plain copies of a TF checkpoint's tensors (as stored, or transposed by a rule set) that
+    ``accepts`` (a Stored -> bool) come back as ``Stored``: their bytes were checked against
+    their crc32c in 1 MiB chunks, so none is held; the caller reads each one when it assigns
+    it (``reading_checked``). The others come back computed, as ``matched_values`` gives them.
+
+    Returns:
+        (stored, values): the Stored in file order, and (handle, numpy value) for the rest.
+
+    Raises:
+        CorruptCheckpointError: a tensor's bytes fail their checks (nothing has been assigned).
+        InvalidArgumentError: a policy returned a value of another shape than its variable.
+    """
+    stored = _stored(report, handles, report_source(report), accepts)
+    for s in stored:
+        s.checkpoint.check(s.key)
+    done = {s.variable_name for s in stored}
+    return stored, matched_values(report, handles, current, [r for r in report.matched if r.variable_name not in done])
+
+
+@contextlib.contextmanager
+def reading_checked(stored: Stored):
+    """Read one value ``checked_plan`` checked: a failure now means its shard was rewritten in place meanwhile.
+
+    Raises:
+        CheckpointChangedError: what the read raised, after some variables were assigned.
+    """
+    try:
+        yield
+    except CorruptCheckpointError as e:
+        raise CheckpointChangedError(
+            f"{stored.checkpoint.prefix!r} changed while it was restored ({e}); the variables before "
+            f"{stored.variable_name!r} were restored from it already"
+        ) from None

@@ -26,10 +26,12 @@ from restorekit.bundle.format import (
     DT_STRING,
     DT_VARIANT,
     DTYPE_NAMES,
+    check_crc,
     check_tensor_bytes,
     decode_slice_key,
     decode_tensor,
     dtype_name,
+    empty_tensor,
     numpy_dtype,
 )
 from restorekit.bundle.protos import BundleEntry, BundleHeader, decode_entry, decode_header
@@ -41,6 +43,7 @@ from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     EntryNotFoundError,
+    InvalidArgumentError,
     RestoreKitWarning,
     closest_names,
     format_names,
@@ -425,7 +428,12 @@ class Checkpoint(registry.EntryMapping):
         entry = self.bundle_entry(name)
         if name not in self._slices:
             check_size(name, entry)
-            return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
+            if entry.dtype in (DT_STRING, DT_VARIANT):
+                return decode_tensor(self.read_raw(entry, name), entry.dtype, entry.shape, name=name, crc32c=entry.crc32c)
+            path = self._shard_for(entry, name)  # before allocating: the shard holds entry.size bytes
+            out = empty_tensor(entry.dtype, entry.shape, entry.size, name=name)
+            self._fill(path, entry, out, name)
+            return out
         # Check the slices against TF's rules before allocating the full tensor: a
         # corrupt index would otherwise allocate an arbitrary amount of memory, write
         # out of bounds, or leave zeros where a slice is missing.
@@ -446,6 +454,65 @@ class Checkpoint(registry.EntryMapping):
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
             )
         return full
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Read the tensor ``name`` straight into ``out``, crc32c checked: no array of its own, no copy.
+
+        ``out`` is a writable C-contiguous numpy array of the entry's dtype and shape,
+        memory the caller already holds (a torch parameter's ``numpy()`` view, a reused
+        buffer). A partitioned or string entry is read as ``read`` reads it and copied in.
+
+        Raises:
+            InvalidArgumentError: ``out`` is not such an array.
+            NoMatchError: no such entry.
+            CorruptCheckpointError: as ``read``; ``out`` then holds whatever was read (``check`` first
+                to know the bytes are good before writing into memory that matters).
+        """
+        if name not in self._bundle:
+            name = self.key(name)
+        entry = self.bundle_entry(name)
+        dtype = numpy_dtype(entry.dtype) if entry.dtype in DTYPE_NAMES and entry.dtype != DT_VARIANT else None
+        if not (isinstance(out, np.ndarray) and out.dtype == dtype and out.shape == tuple(entry.shape)
+                and out.flags.c_contiguous and out.flags.writeable):
+            got = type(out).__name__
+            if isinstance(out, np.ndarray):
+                how = "" if out.flags.c_contiguous else "non-contiguous "
+                how = how if out.flags.writeable else "read-only " + how
+                got = f"a {how}{out.dtype} {list(out.shape)} array"
+            raise InvalidArgumentError(
+                f"read_into {name!r} needs a writable C-contiguous {dtype_name(entry.dtype)} array of shape "
+                f"{list(entry.shape)}, got {got}"
+            )
+        if name in self._slices or entry.dtype == DT_STRING:
+            np.copyto(out, self.read(name))
+            return
+        check_size(name, entry)
+        self._fill(self._shard_for(entry, name), entry, out, name)
+
+    def _fill(self, path: str, entry: BundleEntry, out: np.ndarray, name: str) -> None:
+        # As bytes: a buffer of float16 or bfloat16 is not one memoryview can hold.
+        if files.read_into(path, entry.offset, out.reshape(-1).view(np.uint8)) != entry.size:
+            raise CorruptCheckpointError(
+                f"data shard {path!r} is truncated: {name!r} needs bytes {entry.offset}..{entry.offset + entry.size}"
+            )
+        check_crc(out, entry.crc32c, name=name)
+
+    def check(self, name: str) -> None:
+        """Check the stored bytes of ``name`` as ``read`` would (size, slices, shards, crc32c), keeping nothing.
+
+        The bytes are read in 1 MiB chunks into one reused buffer, so checking costs no memory
+        of the tensor's size: a restore checks every tensor this way before it copies any.
+
+        Raises:
+            NoMatchError: no such entry.
+            CorruptCheckpointError: what ``read`` would raise (ChecksumMismatchError for bad bytes).
+        """
+        if name not in self._bundle:
+            name = self.key(name)
+        try:
+            self._verify_entry(name, self.bundle_entry(name), lambda n: None)
+        except CorruptCheckpointError as e:
+            raise type(e)(f"{name!r}: {e}") from None
 
     # -- verification
     def verify(self, *, progress: bool = False) -> VerifyResult:

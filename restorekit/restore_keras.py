@@ -2,12 +2,14 @@
 
 Keras 3 runs on JAX and PyTorch too, where its variables hold no ``tf.Variable``. The
 values come from restorekit's own readers (TF1 and TF2 checkpoints, Keras files) and
-``restorekit.array_values``; TensorFlow is never imported on this path.
+``restorekit.array_values``; TensorFlow is never imported on this path. Tensors a TF
+checkpoint stores as they are restored are checked by their crc32c first, then read one at
+a time as they are assigned.
 """
 
 from __future__ import annotations
 
-from restorekit.array_values import matched_values
+from restorekit.array_values import checked_plan, reading_checked
 from restorekit.errors import IncompleteRestoreError
 from restorekit.report import live_handles, nothing_matched
 from restorekit.trackables import is_keras_variable, keras_backend
@@ -40,6 +42,12 @@ def restore(report, *, strict: bool = False):
         raise IncompleteRestoreError(report.incomplete_message(), report)
     if not report.matched:
         raise nothing_matched(report)
-    for variable, value in matched_values(report, handles, _current):
+    stored, values = checked_plan(report, handles, _current)
+    # Each checked tensor is read when it is assigned and dropped after: the peak is one tensor, not the model.
+    for s in stored:
+        with reading_checked(s):
+            value = s.checkpoint.read(s.key)
+        s.handle.assign(value.T if s.transposed else value.reshape(s.shape))
+    for variable, value in values:
         variable.assign(value)
     return report

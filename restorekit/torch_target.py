@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from restorekit.errors import InvalidArgumentError
+from restorekit.names import optimizer_slot_kind
 
-__all__ = ["LayoutSource", "RuleSetSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items"]
+__all__ = ["LayoutSource", "RuleSetSource", "is_torch_module", "is_torch_tensor", "layout_source", "module_items", "stored_tensor"]
 
 
 def _from_torch(obj) -> bool:
@@ -100,25 +101,69 @@ class RuleSetSource(LayoutSource):
                 covered[name] = entry.shape
         self.plan = ruleset.plan(covered)
         self._source_of = {new: old for old, new in self.plan.names.items()}
+        # A covered weight's own moving average ('.../kernel/ExponentialMovingAverage', any suffix: ema= picks it)
+        # goes with it, under its new name and through its transform, so scan(..., ema=...) finds it there.
+        self._base_of = {}
+        for name, entry in checkpoint.entries.items():
+            base, _, tail = name.rpartition("/")
+            if (name not in self.plan.names and base in self.plan.names and optimizer_slot_kind(name) is None
+                    and entry.shape == checkpoint.entries[base].shape):
+                self._base_of[name] = base
+                self._source_of[f"{self.plan.names[base]}/{tail}"] = name
         entries = {}
         for name, entry in checkpoint.entries.items():
-            new = self.plan.names.get(name)
-            entries[new or name] = entry if new is None else Entry(new, self.plan.shapes[new], entry.dtype, entry.nbytes)
+            base = self._base_of.get(name, name)
+            new = self.plan.names.get(base)
+            if new is not None and base != name:
+                new = f"{new}/{name.rpartition('/')[2]}"
+            entries[new or name] = entry if new is None else Entry(new, self.plan.shapes[self.plan.names[base]],
+                                                                    entry.dtype, entry.nbytes)
         self.entries = entries
+
+    def _transform(self, source: str):
+        return self.plan.transforms.get(self._base_of.get(source, source))
 
     def readable_name(self, name: str) -> str:
         return self._source_of.get(name, name)
+
+    def stored(self, name: str):
+        """``(checkpoint, key, transposed)`` when the value of ``name`` is the checkpoint's tensor ``key`` as stored
+        (``squeeze0`` and ``unsqueeze0`` only reshape it) or, ``transposed``, its 2-D transpose; None otherwise."""
+        source = self._source_of.get(name, name)
+        transform = self._transform(source)
+        if transform not in (None, "transpose", "squeeze0", "unsqueeze0"):
+            return None
+        return self.checkpoint, source, transform == "transpose"
 
     def read(self, name: str):
         source = self._source_of.get(name)
         if source is None:
             return self.checkpoint.read(name)
         array = self.checkpoint.read(source)
-        if self.plan.transforms.get(source) == "transpose" and array.ndim == 2:
+        if self._transform(source) == "transpose" and array.ndim == 2:
             # The rule set's own transpose makes the array contiguous (its writers need the bytes);
             # a restore copies into a tensor anyway, and torch's strided copy is ~3x faster than numpy's.
             return array.T
-        return self.plan.apply(source, array)
+        return self.plan.apply(self._base_of.get(source, source), array)
+
+
+def stored_tensor(source, name: str):
+    """``(checkpoint, key, transposed)`` when a restore may read the value of ``name`` straight from a TF checkpoint's
+    bytes (as stored, or transposed for 2-D); None when it must be computed (a layout's axes, a Keras file, ...)."""
+    if isinstance(source, RuleSetSource):
+        found = source.stored(name)
+    elif isinstance(source, LayoutSource):
+        return None
+    else:
+        found = source, name, False
+    checkpoint = found[0] if found else None
+    # read_into and check: a TF checkpoint's reader (not a Keras file's or another format's).
+    if checkpoint is None or not (hasattr(checkpoint, "read_into") and hasattr(checkpoint, "check")):
+        return None
+    key = checkpoint.key(found[1])  # a TF2 readable path -> its key
+    if checkpoint.stored_range(key) is None:  # partitioned: its slices are assembled by read
+        return None
+    return checkpoint, key, found[2]
 
 
 def _is_rule_set_name(rules) -> bool:

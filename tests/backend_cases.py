@@ -36,6 +36,15 @@ def keras_cases(directory: str, spec: dict) -> dict:
         np.savez(os.path.join(directory, f"{keras.config.backend()}-{case}.npz"),
                  **{"before/" + k: v for k, v in before.items()}, **{"after/" + k: v for k, v in after.items()})
         out[case] = report.to_dict()
+    # A flipped byte in the tensor stored last: refused before any variable changes.
+    model = _model(keras, spec["head_units"], spec["head_name"])
+    before = {v.path: v.numpy() for v in model.variables}
+    try:
+        restorekit.restore(restorekit.scan(os.path.join(directory, spec["corrupt"]), model, rules=restorekit.KERAS_FROM_TF1))
+        raised = None
+    except restorekit.CorruptCheckpointError as e:
+        raised = type(e).__name__
+    out["corrupt"] = {"raised": raised, "unchanged": all(np.array_equal(v.numpy(), before[v.path]) for v in model.variables)}
     # WarmStart as a fit callback beside BackupAndRestore: warm-starts, then a rerun resumes from the backup.
     keras.utils.set_random_seed(7)
     model = _model(keras, spec["head_units"], spec["head_name"])
@@ -102,7 +111,15 @@ def _options(restorekit, options: dict) -> dict:
     def rule(item):
         return restorekit.KERAS_FROM_TF1 if item == "KERAS_FROM_TF1" else tuple(item) if isinstance(item, list) else item
 
-    return {k: ([rule(i) for i in v] if k == "rules" and isinstance(v, list) else rule(v)) for k, v in options.items()}
+    def policy(item):  # ["ResizePositions", {...}] -> restorekit.ResizePositions(...)
+        return getattr(restorekit, item[0])(**item[1]) if isinstance(item, list) else item
+
+    def option(k, v):
+        if k == "shape_policy" and isinstance(v, dict):
+            return {name: policy(p) for name, p in v.items()}
+        return [rule(i) for i in v] if k == "rules" and isinstance(v, list) else rule(v)
+
+    return {k: option(k, v) for k, v in options.items()}
 
 
 def torch_twin(directory: str) -> dict:
@@ -130,8 +147,16 @@ def torch_twin(directory: str) -> dict:
     x = np.load(os.path.join(directory, "convnet-io.npz"))["x"]
     with torch.no_grad():
         y = twin(torch.from_numpy(x.transpose(0, 3, 1, 2).copy())).numpy()
-    np.savez(os.path.join(directory, "torch-convnet.npz"), y=y, num_batches_tracked=twin.bn.num_batches_tracked.numpy())
-    return {"report": report.to_dict(), "head_untouched": bool(torch.equal(head, twin.logits.weight))}
+    # The same net for one-channel images: its first kernel adapted from the RGB one, in numpy.
+    gray = Twin()
+    gray.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+    adapted = restorekit.scan(os.path.join(directory, "convnet", "model.ckpt"), gray, layout="torch",
+                              shape_policy={"conv.weight": restorekit.AdaptInputChannels(axis=1)})
+    restorekit.restore(adapted)
+    np.savez(os.path.join(directory, "torch-convnet.npz"), y=y, num_batches_tracked=twin.bn.num_batches_tracked.numpy(),
+             gray_conv=gray.conv.weight.detach().numpy(), gray_fc=gray.fc.weight.detach().numpy())
+    return {"report": report.to_dict(), "head_untouched": bool(torch.equal(head, twin.logits.weight)),
+            "gray_report": adapted.to_dict()}
 
 
 def main(directory: str) -> None:

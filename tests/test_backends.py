@@ -24,7 +24,13 @@ CASES = {
     "h5": ["src.weights.h5", {}],
     "keras": ["src.keras", {}],
     "tf1_slice": ["tf1/model.ckpt", {"rules": [["^new_head/", "head/"], "KERAS_FROM_TF1"], "shape_policy": "slice_or_pad"}],
+    # TF1 ExponentialMovingAverage shadows restored instead of the raw weights
+    "tf1_ema": ["tf1_ema/model.ckpt", {"rules": "KERAS_FROM_TF1", "ema": True}],
+    # a checkpoint whose body took 4 inputs: its kernel's rows resized to 6 as a 1-D table (prefix row kept)
+    "tf1_resize": ["tf1_narrow/model.ckpt", {"rules": "KERAS_FROM_TF1", "shape_policy": {
+        "body/kernel": ["ResizePositions", {"num_prefix_tokens": 1, "grid": False}]}}],
 }
+COMPUTED = ["tf1_ema", "tf1_resize"]  # values the TF backend's restore computes too: compared with it exactly
 SPEC = {"head_units": 5, "head_name": "new_head", "cases": CASES}
 RESTORED = ["body/kernel", "body/bias", "bn/gamma", "bn/beta", "bn/moving_mean", "bn/moving_variance"]
 HEAD = ["new_head/kernel", "new_head/bias"]
@@ -84,6 +90,21 @@ def _write_convnet(tf, directory):
     np.savez(os.path.join(directory, "convnet-io.npz"), x=x, y=out)
 
 
+def _write_tf1_ema(tf, prefix, values):
+    """A TF1 checkpoint with raw weights and ExponentialMovingAverage shadows of other values, saved by a Saver."""
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.get_variable(name, initializer=value) for name, value in values.items()]
+        ema = tf.compat.v1.train.ExponentialMovingAverage(0.9)
+        update = ema.apply(variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(update)
+            for v in variables:  # shadows of their own, so a restore of the raw weights shows
+                sess.run(ema.average(v).assign(v * 0.5 - 1))
+            tf.compat.v1.train.Saver().save(sess, prefix)
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """The checkpoints of one model, written by TF, and the TF backend's reports for the new-head model."""
@@ -105,9 +126,23 @@ def written(tmp_path_factory):
     source.save_weights(os.path.join(directory, "src.weights.h5"))
     source.save(os.path.join(directory, "src.keras"))
     _write_tf1(tf, os.path.join(directory, "tf1", "model.ckpt"), {_slim(k): a for k, a in expected.items()})
+    _write_tf1_ema(tf, os.path.join(directory, "tf1_ema", "model.ckpt"), {_slim(k): a for k, a in expected.items()})
+    narrow = {_slim(k): a for k, a in expected.items()}
+    narrow["body/weights"] = rng.standard_normal((4, 8)).astype("float32")
+    _write_tf1(tf, os.path.join(directory, "tf1_narrow", "model.ckpt"), narrow)
     _write_convnet(tf, directory)
+    corrupt = os.path.join(directory, "tf1_corrupt", "model.ckpt")
+    os.makedirs(os.path.dirname(corrupt))
+    for suffix in (".index", ".data-00000-of-00001"):
+        with open(os.path.join(directory, "tf1", "model.ckpt" + suffix), "rb") as f:
+            data = bytearray(f.read())
+        if suffix != ".index":
+            stored = restorekit.Checkpoint(os.path.join(directory, "tf1", "model.ckpt"))
+            data[max(stored.bundle_entry(_slim(n)).offset for n in RESTORED)] ^= 0x01
+        with open(corrupt + suffix, "wb") as f:
+            f.write(bytes(data))
     with open(os.path.join(directory, "spec.json"), "w") as f:
-        json.dump(SPEC, f)
+        json.dump({**SPEC, "corrupt": "tf1_corrupt/model.ckpt"}, f)
     reports = {}
     for case, (path, options) in CASES.items():
         keras.utils.set_random_seed(7)
@@ -116,7 +151,15 @@ def written(tmp_path_factory):
         if rules is not None:
             rules = restorekit.KERAS_FROM_TF1 if rules == "KERAS_FROM_TF1" else [
                 restorekit.KERAS_FROM_TF1 if r == "KERAS_FROM_TF1" else tuple(r) for r in rules]
-        reports[case] = restorekit.scan(os.path.join(directory, path), model, **{**options, "rules": rules}).to_dict()
+        shape_policy = options.get("shape_policy")
+        if isinstance(shape_policy, dict):
+            shape_policy = {k: getattr(restorekit, p[0])(**p[1]) for k, p in shape_policy.items()}
+        report = restorekit.scan(os.path.join(directory, path), model, **{**options, "rules": rules,
+                                                                           "shape_policy": shape_policy})
+        reports[case] = report.to_dict()
+        if case in COMPUTED:  # what the TensorFlow path restores
+            restorekit.restore(report)
+            np.savez(os.path.join(directory, f"tensorflow-{case}.npz"), **{v.path: v.numpy() for v in model.variables})
     return directory, expected, reports
 
 
@@ -189,6 +232,52 @@ def test_slice_or_pad_is_computed_in_numpy(backend_run):
     np.testing.assert_array_equal(kernel[:, :3], expected["head/kernel"])
     np.testing.assert_array_equal(kernel[:, 3:], before[:, 3:])
     np.testing.assert_array_equal(got["after/new_head/bias"][:3], expected["head/bias"])
+
+
+def test_ema_shadows_restore_off_tensorflow_as_on_it(backend_run):
+    backend, directory, expected, _, result = backend_run
+    assert all(r["how"][-1] == "ema" for r in result["keras"]["tf1_ema"]["matched"])
+    got = np.load(os.path.join(directory, f"{backend}-tf1_ema.npz"))
+    on_tf = np.load(os.path.join(directory, "tensorflow-tf1_ema.npz"))
+    for name in RESTORED:
+        shadow = expected[name] * np.float32(0.5) - np.float32(1)  # as TF computed it: float32 ops
+        np.testing.assert_array_equal(got[f"after/{name}"], shadow, err_msg=name)
+        assert got[f"after/{name}"].tobytes() == on_tf[name].tobytes(), name
+    for name in HEAD:
+        assert got[f"after/{name}"].tobytes() == got[f"before/{name}"].tobytes(), name
+
+
+def test_resize_positions_is_computed_in_numpy_as_on_tensorflow(backend_run):
+    import restorekit
+
+    backend, directory, expected, _, result = backend_run
+    got = np.load(os.path.join(directory, f"{backend}-tf1_resize.npz"))
+    on_tf = np.load(os.path.join(directory, "tensorflow-tf1_resize.npz"))
+    narrow = restorekit.Checkpoint(os.path.join(directory, "tf1_narrow", "model.ckpt")).read("body/weights")
+    want = restorekit.ResizePositions(num_prefix_tokens=1, grid=False).adapt(narrow, (6, 8))
+    assert got["after/body/kernel"].tobytes() == want.tobytes() == on_tf["body/kernel"].tobytes()
+    np.testing.assert_array_equal(got["after/body/kernel"][0], narrow[0])  # the prefix row kept as it is
+    for name in RESTORED[1:]:
+        assert got[f"after/{name}"].tobytes() == expected[name].tobytes(), name
+
+
+def test_adapt_input_channels_into_a_torch_module_is_computed_in_numpy(torch_run):
+    import restorekit
+
+    _, directory, _, _, result = torch_run
+    report = result["torch"]["gray_report"]
+    assert "conv.weight" in [r["variable_name"] for r in report["matched"]]
+    assert report["shape_mismatched"] == [] and report["unused"] == []
+    got = np.load(os.path.join(directory, "torch-convnet.npz"))
+    kernel = restorekit.Checkpoint(os.path.join(directory, "convnet", "model.ckpt")).read("conv/kernel")  # HWIO
+    want = restorekit.AdaptInputChannels().adapt(kernel, (3, 3, 1, 4)).transpose(3, 2, 0, 1)  # to torch's OIHW
+    assert got["gray_conv"].shape == (4, 1, 3, 3)
+    assert got["gray_conv"].tobytes() == np.ascontiguousarray(want).tobytes()
+    np.testing.assert_allclose(kernel.sum(axis=2).transpose(2, 0, 1)[:, None], got["gray_conv"], atol=1e-6)  # the sum of RGB
+
+
+def test_a_corrupt_tensor_stops_the_restore_before_any_variable_changes(backend_run):
+    assert backend_run[4]["keras"]["corrupt"] == {"raised": "ChecksumMismatchError", "unchanged": True}
 
 
 def test_warm_start_callback_restores_before_the_first_batch(backend_run):
@@ -319,3 +408,91 @@ def test_param_groups_give_torch_optim_a_rate_per_group_and_freeze_multiplier_ze
     assert torch.equal(module.stem.weight, stem)
     with pytest.raises(restorekit.NoMatchError, match="'neck'"):
         restorekit.param_groups(module, {"neck": 0}, lr=0.01)
+
+
+def _tiny_bert(tmp_path):
+    torch = _torch()
+    transformers = pytest.importorskip("transformers")
+    from conftest import save_variables
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    values = bert_values()
+    prefix = save_variables(tmp_path / "bert" / "bert_model.ckpt", values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER, max_position_embeddings=POSITIONS)
+    torch.manual_seed(0)
+    return torch, prefix, values, transformers.BertForPreTraining(config).eval()
+
+
+def test_a_torch_restore_reads_stored_tensors_straight_into_the_parameters(tmp_path, monkeypatch):
+    torch, prefix, values, model = _tiny_bert(tmp_path)
+    import restorekit
+
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    query = model.bert.encoder.layer[0].attention.self.query.weight
+    embeddings = model.bert.embeddings.word_embeddings.weight
+    versions = query._version, embeddings._version
+    # No array of its own per tensor: every matched value is read into its parameter (through one buffer if transposed).
+    monkeypatch.setattr(restorekit.Checkpoint, "read", lambda *a, **k: pytest.fail("staged a whole tensor"))
+    restorekit.restore(report)
+    monkeypatch.undo()
+    assert query.detach().numpy().tobytes() == values["bert/encoder/layer_0/attention/self/query/kernel"].T.tobytes()
+    assert embeddings.detach().numpy().tobytes() == values["bert/embeddings/word_embeddings"].tobytes()
+    state = model.state_dict()
+    for record in report.matched:
+        source = report._source.readable_name(record.checkpoint_name)
+        want = values[source].T if report._source.plan.transforms.get(source) == "transpose" else values[source]
+        assert state[record.variable_name].numpy().tobytes() == want.tobytes(), record.variable_name
+    # written through numpy or by copy_: autograd sees the change either way
+    assert query._version > versions[0] and embeddings._version > versions[1]
+    assert query.requires_grad and isinstance(query, torch.nn.Parameter)
+
+
+def test_a_corrupt_tensor_stops_a_torch_restore_before_any_parameter_changes(tmp_path):
+    torch, prefix, values, model = _tiny_bert(tmp_path)
+    import restorekit
+
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    ckpt = restorekit.Checkpoint(prefix)
+    # the tensor stored last: a restore that copied as it checked would have written all the others
+    last = max((n for n in ckpt.entries if "adam" not in n and n != "global_step"), key=lambda n: ckpt.bundle_entry(n).offset)
+    shard = prefix + ".data-00000-of-00001"
+    data = bytearray(open(shard, "rb").read())
+    data[ckpt.bundle_entry(last).offset] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(restorekit.ChecksumMismatchError, match=re.escape(repr(last))):
+        restorekit.restore(report)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_ema_shadows_restore_into_a_torch_module_through_a_rule_set(tmp_path):
+    _torch()
+    transformers = pytest.importorskip("transformers")
+    tf = pytest.importorskip("tensorflow")
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    import restorekit
+
+    values = bert_values(optimizer=False)
+    prefix = str(tmp_path / "bert" / "bert_model.ckpt")
+    _write_tf1_ema(tf, prefix, values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER, max_position_embeddings=POSITIONS)
+    model = transformers.BertForPreTraining(config).eval()
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf", ema=True)
+    assert len(report.matched) == len(values) and all(r.how[-1] == "ema" for r in report.matched)
+    assert list(report.unused) == [] and len(report.skipped) == len(values)  # the raw weights
+    restorekit.restore(report)
+    state, shadows = model.state_dict(), restorekit.Checkpoint(prefix)
+    for record in report.matched:
+        source = report._source.readable_name(record.checkpoint_name)
+        assert source.endswith("/ExponentialMovingAverage"), source
+        want = shadows.read(source)
+        np.testing.assert_array_equal(want, values[source.rpartition("/")[0]] * np.float32(0.5) - np.float32(1))
+        if report._source.plan.transforms.get(source.rpartition("/")[0]) == "transpose":
+            want = want.T
+        assert state[record.variable_name].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), record.variable_name
+    # without ema= the shadows are skipped by name and the raw weights restore, as before
+    plain = restorekit.scan(prefix, model, rules="bert-tf-to-hf")
+    assert all("ema" not in r.how for r in plain.matched) and len(plain.skipped) == len(values)

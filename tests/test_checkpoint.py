@@ -1,6 +1,7 @@
 """Checkpoint: path resolution, listing from the index only, reading tensors, clear errors."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -238,6 +239,42 @@ def test_crc_mismatch_in_a_shard_is_detected(small_checkpoint, tmp_path):
     with pytest.raises(restorekit.ChecksumMismatchError, match="dense/kernel"):
         ckpt.read("dense/kernel")
     np.testing.assert_array_equal(ckpt.read("logits/bias"), Checkpoint(prefix).read("logits/bias"))
+
+
+def test_read_into_fills_memory_the_caller_holds_and_check_reads_without_keeping(small_checkpoint, tmp_path):
+    prefix, values = small_checkpoint
+    ckpt = Checkpoint(prefix)
+    out = np.full((4, 3), np.nan, np.float32)
+    ckpt.read_into("dense/kernel", out)
+    assert out.tobytes() == np.asarray(values["dense/kernel"], np.float32).tobytes()
+    ckpt.check("dense/kernel")
+    for bad, why in [(np.empty((3, 4), np.float32), "got a float32 [3, 4] array"),
+                     (np.empty((4, 3), np.float64), "got a float64 [4, 3] array"),
+                     (np.empty((3, 4), np.float32).T, "got a non-contiguous float32 [4, 3] array"), ([0.0] * 12, "got list")]:
+        with pytest.raises(restorekit.InvalidArgumentError, match=re.escape(why)):
+            ckpt.read_into("dense/kernel", bad)
+    frozen = np.zeros((4, 3), np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(restorekit.InvalidArgumentError, match="got a read-only float32"):
+        ckpt.read_into("dense/kernel", frozen)
+    # one flipped byte: check names the tensor, read_into raises after filling (check first to know)
+    copy = tmp_path / "c"
+    shutil.copy(prefix + ".index", str(copy) + ".index")
+    shard = bytearray(open(prefix + ".data-00000-of-00001", "rb").read())
+    shard[ckpt.bundle_entry("dense/kernel").offset] ^= 0x01
+    open(str(copy) + ".data-00000-of-00001", "wb").write(bytes(shard))
+    damaged = Checkpoint(copy)
+    with pytest.raises(restorekit.ChecksumMismatchError, match="'dense/kernel'"):
+        damaged.check("dense/kernel")
+    with pytest.raises(restorekit.ChecksumMismatchError, match="dense/kernel"):
+        damaged.read_into("dense/kernel", out)
+    damaged.check("logits/bias")
+    # truncated: both refuse before reading past the end
+    open(str(copy) + ".data-00000-of-00001", "wb").write(bytes(shard[: ckpt.bundle_entry("dense/kernel").offset + 8]))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        Checkpoint(copy).check("dense/kernel")
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        Checkpoint(copy).read_into("dense/kernel", out)
 
 
 def test_unknown_entry_lists_closest_names(small_checkpoint):
