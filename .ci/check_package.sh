@@ -93,7 +93,7 @@ import sys
 import numpy as np
 
 import restorekit
-from restorekit.bundle.writer import BundleWriter
+from restorekit._bundle.writer import BundleWriter
 
 values = {
     "dense/kernel": np.arange(12, dtype=np.float32).reshape(4, 3) / 7,

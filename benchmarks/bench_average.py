@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 OURS = ("import restorekit\nsources = sys.argv[1].split(os.pathsep)\nout = sys.argv[2]",
         "restorekit.average(sources, out)")
 REFERENCE = (
-    "import numpy as np\nimport tensorflow as tf\nfrom restorekit.bundle.writer import BundleWriter\n"
+    "import numpy as np\nimport tensorflow as tf\nfrom restorekit._bundle.writer import BundleWriter\n"
     "sources = sys.argv[1].split(os.pathsep)\nout = sys.argv[2]",
     """readers = [tf.train.load_checkpoint(s) for s in sources]
 names = sorted(readers[0].get_variable_to_shape_map())
@@ -56,7 +56,7 @@ def make_checkpoints(directory: str, total_bytes: int) -> tuple[list, int]:
     """Three checkpoints of one model, ``total_bytes`` in all; (prefixes, largest tensor's bytes)."""
     import ml_dtypes
 
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
 
     per = total_bytes // 3
     embedding = (30522, 768) if per > 200e6 else (max(1000, per // 4 // 768 // 4), 768)
@@ -79,7 +79,7 @@ def make_checkpoints(directory: str, total_bytes: int) -> tuple[list, int]:
 
 
 def same_outputs(a: str, b: str) -> bool:
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
 
     x, y = Checkpoint(a), Checkpoint(b)
     return set(x.entries) == set(y.entries) and all(np.array_equal(x.read(n), y.read(n)) for n in x.entries)

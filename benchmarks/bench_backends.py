@@ -182,8 +182,8 @@ def prepare(data: str, layers: int) -> None:
     # the Dense kernels as restorekit must (the reference without restorekit's reading and checks).
     from safetensors.numpy import save_file
 
-    from restorekit.export.hf import rule_set
-    from restorekit.torch_target import RuleSetSource
+    from restorekit.export._hf import rule_set
+    from restorekit._torch_target import RuleSetSource
 
     view = RuleSetSource(restorekit.Checkpoint(prefix), rule_set("bert-tf-to-hf"))
     tf_axes, transposed = {}, []

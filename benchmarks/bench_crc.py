@@ -35,9 +35,9 @@ sys.path.insert(0, HERE)
 import google_crc32c  # noqa: E402
 import numpy as np  # noqa: E402
 
-from restorekit.bundle import crc  # noqa: E402
-from restorekit.bundle.table import mask_crc  # noqa: E402
-from restorekit.checkpoint import Checkpoint  # noqa: E402
+from restorekit._bundle import crc  # noqa: E402
+from restorekit._bundle.table import mask_crc  # noqa: E402
+from restorekit._checkpoint import Checkpoint  # noqa: E402
 from restorekit.edit import CheckpointEditor  # noqa: E402
 
 

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import restorekit  # noqa: E402
-from restorekit.checkpoint import Checkpoint  # noqa: E402
+from restorekit._checkpoint import Checkpoint  # noqa: E402
 
 WIDTH = 512
 

@@ -160,8 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--code", default=REPO, help="restorekit checkout to time (e.g. an older one, for before/after)")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
-    from restorekit.checkpoint import Checkpoint
-    from restorekit.names import optimizer_slot_kind
+    from restorekit._checkpoint import Checkpoint
+    from restorekit._names import optimizer_slot_kind
 
     src = os.path.join(args.data, "bert_model.ckpt")
     ckpt = Checkpoint(src)

@@ -9,7 +9,7 @@ embedding and 12 blocks of Dense layers, ~110M parameters, ~440 MB) is saved wit
 run), medians reported:
 
   restore  (a) ``model.load_weights(path)``  vs  (b) ``restorekit.scan(path, model)`` +
-           ``restorekit.tf2.restore(report)``, on the same file and model. Goal (b)/(a) <= 1.2.
+           ``restorekit._tf2.restore(report)``, on the same file and model. Goal (b)/(a) <= 1.2.
   convert  (c) ``cp path out``  vs  (d) ``restorekit.convert(path, 'out.safetensors')``. Goal (d)/(c) <= 1.5.
 
 Values are checked equal after (b) and (d) (every tensor). The convert copies the bytes of
@@ -36,11 +36,11 @@ sys.path.insert(0, HERE)
 import numpy as np  # noqa: E402
 
 from bench_tf2 import bert_sized_model  # noqa: E402
-from restorekit import tf2  # noqa: E402
-from restorekit.checkpoint import Checkpoint  # noqa: E402
+from restorekit import _tf2 as tf2  # noqa: E402
+from restorekit._checkpoint import Checkpoint  # noqa: E402
 from restorekit.export import convert  # noqa: E402
 from restorekit.export import safetensors as st  # noqa: E402
-from restorekit.scan import scan  # noqa: E402
+from restorekit._scan import scan  # noqa: E402
 
 NEEDED = 3 * 440 * 10**6
 

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import restorekit  # noqa: E402
-from restorekit.bundle.writer import BundleWriter  # noqa: E402
+from restorekit._bundle.writer import BundleWriter  # noqa: E402
 
 tf1 = tf.compat.v1
 
@@ -44,8 +44,8 @@ def restore_overhead(data: str, repeats: int) -> dict:
         os.makedirs(directory, exist_ok=True)
         prefix = make_bert_checkpoint.write(directory)
     ckpt = restorekit.Checkpoint(prefix)
-    model = {n: e for n, e in ckpt.entries.items() if restorekit.names.optimizer_slot_kind(n) is None
-             and not restorekit.names.is_global_step(n)}
+    model = {n: e for n, e in ckpt.entries.items() if restorekit._names.optimizer_slot_kind(n) is None
+             and not restorekit._names.is_global_step(n)}
     gbytes = sum(e.nbytes for e in model.values()) / 2**30
     plain, ours = [], []
 

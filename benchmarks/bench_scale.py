@@ -32,7 +32,7 @@ from bench_edit import DRIVER  # noqa: E402 - one operation per process, timed w
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SETUP = """import numpy as np
-import restorekit.edit.save_tf as save_tf
+import restorekit.edit._save_tf as save_tf
 from restorekit.edit import CheckpointEditor
 from restorekit.export import convert
 src, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -62,7 +62,7 @@ def make_checkpoint(prefix: str, total: int, shards: int) -> dict:
     """Variables of 16 MiB (and small biases), each with Adam m and v beside it, round-robin over the shards."""
     import numpy as np
 
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
 
     rng = np.random.default_rng(0)
     base = rng.standard_normal(4 << 20, dtype=np.float32)  # one 16 MiB block, offset per tensor

@@ -8,7 +8,7 @@ A Keras model the size of BERT-base (a 30522x768 embedding and 12 blocks of
 new classifier head (not in the checkpoint) is then restored, side by side:
 
   (a) ``tf.train.Checkpoint(model=m).restore(path).expect_partial()``;
-  (b) ``restorekit.scan(path, m)`` + ``restorekit.tf2.restore(report)``
+  (b) ``restorekit.scan(path, m)`` + ``restorekit._tf2.restore(report)``
       (batched ``tf.raw_ops.RestoreV2`` reads, then assigns);
   (c) for the record, the per-tensor alternative: ``Checkpoint.read`` (numpy,
       crc-checked) + assign, one variable at a time.
@@ -35,9 +35,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from restorekit import tf2  # noqa: E402
-from restorekit.checkpoint import Checkpoint  # noqa: E402
-from restorekit.scan import scan  # noqa: E402
+from restorekit import _tf2 as tf2  # noqa: E402
+from restorekit._checkpoint import Checkpoint  # noqa: E402
+from restorekit._scan import scan  # noqa: E402
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS = 30522, 768, 3072, 12
 

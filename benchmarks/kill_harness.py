@@ -59,7 +59,7 @@ import json, os, sys
 args = json.loads(sys.argv[1])
 if os.environ.get("KILL_HARNESS_TRACE"):
     import atexit
-    from restorekit.bundle import atomic
+    from restorekit._bundle import atomic
     _seen = []
     atomic.crash_point = _seen.append
     atexit.register(lambda: open(os.environ["KILL_HARNESS_TRACE"], "w").write("\\n".join(_seen)))
@@ -194,7 +194,7 @@ WRITERS = [
            "import restorekit\nready()\nrestorekit.import_checkpoint(args['src'], args['out'])\n",
            "tf", "safetensors", lambda s: s.values),
     Writer("bundle-writer",
-           "import numpy as np\nfrom restorekit.bundle.writer import BundleWriter\n"
+           "import numpy as np\nfrom restorekit._bundle.writer import BundleWriter\n"
            "data = np.load(args['src'])\nready()\n"
            "with BundleWriter(args['out']) as w:\n    for name in sorted(data.files):\n        w.add(name, data[name])\n",
            "tf", "many", lambda s: s.many_values),
@@ -591,7 +591,7 @@ def _equal(got: dict, want: dict) -> str | None:
 
 
 def _check_checkpoint(prefix: str, want: dict, old: dict | None, problems: list, *, must_exist=False) -> str:
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
 
     if not os.path.exists(prefix + ".index"):
         if must_exist:
@@ -619,7 +619,7 @@ def _check_checkpoint(prefix: str, want: dict, old: dict | None, problems: list,
 def _check_keras_set(index: str, want: dict, old: dict, problems: list) -> str:
     """A Keras sharded set edited in place: its index there, every shard it names whole (and the
     ``NAME_00000.weights.h5`` Keras' loader opens first), holding the old values or the new ones."""
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
 
     if not os.path.exists(index):
         problems.append(f"{index!r} is gone")
@@ -721,8 +721,8 @@ def _check_file(path: str, fmt: str, want: dict, problems: list) -> str:
 
 
 def _check_state_file(directory: str, problems: list) -> None:
-    from restorekit.bundle import statefile
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._bundle import statefile
+    from restorekit._checkpoint import Checkpoint
 
     path = os.path.join(directory, statefile.STATE_FILE)
     with open(path, "rb") as f:
@@ -795,7 +795,7 @@ def _orphan_config(names: set) -> list[str]:
 
 def leftovers(directory: str) -> list[str]:
     """Temporaries, lock files, visible shards or ``.meta`` files that no index names, a config.json without weights."""
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
 
     found = []
     names = set(os.listdir(directory))

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from restorekit.bundle.writer import BundleWriter  # noqa: E402
+from restorekit._bundle.writer import BundleWriter  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, POSITIONS, TYPES = 768, 3072, 12, 30522, 512, 2
 

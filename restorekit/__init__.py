@@ -4,9 +4,9 @@
 functions that need them.
 """
 
-from restorekit.averaging import AverageResult, average, interpolate
-from restorekit.checkpoint import Checkpoint, Entry, Problem, VerifyResult
-from restorekit.compare import diff_checkpoints, tensor_stats
+from restorekit._averaging import AverageResult, average, interpolate
+from restorekit._checkpoint import Checkpoint, Entry, Problem, VerifyResult
+from restorekit._compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import (
     AssignmentMapError,
@@ -65,17 +65,17 @@ from restorekit.graph import (
     repair_graph,
     unfreeze,
 )
-from restorekit.initializers import initialize_uninitialized, uninitialized_initializer
-from restorekit.report import Record, RestoreReport
-from restorekit.scaffold import easy_going_scaffold
+from restorekit._initializers import initialize_uninitialized, uninitialized_initializer
+from restorekit._report import Record, RestoreReport
+from restorekit._scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
-from restorekit.policies import AdaptInputChannels, ResizePositions, VocabRemap
+from restorekit._policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
 from restorekit.rules import KERAS_FROM_KERAS2, KERAS_FROM_TF1, Rules
-from restorekit.scan import scan
-from restorekit.sources import From
-from restorekit.tf1 import assign_from_checkpoint_fn, partial_saver, source_savers, warm_start
-from restorekit.tf2 import restore
+from restorekit._scan import scan
+from restorekit._sources import From
+from restorekit._tf1 import assign_from_checkpoint_fn, partial_saver, source_savers, warm_start
+from restorekit._tf2 import restore
 
 __version__ = "0.1.0"
 
@@ -89,7 +89,7 @@ def __getattr__(name: str):
         return finetune.GroupedOptimizer
     # resume_or_warm_start and WarmStart (a keras Callback) live in a module that imports Keras.
     if name in ("resume_or_warm_start", "WarmStart"):
-        from restorekit import resume
+        from restorekit import _resume as resume
 
         return getattr(resume, name)
     raise AttributeError(f"module 'restorekit' has no attribute {name!r}")

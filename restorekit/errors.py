@@ -139,7 +139,7 @@ class OptionNotApplicableError(InvalidArgumentError):
     ``option`` is the keyword (``'num_shards'``), ``value`` what was passed, ``format`` the
     output format that refuses it (``'npz'``, ``'tf'``, ``'keras'``), ``source`` the source
     format where the option could apply to either side (``layout``), ``applies_to`` the
-    formats it does apply to (``restorekit.export.request.OPTIONS``) and ``hint`` what to
+    formats it does apply to (``restorekit.export._request.OPTIONS``) and ``hint`` what to
     do instead.
     """
 

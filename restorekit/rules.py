@@ -9,8 +9,8 @@ import re
 from typing import Callable, Mapping
 
 from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
-from restorekit.hints import level_index, one_level_away, shapes_fit
-from restorekit.names import compile_pairs, optimizer_slot_kind
+from restorekit._hints import level_index, one_level_away, shapes_fit
+from restorekit._names import compile_pairs, optimizer_slot_kind
 
 __all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
 

@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(config, items):
 
 def write_bundle(prefix, values: dict) -> str:
     """Write ``values`` (name -> array, in this order) with restorekit's BundleWriter; return the prefix."""
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
 
     prefix = str(prefix)
     with BundleWriter(prefix) as writer:

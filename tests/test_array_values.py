@@ -1,11 +1,11 @@
-"""restorekit.array_values: the numpy values the Keras-on-JAX/torch and torch-module restores assign."""
+"""restorekit._array_values: the numpy values the Keras-on-JAX/torch and torch-module restores assign."""
 
 import numpy as np
 import pytest
 
-from restorekit.array_values import policy_value
-from restorekit.policies import CAST, SLICE_OR_PAD, VocabRemap
-from restorekit.report import Record
+from restorekit._array_values import policy_value
+from restorekit._policies import CAST, SLICE_OR_PAD, VocabRemap
+from restorekit._report import Record
 
 
 def _record(shape, dtype="float32", checkpoint_shape=None):
@@ -37,7 +37,7 @@ def test_slice_or_pad_keeps_the_variables_own_values_outside_the_checkpoints_blo
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"], ids=["to float16", "to bfloat16", "to float64"])
 def test_cast_rounds_as_numpy_does(dtype):
-    from restorekit.bundle.format import dtype_enum, numpy_dtype
+    from restorekit._bundle.format import dtype_enum, numpy_dtype
 
     source = np.array([1.0, 1 / 3, 65504.0], "float32")
     value = policy_value(CAST, _record((3,), dtype), source, None, None)

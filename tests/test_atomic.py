@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import write_bundle
-from restorekit.bundle import atomic
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle import atomic
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CheckpointNotFoundError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +59,7 @@ def test_temp_name_is_hidden_beside_its_output_and_carries_our_pid(tmp_path):
 def test_a_killed_exporters_temporary_file_is_swept_by_the_next_write(tmp_path):
     child = _run(f"""
         import os
-        from restorekit.bundle import atomic
+        from restorekit._bundle import atomic
         with atomic.atomic_output({str(tmp_path / 'big.safetensors')!r}) as tmp:
             open(tmp, 'wb').write(b'half')
             os._exit(9)  # killed mid-export: no cleanup runs
@@ -93,7 +93,7 @@ def test_a_writer_killed_before_its_index_lands_leaves_no_checkpoint(tmp_path):
     marker = tmp_path / "reached"
     child = _run(f"""
         import numpy as np
-        from restorekit.bundle.writer import BundleWriter
+        from restorekit._bundle.writer import BundleWriter
         with BundleWriter({prefix!r}) as w:
             w.add("w", np.ones(1000, np.float32))
     """, RESTOREKIT_CRASH_HOOK=f"before-index-rename:{marker}")
@@ -155,7 +155,7 @@ def test_a_second_writer_of_one_output_is_refused_or_waits(tmp_path):
 
     from restorekit.errors import OutputExistsError
 
-    ctx = multiprocessing.get_context("fork")  # the children use only restorekit.bundle.atomic
+    ctx = multiprocessing.get_context("fork")  # the children use only restorekit._bundle.atomic
     prefix = str(tmp_path / "out" / "model.ckpt")
     held, release, got = ctx.Event(), ctx.Event(), ctx.Event()
     holder = ctx.Process(target=_hold, args=(prefix, held, release))

@@ -16,7 +16,7 @@ import pytest
 
 import restorekit
 from conftest import import_torch, write_bundle
-from restorekit.bundle import atomic
+from restorekit._bundle import atomic
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import OutputError, OutputExistsError, WriteFailedError

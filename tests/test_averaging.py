@@ -1,4 +1,4 @@
-"""Tests for restorekit/averaging.py: average and interpolate, streamed over real TF checkpoints and files."""
+"""Tests for restorekit/_averaging.py: average and interpolate, streamed over real TF checkpoints and files."""
 
 import os
 
@@ -11,7 +11,7 @@ import tensorflow as tf
 import restorekit
 from conftest import save_variables
 
-from restorekit.averaging import average, interpolate
+from restorekit._averaging import average, interpolate
 from restorekit.cli import main
 from restorekit.errors import (
     CheckpointNotFoundError,

@@ -1,4 +1,4 @@
-"""Tests for restorekit/bundle: the table writer, varints, slice keys, errors, BundleWriter, atomic outputs."""
+"""Tests for restorekit/_bundle: the table writer, varints, slice keys, errors, BundleWriter, atomic outputs."""
 
 import os
 import stat
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.bundle import atomic
-from restorekit.bundle.format import (
+from restorekit._bundle import atomic
+from restorekit._bundle.format import (
     decode_slice_key,
     decode_tensor,
     dtype_enum,
@@ -17,11 +17,11 @@ from restorekit.bundle.format import (
     encode_string_tensor,
     tensor_crc,
 )
-from restorekit.bundle.protos import BundleEntry
-from restorekit.bundle.table import read_table, write_table
-from restorekit.bundle.varint import put_varint, read_varint
-from restorekit.bundle.writer import BundleWriter
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle.protos import BundleEntry
+from restorekit._bundle.table import read_table, write_table
+from restorekit._bundle.varint import put_varint, read_varint
+from restorekit._bundle.writer import BundleWriter
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -323,7 +323,7 @@ def test_add_copy_of_a_corrupt_tensor_raises_and_leaves_the_writer_usable(writte
 def test_add_placed_records_bytes_the_caller_put_in_the_shard(tmp_path):
     import google_crc32c
 
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
     from restorekit.errors import ChecksumMismatchError
 
     values = np.arange(12, dtype=np.float32).reshape(3, 4)

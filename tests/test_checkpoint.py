@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import restorekit
 from restorekit import Checkpoint, CheckpointNotFoundError, CorruptCheckpointError, NoMatchError
-from restorekit.bundle.format import decode_slice_key
+from restorekit._bundle.format import decode_slice_key
 from conftest import save_variables
 
 tf1 = tf.compat.v1
@@ -165,7 +165,7 @@ def test_all_dtypes_round_trip(tmp_path):
 
 
 def test_slice_key_decoding_matches_tensorflows_encoding(tmp_path):
-    from restorekit.bundle.table import read_table
+    from restorekit._bundle.table import read_table
 
     with tf.Graph().as_default():
         tf1.get_variable("deep/emb", shape=[300, 2], partitioner=tf1.fixed_size_partitioner(2))
@@ -316,7 +316,7 @@ def test_fallback_warns_once_however_often_the_directory_is_opened(small_checkpo
 
 def _rewrite_index(prefix, change):
     """Apply ``change`` to the (key, value) records of ``prefix``'s index and write it back."""
-    from restorekit.bundle.table import read_table, write_table
+    from restorekit._bundle.table import read_table, write_table
 
     with open(prefix + ".index", "rb") as f:
         records = read_table(f.read())
@@ -345,7 +345,7 @@ def partitioned(tmp_path):
 
 
 def test_overlapping_slices_that_leave_rows_uncovered_are_refused(partitioned):
-    from restorekit.bundle.format import encode_slice_key
+    from restorekit._bundle.format import encode_slice_key
 
     prefix, full = partitioned
     np.testing.assert_array_equal(Checkpoint(prefix).read("emb"), full)
@@ -362,7 +362,7 @@ def test_overlapping_slices_that_leave_rows_uncovered_are_refused(partitioned):
 
 
 def test_a_slice_whose_dtype_differs_from_its_tensor_is_refused(partitioned):
-    from restorekit.bundle.protos import decode_entry, encode_entry
+    from restorekit._bundle.protos import decode_entry, encode_entry
 
     prefix, _ = partitioned
 
@@ -388,7 +388,7 @@ def test_an_entry_with_two_shape_fields_is_refused(small_checkpoint):
 
 
 def _set_version(producer=1, min_consumer=0, bad_consumers=()):
-    from restorekit.bundle.protos import BundleHeader, encode_header
+    from restorekit._bundle.protos import BundleHeader, encode_header
 
     header = encode_header(BundleHeader(num_shards=1, version_producer=producer, version_min_consumer=min_consumer,
                                         bad_consumers=tuple(bad_consumers)))
@@ -425,7 +425,7 @@ def test_header_versions_tensorflow_accepts_are_accepted(small_checkpoint):
     ids=["rank 255", "2**80 elements"],
 )
 def test_shapes_tensorflow_refuses_are_refused_when_listing(small_checkpoint, shape, message):
-    from restorekit.bundle.protos import decode_entry, encode_entry
+    from restorekit._bundle.protos import decode_entry, encode_entry
 
     prefix, _ = small_checkpoint
     _rewrite_index(prefix, lambda records: [
@@ -454,7 +454,7 @@ _ML_VALUES = {
 def test_every_narrow_dtype_tensorflow_writes_reads_back_equal(tmp_path, dtype_name):
     import ml_dtypes
 
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
 
     value = np.array(_ML_VALUES[dtype_name], dtype=np.float32).astype(getattr(ml_dtypes, dtype_name)).reshape(2, 2)
     prefix = str(tmp_path / "tf")
@@ -519,7 +519,7 @@ def test_a_device_in_place_of_the_index_is_refused(tmp_path, no_hang):
 
 
 def test_a_fifo_in_place_of_a_data_shard_is_refused_when_read_or_copied(small_checkpoint, tmp_path, no_hang):
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
 
     prefix, values = small_checkpoint
     copy = str(tmp_path / "c")
@@ -584,7 +584,7 @@ def test_verify_finds_one_flipped_byte_in_any_tensor(assorted, name):
 
 
 def test_verify_finds_a_truncated_shard_and_overlapping_slices(partitioned, tmp_path):
-    from restorekit.bundle.format import encode_slice_key
+    from restorekit._bundle.format import encode_slice_key
 
     prefix, _ = partitioned
     shard = prefix + ".data-00000-of-00001"
@@ -602,7 +602,7 @@ def test_verify_finds_a_truncated_shard_and_overlapping_slices(partitioned, tmp_
 
 
 def test_verify_reports_a_missing_shard_and_an_entry_whose_size_does_not_fit(small_checkpoint):
-    from restorekit.bundle.protos import decode_entry, encode_entry
+    from restorekit._bundle.protos import decode_entry, encode_entry
 
     prefix, _ = small_checkpoint
     _rewrite_index(prefix, lambda records: [

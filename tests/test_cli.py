@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import COMMANDS, main, register
 from conftest import requires_torch, save_variables
 
@@ -506,7 +506,7 @@ def test_negative_atol_is_a_usage_error(capsys, small_checkpoint):
 
 
 def test_output_cut_short_by_the_reader_exits_quietly(tmp_path):
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.writer import BundleWriter
 
     prefix = str(tmp_path / "many" / "m")
     with BundleWriter(prefix) as w:

@@ -1,4 +1,4 @@
-"""Tests for restorekit/cli/graphs.py and cli/compress.py: no TensorFlow log lines on the terminal, help texts."""
+"""Tests for restorekit/cli/_graphs.py and cli/compress.py: no TensorFlow log lines on the terminal, help texts."""
 
 import os
 import subprocess

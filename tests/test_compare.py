@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch, save_variables, write_bundle
-from restorekit.bundle.format import DT_FLOAT, encode_slice_key
-from restorekit.bundle.protos import BundleEntry
-from restorekit.bundle.writer import BundleWriter
-from restorekit.compare import diff_checkpoints, tensor_stats
+from restorekit._bundle.format import DT_FLOAT, encode_slice_key
+from restorekit._bundle.protos import BundleEntry
+from restorekit._bundle.writer import BundleWriter
+from restorekit._compare import diff_checkpoints, tensor_stats
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError
 
 

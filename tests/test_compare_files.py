@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import requires_torch
-from restorekit.compare import diff_checkpoints, open_checkpoint
-from restorekit.compare.files import FileView
+from restorekit._compare import diff_checkpoints, open_checkpoint
+from restorekit._compare.files import FileView
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, NoMatchError
 from restorekit.export import convert
 

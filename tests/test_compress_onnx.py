@@ -1,4 +1,4 @@
-"""Tests for restorekit/compress/onnx_backend.py and files.py: tf2onnx conversion checked on ONNX Runtime,
+"""Tests for restorekit/compress/_onnx_backend.py and files.py: tf2onnx conversion checked on ONNX Runtime,
 fp16 / int8 Q/DQ, the TensorRT-ready file, Keras model files as sources, inspect of .tflite / .onnx."""
 
 import contextlib
@@ -17,7 +17,7 @@ from onnx import numpy_helper
 
 import restorekit
 from restorekit.cli import main
-from restorekit.compress.files import inspect_model, verify_model
+from restorekit.compress._files import inspect_model, verify_model
 from restorekit.errors import CompressionError, GraphError, InvalidArgumentError, MissingDependencyError
 from test_compress import INT8_REL_TOLERANCE, _files, _images, _tf_run, convnet  # noqa: F401 (a fixture)
 

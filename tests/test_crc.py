@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from conftest import save_variables
 
-from restorekit.bundle import crc
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle import crc
+from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import ChecksumMismatchError
 
@@ -75,7 +75,7 @@ def test_file_crcs_of_a_tf_shard_match_the_index_and_google_crc32c(tf_shard, mon
     want = [google_crc32c.value(data[o : o + s]) if o + s <= len(data) else None for o, s in ranges]
     want[-3] = 0  # an empty range past the end: nothing to read
     assert got == want
-    from restorekit.bundle.table import mask_crc
+    from restorekit._bundle.table import mask_crc
 
     assert [mask_crc(c) for c in got[: len(entries)]] == [e.crc32c for e in entries]
 
@@ -100,7 +100,7 @@ def test_a_flipped_bit_in_a_kept_tensor_fails_the_save(tf_shard, tmp_path):
 CHILD = r"""
 import json, os, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from restorekit.bundle import crc
+from restorekit._bundle import crc
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import CheckpointChangedError
 src, out, mode = sys.argv[2:5]
@@ -173,6 +173,6 @@ def test_a_shard_open_for_writing_elsewhere_is_read_not_mapped(tf_shard):
     finally:
         os.close(fd)
         os.close(writer)
-    from restorekit.bundle.table import mask_crc
+    from restorekit._bundle.table import mask_crc
 
     assert [mask_crc(c) for c in got] == [e.crc32c for e in entries]

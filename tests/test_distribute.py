@@ -1,4 +1,4 @@
-"""Tests for restorekit/distribute.py: ShardedVariables (ParameterServerStrategy) and MultiWorkerMirroredStrategy.
+"""Tests for restorekit/_distribute.py: ShardedVariables (ParameterServerStrategy) and MultiWorkerMirroredStrategy.
 
 Sharded variables are built by hand in this process for the quick cases. The real
 strategies run in subprocesses: connecting to a cluster changes the eager context for
@@ -19,10 +19,10 @@ import pytest
 import tensorflow as tf
 
 import restorekit
-from restorekit import distribute
-from restorekit.checkpoint import Checkpoint
+from restorekit import _distribute as distribute
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
-from restorekit.targets import collect, flat_variables
+from restorekit._targets import collect, flat_variables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -358,7 +358,7 @@ def module_values(net) -> dict:
 
 
 def shard_shapes(handle) -> list:
-    from restorekit.distribute import shards
+    from restorekit._distribute import shards
 
     return [list(p.shape) for p in shards(handle)]
 
@@ -411,7 +411,7 @@ def ps_main(out: str) -> dict:
     import tensorflow as tf
 
     import restorekit
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
 
     rng = np.random.RandomState(0)
     src = write_sources(tf, keras, out, rng)
@@ -484,7 +484,7 @@ def resume_case(tf, keras, restorekit, strategy, src, run) -> dict:
         "save_counter": int(manager.checkpoint.save_counter.numpy()),
         "model_equal": [bool(np.array_equal(now(v), w)) for v, w in zip(model.variables, run["model"])],
         "optimizer_equal": [bool(np.array_equal(now(v), w)) for v, w in zip(optimizer.variables, run["optimizer"])],
-        "sharded": sum(1 for v in model.variables if restorekit.distribute.is_sharded(v.value)),
+        "sharded": sum(1 for v in model.variables if restorekit._distribute.is_sharded(v.value)),
     }
     with strategy.scope():
         other, other_optimizer = keras_net(keras, head=5), keras.optimizers.Adam(0.1)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.bundle.writer import BundleWriter
-from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
+from restorekit._bundle.writer import BundleWriter
+from restorekit._checkpoint import OBJECT_GRAPH_KEY, Checkpoint, RestoreKitWarning
 from restorekit.edit import CheckpointEditor
-from restorekit.edit.source import Source
+from restorekit.edit._source import Source
 from conftest import requires_torch, write_bundle
 from restorekit.errors import (
     CheckpointNotFoundError,
@@ -614,7 +614,7 @@ def test_unedited_export_takes_the_raw_copy_path_with_the_same_result(small_chec
 
 
 def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkeypatch):
-    import restorekit.export.base as export_base
+    import restorekit.export._base as export_base
 
     totals = []
 
@@ -656,7 +656,7 @@ def tables(tmp_path):
 
 @pytest.mark.parametrize("compact", [False, True], ids=["reused-shards", "compacted"])
 def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tables, tmp_path, monkeypatch, compact):
-    import restorekit.edit.source as edit_source
+    import restorekit.edit._source as edit_source
 
     prefix, values = tables
     ed = CheckpointEditor(prefix)
@@ -675,7 +675,7 @@ def test_concat_along_axis_0_streams_its_inputs_without_building_the_result(tabl
 
 @pytest.mark.parametrize("chunk", [10_000, 40, 1], ids=["one-block", "several-rows", "row-by-row"])
 def test_concat_along_inner_axes_is_written_in_blocks_of_rows(tables, tmp_path, monkeypatch, chunk):
-    import restorekit.edit.source as edit_source
+    import restorekit.edit._source as edit_source
 
     prefix, values = tables
     ed = CheckpointEditor(prefix)
@@ -719,7 +719,7 @@ def _remote_listing(directory):
 
 
 def test_save_to_a_remote_path_uploads_shards_then_the_index(small_checkpoint, monkeypatch):
-    import restorekit.bundle.files as files
+    import restorekit._bundle.files as files
 
     prefix, values = small_checkpoint
     remote = _ram_dir()
@@ -786,7 +786,7 @@ def test_existing_remote_output_is_never_replaced(small_checkpoint):
 
 
 def test_failed_upload_of_the_index_leaves_no_remote_files(small_checkpoint, monkeypatch):
-    import restorekit.bundle.files as files
+    import restorekit._bundle.files as files
 
     prefix, _ = small_checkpoint
     remote = _ram_dir()
@@ -1004,7 +1004,7 @@ def test_an_entry_whose_metadata_cannot_be_right_is_never_copied(tmp_path, how, 
 # ------------------------------------------------------------------ one writer at a time (issue 11 item 3)
 
 def test_save_waits_for_no_one_a_second_writer_gets_output_exists(small_checkpoint, tmp_path):
-    from restorekit.bundle import atomic
+    from restorekit._bundle import atomic
 
     import threading
 
@@ -1125,7 +1125,7 @@ def test_check_kept_false_keeps_a_rename_index_only_and_the_bad_bytes_still_fail
                                                                                          monkeypatch):
     import shutil
 
-    import restorekit.edit.save_tf as save_tf_module
+    import restorekit.edit._save_tf as save_tf_module
 
     prefix, values = small_checkpoint
     copy = tmp_path / "src"

@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from restorekit.bundle.writer import BundleWriter
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle.writer import BundleWriter
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import EditError

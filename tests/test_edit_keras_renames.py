@@ -1,4 +1,4 @@
-"""Renames by readable path in Keras 3 files (restorekit/edit/keras_renames.py): a layer is renamed whole (its name
+"""Renames by readable path in Keras 3 files (restorekit/edit/_keras_renames.py): a layer is renamed whole (its name
 attribute), the saved file loads into a model whose layer has the new name, and renames Keras files cannot hold
 (one variable, a split layer) are refused with nothing written."""
 

@@ -1,4 +1,4 @@
-"""restorekit/edit/save_tf.py: shards linked or copied, memory while saving, TF2 checkpoints stripped."""
+"""restorekit/edit/_save_tf.py: shards linked or copied, memory while saving, TF2 checkpoints stripped."""
 
 import errno
 import os
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.bundle.writer import BundleWriter
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle.writer import BundleWriter
+from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 
 

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import restorekit
-from restorekit.ema import keras_averages, scoped_shadows
+from restorekit._ema import keras_averages, scoped_shadows
 
 
 def _model(head="head", units=2):

@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from restorekit.bundle.writer import BundleWriter, array_chunks
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle.writer import BundleWriter, array_chunks
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import (
     ChecksumMismatchError,
     CheckpointNotFoundError,
@@ -24,7 +24,7 @@ from restorekit.errors import (
 )
 from restorekit.export import convert, export_checkpoint, import_checkpoint, safetensors as st_format
 from restorekit.export import npz as npz_format
-from restorekit.export.layout import guess_tf_names
+from restorekit.export._layout import guess_tf_names
 from conftest import requires_torch, write_bundle
 
 FORMATS = ["safetensors", pytest.param("torch", marks=requires_torch)]

@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/formats.py and base.py: one set of verbs per format, one dispatch table."""
+"""Tests for restorekit/export/_formats.py and base.py: one set of verbs per format, one dispatch table."""
 
 import inspect
 import types
@@ -6,11 +6,11 @@ import types
 import numpy as np
 import pytest
 
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError
-from restorekit.export import ExportResult, convert, export_checkpoint, formats, import_checkpoint
-from restorekit.export.base import checkpoint_files
+from restorekit.export import ExportResult, convert, export_checkpoint, _formats as formats, import_checkpoint
+from restorekit.export._base import checkpoint_files
 from conftest import requires_torch, write_bundle
 
 VERBS = {

@@ -1,4 +1,4 @@
-"""restorekit.export.hf: BERT and GPT-2 TF checkpoints <-> Hugging Face models, loaded with from_pretrained."""
+"""restorekit.export._hf: BERT and GPT-2 TF checkpoints <-> Hugging Face models, loaded with from_pretrained."""
 
 import json
 import os
@@ -9,12 +9,12 @@ import pytest
 import transformers  # in the [test] extra: a missing one is a broken setup, not a skip
 
 from conftest import requires_torch, save_variables
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning
 from restorekit.export import convert, export_checkpoint, import_checkpoint
-from restorekit.export.hf import RULE_SETS, RuleSet, Rule, rule_set
+from restorekit.export._hf import RULE_SETS, RuleSet, Rule, rule_set
 
 
 VOCAB, HIDDEN, LAYERS, INNER, POSITIONS = 30, 16, 2, 32, 12

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from conftest import requires_torch
 import restorekit
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError, RestoreKitWarning
 from restorekit.export import export_checkpoint, import_checkpoint

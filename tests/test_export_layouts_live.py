@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/layouts/live.py: layout 'torch' names from a live Keras model.
+"""Tests for restorekit/export/layouts/_live.py: layout 'torch' names from a live Keras model.
 
 A Keras 3 functional model whose nested functional blocks hold layers of one name
 (``block_a/fc``, ``block_b/fc``) and a Sequential ``block_c``, saved with
@@ -15,11 +15,11 @@ import pytest
 import tensorflow as tf
 
 from conftest import import_torch, requires_torch
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import RestoreKitWarning
 from restorekit.export import export_checkpoint
 from restorekit.export.layouts import torch_view
-from restorekit.export.layouts.live import model_paths
+from restorekit.export.layouts._live import model_paths
 
 L = keras.layers
 

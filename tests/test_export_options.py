@@ -1,4 +1,4 @@
-"""Export options: weights_only and ema (restorekit.export.options), on convert, export_checkpoint, the editor and the CLI;
+"""Export options: weights_only and ema (restorekit.export._options), on convert, export_checkpoint, the editor and the CLI;
 CheckpointEditor.save(format=...) keeping the TF2 object graph and taking layout=."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import requires_torch, save_variables
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError, RestoreKitWarning

@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/rawimport.py: safetensors tensors kernel-copied into a TF checkpoint on import."""
+"""Tests for restorekit/export/_rawimport.py: safetensors tensors kernel-copied into a TF checkpoint on import."""
 
 import os
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export import convert, rawimport
+from restorekit.export import convert, _rawimport as rawimport
 
 
 def _object_checkpoint(tmp_path):

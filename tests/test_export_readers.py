@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 from restorekit.export import export_checkpoint, import_checkpoint
 from restorekit.export import npz as npz_format
@@ -443,7 +443,7 @@ def test_a_file_of_another_format_or_none_reads_by_its_bytes_or_is_corrupt_never
 
 
 def test_a_parsing_library_s_own_exception_becomes_corrupt_checkpoint_error():
-    from restorekit.formats.reading import boundary
+    from restorekit.formats._reading import boundary
 
     SafetensorError = type("SafetensorError", (Exception,), {"__module__": "safetensors._safetensors_rust"})
     with pytest.raises(CorruptCheckpointError, match=r"'f.safetensors' is not a readable safetensors file "
@@ -481,8 +481,8 @@ def test_a_name_longer_than_a_zip_member_name_is_refused_before_npz_is_written(t
 
 @pytest.mark.parametrize("offset", [2**63, 2**64 - 16, 1 << 40], ids=["2**63", "2**64-16", "past-the-end"])
 def test_an_entry_at_an_impossible_offset_is_refused_when_exported_to_safetensors(tmp_path, offset):
-    from restorekit.bundle.protos import BundleEntry
-    from restorekit.bundle.writer import BundleWriter
+    from restorekit._bundle.protos import BundleEntry
+    from restorekit._bundle.writer import BundleWriter
 
     prefix = str(tmp_path / "src" / "m")
     with BundleWriter(prefix) as w:

@@ -1,4 +1,4 @@
-"""restorekit/export/request.py: the one options table, OptionNotApplicableError, one vocabulary (out, to,
+"""restorekit/export/_request.py: the one options table, OptionNotApplicableError, one vocabulary (out, to,
 max_shard_size) across convert / export_checkpoint / import_checkpoint / CheckpointEditor.save, and
 conversions that open their source once."""
 
@@ -10,10 +10,10 @@ import tensorflow as tf
 
 import restorekit
 from restorekit import CheckpointEditor
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import InvalidArgumentError, OptionNotApplicableError
 from restorekit.export import convert, export_checkpoint, import_checkpoint
-from restorekit.export.request import OPTIONS, check
+from restorekit.export._request import OPTIONS, check
 from restorekit.formats.files import FileView
 from restorekit.keras_files import KerasCheckpoint
 

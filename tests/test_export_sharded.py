@@ -1,4 +1,4 @@
-"""restorekit.export.sharded: Hugging Face-style safetensors shards + index, written and read as one checkpoint."""
+"""restorekit.export._sharded: Hugging Face-style safetensors shards + index, written and read as one checkpoint."""
 
 import json
 import os
@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch, save_variables
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputExistsError
 from restorekit.export import convert, export_checkpoint, import_checkpoint
 from restorekit.export import safetensors as st
-from restorekit.export.sharded import parse_size
+from restorekit.export._sharded import parse_size
 
 KERNEL = 64 * 64 * 4  # bytes of one tensor below
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch
-from restorekit.bundle import files
+from restorekit._bundle import files
 from restorekit.cli import main
 from restorekit.errors import InsufficientSpaceError
 from restorekit.export import convert
@@ -86,7 +86,7 @@ def test_enough_disk_converts(sources, tmp_path, monkeypatch, source, out, kwarg
 
 def test_the_check_asks_for_the_output_bytes_plus_slack(sources, tmp_path, monkeypatch):
     # A disk that holds the tensors but not the slack for the index and headers is refused; one byte more is not.
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
 
     needed = sum(e.nbytes for e in Checkpoint(sources["tf"]).entries.values())
     _full_disk(monkeypatch, free=needed + files.INDEX_SLACK - 1)

@@ -1,15 +1,15 @@
-"""Tests for restorekit/export/targets.py: the output format a name and ``to`` ask for, and names refused."""
+"""Tests for restorekit/export/_targets.py: the output format a name and ``to`` ask for, and names refused."""
 
 import os
 
 import numpy as np
 import pytest
 
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.errors import InvalidArgumentError
 from restorekit.export import convert, export_checkpoint, target_format
-from restorekit.export.targets import OutputNameError
+from restorekit.export._targets import OutputNameError
 from conftest import write_bundle
 
 

@@ -1,4 +1,4 @@
-"""restorekit/export/tfwrite.py: imports into TF checkpoints over several data shards (num_shards=)."""
+"""restorekit/export/_tfwrite.py: imports into TF checkpoints over several data shards (num_shards=)."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import requires_torch
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.cli import main
 from restorekit.errors import InvalidArgumentError
 from restorekit.export import convert, import_checkpoint

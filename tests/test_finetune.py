@@ -1,4 +1,4 @@
-"""Tests for restorekit/finetune/groups.py and the package: variable groups, group_of, layerwise_decay."""
+"""Tests for restorekit/finetune/_groups.py and the package: variable groups, group_of, layerwise_decay."""
 
 import pickle
 import re
@@ -239,7 +239,7 @@ def test_group_of_a_partition_and_of_a_partitioned_name():
 def test_optimizer_classes_load_on_first_use_from_the_package():
     import restorekit
     import restorekit.finetune as finetune
-    from restorekit.finetune.graph_mode import GroupedOptimizer
+    from restorekit.finetune._graph_mode import GroupedOptimizer
 
     assert finetune.GroupedOptimizer is GroupedOptimizer is restorekit.GroupedOptimizer
     assert GroupedOptimizer.__module__ == "restorekit.finetune"

@@ -1,4 +1,4 @@
-"""Tests for restorekit/finetune/gradients.py: scale_gradients and the (gradient, variable) pairs it takes."""
+"""Tests for restorekit/finetune/_gradients.py: scale_gradients and the (gradient, variable) pairs it takes."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""Tests for restorekit/finetune/graph_mode.py: GroupedOptimizer trains TF1 graphs group by group."""
+"""Tests for restorekit/finetune/_graph_mode.py: GroupedOptimizer trains TF1 graphs group by group."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Tests for restorekit/finetune/keras3.py: grouped_keras_optimizer with fit, custom steps, checkpoints, strategies."""
+"""Tests for restorekit/finetune/_keras3.py: grouped_keras_optimizer with fit, custom steps, checkpoints, strategies."""
 
 import numpy as np
 import pytest

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit.bundle.checks import check_header, check_shape, check_size
-from restorekit.bundle.format import DT_FLOAT, decode_slice_key, encode_slice_key, tensor_crc
-from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
-from restorekit.bundle.protos import BundleEntry, decode_entry, decode_header, encode_entry, put_field
-from restorekit.bundle.table import FOOTER_SIZE, read_table, write_table
-from restorekit.bundle.varint import put_varint
-from restorekit.bundle.writer import BundleWriter
-from restorekit.checkpoint import Checkpoint
+from restorekit._bundle.checks import check_header, check_shape, check_size
+from restorekit._bundle.format import DT_FLOAT, decode_slice_key, encode_slice_key, tensor_crc
+from restorekit._bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
+from restorekit._bundle.protos import BundleEntry, decode_entry, decode_header, encode_entry, put_field
+from restorekit._bundle.table import FOOTER_SIZE, read_table, write_table
+from restorekit._bundle.varint import put_varint
+from restorekit._bundle.writer import BundleWriter
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import RestoreKitError
 
 SEED = 20250611

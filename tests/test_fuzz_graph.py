@@ -1,6 +1,6 @@
 """Fuzz the graph readers: damaged .pb (binary and text), .meta and SavedModel files through restorekit.graph.
 
-Each damaged file goes through ``restorekit.graph.loading._load``, ``inspect_graph`` and
+Each damaged file goes through ``restorekit.graph._loading._load``, ``inspect_graph`` and
 ``repair_graph`` (which hand the graph to TensorFlow's C++ importer) and must succeed or
 raise a RestoreKitError. A crash inside TensorFlow cannot be caught in-process, so the
 cases run in one worker process (this file run as a script) that prints one JSON line
@@ -272,7 +272,7 @@ def _place(directory: str, seed: str, data: bytes) -> str:
 
 def _run_case(index, path, out) -> None:
     from restorekit.graph import inspect_graph, repair_graph, unfreeze
-    from restorekit.graph.loading import _load
+    from restorekit.graph._loading import _load
 
     _load(path)
     inspect_graph(path)

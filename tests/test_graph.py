@@ -11,7 +11,7 @@ import tf_slim as slim
 from google.protobuf import text_format
 
 from restorekit import graph as rkgraph
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import (
     CheckpointNotFoundError,
     GraphError,
@@ -387,7 +387,7 @@ def test_freeze_training_batch_norm_drops_the_updates_and_computes_one_run(train
 
 def test_frozen_graph_that_does_not_import_raises_and_writes_nothing(training_net, tmp_path, monkeypatch):
     # Keep the updates, as freeze did before it dropped them: a writer left on a constant.
-    monkeypatch.setattr(rkgraph.freezing, "_variable_writers", lambda graph_def, names: [])
+    monkeypatch.setattr(rkgraph._freezing, "_variable_writers", lambda graph_def, names: [])
     out = tmp_path / "frozen.pb"
 
     with pytest.raises(GraphError) as info:

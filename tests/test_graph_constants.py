@@ -1,4 +1,4 @@
-"""Tests for restorekit/graph/constants.py: Const sizes from dtype and shape, and their bytes in chunks."""
+"""Tests for restorekit/graph/_constants.py: Const sizes from dtype and shape, and their bytes in chunks."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2, types_pb2
 
 from restorekit.errors import GraphError
-from restorekit.graph.constants import const_chunks, const_layout
+from restorekit.graph._constants import const_chunks, const_layout
 
 
 def _node(tensor, name="c"):

@@ -1,4 +1,4 @@
-"""Tests for restorekit/graph/repairs.py: the repaired graph of an old TF 1.x file, as a proto and imported."""
+"""Tests for restorekit/graph/_repairs.py: the repaired graph of an old TF 1.x file, as a proto and imported."""
 
 import numpy as np
 import pytest
@@ -102,7 +102,7 @@ def test_import_meta_graph_repairs_then_imports_and_returns_the_saver(net, old_m
 # ------------------------------------------------------------------ the CLI over repairs (issue 14 item 7)
 
 def test_cli_scan_and_graph_repair_handle_an_old_tf1_meta(net, old_meta, tmp_path, capsys):
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
     from restorekit.cli import main
 
     prefix = Checkpoint(net.prefix).prefix
@@ -118,7 +118,7 @@ def test_cli_scan_and_graph_repair_handle_an_old_tf1_meta(net, old_meta, tmp_pat
 
 
 def test_cli_scan_with_an_index_file_as_meta_graph_says_what_to_pass(net, capsys):
-    from restorekit.checkpoint import Checkpoint
+    from restorekit._checkpoint import Checkpoint
     from restorekit.cli import main
 
     prefix = Checkpoint(net.prefix).prefix

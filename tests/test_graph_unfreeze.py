@@ -1,4 +1,4 @@
-"""Tests for restorekit/graph/unfreezing.py: frozen constants back to a checkpoint and a trainable graph."""
+"""Tests for restorekit/graph/_unfreezing.py: frozen constants back to a checkpoint and a trainable graph."""
 
 import os
 import shutil
@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 import tf_slim as slim
 
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import GraphError, InsufficientSpaceError, NoMatchError, OutputError, OutputExistsError
 from restorekit.graph import freeze, inspect_graph, unfreeze
 from conftest import save_variables
@@ -438,7 +438,7 @@ def test_unfreeze_refuses_an_output_another_writer_holds(frozen, tmp_path):
     """One writer per output (issue 22): unfreeze's commit takes the output's lock, as the editor's saves do."""
     import threading
 
-    from restorekit.bundle import atomic
+    from restorekit._bundle import atomic
 
     prefix = str(tmp_path / "out" / "model.ckpt")
     ready, stop = threading.Event(), threading.Event()

@@ -8,15 +8,15 @@ import subprocess
 import sys
 import threading
 
-from restorekit.bundle import atomic
-from restorekit.bundle.locking import output_lock
+from restorekit._bundle import atomic
+from restorekit._bundle.locking import output_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from restorekit.bundle import atomic
+from restorekit._bundle import atomic
 out = sys.argv[2]
 with atomic.atomic_output(out) as tmp:
     with open(tmp, "wb") as f:

@@ -1,5 +1,5 @@
-"""Keras files in edit and convert (restorekit/edit/save_keras.py, restorekit/export/keras.py,
-restorekit/keras_files/writer.py): edited .weights.h5 files load with model.load_weights and .keras archives
+"""Keras files in edit and convert (restorekit/edit/_save_keras.py, restorekit/export/_keras.py,
+restorekit/keras_files/_writer.py): edited .weights.h5 files load with model.load_weights and .keras archives
 edited in place with load_model; conversions go to every format under readable paths; what cannot load is
 refused and nothing is written."""
 
@@ -191,7 +191,7 @@ def test_save_in_place_rewrites_a_keras_archive_that_load_model_loads(saved):
 
 
 def test_a_keras_archive_save_that_fails_midway_leaves_the_old_archive(saved, monkeypatch):
-    from restorekit.keras_files import writer
+    from restorekit.keras_files import _writer as writer
 
     _, tmp = saved
     before, listing = (tmp / "m.keras").read_bytes(), sorted(os.listdir(tmp))
@@ -211,7 +211,7 @@ def test_a_keras_archive_save_that_fails_midway_leaves_the_old_archive(saved, mo
 
 
 def test_a_keras_archive_save_killed_before_the_rename_leaves_the_old_archive(saved):
-    from restorekit.bundle import atomic
+    from restorekit._bundle import atomic
 
     _, tmp = saved
     before = (tmp / "m.keras").read_bytes()

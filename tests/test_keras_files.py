@@ -134,7 +134,7 @@ def test_a_keras_path_two_nested_blocks_share_reads_through_the_block_names(tmp_
 
 
 def _tree_path(model, variable) -> str:
-    from restorekit.trackables import layer_paths
+    from restorekit._trackables import layer_paths
 
     return layer_paths(model)[id(variable)]
 

@@ -1,11 +1,11 @@
-"""The low-level nodes the Keras 3 walk reads files through (restorekit/keras_files/h5nodes.py) answer as h5py's
+"""The low-level nodes the Keras 3 walk reads files through (restorekit/keras_files/_h5nodes.py) answer as h5py's
 high-level Group and Dataset do: member order, links, attributes, shapes, dtypes and missing members."""
 
 import h5py
 import numpy as np
 import pytest
 
-from restorekit.keras_files.h5nodes import NODES, root
+from restorekit.keras_files._h5nodes import NODES, root
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ keras = pytest.importorskip("keras")
 k2 = pytest.importorskip("tf_keras")
 
 import restorekit  # noqa: E402
-from restorekit.compare import diff_checkpoints  # noqa: E402
+from restorekit._compare import diff_checkpoints  # noqa: E402
 from restorekit.errors import RestoreKitWarning  # noqa: E402
 from conftest import import_torch  # noqa: E402
 

@@ -8,7 +8,7 @@ keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 import restorekit  # noqa: E402
-from restorekit.compare import diff_checkpoints  # noqa: E402
+from restorekit._compare import diff_checkpoints  # noqa: E402
 
 L = keras.layers
 

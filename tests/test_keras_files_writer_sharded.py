@@ -1,4 +1,4 @@
-"""Keras sharded sets written by restorekit (restorekit/keras_files/writer.py write_sharded, via CheckpointEditor.save
+"""Keras sharded sets written by restorekit (restorekit/keras_files/_writer.py write_sharded, via CheckpointEditor.save
 and save_in_place): Keras' model.load_weights loads them with the edited values; the shard count follows
 max_shard_size; refused saves write nothing."""
 

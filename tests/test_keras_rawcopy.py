@@ -1,5 +1,5 @@
 """Keras files to safetensors by kernel copy of their stored bytes (KerasCheckpoint.stored_range in
-restorekit/keras_files, copy_unchecked_run in restorekit/export/rawcopy.py, the safetensors writer):
+restorekit/keras_files, copy_unchecked_run in restorekit/export/_rawcopy.py, the safetensors writer):
 values equal to h5py's, plain datasets copied, the others decoded, bad ranges refused with nothing written."""
 
 import os
@@ -13,9 +13,9 @@ from safetensors.numpy import load_file
 from conftest import requires_torch
 import restorekit
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export import rawcopy
+from restorekit.export import _rawcopy as rawcopy
 from restorekit.export import safetensors as st
-from restorekit.export import sources
+from restorekit.export import _sources as sources
 from restorekit.keras_files import KerasCheckpoint
 
 
@@ -163,7 +163,7 @@ def test_a_dataset_past_the_end_of_the_file_is_refused_and_nothing_written(saved
     # HDF5 itself refuses a dataset past the file's allocated end when it opens it (and a
     # file shorter than that when it opens the file), so the bound is met by what h5py
     # says here: an h5py that did not check is stood in for.
-    import restorekit.keras_files.reader as keras_files
+    import restorekit.keras_files._reader as keras_files
 
     src = tmp_path / name
     src.write_bytes((saved / name).read_bytes())

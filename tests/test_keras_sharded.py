@@ -1,4 +1,4 @@
-"""Sharded Keras 3 weights (restorekit/keras_files/sharded.py): a .weights.json index and its shards, written by
+"""Sharded Keras 3 weights (restorekit/keras_files/_sharded.py): a .weights.json index and its shards, written by
 Keras itself, read as the unsharded .weights.h5 of the same model; scanned, restored, converted, edited; bad sets
 refused with nothing written."""
 
@@ -17,9 +17,9 @@ from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputExistsError
 from restorekit.export import safetensors as st
-from restorekit.export import sources
+from restorekit.export import _sources as sources
 from restorekit.keras_files import KerasCheckpoint, is_keras_path
-from restorekit.keras_files.sharded import ShardedKerasCheckpoint
+from restorekit.keras_files._sharded import ShardedKerasCheckpoint
 
 SHARD = 20_000 / 1024**3  # Keras' max_shard_size is in GB (it multiplies by 1024**3): ~20 KB shards
 

@@ -150,7 +150,7 @@ def test_the_sweep_removes_only_what_a_dead_commit_left_unnamed(tmp_path):
 
     import numpy as np
 
-    from restorekit.bundle import atomic
+    from restorekit._bundle import atomic
     from conftest import write_bundle
 
     write_bundle(tmp_path / "x", {"w": np.zeros(3, np.float32)})  # live: x.index names 1 shard

@@ -16,21 +16,21 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # `restorekit.`; a name also covers its package's modules (`graph` covers `graph.freeze`).
 LAYERS = [
     ["errors"],
-    ["names", "_tensorflow"],
-    ["bundle", "formats.registry"],  # the Source protocol and the registry know no format: Checkpoint asks them
-    ["checkpoint", "keras_files"],
-    ["report", "ema", "rundir"],
+    ["_names", "_tensorflow"],
+    ["_bundle", "formats._registry"],  # the Source protocol and the registry know no format: Checkpoint asks them
+    ["_checkpoint", "keras_files"],
+    ["_report", "_ema", "_rundir"],
     # The formats: one module each behind formats.registry, the reading side (safetensors one file or a shard set,
     # torch, npz, keras, tf; files holds what the file formats share). What they read back through sits with them:
     # export.layout(s), the layout record of TF <-> torch names and axes (also what torch_target and the ready rule
     # sets of export.hf read a checkpoint through), and export.base's dtype and byte helpers.
-    ["formats", "export.base", "export.layout", "export.layouts", "export.hf"],
-    ["trackables", "targets", "torch_target", "rules", "policies", "assignment", "hints", "array_values"],
-    ["sources"],  # several sources: scanned one by one (scan passes itself in) and merged
-    ["scan"],
-    ["remap", "tf1", "tf2", "restore_keras", "restore_torch", "initializers", "distribute"],
-    ["scaffold", "finetune", "resume"],
-    ["compare", "export", "edit", "graph", "compress", "averaging"],
+    ["formats", "export._base", "export._layout", "export.layouts", "export._hf"],
+    ["_trackables", "_targets", "_torch_target", "rules", "_policies", "_assignment", "_hints", "_array_values"],
+    ["_sources"],  # several sources: scanned one by one (scan passes itself in) and merged
+    ["_scan"],
+    ["_remap", "_tf1", "_tf2", "_restore_keras", "_restore_torch", "_initializers", "_distribute"],
+    ["_scaffold", "finetune", "_resume"],
+    ["_compare", "export", "edit", "graph", "compress", "_averaging"],
     ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)
 ]
 
@@ -83,7 +83,7 @@ def _imports(module: str, path: str, modules: dict = MODULES) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(module, is_package, node)
             for a in node.names:
-                # `from restorekit.bundle import files` imports the module files, not bundle's __init__
+                # `from restorekit._bundle import files` imports the module files, not bundle's __init__
                 full = f"{base}.{a.name}"
                 out.add(_known(full, modules) if full[len("restorekit."):] in modules else _known(base, modules))
     out.discard(None)
@@ -179,5 +179,5 @@ def test_import_restorekit_does_not_import_tensorflow_or_torch():
 
 def test_the_lists_are_what_the_check_reads():
     # A sanity check that the walk sees real edges (a walk that finds nothing passes vacuously).
-    assert "errors" in GRAPH["checkpoint"] and "checkpoint" in GRAPH["scan"]
+    assert "errors" in GRAPH["_checkpoint"] and "_checkpoint" in GRAPH["_scan"]
     assert defaultdict(set, GRAPH)["errors"] == set()

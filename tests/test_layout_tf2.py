@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/layout.py on object-based (TF2, Keras 3) checkpoints: layout='torch'."""
+"""Tests for restorekit/export/_layout.py on object-based (TF2, Keras 3) checkpoints: layout='torch'."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import requires_torch
-from restorekit.checkpoint import Checkpoint
+from restorekit._checkpoint import Checkpoint
 from restorekit.export import convert, export_checkpoint, import_checkpoint
 from restorekit.export import safetensors as st_format
 

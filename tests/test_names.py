@@ -1,11 +1,11 @@
-"""restorekit/names.py: the one pattern rule, slot and global_step names, rename rules."""
+"""restorekit/_names.py: the one pattern rule, slot and global_step names, rename rules."""
 
 import re
 
 import pytest
 
 from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchError
-from restorekit.names import (
+from restorekit._names import (
     PatternSet,
     apply_renames,
     is_global_step,
@@ -105,7 +105,7 @@ def test_rename_collision_names_both():
 
 # ---------------------------------------------------------------- entry_kind: the one rule for "is this a weight"
 
-from restorekit.names import Kind, entry_kind, is_weight  # noqa: E402
+from restorekit._names import Kind, entry_kind, is_weight  # noqa: E402
 
 
 @pytest.mark.parametrize("name, path, tracked, kind", [

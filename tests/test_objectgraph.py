@@ -1,4 +1,4 @@
-"""restorekit/bundle/objectgraph.py: the TF2 object graph, decoded and re-encoded without TensorFlow."""
+"""restorekit/_bundle/objectgraph.py: the TF2 object graph, decoded and re-encoded without TensorFlow."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from restorekit import Checkpoint
-from restorekit.bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph, rewrite_keys
+from restorekit._bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph, rewrite_keys
 from restorekit.errors import CorruptCheckpointError
 
 

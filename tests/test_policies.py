@@ -1,4 +1,4 @@
-"""Tests for restorekit/policies.py's shape adapters: ResizePositions and AdaptInputChannels, planned and restored."""
+"""Tests for restorekit/_policies.py's shape adapters: ResizePositions and AdaptInputChannels, planned and restored."""
 
 import keras
 import numpy as np
@@ -9,8 +9,8 @@ import restorekit
 from conftest import save_variables
 
 from restorekit.errors import InvalidArgumentError
-from restorekit.policies import AdaptInputChannels, ResizePositions, resize_matrix, resolve_shape_policy
-from restorekit.scan import scan
+from restorekit._policies import AdaptInputChannels, ResizePositions, resize_matrix, resolve_shape_policy
+from restorekit._scan import scan
 
 tf1 = tf.compat.v1
 

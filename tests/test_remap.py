@@ -1,4 +1,4 @@
-"""Tests for restorekit/remap.py: vocabulary remapping and shape policies, TF2 (assign) and TF1 (initializers)."""
+"""Tests for restorekit/_remap.py: vocabulary remapping and shape policies, TF2 (assign) and TF1 (initializers)."""
 
 import json
 import pickle
@@ -10,10 +10,10 @@ import tensorflow as tf
 import restorekit
 from conftest import save_variables
 
-from restorekit import remap, tf2
+from restorekit import _remap as remap, _tf2 as tf2
 from restorekit.errors import InvalidArgumentError, NoMatchError, VocabularyError
-from restorekit.remap import VocabRemap
-from restorekit.scan import scan
+from restorekit._remap import VocabRemap
+from restorekit._scan import scan
 
 tf1 = tf.compat.v1
 

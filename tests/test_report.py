@@ -1,4 +1,4 @@
-"""restorekit/report.py: a RestoreReport is a value (text, JSON, pickle) that keeps its live side private."""
+"""restorekit/_report.py: a RestoreReport is a value (text, JSON, pickle) that keeps its live side private."""
 
 import json
 import pickle
@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from restorekit import scan
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
-from restorekit.report import Record, RestoreReport, format_bytes, format_shape, live_handles, plain_records, policy_of
+from restorekit._report import Record, RestoreReport, format_bytes, format_shape, live_handles, plain_records, policy_of
 
 tf1 = tf.compat.v1
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import restorekit
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError
-from restorekit.resume import Start
+from restorekit._resume import Start
 
 X = np.random.RandomState(0).randn(32, 4).astype("float32")
 Y = np.random.RandomState(1).randn(32, 2).astype("float32")

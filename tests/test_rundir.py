@@ -1,4 +1,4 @@
-"""restorekit/rundir.py: which checkpoint of a run directory a restart resumes from (TF1 Saver runs here)."""
+"""restorekit/_rundir.py: which checkpoint of a run directory a restart resumes from (TF1 Saver runs here)."""
 
 import os
 import warnings
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from restorekit.errors import RestoreKitWarning, RunDirectoryError
-from restorekit.rundir import ResumePoint, name_in_state_file, resume_point
+from restorekit._rundir import ResumePoint, name_in_state_file, resume_point
 from conftest import save_variables
 
 

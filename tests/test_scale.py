@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import restorekit.bundle.files as files
-import restorekit.edit.save_tf as save_tf
-from restorekit.bundle.writer import BundleWriter
-from restorekit.checkpoint import Checkpoint
+import restorekit._bundle.files as files
+import restorekit.edit._save_tf as save_tf
+from restorekit._bundle.writer import BundleWriter
+from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError
 from restorekit.export import convert

@@ -91,7 +91,7 @@ def test_report_is_a_value(finetune):
     as_dict = report.to_dict()
     assert as_dict["is_complete"] is False
     assert {r["variable_name"] for r in as_dict["missing"]} == {"extra/weights", "extra/biases"}
-    assert restorekit.report.json.loads(report.to_json())["num_variables"] == report.num_variables
+    assert restorekit._report.json.loads(report.to_json())["num_variables"] == report.num_variables
 
 
 def test_strict_assert_complete_names_what_is_missing(finetune):
@@ -631,8 +631,8 @@ def test_every_record_says_how_it_matched_or_why_it_was_skipped(small_checkpoint
     assert {r.variable_name: r.how for r in mapped.matched} == {"dense/kernel": ("assignment_map",),
                                                                 "dense/bias": ("assignment_map", "policy")}
     assert [r.how for r in mapped.skipped if r.variable_name == "head/kernel"] == [("not_in_assignment_map",)]
-    assert set(restorekit.report.HOW) >= {h for r in report.matched + report.skipped for h in r.how}
-    as_json = restorekit.report.json.loads(report.to_json())
+    assert set(restorekit._report.HOW) >= {h for r in report.matched + report.skipped for h in r.how}
+    as_json = restorekit._report.json.loads(report.to_json())
     assert {r["variable_name"]: r["how"] for r in as_json["matched"]}["head/kernel"] == ["rule", "policy"]
 
 

@@ -1,4 +1,4 @@
-"""Several sources in one restore (restorekit/sources.py): lists, {pattern: source} mappings, From options,
+"""Several sources in one restore (restorekit/_sources.py): lists, {pattern: source} mappings, From options,
 into TF1 graphs (MonitoredTrainingSession) and Keras 3 models, from checkpoints of different formats."""
 
 import json

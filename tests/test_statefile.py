@@ -1,4 +1,4 @@
-"""restorekit/bundle/statefile.py: the `checkpoint` state file, read and written as TF does."""
+"""restorekit/_bundle/statefile.py: the `checkpoint` state file, read and written as TF does."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import restorekit
-from restorekit.bundle import statefile
+from restorekit._bundle import statefile
 from conftest import save_variables
 
 

@@ -1,4 +1,4 @@
-"""Tests for restorekit/targets.py: what ``variables`` may be, and the name of each kind of variable."""
+"""Tests for restorekit/_targets.py: what ``variables`` may be, and the name of each kind of variable."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from restorekit.errors import InvalidArgumentError
-from restorekit.targets import collect, is_keras_variable, tf_variable, variable_name
+from restorekit._targets import collect, is_keras_variable, tf_variable, variable_name
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""restorekit.tf1 (partial_saver, warm_start, assign_from_checkpoint_fn) and uninitialized-only initializers."""
+"""restorekit._tf1 (partial_saver, warm_start, assign_from_checkpoint_fn) and uninitialized-only initializers."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Tests for restorekit/tf2.py: object-graph paths, scanning Keras 3 models and tf.Modules, eager restore."""
+"""Tests for restorekit/_tf2.py: object-graph paths, scanning Keras 3 models and tf.Modules, eager restore."""
 
 import pickle
 import re
@@ -9,10 +9,10 @@ import pytest
 import tensorflow as tf
 
 import restorekit
-from restorekit import tf2
-from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint
+from restorekit import _tf2 as tf2
+from restorekit._checkpoint import OBJECT_GRAPH_KEY, Checkpoint
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError
-from restorekit.scan import scan
+from restorekit._scan import scan
 
 tf1 = tf.compat.v1
 
@@ -477,7 +477,7 @@ def test_one_entry_found_for_two_variables_restores_only_the_first_and_says_so(h
 
     import sys
 
-    monkeypatch.setattr(sys.modules["restorekit.scan"], "object_graph_keys", both_on_body)
+    monkeypatch.setattr(sys.modules["restorekit._scan"], "object_graph_keys", both_on_body)
     report = scan(prefix, new, match="object_graph")
     keys = [r.checkpoint_name for r in report.matched]
     assert len(keys) == len(set(keys))  # no entry feeds two variables

@@ -1,9 +1,9 @@
-"""restorekit.trackables.layer_paths: a variable's path through a model's named layers."""
+"""restorekit._trackables.layer_paths: a variable's path through a model's named layers."""
 
 import keras
 import tensorflow as tf
 
-from restorekit.trackables import layer_paths
+from restorekit._trackables import layer_paths
 
 
 class _Block(keras.layers.Layer):

@@ -6,7 +6,7 @@ the same inputs, and writes the result only when it computes what the original d
 TensorFlow, LiteRT, tf2onnx and ONNX Runtime load inside the functions that use them.
 """
 
-from restorekit.compress.convert import BACKENDS, PRECISIONS, compress
-from restorekit.compress.result import CompressResult
+from restorekit.compress._convert import BACKENDS, PRECISIONS, compress
+from restorekit.compress._result import CompressResult
 
 __all__ = ["BACKENDS", "PRECISIONS", "CompressResult", "compress"]

@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from restorekit.demo.printing import accuracy_table, count_lines, curve_table, plot_learning_curves
-from restorekit.demo.training import (
+from restorekit.demo._printing import accuracy_table, count_lines, curve_table, plot_learning_curves
+from restorekit.demo._training import (
     ARMS,
     CLASSES,
     DEFAULT_OUT,

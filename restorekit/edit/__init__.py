@@ -16,6 +16,6 @@ checkpoints fast and memory-bounded. The package, bottom to top::
 
 from __future__ import annotations
 
-from restorekit.edit.editor import CheckpointEditor
+from restorekit.edit._editor import CheckpointEditor
 
 __all__ = ["CheckpointEditor"]

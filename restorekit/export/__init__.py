@@ -8,18 +8,18 @@ reading verbs are the readers' of ``restorekit.formats`` (``formats.safetensors`
     restorekit.export.safetensors   streaming writer of .safetensors
     restorekit.export.torch         torch.save
     restorekit.export.npz           streaming numpy .npz writer
-    restorekit.export.layout        TF <-> PyTorch names and axes (layout='torch')
-    restorekit.export.formats       the table of formats every caller dispatches through
-    restorekit.export.base          what the formats share (ExportResult, progress, ...)
-    restorekit.export.rawcopy       crc-checked copies of stored bytes (the fast path)
-    restorekit.export.sharded       Hugging Face-style safetensors shards + index, written
-    restorekit.export.hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
-    restorekit.export.options       weights_only, ema and rules: what an export writes, under which names
-    restorekit.export.sources       a conversion's non-TF source (a file, or a set of shards)
-    restorekit.export.request       the one table of which option applies to which format
-    restorekit.export.outputs       a conversion's output: checks, lock, config.json, result
-    restorekit.export.from_checkpoint  writing an open TF checkpoint or Keras file
-    restorekit.export.from_files    writing an open safetensors, PyTorch or npz file
+    restorekit.export._layout        TF <-> PyTorch names and axes (layout='torch')
+    restorekit.export._formats       the table of formats every caller dispatches through
+    restorekit.export._base          what the formats share (ExportResult, progress, ...)
+    restorekit.export._rawcopy       crc-checked copies of stored bytes (the fast path)
+    restorekit.export._sharded       Hugging Face-style safetensors shards + index, written
+    restorekit.export._hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
+    restorekit.export._options       weights_only, ema and rules: what an export writes, under which names
+    restorekit.export._sources       a conversion's non-TF source (a file, or a set of shards)
+    restorekit.export._request       the one table of which option applies to which format
+    restorekit.export._outputs       a conversion's output: checks, lock, config.json, result
+    restorekit.export._from_checkpoint  writing an open TF checkpoint or Keras file
+    restorekit.export._from_files    writing an open safetensors, PyTorch or npz file
 
 and three functions over them (``conversions``, each open -> plan -> write):
 :func:`export_checkpoint` (TF checkpoint -> file), :func:`import_checkpoint` (file ->
@@ -38,7 +38,7 @@ npz stores them as fixed-width bytes.
 
 from __future__ import annotations
 
-from restorekit.export.base import (  # noqa: F401  (the shared helpers, importable from here as before)
+from restorekit.export._base import (  # noqa: F401  (the shared helpers, importable from here as before)
     STRINGS_LIMIT,
     ExportResult,
     atomic_output,
@@ -69,17 +69,17 @@ def __getattr__(name: str):
     # (restorekit.formats) read through export.layout(s) and export.base, and importing those
     # must not import the conversions, which import the readers.
     if name in _CONVERSIONS:
-        from restorekit.export import conversions
+        from restorekit.export import _conversions as conversions
 
         return getattr(conversions, name)
     # FORMATS lists the format modules found in this package; computed on first use so
     # that importing restorekit does not import them.
     if name == "FORMATS":
-        from restorekit.export import formats
+        from restorekit.export import _formats as formats
 
         return formats.names()
     if name == "RULE_SETS":
-        from restorekit.export.hf import RULE_SETS
+        from restorekit.export._hf import RULE_SETS
 
         return RULE_SETS
     raise AttributeError(f"module 'restorekit.export' has no attribute {name!r}")

@@ -25,7 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError
-from restorekit.export.base import ExportResult, atomic_output, checkpoint_entries, progress_bar, refuse, tf_dtype_of
+from restorekit.export._base import ExportResult, atomic_output, checkpoint_entries, progress_bar, refuse, tf_dtype_of
 from restorekit.formats.npz import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
     FORMAT,
     SUFFIXES,

@@ -17,9 +17,9 @@ from typing import BinaryIO, Iterable
 
 import numpy as np
 
-from restorekit.bundle import atomic, files
+from restorekit._bundle import atomic, files
 from restorekit.errors import InvalidArgumentError, OutputError
-from restorekit.export.base import (
+from restorekit.export._base import (
     ExportResult,
     atomic_output,
     check_strings,
@@ -29,7 +29,7 @@ from restorekit.export.base import (
     progress_bar,
     raw_bytes_view,
 )
-from restorekit.export.layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
+from restorekit.export._layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
 from restorekit.formats.safetensors import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the table lists them)
     FORMAT,
     SUFFIXES,
@@ -45,7 +45,7 @@ from restorekit.formats.safetensors import (  # noqa: F401  (FORMAT, SUFFIXES an
     read_shapes,
     recognizes,
 )
-from restorekit.export.rawcopy import (  # noqa: F401  (tests patch _KernelCopy here)
+from restorekit.export._rawcopy import (  # noqa: F401  (tests patch _KernelCopy here)
     UncheckedRange,
     _KernelCopy,
     copy_raw,
@@ -133,7 +133,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
         path: the output file (replaced if it exists).
         tensors: an iterable of ``(TF name, ndarray)``, consumed once; a third item,
             a TF dtype name, keeps dtypes numpy cannot name (``'qint8'``).
-        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
+        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export._layout``).
         metadata: extra ``__metadata__`` entries, str -> str.
         graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
             so that layout 'torch' names them from their readable paths.

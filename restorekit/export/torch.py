@@ -15,9 +15,9 @@ from typing import Iterable
 
 import numpy as np
 
-from restorekit.bundle import files
+from restorekit._bundle import files
 from restorekit.errors import InvalidArgumentError
-from restorekit.export.base import (
+from restorekit.export._base import (
     ExportResult,
     atomic_output,
     check_strings,
@@ -28,8 +28,8 @@ from restorekit.export.base import (
     refuse,
     tf_dtype_of,
 )
-from restorekit.export.layout import STORED_AS, LayoutRecord, check_layout
-from restorekit.export.rawcopy import copy_raw
+from restorekit.export._layout import STORED_AS, LayoutRecord, check_layout
+from restorekit.export._rawcopy import copy_raw
 from restorekit.formats.torch import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
     FORMAT,
     SUFFIXES,
@@ -88,7 +88,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
         path: the output file (replaced if it exists).
         tensors: an iterable of ``(TF name, ndarray)``; a third item, a TF dtype
             name, keeps dtypes numpy cannot name (``'qint8'``).
-        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export.layout``).
+        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export._layout``).
         metadata: refused (a state_dict has no place for free-form metadata).
         graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
             so that layout 'torch' names them from their readable paths.

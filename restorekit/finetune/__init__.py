@@ -27,8 +27,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from restorekit.finetune.gradients import scale_gradients
-from restorekit.finetune.groups import (
+from restorekit.finetune._gradients import scale_gradients
+from restorekit.finetune._groups import (
     DEFAULT_EMBEDDINGS as DEFAULT_EMBEDDINGS,
     DEFAULT_LAYER_PATTERN as DEFAULT_LAYER_PATTERN,
     VariableGroup,
@@ -36,13 +36,13 @@ from restorekit.finetune.groups import (
     group_variables,
     layerwise_decay,
 )
-from restorekit.finetune.torch_groups import param_groups
+from restorekit.finetune._torch_groups import param_groups
 
 if TYPE_CHECKING:
     # Bound for readers and checkers (and so named in __all__ without F822);
     # at run time __getattr__ below loads them.
-    from restorekit.finetune.graph_mode import GroupedOptimizer
-    from restorekit.finetune.keras3 import KerasGroupedOptimizer as KerasGroupedOptimizer
+    from restorekit.finetune._graph_mode import GroupedOptimizer
+    from restorekit.finetune._keras3 import KerasGroupedOptimizer as KerasGroupedOptimizer
 
 __all__ = [
     "GroupedOptimizer",
@@ -59,8 +59,8 @@ __all__ = [
 # their modules import TensorFlow or Keras; load them on first use so that importing
 # restorekit imports neither.
 _LAZY = {
-    "GroupedOptimizer": "restorekit.finetune.graph_mode",
-    "KerasGroupedOptimizer": "restorekit.finetune.keras3",
+    "GroupedOptimizer": "restorekit.finetune._graph_mode",
+    "KerasGroupedOptimizer": "restorekit.finetune._keras3",
 }
 
 
@@ -119,6 +119,6 @@ def grouped_keras_optimizer(optimizer_factory, groups: VariableGroups, *, name: 
         >>> groups = group_variables({"net/backbone": 0, "net/head": 10.0}, model)
         >>> model.compile(grouped_keras_optimizer(lambda m: keras.optimizers.Adam(1e-4 * m), groups), "mse")
     """
-    from restorekit.finetune.keras3 import KerasGroupedOptimizer as KerasGroupedOptimizer
+    from restorekit.finetune._keras3 import KerasGroupedOptimizer as KerasGroupedOptimizer
 
     return KerasGroupedOptimizer(optimizer_factory, groups, name=name)

@@ -20,13 +20,13 @@ from types import MappingProxyType
 
 import numpy as np
 
-from restorekit.bundle.verification import Problem, VerifyResult
-from restorekit.checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry
+from restorekit._bundle.verification import Problem, VerifyResult
+from restorekit._checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, EntryNotFoundError
-from restorekit.export.base import tf_dtype_of
+from restorekit.export._base import tf_dtype_of
 from restorekit.export.layouts import LayoutRecord, restore_dtype
-from restorekit.formats.reading import boundary
-from restorekit.formats.registry import BY_NAME, EntryMapping, Probe
+from restorekit.formats._reading import boundary
+from restorekit.formats._registry import BY_NAME, EntryMapping, Probe
 
 __all__ = ["FileCheckpoint", "FileReader", "FileVerifyResult", "FileView", "by_name", "tf_shapes"]
 
@@ -73,7 +73,7 @@ class FileReader:
 
 
 class FileView(EntryMapping):
-    """A non-TF file read as the TF checkpoint it holds: a ``Source`` (see ``restorekit.formats.registry``).
+    """A non-TF file read as the TF checkpoint it holds: a ``Source`` (see ``restorekit.formats._registry``).
 
     ``entries`` (name -> ``Entry``), ``read(name)``, ``readable_name``, ``object_paths``
     and ``object_graph`` (from the object graph a TF2 checkpoint's conversion carries
@@ -156,7 +156,7 @@ class FileView(EntryMapping):
     def _graph(self):
         if "_CHECKPOINTABLE_OBJECT_GRAPH" not in self.entries:
             return None
-        from restorekit.bundle.objectgraph import decode_object_graph
+        from restorekit._bundle.objectgraph import decode_object_graph
 
         raw = self.read("_CHECKPOINTABLE_OBJECT_GRAPH")  # from the record, or an npz member of bytes
         try:
@@ -225,7 +225,7 @@ class FileVerifyResult(VerifyResult):
 
 def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
     """The TF shape of one stored tensor (or of the piece of a TF tensor it holds), from its note."""
-    from restorekit.export.layout import invert
+    from restorekit.export._layout import invert
 
     ops = note.get("ops", {})
     if "view" in ops:

@@ -17,12 +17,12 @@ from typing import Iterator
 
 import numpy as np
 
-from restorekit.checkpoint import Entry
+from restorekit._checkpoint import Entry
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export.base import tf_dtype_of
+from restorekit.export._base import tf_dtype_of
 from restorekit.formats.files import FileReader, FileView, by_name
-from restorekit.formats.reading import boundary, check_output_size, open_zip, reader, regular_file
-from restorekit.formats.registry import BY_BYTES, Probe, register
+from restorekit.formats._reading import boundary, check_output_size, open_zip, reader, regular_file
+from restorekit.formats._registry import BY_BYTES, Probe, register
 
 __all__ = ["FORMAT", "RECORD", "SUFFIXES", "NpzReader", "read", "read_record", "read_shapes", "recognizes"]
 
@@ -119,7 +119,7 @@ def _restore(path: str, name: str, array: np.ndarray, note: dict | None) -> np.n
 
 def _noted_dtype(path: str, name: str, dtype) -> np.dtype:
     """The numpy dtype of the TF dtype name the record gives a tensor stored as its bits."""
-    from restorekit.bundle.format import dtype_enum, numpy_dtype
+    from restorekit._bundle.format import dtype_enum, numpy_dtype
 
     try:
         return numpy_dtype(dtype_enum(dtype))
@@ -247,7 +247,7 @@ class _NpzArchive:
         self.entries = entries
 
     def read(self, name: str) -> np.ndarray:
-        from restorekit.bundle.format import dtype_enum, numpy_dtype
+        from restorekit._bundle.format import dtype_enum, numpy_dtype
 
         if name in self._strings:
             return self._strings[name]

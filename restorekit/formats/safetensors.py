@@ -13,7 +13,7 @@ hold the tensors and how they are checked against each other (as Keras'
 naming a file that is not there, shards of two saves mixed in one directory, or a
 tensor the index and the shards disagree about is a ``CorruptCheckpointError`` before
 anything is read. The writers are ``restorekit.export.safetensors`` and
-``restorekit.export.sharded``.
+``restorekit.export._sharded``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Iterator
 
 import numpy as np
 
-from restorekit.bundle.jsonfile import read_json
+from restorekit._bundle.jsonfile import read_json
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
-from restorekit.export.base import raw_bytes_view
-from restorekit.export.layout import METADATA_KEY, LayoutRecord
+from restorekit.export._base import raw_bytes_view
+from restorekit.export._layout import METADATA_KEY, LayoutRecord
 from restorekit.formats.files import FileReader, FileView, by_name
-from restorekit.formats.reading import check_output_size, reader, regular_file
-from restorekit.formats.registry import BY_NAME, BY_BYTES, Probe, register
+from restorekit.formats._reading import check_output_size, reader, regular_file
+from restorekit.formats._registry import BY_NAME, BY_BYTES, Probe, register
 
 __all__ = ["FORMAT", "INDEX_SUFFIX", "SUFFIXES", "Header", "SafetensorsReader", "ShardSet", "ShardedSafetensorsReader",
            "TensorInfo", "find", "open_reader", "open_tensors", "read", "read_header", "read_record", "read_shapes",
@@ -89,7 +89,7 @@ class Header:
 
 
 def _numpy_dtype(st_dtype: str) -> np.dtype:
-    from restorekit.bundle.format import dtype_enum, numpy_dtype
+    from restorekit._bundle.format import dtype_enum, numpy_dtype
 
     return numpy_dtype(dtype_enum(_FROM_ST[st_dtype]))
 

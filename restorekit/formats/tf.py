@@ -7,9 +7,9 @@ import os
 import re
 import struct
 
-from restorekit.bundle.table import MAGIC
-from restorekit.checkpoint import Checkpoint
-from restorekit.formats.registry import BY_BYTES, BY_NAME, Probe, register
+from restorekit._bundle.table import MAGIC
+from restorekit._checkpoint import Checkpoint
+from restorekit.formats._registry import BY_BYTES, BY_NAME, Probe, register
 
 _DATA = re.compile(r"\.data-\d{5}-of-\d{5}$")
 

@@ -22,11 +22,11 @@ from typing import Iterator
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
-from restorekit.export.layout import LayoutRecord
-from restorekit.formats import torchfile
+from restorekit.export._layout import LayoutRecord
+from restorekit.formats import _torchfile as torchfile
 from restorekit.formats.files import FileReader, FileView, by_name
-from restorekit.formats.reading import check_output_size, open_zip, reader, regular_file
-from restorekit.formats.registry import BY_BYTES, Probe, register
+from restorekit.formats._reading import check_output_size, open_zip, reader, regular_file
+from restorekit.formats._registry import BY_BYTES, Probe, register
 
 __all__ = ["FORMAT", "SUFFIXES", "TorchReader", "load", "read", "read_record", "read_shapes", "recognizes", "to_numpy"]
 
@@ -73,7 +73,7 @@ def _torch():
 
 def to_numpy(tensor) -> np.ndarray:
     """A CPU tensor -> numpy array; bfloat16 and float8 come back as ml_dtypes arrays."""
-    from restorekit.bundle.format import dtype_enum, numpy_dtype
+    from restorekit._bundle.format import dtype_enum, numpy_dtype
 
     torch = _torch()
     tensor = tensor.detach().cpu()

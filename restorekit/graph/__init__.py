@@ -19,12 +19,12 @@ from __future__ import annotations
 import sys
 import types
 
-from restorekit.graph import common
-from restorekit.graph.common import MAX_PROTO_BYTES  # noqa: F401
-from restorekit.graph.freezing import freeze
-from restorekit.graph.inspect import inspect_graph
-from restorekit.graph.repairs import import_meta_graph, repair_graph
-from restorekit.graph.results import (
+from restorekit.graph import _common as common
+from restorekit.graph._common import MAX_PROTO_BYTES  # noqa: F401
+from restorekit.graph._freezing import freeze
+from restorekit.graph._inspect import inspect_graph
+from restorekit.graph._repairs import import_meta_graph, repair_graph
+from restorekit.graph._results import (
     Alignment,
     ConvertedConstant,
     GraphSummary,
@@ -32,7 +32,7 @@ from restorekit.graph.results import (
     UnfreezeResult,
     VariableSummary,
 )
-from restorekit.graph.unfreezing import LARGE_CONSTANT_BYTES, unfreeze  # noqa: F401
+from restorekit.graph._unfreezing import LARGE_CONSTANT_BYTES, unfreeze  # noqa: F401
 
 __all__ = [
     "Alignment",

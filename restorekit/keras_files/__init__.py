@@ -9,7 +9,7 @@ format registry's choice (``restorekit.formats.keras``), reached through
 
 from __future__ import annotations
 
-from restorekit.keras_files.reader import (
+from restorekit.keras_files._reader import (
     INSTALL,
     KERAS_SUFFIXES,
     SHARDED_SUFFIX,
@@ -18,7 +18,7 @@ from restorekit.keras_files.reader import (
     is_keras_path,
     no_shared_layers_error,
 )
-from restorekit.keras_files.sharded import ShardedKerasCheckpoint
+from restorekit.keras_files._sharded import ShardedKerasCheckpoint
 
 __all__ = ["INSTALL", "KERAS_SUFFIXES", "SHARDED_SUFFIX", "KerasCheckpoint", "KerasEntry", "ShardedKerasCheckpoint",
            "is_keras_path", "no_shared_layers_error", "open_keras"]

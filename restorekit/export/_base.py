@@ -1,0 +1,286 @@
+"""What every export format module shares: ExportResult, progress, dtype and byte helpers, argument checks.
+
+The bottom of ``restorekit.export``: format modules import from here and from
+``layout``, never from each other or from the package ``__init__``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from restorekit._bundle.atomic import atomic_output  # noqa: F401  (format modules write through it)
+from restorekit.errors import InvalidArgumentError, format_names
+from restorekit._report import format_bytes
+
+__all__ = [
+    "STRINGS_LIMIT",
+    "ExportResult",
+    "PlannedCheckpoint",
+    "atomic_output",
+    "check_strings",
+    "checkpoint_files",
+    "contiguous",
+    "layout_tensors",
+    "little_endian",
+    "progress_bar",
+    "raw_bytes_view",
+    "refuse",
+    "tf_dtype_of",
+]
+
+STRINGS_LIMIT = 64 << 20
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What one export or import wrote.
+
+    ``permuted`` and ``kept`` hold TF names: the tensors whose axes ``layout='torch'``
+    permuted, and the optimizer state of an object-based checkpoint that it left in TF
+    axes on purpose (see ``restorekit.export._layout``). ``dropped`` holds the source
+    names left out on purpose (``weights_only``, EMA shadows written under their
+    weights' names, tied copies a rule set drops), ``fallback`` the weights ``ema=``
+    found no shadow for (exported raw), ``renamed`` the rule set applied, ``files``
+    every file written when there are several (shards, index, ``config.json``).
+    """
+
+    path: str
+    format: str
+    count: int
+    nbytes: int
+    layout: str | None = None
+    permuted: tuple = ()
+    strings: tuple = ()
+    kept: tuple = ()
+    dropped: tuple = ()
+    fallback: tuple = ()
+    renamed: str | None = None
+    files: tuple = ()
+    unmapped: tuple = ()
+
+    def __str__(self) -> str:
+        text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
+        if self.layout:
+            kept = f"; {len(self.kept)} optimizer tensors left in TF layout" if self.kept else ""
+            text += f", layout {self.layout!r} ({len(self.permuted)} permuted{kept})"
+        if self.strings:
+            text += f"; string tensors carried in metadata: {', '.join(repr(s) for s in self.strings)}"
+        if self.renamed:
+            text += f"; names and axes by rule set {self.renamed!r}"
+        if len(self.files) > 1:
+            text += f"; {len(self.files)} files"
+        if self.dropped:
+            text += f"; left out {len(self.dropped)}: {format_names(self.dropped)}"
+        if self.fallback:
+            text += f"; no EMA shadow, raw values for {len(self.fallback)}: {format_names(self.fallback)}"
+        if self.unmapped:
+            text += f"; left in TF layout (not mapped) {len(self.unmapped)}: {format_names(self.unmapped)}"
+        return text
+
+
+
+def progress_bar(total: int | None, enabled: bool, desc: str):
+    """A tqdm byte counter on stderr; silent unless enabled and stderr is a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        file=sys.stderr,
+        disable=None if enabled else True,
+        leave=False,
+    )
+
+
+def refuse(format: str, **arguments) -> None:
+    """InvalidArgumentError for the first argument that is set which ``format`` cannot honour.
+
+        refuse('npz', layout=layout, metadata=metadata)   # both must be None for npz
+    """
+    for name, value in arguments.items():
+        if value is not None:
+            raise InvalidArgumentError(f"{format} files cannot take {name}={value!r}; {_WHY.get(name, '')}".rstrip("; "))
+
+
+_WHY = {
+    "layout": "npz keeps TF names and axes; layout='torch' applies to torch and safetensors",
+    "metadata": "free-form metadata (str -> str) is stored by safetensors only",
+}
+
+
+def tf_dtype_of(array: np.ndarray) -> str:
+    """The TF dtype name of a numpy array ('bfloat16', 'string', ...)."""
+    from restorekit._bundle.format import dtype_enum, dtype_name
+
+    try:
+        return dtype_name(dtype_enum(array.dtype))
+    except ValueError:
+        raise InvalidArgumentError(f"dtype {array.dtype} has no TensorFlow equivalent") from None
+
+
+def layout_tensors(tensors, record):
+    """Put each tensor in the output layout: yield ``(name, out_name, array, tf_dtype, permuted)``.
+
+    The one loop behind every exporter: ``tensors`` are ``(TF name, ndarray)`` pairs
+    (a third item, a TF dtype name, keeps dtypes numpy cannot name); string tensors
+    go to ``record`` (carried in the file's metadata) and are not yielded; names and
+    axes follow ``record``'s layout.
+    """
+    for name, array, *dtype in tensors:
+        array = np.asarray(array)
+        tf_dtype = dtype[0] if dtype and dtype[0] else tf_dtype_of(array)
+        if tf_dtype == "string":
+            record.add_string(name, array)
+            continue
+        out, perm = record.plan(name, array.shape)
+        if perm is not None:
+            array = np.ascontiguousarray(np.transpose(array, perm))
+        yield name, out, array, tf_dtype, perm is not None
+
+
+def checkpoint_entries(checkpoint, names: dict | None):
+    """``(output name, checkpoint entry name)`` pairs: ``names`` (a renamed subset, in order) or every entry."""
+    return names.items() if names is not None else ((n, n) for n in checkpoint.entries)
+
+
+def check_strings(record, where: str) -> None:
+    """Refuse string tensors too large to carry in a file's metadata (``where``)."""
+    size = sum(len(v) for item in record.strings.values() for v in item["values"])
+    if size > STRINGS_LIMIT:
+        raise InvalidArgumentError(
+            f"string tensors {', '.join(repr(n) for n in record.strings)} hold {size} bytes, too many to carry "
+            f"in {where}; delete them (CheckpointEditor.delete) before exporting"
+        )
+
+
+def little_endian(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous, little-endian version of ``array`` (no copy when it already is)."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return contiguous(array)
+
+
+def contiguous(array: np.ndarray) -> np.ndarray:
+    """``array`` in C order, copied only if needed (unlike np.ascontiguousarray, 0-d stays 0-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def raw_bytes_view(array: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array (works for ml_dtypes such as bfloat16)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def checkpoint_files(prefix: str) -> list[str]:
+    """The files of the local TF checkpoint ``prefix``: its ``.index`` (if any), then its data shards.
+
+    Names are matched literally (``PREFIX.data-NNNNN-of-MMMMM``): a prefix such as
+    ``model[1].ckpt`` or ``ckpt-1?`` must never take a neighbour's files
+    (``model1.ckpt``, ``ckpt-10``), as a glob pattern would.
+    """
+    directory, base = os.path.split(os.path.abspath(os.fspath(prefix)))
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return []
+    shard = re.compile(re.escape(base) + r"\.data-\d{5}-of-\d{5}")
+    found = [os.path.join(directory, base + ".index")] if base + ".index" in names else []
+    return found + sorted(os.path.join(directory, n) for n in names if shard.fullmatch(n))
+
+
+class WithObjectGraph:
+    """A ``Checkpoint`` whose TF2 object graph entry reads as ``raw`` (a re-encoded graph).
+
+    Lets the raw-copy exporters (``write_checkpoint``) write a subset or renamed set of an
+    object-based checkpoint with its graph rewritten to match, at copy speed.
+    """
+
+    def __init__(self, checkpoint, raw: bytes):
+        self._checkpoint = checkpoint
+        self._raw = raw
+
+    def __getattr__(self, name):
+        return getattr(self._checkpoint, name)
+
+    def read(self, name, *args, **kwargs):
+        from restorekit._checkpoint import OBJECT_GRAPH_KEY
+
+        if name == OBJECT_GRAPH_KEY:
+            return np.array(self._raw, dtype=object)
+        return self._checkpoint.read(name, *args, **kwargs)
+
+    @property
+    def object_graph(self):
+        from restorekit._bundle.objectgraph import decode_object_graph
+
+        return decode_object_graph(self._raw)
+
+
+class PlannedCheckpoint:
+    """A checkpoint seen as the output of a plan: ``names`` ({output name: source entry}, in
+    order), some values computed (``computed``: {output name: (TF dtype, shape, nbytes, read
+    function)}), the TF2 object graph re-encoded as ``graph`` (raw bytes, or None: as stored).
+
+    Duck-types what ``torch_view`` and the writers read of a ``Checkpoint``, so that a
+    renamed, filtered or edited checkpoint is mapped to torch layer by layer as a whole
+    (the view takes no ``names=``), with raw shard bytes still copied for stored tensors.
+    """
+
+    def __init__(self, checkpoint, names: dict, *, graph: bytes | None = None, computed: dict | None = None):
+        from restorekit._checkpoint import OBJECT_GRAPH_KEY, Entry
+
+        self._checkpoint = checkpoint
+        self._names = dict(names)
+        self._graph = graph
+        self._computed = dict(computed or {})
+        self.prefix = checkpoint.prefix
+        entries = {}
+        for out, source in self._names.items():
+            if out in self._computed:
+                dtype, shape, nbytes, _ = self._computed[out]
+                entries[out] = Entry(out, tuple(shape), dtype, nbytes)
+            else:
+                entry = checkpoint.entries[source]
+                entries[out] = Entry(out, tuple(entry.shape), entry.dtype, entry.nbytes)
+        self.entries = entries
+        self.is_object_based = OBJECT_GRAPH_KEY in entries
+
+    @cached_property
+    def object_graph(self):
+        if not self.is_object_based:
+            return None
+        if self._graph is None:
+            return self._checkpoint.object_graph
+        from restorekit._bundle.objectgraph import decode_object_graph
+
+        return decode_object_graph(self._graph)
+
+    def read(self, name: str) -> np.ndarray:
+        from restorekit._checkpoint import OBJECT_GRAPH_KEY
+
+        if name in self._computed:
+            return self._computed[name][3]()
+        if name == OBJECT_GRAPH_KEY and self._graph is not None:
+            return np.array(self._graph, dtype=object)
+        return self._checkpoint.read(self._names[name])
+
+    def is_partitioned(self, name: str) -> bool:
+        """True when ``name`` must be read (computed, or partitioned in the source), not copied as raw bytes."""
+        return name in self._computed or self._checkpoint.is_partitioned(self._names[name])
+
+    def bundle_entry(self, name: str):
+        return self._checkpoint.bundle_entry(self._names[name])
+
+    def data_file(self, shard_id: int) -> str:
+        return self._checkpoint.data_file(shard_id)
+
+    def readable_name(self, name: str) -> str:
+        return name

@@ -1,0 +1,142 @@
+"""TorchView: a checkpoint seen as the tensors a torch.nn module tree loads, for the format writers."""
+
+from __future__ import annotations
+
+import copy
+from types import MappingProxyType
+
+import numpy as np
+
+from restorekit.export.layouts import _ops as _ops
+from restorekit.export.layouts._kinds import Part
+from restorekit.export.layouts._plan import plan_checkpoint
+from restorekit.export.layouts._record import LayoutRecord, collision
+
+
+def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float = 1.0, layer_kinds: dict | None = None,
+               model=None):
+    """``checkpoint`` as layout 'torch' stores it (``layout`` None: ``checkpoint`` itself).
+
+    The format writers take the view where they take a ``Checkpoint``
+    (``safetensors.write_checkpoint(torch_view(ckpt), path, layout='torch')``): its
+    entries are the stored tensors under their torch names, decoded on demand (split,
+    gate-reordered, reshaped, added), or copied as raw shard bytes when a tensor
+    keeps its bytes. What it cannot map is warned about once, by name.
+
+    Args:
+        checkpoint: a ``restorekit.Checkpoint``.
+        layout: 'torch', or None for no view.
+        forget_bias: what tf.compat.v1 ``LSTMCell``/``BasicLSTMCell`` add to the forget
+            gate at run time (their constructor argument; 1.0 unless the model set
+            another). It is stored in ``bias_hh_l0``.
+        layer_kinds: ``{layer path: Keras class name}`` for layers whose kind the
+            tensors leave open (``'DepthwiseConv2D'``, ``'Conv2DTranspose'``,
+            ``'EinsumDense'``, ``'Conv1D'``).
+        model: the live Keras model a TF2 checkpoint was written from
+            (``tf.train.Checkpoint(model=model)``). Its object graph names the layers of
+            functional and Sequential models only by position (``_operations/1``); with
+            the model, each variable is named by the layers on its way
+            (``block_a.fc.weight``), as a torch twin of the same tree names it. Without it,
+            layers whose Keras paths collide (nested functional blocks each with an ``fc``)
+            keep those positions, and a warning says so.
+    """
+    if layout != "torch":
+        return checkpoint
+    return TorchView(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model)
+
+
+class TorchView:
+    """The stored tensors of a layout-'torch' export of a checkpoint; duck-types what writers read of a ``Checkpoint``."""
+
+    def __init__(self, checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None):
+        from restorekit._checkpoint import Entry
+
+        self._source = checkpoint
+        self.prefix = checkpoint.prefix
+        self.object_graph = None  # names are decided; the record below carries them
+        plan = plan_checkpoint(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model)
+        record = LayoutRecord("torch")
+        record.unmapped.update(plan.unmapped)
+        record._kept.extend(plan.kept)
+        self._parts: dict[str, Part] = {}
+        entries = {}
+        seen = set()
+        for part in plan.parts:
+            if part.stored in self._parts:
+                raise collision("torch", self._parts[part.stored].key, part.key, part.stored)
+            self._parts[part.stored] = part
+            entries[part.stored] = Entry(part.stored, part.shape, part.dtype, self._nbytes(part))
+            if part.dtype == "string":
+                continue
+            note = part.note(first=part.key not in seen)
+            seen.add(part.key)
+            if note:
+                record.tensors[part.stored] = note
+            record._planned[part.stored] = (part.stored, None)
+        self.entries = MappingProxyType(entries)
+        self._record = record
+        record.warn_unmapped(stacklevel=4)
+        if plan.internal:
+            _warn_internal(plan.internal)
+
+
+    @property
+    def layout_record(self) -> LayoutRecord:
+        """A fresh copy of the planned record (each export fills its own)."""
+        return copy.deepcopy(self._record)
+
+    def _nbytes(self, part) -> int:
+        if part.key is None:
+            from restorekit._bundle.format import dtype_enum, numpy_dtype
+
+            return int(np.prod(part.shape, dtype=np.int64)) * numpy_dtype(dtype_enum(part.dtype)).itemsize
+        source = self._source.entries[part.key]
+        whole = int(np.prod(source.shape, dtype=np.int64)) if source.shape else 1
+        count = int(np.prod(part.shape, dtype=np.int64)) if part.shape else 1
+        return source.nbytes if count == whole else source.nbytes * count // max(whole, 1)
+
+    def _passes_bytes(self, part) -> bool:
+        return part.key is not None and not part.ops and not part.extra
+
+    def is_partitioned(self, name: str) -> bool:
+        """True when the stored tensor must be decoded (not copied as raw shard bytes)."""
+        part = self._parts[name]
+        return not self._passes_bytes(part) or self._source.is_partitioned(part.key)
+
+    def bundle_entry(self, name: str):
+        return self._source.bundle_entry(self._parts[name].key)
+
+    def data_file(self, shard_id: int) -> str:
+        return self._source.data_file(shard_id)
+
+    def read(self, name: str) -> np.ndarray:
+        """The stored tensor ``name``, computed from its TF tensor."""
+        from restorekit._bundle.format import dtype_enum, numpy_dtype
+
+        part = self._parts[name]
+        if part.key is None:
+            return np.full(part.shape, part.extra["fill"], dtype=numpy_dtype(dtype_enum(part.dtype)))
+        array = self._source.read(part.key)
+        if "sum" in part.extra:
+            return _ops.constants(part.extra["sum"], np.zeros(part.shape, dtype=array.dtype))
+        return _ops.forward(part.ops, array) if part.ops else array
+
+    def readable_name(self, name: str) -> str:
+        part = self._parts.get(name)
+        return part.key if part is not None and part.key is not None else name
+
+
+def _warn_internal(paths: list) -> None:
+    import warnings
+
+    from restorekit.errors import RestoreKitWarning
+
+    shown = ", ".join(repr(p) for p in paths[:3]) + (f" ... and {len(paths) - 3} more" if len(paths) > 3 else "")
+    warnings.warn(
+        f"layout 'torch': {len(paths)} variable(s) are named by Keras' internal attributes ({shown}): the "
+        f"checkpoint records their layers only by position and their Keras paths collide (nested functional "
+        f"blocks with layers of one name); pass torch_view(checkpoint, model=<the Keras model>) to name them "
+        f"by their layers",
+        RestoreKitWarning,
+        stacklevel=5,
+    )

@@ -1,0 +1,277 @@
+"""The Source protocol every readable checkpoint format implements, the one registry of formats, and ``open``.
+
+A format is a module of ``restorekit.formats`` that calls :func:`register` when it is
+imported: its name, a ``detect(probe) -> score`` and an ``open(path) -> Source``. The
+modules are found by listing the package (as ``restorekit.export._formats`` finds the
+export formats), so a new format is one new file. This module knows no format itself
+and imports only the layers below ``checkpoint``, so ``Checkpoint(path)`` can hand a
+path it cannot read to whichever format claims it.
+
+``detect`` decides by the file's bytes: a format scores :data:`BY_BYTES` when the
+first bytes (or the member names of a zip archive) are its own, :data:`BY_NAME` when
+only the path's name suggests it. The name is a tiebreak, never an override: a
+safetensors file called ``x.pt`` opens as safetensors.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import functools
+import importlib
+import os
+import pkgutil
+import zipfile
+from collections.abc import Mapping as _MappingABC
+from typing import Callable, Iterator, Mapping, Protocol, runtime_checkable
+
+from restorekit.errors import EntryNotFoundError, InvalidArgumentError
+
+__all__ = [
+    "BY_BYTES",
+    "BY_NAME",
+    "EntryInfo",
+    "EntryMapping",
+    "Format",
+    "Probe",
+    "Source",
+    "detect",
+    "formats",
+    "open_source",
+    "register",
+]
+
+BY_NAME = 1
+BY_BYTES = 2
+HEAD_BYTES = 16
+
+
+@runtime_checkable
+class EntryInfo(Protocol):
+    """What every source says of one tensor without reading it.
+
+    Read-only members, so a frozen dataclass (``Entry``, ``KerasEntry``) is one.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def path(self) -> str | None:
+        """The readable path (``dense/kernel`` of a TF2 or Keras key), None where there is none."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A checkpoint in any format, opened once: what ``scan``, ``restore``, ``inspect``, ``verify`` and ``diff`` read.
+
+    ``entries`` maps each name to its :class:`EntryInfo`; ``name in source``,
+    ``source[name]`` and ``source.get(name, default)`` keep the ``Mapping`` contract (a
+    missing name raises ``EntryNotFoundError``, a ``KeyError``). ``read(name)`` gives
+    the tensor as numpy. ``stored_range(name)`` is ``(file, offset, size)`` when the
+    tensor's bytes lie in one file exactly as a TF data shard would hold them (a writer
+    may copy them as they are), else None. ``object_graph`` is the TF2 object graph, or
+    None (empty for Keras files, which pair by readable path). ``verify()`` checks every
+    tensor and lists what is wrong.
+    """
+
+    prefix: str
+
+    @property
+    def entries(self) -> Mapping[str, EntryInfo]: ...
+
+    def __getitem__(self, name: str) -> EntryInfo: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def __len__(self) -> int: ...
+
+    def read(self, name: str): ...
+
+    def stored_range(self, name: str) -> tuple[str, int, int] | None: ...
+
+    @property
+    def object_graph(self): ...
+
+    @property
+    def is_object_based(self) -> bool: ...
+
+    @property
+    def object_paths(self) -> Mapping[str, str]: ...
+
+    def readable_name(self, name: str) -> str: ...
+
+    def verify(self, *, progress: bool = False): ...
+
+
+class EntryMapping(_MappingABC):
+    """The ``Mapping`` half of a Source, written once: name -> entry over ``self.entries``.
+
+    A reader subclasses it and provides ``entries`` and ``_unknown(name)`` (the
+    ``EntryNotFoundError`` naming its closest names). ``source[name]`` raises that error,
+    which is a ``KeyError``, so ``Mapping.get(name, default)`` returns the default and
+    ``except KeyError`` catches it; ``in``, iteration and ``len`` are over the entries'
+    names. ``_entry_key`` is where a reader also takes another spelling of a name (a
+    Keras file takes a readable path).
+    """
+
+    __slots__ = ()
+
+    @property
+    def entries(self) -> Mapping:
+        raise NotImplementedError
+
+    def _entry_key(self, name: str) -> str:
+        return name
+
+    def _unknown(self, name: str) -> EntryNotFoundError:
+        return EntryNotFoundError(f"{getattr(self, 'prefix', self)!r} has no entry {name!r}.", name=name,
+                                  candidates=list(self.entries))
+
+    def __getitem__(self, name: str):
+        try:
+            return self.entries[self._entry_key(name)]
+        except KeyError:
+            raise self._unknown(name) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every tensor, as its entries count them."""
+        return sum(e.nbytes for e in self.entries.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What detection looks at, read once per path: the first bytes of a file and, for a zip archive, its member names."""
+
+    path: str
+    exists: bool
+    is_dir: bool
+    head: bytes = b""
+    members: tuple[str, ...] | None = None  # None: not a zip archive
+    listing: tuple[str, ...] = ()  # a directory's file names
+
+    @property
+    def suffix(self) -> str:
+        return os.path.splitext(self.path)[1].lower()
+
+    @property
+    def lower(self) -> str:
+        return self.path.lower()
+
+    @classmethod
+    def of(cls, path: str) -> "Probe":
+        if "://" in path:  # remote paths (gs://, s3://) are TF checkpoints, read through tf.io.gfile
+            return cls(path, exists=False, is_dir=False)
+        if os.path.isdir(path):
+            try:
+                listing = tuple(sorted(os.listdir(path)))
+            except OSError:
+                listing = ()
+            return cls(path, exists=True, is_dir=True, listing=listing)
+        if not os.path.isfile(path):  # missing, or a prefix: formats judge the name (a FIFO is not read)
+            return cls(path, exists=os.path.exists(path), is_dir=False)
+        try:
+            with builtins.open(path, "rb") as f:
+                head = f.read(HEAD_BYTES)
+        except OSError:
+            return cls(path, exists=True, is_dir=False)
+        members = None
+        if head.startswith(b"PK"):
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    members = tuple(archive.namelist())
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+                members = None  # a damaged archive: its format's reader words the error
+        return cls(path, exists=True, is_dir=False, head=head, members=members)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One readable format: how to recognize it and how to open it."""
+
+    name: str
+    detect: Callable[[Probe], int]
+    open: Callable[[str], Source]
+    order: int = 50  # ties between equal scores go to the lower order
+
+
+_FORMATS: dict[str, Format] = {}
+
+
+def register(name: str, *, detect: Callable[[Probe], int], open: Callable[[str], Source], order: int = 50) -> Format:
+    """Add a format to the registry (a format module calls this when imported). Registering a name again replaces it."""
+    fmt = Format(name, detect, open, order)
+    _FORMATS[name] = fmt
+    return fmt
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> None:
+    """Import every format module of this package, so each registers itself."""
+    for info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda i: i.name):
+        if not info.name.startswith("_") and info.name != "registry":
+            importlib.import_module(f"{__package__}.{info.name}")
+
+
+def formats() -> dict[str, Format]:
+    """Format name -> Format, for every registered format."""
+    _load()
+    return dict(sorted(_FORMATS.items(), key=lambda kv: (kv[1].order, kv[0])))
+
+
+def detect(path) -> str:
+    """The name of the format ``path`` holds: decided by its bytes, its name only breaking ties.
+
+    A path nothing claims is ``'tf'`` (a prefix whose ``.index`` is missing), so
+    opening it raises the TF reader's ``CheckpointNotFoundError`` with its hints.
+    """
+    probe = Probe.of(os.fspath(path))
+    best, best_score = "tf", 0
+    for fmt in formats().values():
+        score = fmt.detect(probe)
+        if score > best_score:
+            best, best_score = fmt.name, score
+    return best
+
+
+def open_source(path, fmt: str | None = None) -> Source:
+    """Open ``path`` as the Source its format reads it as (``fmt`` forces a format by name).
+
+    An object that is already open (it has ``entries`` and ``read``) is returned as it is.
+
+        src = restorekit.formats.open('model.safetensors')
+        src.entries['dense/kernel'].shape, src.read('dense/kernel')
+
+    Raises:
+        CheckpointNotFoundError: nothing readable at ``path``.
+        CorruptCheckpointError: the file is not a readable file of its format.
+        InvalidArgumentError: ``fmt`` names no registered format.
+    """
+    if hasattr(path, "entries") and hasattr(path, "read"):
+        return path
+    registered = formats()
+    name = detect(path) if fmt is None else fmt
+    if name not in registered:
+        raise InvalidArgumentError(f"unknown checkpoint format {name!r}; choose one of {', '.join(registered)}")
+    return registered[name].open(os.fspath(path))
