@@ -26,7 +26,6 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -42,24 +41,10 @@ from restorekit.edit import CheckpointEditor  # noqa: E402
 
 
 def in_memory_pass(memory: np.ndarray, ranges, extend, threads: int) -> list[int]:
-    """crc32c of each range of ``memory``, split over ``threads`` as file_crcs splits a file."""
-    runs = crc._shares(ranges, threads)
-
-    def work(run):
-        out = []
-        for _, offset, size in run:
-            value = 0
-            for start in range(offset, offset + size, crc.CHUNK):
-                value = extend(value, memory[start : min(start + crc.CHUNK, offset + size)])
-            out.append(value)
-        return out
-
-    if len(runs) == 1:
-        results = [work(runs[0])]
-    else:
-        with ThreadPoolExecutor(len(runs)) as pool:
-            results = list(pool.map(work, runs))
-    return crc._join(runs, results, [0] * len(ranges))
+    """crc32c of each range of ``memory``, cut into the pieces file_crcs cuts a file into, on ``threads`` threads."""
+    items = crc.work_items(ranges)
+    results = crc._run(lambda item: [extend(0, memory[o : o + n]) for _, o, n in item], items, threads)
+    return crc._join(items, results, [0] * len(ranges))
 
 
 def rename(src: str, out_dir: str, **save) -> None:

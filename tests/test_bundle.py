@@ -64,6 +64,25 @@ def test_write_table_round_trips_through_our_reader(count):
     assert read_table(write_table(records)) == records
 
 
+def test_write_table_shares_key_prefixes_as_leveldb_does_and_reads_back():
+    """Keys that are prefixes of each other, share all but the last byte, or nothing; TF reads the result."""
+    import random
+
+    from restorekit._bundle.table import _shared_prefix
+
+    rnd = random.Random(3)
+    keys = {b"a", b"ab", b"abc", b"abd", b"b", b"\xff", b"\xff\x00", b"\x00\x01"}
+    keys |= {bytes(rnd.choice(b"ab\x00\xff") for _ in range(rnd.randrange(1, 12))) for _ in range(400)}
+    ordered = sorted(keys)
+    for a, b in zip(ordered, ordered[1:]):
+        naive = 0
+        while naive < min(len(a), len(b)) and a[naive] == b[naive]:
+            naive += 1
+        assert _shared_prefix(a, b) == naive, (a, b)
+    records = [(b"", b"header")] + [(k, k[::-1]) for k in ordered]
+    assert read_table(write_table(records)) == records
+
+
 def test_write_table_rejects_unsorted_keys():
     with pytest.raises(InvalidArgumentError, match="strictly increasing"):
         write_table([(b"b", b""), (b"a", b"")])

@@ -128,3 +128,54 @@ def test_save_takes_the_format_its_extension_names_and_refuses_a_contradiction(t
             ed.save(tmp_path / name, format=fmt)
     assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "src"]
     assert Checkpoint(ed.save(tmp_path / "model.ckpt-7")).read("v/.ATTRIBUTES/VARIABLE_VALUE").shape == (2, 3)
+
+
+def test_a_staged_index_that_reads_back_other_entries_than_written_is_not_published(small_checkpoint, tmp_path,
+                                                                                     monkeypatch):
+    """verify() compares each record read back with the bytes written for its entry: a changed offset fails."""
+    from restorekit._bundle import atomic
+    from restorekit._bundle.protos import BundleEntry, decode_entry, encode_entry
+    from restorekit._bundle.table import read_table, write_table
+    from restorekit.errors import OutputError
+
+    prefix, values = small_checkpoint
+    before = {n: open(p, "rb").read() for n, p in ((n, os.path.join(os.path.dirname(prefix), n))
+                                                   for n in os.listdir(os.path.dirname(prefix)))}
+    out = tmp_path / "out"
+    real = atomic.crash_point
+
+    def tamper(point):
+        if point == "before-verify":
+            (index,) = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs if f.endswith(".index")]
+            records = read_table(open(index, "rb").read())
+            key, value = records[1]
+            moved = decode_entry(value)
+            fresh = BundleEntry(moved.dtype, moved.shape, moved.shard_id, moved.offset + 4, moved.size, moved.crc32c)
+            records[1] = (key, encode_entry(fresh))  # still a well-formed table, one entry 4 bytes further on
+            with open(index, "wb") as f:
+                f.write(write_table(records))
+        real(point)
+
+    monkeypatch.setattr(atomic, "crash_point", tamper)
+    editor = CheckpointEditor(prefix)
+    editor.rename_all(lambda n: "renamed/" + n)
+    with pytest.raises(OutputError, match="reads back other bytes than written"):
+        editor.save(out / "m")
+    assert not out.exists() or os.listdir(out) == []
+    for name, data in before.items():
+        assert open(os.path.join(os.path.dirname(prefix), name), "rb").read() == data
+
+
+def test_an_entry_read_from_an_index_is_written_back_as_read_and_a_changed_one_afresh(small_checkpoint):
+    from restorekit._bundle.protos import decode_entry, encode_entry
+
+    prefix, _ = small_checkpoint
+    ckpt = Checkpoint(prefix)
+    for name in ckpt:
+        entry = ckpt.bundle_entry(name)
+        assert entry.encoded is not None and decode_entry(entry.encoded) == entry
+        assert encode_entry(entry) is entry.encoded
+        moved = entry.replace(offset=entry.offset + 1)
+        assert moved.encoded is None and moved != entry
+        assert decode_entry(encode_entry(moved)) == moved
+        assert moved.encoded == encode_entry(moved)

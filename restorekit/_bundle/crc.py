@@ -6,7 +6,10 @@ when it is installed, else ``google_crc32c``. ``combine`` joins the crcs of two 
 pieces, so one tensor can be checked by two threads.
 
 ``file_crcs`` checks many ranges of one file (the kept tensors of a shard-reusing save)
-without copying them: each thread maps its share of the file and crcs it in place. A
+without copying them: the file is mapped once and the ranges are cut into pieces of
+``CHUNK`` bytes that the threads take in turn, so a thread slowed down by other work on
+its core (the save writing its index meanwhile) takes fewer pieces and none waits at the
+end. A
 mapped read of bytes another process has cut off (``truncate``) raises SIGBUS, which
 kills the process, so the file is mapped only under a kernel read lease (``F_SETLEASE``):
 while it is held, another process that opens the file for writing or truncates it waits
@@ -21,6 +24,7 @@ reported the same way. See benchmarks/bench_crc.py.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import mmap
 import os
@@ -57,7 +61,7 @@ _fast = _optional("crc32c")  # the optional `fast` extra
 if not getattr(_fast, "hardware_based", False):  # its software fallback is slower than google_crc32c's
     _fast = None
 
-__all__ = ["COPY_CHUNK", "IMPLEMENTATION", "THREADS", "combine", "extend", "file_crcs", "read_chunks"]
+__all__ = ["COPY_CHUNK", "IMPLEMENTATION", "THREADS", "combine", "extend", "file_crcs", "read_chunks", "work_items"]
 
 IMPLEMENTATION = "crc32c" if _fast is not None else f"google_crc32c ({google_crc32c.implementation})"
 
@@ -108,38 +112,70 @@ for _ in range(63):
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
     """The crc32c of A + B from ``crc1`` = crc32c(A), ``crc2`` = crc32c(B) and ``len2`` = len(B)."""
+    return _mulmod(_shift(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=1024)
+def _shift(length: int) -> int:
+    """x^(8 * length) mod P: what moves a crc past ``length`` zero bytes (cached: pieces mostly share a length)."""
     shift = 1 << 31  # x^0
-    bits, k = len2 * 8, 0
+    bits, k = length * 8, 0
     while bits:
         if bits & 1:
             shift = _mulmod(_X_POW2[k & 63], shift)
         bits >>= 1
         k += 1
-    return _mulmod(shift, crc1) ^ crc2
+    return shift
 
 
-def _shares(ranges, threads: int) -> list[list[tuple[int, int, int]]]:
-    """Split (offset, size) ranges, in file order, into ``threads`` runs of about equal bytes.
+def work_items(ranges, piece: int | None = None) -> list[list[tuple[int, int, int]]]:
+    """Cut (offset, size) ranges, taken in file order, into work items of at most ``piece`` bytes.
 
-    Each run is a list of pieces (range index, offset, size); a range cut between two runs
-    is two pieces, joined again by ``combine``."""
+    Each item is a list of pieces (range index, offset, size): small ranges share an item,
+    a big one is cut over several (its crcs joined again by ``combine``). Threads take the
+    items one at a time (``_run``), so one that is slowed down (the save's own work on the
+    same cores) takes fewer, and all finish together."""
+    piece = piece or CHUNK
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    total = sum(size for _, size in ranges)
-    runs: list[list[tuple[int, int, int]]] = [[]]
-    target = -(-total // threads)
-    room = target
+    items: list[list[tuple[int, int, int]]] = [[]]
+    room = piece
     for i in order:
         offset, size = ranges[i]
         while size > 0:
-            if room == 0 and len(runs) < threads:
-                runs.append([])
-                room = target
-            take = size if len(runs) == threads else min(size, room)
-            runs[-1].append((i, offset, take))
-            offset += take
-            size -= take
-            room = max(0, room - take)
-    return [run for run in runs if run]
+            if room == 0:
+                items.append([])
+                room = piece
+            take = min(size, room)
+            items[-1].append((i, offset, take))
+            offset, size, room = offset + take, size - take, room - take
+    return [item for item in items if item]
+
+
+def _run(work, items: list, threads: int) -> list:
+    """``work(item)`` for every item, on ``threads`` threads that each take the next item when done."""
+    if threads <= 1 or len(items) <= 1:
+        return [work(item) for item in items]
+    results: list = [None] * len(items)
+    taken = iter(range(len(items)))
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def loop() -> None:
+        while not failed.is_set():
+            with lock:
+                k = next(taken, None)
+            if k is None:
+                return
+            try:
+                results[k] = work(items[k])
+            except BaseException:
+                failed.set()  # the others stop after their current item
+                raise
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="restorekit-crc") as pool:
+        for future in [pool.submit(loop) for _ in range(min(threads, len(items)))]:
+            future.result()
+    return results
 
 
 def _identity(st: os.stat_result) -> tuple:
@@ -192,46 +228,27 @@ class _Lease:
                 pass
 
 
-def _mapped_run(fd: int, run, size: int, lease: _Lease, path: str) -> list:
-    """crc each piece of ``run`` from a shared read-only map of the file; None for a piece past its end."""
-    inside = [p for p in run if p[1] + p[2] <= size]
-    out = {}
-    if inside:
-        first = min(p[1] for p in inside)  # ranges may overlap: the first piece need not start lowest
-        start = first - first % mmap.ALLOCATIONGRANULARITY
-        end = max(p[1] + p[2] for p in inside)
-        if end > start:
-            mapped = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
-            try:
-                with memoryview(mapped) as view:
-                    for piece in inside:
-                        out[piece] = _mapped_piece(mapped, view, piece, start, lease, fd, path)
-            finally:
-                mapped.close()
-    return [out.get(p) for p in run]
-
-
-def _mapped_piece(mapped, view, piece, start: int, lease: _Lease, fd: int, path: str) -> int | None:
-    _, offset, size = piece
-    crc = 0
-    pos = offset - start
-    stop = pos + size
-    while pos < stop:
-        n = min(CHUNK, stop - pos)
+def _mapped_item(mapped, view, item, start: int, lease: _Lease, fd: int, path: str) -> list:
+    """crc of each piece of ``item`` (each at most CHUNK bytes) from the shared read-only map ``mapped``
+    of the file from byte ``start`` on."""
+    out = []
+    for piece in item:
         if lease.broken():
             raise _changed(path, "was opened for writing or truncated")
+        _, offset, size = piece
+        pos = offset - start
         aligned = pos - pos % mmap.PAGESIZE
         try:
-            mapped.madvise(_MADV_POPULATE_READ, aligned, pos + n - aligned)
+            mapped.madvise(_MADV_POPULATE_READ, aligned, pos + size - aligned)
         except OSError as e:
             if e.errno not in (22, 38):  # EINVAL / ENOSYS: an older kernel, touch the pages instead
                 # EFAULT or EIO: these pages cannot be read (a SIGBUS if touched); read them instead,
                 # which reports the error (or the short file) without a signal.
-                return _read_piece(fd, (0, start + pos, stop - pos), crc)
-        with view[pos : pos + n] as chunk:
-            crc = extend(crc, chunk)
-        pos += n
-    return crc
+                out.append(_read_piece(fd, piece))
+                continue
+        with view[pos : pos + size] as chunk:
+            out.append(extend(0, chunk))
+    return out
 
 
 def read_chunks(fd: int, offset: int, size: int):
@@ -271,9 +288,10 @@ def file_crcs(fd: int, ranges, *, path: str = "", threads: int | None = None) ->
     """The unmasked crc32c of each ``(offset, size)`` range of the open file ``fd``, in order.
 
     A range that runs past the end of the file gets None (the caller says which tensor is
-    cut short). Threads share the bytes evenly (a range may be cut between two and its
-    crc joined). Mapped under a read lease when one can be had, else read in 4 MiB
-    ``preadv`` chunks; see the module's docstring.
+    cut short). The ranges are cut into pieces of at most ``CHUNK`` bytes (``work_items``)
+    that ``threads`` threads take in turn, each piece's crc joined to its range's. The
+    file is mapped once under a read lease when one can be had, else each piece is read
+    with ``preadv``; see the module's docstring.
 
     Raises:
         CheckpointChangedError: another process opened the file for writing, truncated it
@@ -281,43 +299,50 @@ def file_crcs(fd: int, ranges, *, path: str = "", threads: int | None = None) ->
     """
     ranges = [(int(o), int(s)) for o, s in ranges]
     crcs: list[int | None] = [0] * len(ranges)  # an empty range's crc is 0
-    live = [i for i, (_, s) in enumerate(ranges) if s > 0]
-    if not live:
-        return crcs
-    total = sum(ranges[i][1] for i in live)
     threads = THREADS if threads is None else max(1, threads)
-    runs = [[(live[j], o, s) for j, o, s in run]
-            for run in _shares([ranges[i] for i in live], threads if total >= _SPLIT_MIN else 1)]
     lease = _Lease(fd)
     try:
         before = os.fstat(fd)  # after the lease: from here on the size cannot shrink under the map
+        live = []
+        for i, (offset, size) in enumerate(ranges):
+            if size > 0 and offset + size > before.st_size:
+                crcs[i] = None
+            elif size > 0:
+                live.append(i)
+        items = [[(live[j], o, n) for j, o, n in item] for item in work_items([ranges[i] for i in live])]
+        if not items:
+            return crcs
+        if sum(ranges[i][1] for i in live) < _SPLIT_MIN:
+            threads = 1
         if lease.held:
-            def work(run):
-                return _mapped_run(fd, run, before.st_size, lease, path)
+            start = min(ranges[i][0] for i in live)
+            start -= start % mmap.ALLOCATIONGRANULARITY
+            end = max(ranges[i][0] + ranges[i][1] for i in live)
+            mapped = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+            try:
+                with memoryview(mapped) as view:
+                    results = _run(lambda item: _mapped_item(mapped, view, item, start, lease, fd, path),
+                                   items, threads)
+            finally:
+                mapped.close()
+            if lease.broken():
+                raise _changed(path, "was opened for writing or truncated")
         else:
-            def work(run):
-                return [_read_piece(fd, p) for p in run]
-        if len(runs) == 1:
-            results = [work(runs[0])]
-        else:
-            with ThreadPoolExecutor(len(runs), thread_name_prefix="restorekit-crc") as pool:
-                results = list(pool.map(work, runs))
-        if lease.held and lease.broken():
-            raise _changed(path, "was opened for writing or truncated")
+            results = _run(lambda item: [_read_piece(fd, piece) for piece in item], items, threads)
     finally:
         lease.release()
     if _identity(os.fstat(fd)) != _identity(before):
         raise _changed(path, "changed (its size, modification time or identity)")
-    return _join(runs, results, crcs)
+    return _join(items, results, crcs)
 
 
-def _join(runs, results, crcs: list) -> list:
-    """Each range's crc from its pieces' (``results``, run by run, as ``_shares`` cut them), into ``crcs``;
-    None for a range with a piece past the file's end."""
+def _join(items, results, crcs: list) -> list:
+    """Each range's crc from its pieces' (``results``, item by item, as ``work_items`` cut them), into
+    ``crcs``; None for a range with a piece past the file's end."""
     started = [False] * len(crcs)
     cut = [False] * len(crcs)
-    for run, crc_run in zip(runs, results):
-        for (i, _, size), crc in zip(run, crc_run):
+    for item, crc_item in zip(items, results):
+        for (i, _, size), crc in zip(item, crc_item):
             if cut[i] or crc is None:
                 cut[i] = True
                 crcs[i] = None

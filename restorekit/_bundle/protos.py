@@ -41,6 +41,9 @@ class BundleEntry:
     slices: tuple = ()
     unknown_rank: bool = False
     extra: bytes = b""
+    # The serialized entry this one was decoded from or last encoded to (``encode_entry`` reuses it):
+    # not an argument, so ``replace`` (a changed entry) starts without it.
+    encoded: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
     def replace(self, **changes) -> "BundleEntry":
         return replace(self, **changes)
@@ -162,7 +165,9 @@ def _decode_entry_fast(buf: bytes) -> BundleEntry | None:
             pos += 4
         else:
             return None
-    return BundleEntry(scalars[0x08], tuple(shape or ()), scalars[0x18], scalars[0x20], scalars[0x28], crc)
+    entry = BundleEntry(scalars[0x08], tuple(shape or ()), scalars[0x18], scalars[0x20], scalars[0x28], crc)
+    object.__setattr__(entry, "encoded", bytes(buf))  # what it was read from decodes to it: write it back as is
+    return entry
 
 
 def decode_entry(buf: bytes) -> BundleEntry:
@@ -275,7 +280,13 @@ def _encode_shape(shape: tuple, unknown_rank: bool) -> bytes:
 
 
 def encode_entry(entry: BundleEntry) -> bytes:
-    """Serialize a BundleEntry the way TF does (default-valued fields omitted)."""
+    """Serialize a BundleEntry the way TF does (default-valued fields omitted).
+
+    An entry read from an index (the common fields only) gives back the bytes it was read
+    from, and one encoded before its earlier encoding: a save that keeps most entries as
+    they were (a rename) encodes only what changed."""
+    if entry.encoded is not None:
+        return entry.encoded
     out = bytearray()
     if entry.dtype:
         put_field(out, 1, 0, entry.dtype)
@@ -293,7 +304,9 @@ def encode_entry(entry: BundleEntry) -> bytes:
     for s in entry.slices:
         put_field(out, 7, 2, s)
     out += entry.extra
-    return bytes(out)
+    encoded = bytes(out)
+    object.__setattr__(entry, "encoded", encoded)
+    return encoded
 
 
 def encode_header(header: BundleHeader) -> bytes:

@@ -33,6 +33,9 @@ def read_varint(buf, pos: int, end: int, what: str) -> tuple[int, int]:
 
 def put_varint(out: bytearray, value: int) -> None:
     """Append ``value`` as a varint; a negative value as its 64-bit two's complement (protobuf int64)."""
+    if 0 <= value < 0x80:  # most lengths and small fields: one byte
+        out.append(value)
+        return
     if value < 0:
         value += 1 << 64
     while True:

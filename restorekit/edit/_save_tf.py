@@ -15,7 +15,7 @@ from restorekit._bundle import atomic, files, statefile
 from restorekit._bundle.files import INDEX_SLACK, check_space  # noqa: F401  (importable from here as before)
 from restorekit._bundle.format import decode_tensor, encode_slice_key
 from restorekit._bundle.objectgraph import rewrite_keys
-from restorekit._bundle.protos import decode_entry, decode_header
+from restorekit._bundle.protos import decode_header, encode_entry
 from restorekit._bundle.table import mask_crc, read_table
 from restorekit._bundle.crc import file_crcs
 from restorekit._bundle.writer import BundleWriter, balance, check_num_shards
@@ -102,7 +102,7 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
             writer.finish(commit=False)
             sizes.update(writer.shard_sizes)
             atomic.crash_point("before-verify")
-            verify(staging.path(prefix + ".index"), sizes, expected)
+            verify(staging.path(prefix + ".index"), sizes, expected, writer.entries)
             kept_checked.result()  # a failed check raises here, and nothing is published
             atomic.crash_point("before-commit")
         except BaseException:
@@ -332,6 +332,10 @@ def write_plan(source: Source, writer: BundleWriter, plan: dict[str, Item], *, r
     from restorekit.export._base import progress_bar
 
     keys = set()
+    if not progress:
+        for name, item in plan.items():
+            keys |= _write_one(source, writer, writer, name, item, reuse=reuse)
+        return keys
     with progress_bar(sum(source.nbytes(item) for item in plan.values()), progress, "save") as bar:
         for name, item in plan.items():
             keys |= _write_one(source, writer, writer, name, item, reuse=reuse)
@@ -427,15 +431,18 @@ def _copy(source: Source, shard, key, entry, origin: str) -> None:
         shard.add_copy(key, entry, path)
 
 
-def verify(index_path: str, sizes: dict[int, int], expected: set[bytes]) -> None:
-    """Re-read the staged index: the expected keys, each entry inside its shard (``sizes``: shard id -> bytes)."""
+def verify(index_path: str, sizes: dict[int, int], expected: set[bytes], written: dict) -> None:
+    """Re-read the staged index: the expected keys, each record the bytes written for its entry (``written``:
+    key -> BundleEntry), each entry inside its shard (``sizes``: shard id -> bytes)."""
     records = read_table(files.read_bytes(index_path))
     header = decode_header(records[0][1])
     keys = {k for k, _ in records[1:]}
     if keys != expected:
         raise OutputError(f"verification of {index_path!r} failed: the index holds other keys than written")
     for key, value in records[1:]:
-        entry = decode_entry(value)
+        entry = written.get(key)
+        if entry is None or value != encode_entry(entry):  # the bytes read back decode to what was written
+            raise OutputError(f"verification of {index_path!r} failed: {key[:80]!r} reads back other bytes than written")
         if entry.slices and not entry.size:
             continue
         if entry.shard_id >= header.num_shards or entry.offset + entry.size > sizes.get(entry.shard_id, -1):
