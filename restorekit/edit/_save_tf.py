@@ -227,17 +227,23 @@ def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> Futu
             kept.append((item.read_name, ckpt.bundle_entry(item.read_name)))
         elif item.base is None and item.cast is not None:
             cast.append((item.read_name, ckpt.bundle_entry(item.read_name)))  # its crc is checked as it streams
-    for name, entry in kept + cast:
-        check_readable(name, entry)
-    if not reuse:
-        done: Future = Future()
-        done.set_result(None)
-        return done
-    pool = ThreadPoolExecutor(1, thread_name_prefix="restorekit-check")
+    if reuse:  # the bytes' pass starts first: the metadata checks below run meanwhile
+        pool = ThreadPoolExecutor(1, thread_name_prefix="restorekit-check")
+        try:
+            checked = pool.submit(_check_kept_bytes, ckpt, kept)
+        finally:
+            pool.shutdown(wait=False)
+    else:
+        checked = Future()
+        checked.set_result(None)
     try:
-        return pool.submit(_check_kept_bytes, ckpt, kept)
-    finally:
-        pool.shutdown(wait=False)
+        for name, entry in kept + cast:
+            check_readable(name, entry)
+    except BaseException:
+        if not checked.cancel():
+            _settle(checked)
+        raise
+    return checked
 
 
 def _settle(future: Future) -> None:
