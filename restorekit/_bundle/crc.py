@@ -229,24 +229,27 @@ class _Lease:
 
 
 def _mapped_item(mapped, view, item, start: int, lease: _Lease, fd: int, path: str) -> list:
-    """crc of each piece of ``item`` (each at most CHUNK bytes) from the shared read-only map ``mapped``
-    of the file from byte ``start`` on."""
-    out = []
-    for piece in item:
-        if lease.broken():
-            raise _changed(path, "was opened for writing or truncated")
-        _, offset, size = piece
-        pos = offset - start
-        aligned = pos - pos % mmap.PAGESIZE
+    """crc of each piece of ``item`` (at most CHUNK bytes in all) from the shared read-only
+    map ``mapped`` of the file from byte ``start`` on."""
+    if lease.broken():
+        raise _changed(path, "was opened for writing or truncated")
+    low = min(offset for _, offset, _ in item) - start
+    high = max(offset + size for _, offset, size in item) - start
+    # One call faults the item's pages in (many small tensors lie side by side), unless it has wide gaps.
+    spans = [(low, high)] if high - low <= 2 * CHUNK else [(o - start, o - start + n) for _, o, n in item]
+    for first, end in spans:
+        aligned = first - first % mmap.PAGESIZE
         try:
-            mapped.madvise(_MADV_POPULATE_READ, aligned, pos + size - aligned)
+            mapped.madvise(_MADV_POPULATE_READ, aligned, end - aligned)
         except OSError as e:
             if e.errno not in (22, 38):  # EINVAL / ENOSYS: an older kernel, touch the pages instead
                 # EFAULT or EIO: these pages cannot be read (a SIGBUS if touched); read them instead,
                 # which reports the error (or the short file) without a signal.
-                out.append(_read_piece(fd, piece))
-                continue
-        with view[pos : pos + size] as chunk:
+                return [_read_piece(fd, piece) for piece in item]
+            break
+    out = []
+    for _, offset, size in item:
+        with view[offset - start : offset - start + size] as chunk:
             out.append(extend(0, chunk))
     return out
 
