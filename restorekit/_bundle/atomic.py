@@ -70,7 +70,8 @@ def crash_point(point: str) -> None:
     """Pause at ``point`` when ``$RESTOREKIT_CRASH_HOOK`` names it (kill -9 tests).
 
     The hook value is ``point:marker_path``; the marker file is created when the point
-    is reached, then the process sleeps until it is killed.
+    is reached, then the process sleeps until it is killed (a signal with a Python handler, such as
+    ``interrupts.terminate_cleanly``'s SIGTERM, is handled within 0.05 s).
     """
     spec = os.environ.get(CRASH_HOOK_ENV)
     if not spec:
@@ -80,7 +81,11 @@ def crash_point(point: str) -> None:
         return
     with open(marker, "w") as f:
         f.write(str(os.getpid()))
-    time.sleep(600)
+    # Short naps, not one long sleep: a signal that lands just before a sleep's system call (its C
+    # handler has run, the Python one waits for the next bytecode) is otherwise seen when the sleep ends.
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def fsync_directory(directory: str) -> None:

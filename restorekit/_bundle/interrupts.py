@@ -9,6 +9,12 @@ for a ``KeyboardInterrupt``; then the previous handler is put back and the signa
 again, so the process ends with SIGTERM's status, as it would have. Only in the main
 thread (the only one that can set a handler) and only while SIGTERM has its default
 action: an application's own handler, or an ignored SIGTERM, is left alone.
+
+A second SIGTERM while the first one's cleanup runs (a supervisor that signals twice: GNU
+``timeout`` signals the command, then its process group) is taken in and changes nothing: it
+neither cuts that cleanup short (a lock file left) nor, arriving inside the handler itself,
+waits on anything the first call holds (the handler takes no lock), and the process still ends
+by SIGTERM once the cleanup is done.
 """
 
 from __future__ import annotations
@@ -25,11 +31,16 @@ class Terminated(BaseException):
     """SIGTERM arrived during a write (raised by the handler ``terminate_cleanly`` installs; never caught as an error)."""
 
 
-_received = threading.Event()
+# Set by the handler, only ever in the main thread: a plain flag, no lock (a handler that took one
+# could be re-entered by a second SIGTERM while holding it, and wait forever).
+_received = False
 
 
 def _raise_terminated(signum, frame):
-    _received.set()
+    global _received
+    if _received:
+        return  # the cleanup of the first SIGTERM is running (or the block goes on): it is not cut short
+    _received = True
     raise Terminated(f"signal {signum} (SIGTERM) during a write")
 
 
@@ -42,11 +53,12 @@ def terminate_cleanly():
     if not install:
         yield
         return
-    _received.clear()
+    global _received
+    _received = False
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if _received.is_set():  # even if something caught Terminated and raised another error
+        if _received:  # even if something caught Terminated and raised another error
             os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends here
