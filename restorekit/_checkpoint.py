@@ -431,7 +431,10 @@ class Checkpoint(registry.EntryMapping):
                     f"partitioned entry {name!r} of shape {list(entry.shape)} claims {need} bytes in its slices, "
                     f"more than its shards hold: {e}"
                 ) from None
-        full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
+        if entry.dtype == DT_STRING:
+            full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
+        else:  # the slices cover it exactly once (slice_layout): fresh memory, aligned as an unpartitioned read's
+            full = empty_tensor(entry.dtype, entry.shape, sum(p.size for _, p in layout), name=name)
         for index, part in layout:
             full[index] = decode_tensor(
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c
