@@ -10,7 +10,6 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass
 from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping
@@ -20,6 +19,7 @@ import numpy as np
 from restorekit import keras_files
 from restorekit._bundle import files, statefile
 from restorekit.formats import _registry as registry
+from restorekit.formats._registry import Entry
 from restorekit._bundle.checks import check_header, check_shape, check_size, slice_layout
 from restorekit._bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
 from restorekit._bundle.format import (
@@ -53,23 +53,6 @@ __all__ = ["Checkpoint", "Entry", "OBJECT_GRAPH_KEY", "Problem", "VerifyResult",
 
 _DATA_SUFFIX = re.compile(r"\.data-\d{5}-of-\d{5}$")
 _WARNED: set = set()
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor in a checkpoint. ``nbytes`` is its size in the data shards; ``path`` its readable path where the
-    source lists one with it (Keras files; a TF checkpoint gives it by ``readable_name``, from its object graph)."""
-
-    name: str
-    shape: tuple
-    dtype: str
-    nbytes: int
-    path: str | None = None
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
 
 def _state_file_prefix(directory: str) -> str | None:
@@ -448,7 +431,10 @@ class Checkpoint(registry.EntryMapping):
                     f"partitioned entry {name!r} of shape {list(entry.shape)} claims {need} bytes in its slices, "
                     f"more than its shards hold: {e}"
                 ) from None
-        full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
+        if entry.dtype == DT_STRING:
+            full = np.zeros(entry.shape, dtype=numpy_dtype(entry.dtype))
+        else:  # the slices cover it exactly once (slice_layout): fresh memory, aligned as an unpartitioned read's
+            full = empty_tensor(entry.dtype, entry.shape, sum(p.size for _, p in layout), name=name)
         for index, part in layout:
             full[index] = decode_tensor(
                 self.read_raw(part, name), entry.dtype, part.shape, name=name, crc32c=part.crc32c

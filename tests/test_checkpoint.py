@@ -140,6 +140,58 @@ def test_partitioned_variable_reads_as_one_full_tensor(tmp_path):
     np.testing.assert_array_equal(ckpt.read("emb"), full)
 
 
+def _aligned_and_writable(array) -> bool:
+    return array.ctypes.data % 64 == 0 and array.flags.writeable and array.flags.c_contiguous
+
+
+def test_read_gives_64_byte_aligned_writable_arrays_on_both_sides_of_the_mapped_threshold(tmp_path):
+    # Checkpoint.read allocates tensors from _MAPPED bytes on (4 MiB) as anonymous mappings, smaller ones
+    # inside a numpy buffer: both must start on a 64-byte boundary (XLA and TF take them without a copy).
+    from restorekit._bundle.format import _MAPPED
+
+    rng = np.random.RandomState(3)
+    side = _MAPPED // 4 // 1024  # float32 rows of 1024 elements: `side` rows is exactly the threshold
+    values = {
+        "odd_int8": rng.randint(-128, 127, size=(7,)).astype(np.int8),
+        "small": rng.randn(3, 5).astype(np.float32),
+        "just_under": rng.randn(side - 1, 1024).astype(np.float32),
+        "at": rng.randn(side, 1024).astype(np.float32),
+        "over": rng.randn(side + 1, 1024).astype(np.float32),
+        "big_f64": rng.randn(side, 1024).astype(np.float64),
+    }
+    prefix = save_variables(tmp_path / "m", values)
+    ckpt = Checkpoint(prefix)
+    assert ckpt.entries["just_under"].nbytes < _MAPPED <= ckpt.entries["at"].nbytes < ckpt.entries["over"].nbytes
+    for name, value in values.items():
+        first, second = ckpt.read(name), ckpt.read(name)
+        assert _aligned_and_writable(first) and _aligned_and_writable(second), name
+        np.testing.assert_array_equal(first, value)
+        first[...] = 0  # writing one read's array leaves the next read (and the checkpoint) as TF wrote it
+        np.testing.assert_array_equal(second, value)
+        np.testing.assert_array_equal(ckpt.read(name), value)
+
+
+def test_read_of_a_partitioned_variable_gives_64_byte_aligned_writable_arrays(tmp_path):
+    from restorekit._bundle.format import _MAPPED
+
+    rows = _MAPPED // 4 // 1024 + 60  # over the threshold; split in 2 slices, each under it
+    with tf.Graph().as_default():
+        small = tf1.get_variable("emb", shape=[10, 4], partitioner=tf1.fixed_size_partitioner(3))
+        big = tf1.get_variable("big", shape=[rows, 1024], partitioner=tf1.fixed_size_partitioner(2))
+        saver = tf1.train.Saver()
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            full = {"emb": sess.run(tf.concat(list(small), axis=0)), "big": sess.run(tf.concat(list(big), axis=0))}
+            prefix = saver.save(sess, str(tmp_path / "p"), write_meta_graph=False)
+    ckpt = Checkpoint(prefix)
+    assert ckpt.entries["emb"].nbytes < _MAPPED < ckpt.entries["big"].nbytes
+    for name, value in full.items():
+        for _ in range(3):  # numpy's own buffers land 64-aligned by chance now and then: read more than once
+            array = ckpt.read(name)
+            assert _aligned_and_writable(array), (name, array.ctypes.data % 64)
+            np.testing.assert_array_equal(array, value)
+
+
 def test_all_dtypes_round_trip(tmp_path):
     import ml_dtypes
 

@@ -30,12 +30,11 @@ from restorekit.export._base import (
     raw_bytes_view,
 )
 from restorekit.export._layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
+from restorekit.formats._dtypes import TO_SAFETENSORS
 from restorekit.formats.safetensors import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the table lists them)
     FORMAT,
     SUFFIXES,
-    _FROM_ST,
     _MAX_HEADER,
-    _TO_ST,
     Header,
     TensorInfo,
     open_tensors,
@@ -76,11 +75,11 @@ _FOLIO_ABOVE = 64 << 20
 
 def _stored(array: np.ndarray, tf_dtype: str, record: LayoutRecord, out: str) -> tuple[str, np.ndarray]:
     """(safetensors dtype, array to store) for one tensor, noting stand-ins in the record."""
-    if tf_dtype in _TO_ST:
-        return _TO_ST[tf_dtype], array
+    if tf_dtype in TO_SAFETENSORS:
+        return TO_SAFETENSORS[tf_dtype], array
     if tf_dtype in STORED_AS:
         record.note_dtype(out, tf_dtype)
-        return _TO_ST[STORED_AS[tf_dtype]], array
+        return TO_SAFETENSORS[STORED_AS[tf_dtype]], array
     if tf_dtype == "complex128":
         record.note_dtype(out, tf_dtype)
         return "F64", np.ascontiguousarray(array).view(np.float64).reshape(array.shape + (2,))
@@ -279,14 +278,14 @@ def _checkpoint_plan(checkpoint, names: dict | None, record: LayoutRecord) -> li
         if entry.dtype == "string":
             record.add_string(name, checkpoint.read(source))
             continue
-        if entry.dtype not in _TO_ST and entry.dtype not in STORED_AS and entry.dtype != "complex128":
+        if entry.dtype not in TO_SAFETENSORS and entry.dtype not in STORED_AS and entry.dtype != "complex128":
             raise InvalidArgumentError(f"checkpoint entry {source!r} has dtype {entry.dtype!r}, which safetensors cannot hold")
         out, perm = record.plan(name, entry.shape)
         shape = tuple(entry.shape[i] for i in perm) if perm is not None else tuple(entry.shape)
-        if entry.dtype in _TO_ST:
-            st_dtype = _TO_ST[entry.dtype]
+        if entry.dtype in TO_SAFETENSORS:
+            st_dtype = TO_SAFETENSORS[entry.dtype]
         elif entry.dtype in STORED_AS:
-            st_dtype = _TO_ST[STORED_AS[entry.dtype]]
+            st_dtype = TO_SAFETENSORS[STORED_AS[entry.dtype]]
             record.note_dtype(out, entry.dtype)
         else:
             st_dtype, shape = "F64", shape + (2,)

@@ -30,11 +30,11 @@ from restorekit.export._base import (
 )
 from restorekit.export._layout import STORED_AS, LayoutRecord, check_layout
 from restorekit.export._rawcopy import copy_raw
+from restorekit.formats._dtypes import TORCH_DTYPES
 from restorekit.formats.torch import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
     FORMAT,
     SUFFIXES,
     _BITS,
-    _TORCH_DTYPES,
     RECORD_KEY,
     _torch,
     load,
@@ -58,8 +58,8 @@ def from_numpy(array: np.ndarray, tf_dtype: str | None = None):
     tf_dtype = tf_dtype or tf_dtype_of(array)
     if tf_dtype in _BITS:
         int_name, int_type = _BITS[tf_dtype]
-        return torch.from_numpy(contiguous(array).view(int_type)).view(getattr(torch, _TORCH_DTYPES[tf_dtype]))
-    if tf_dtype in _TORCH_DTYPES or tf_dtype in STORED_AS:
+        return torch.from_numpy(contiguous(array).view(int_type)).view(getattr(torch, TORCH_DTYPES[tf_dtype]))
+    if tf_dtype in TORCH_DTYPES or tf_dtype in STORED_AS:
         if not array.flags.writeable:
             array = array.copy()
         return torch.from_numpy(contiguous(array))
@@ -146,7 +146,7 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
         if entry.dtype == "string":
             record.add_string(name, checkpoint.read(source))
             continue
-        if entry.dtype not in _TORCH_DTYPES and entry.dtype not in STORED_AS:
+        if entry.dtype not in TORCH_DTYPES and entry.dtype not in STORED_AS:
             raise InvalidArgumentError(f"checkpoint entry {source!r} has dtype {entry.dtype!r}, which torch cannot hold")
         out, perm = record.plan(name, entry.shape)
         if entry.dtype in STORED_AS:
@@ -197,7 +197,7 @@ def _mapped(shards: dict, path: str, raw, entry):
     shard = shards.get(path)
     if shard is None:
         shard = shards[path] = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
-    dtype = getattr(torch, _TORCH_DTYPES[STORED_AS.get(entry.dtype, entry.dtype)])
+    dtype = getattr(torch, TORCH_DTYPES[STORED_AS.get(entry.dtype, entry.dtype)])
     tensor = torch.empty(0, dtype=dtype).set_(shard[raw.offset : raw.offset + raw.size])
     return tensor.view(tuple(entry.shape))
 

@@ -25,11 +25,14 @@ import zipfile
 from collections.abc import Mapping as _MappingABC
 from typing import Callable, Iterator, Mapping, Protocol, runtime_checkable
 
+import numpy as np
+
 from restorekit.errors import EntryNotFoundError, InvalidArgumentError
 
 __all__ = [
     "BY_BYTES",
     "BY_NAME",
+    "Entry",
     "EntryInfo",
     "EntryMapping",
     "Format",
@@ -68,6 +71,25 @@ class EntryInfo(Protocol):
     @property
     def path(self) -> str | None:
         """The readable path (``dense/kernel`` of a TF2 or Keras key), None where there is none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor in a checkpoint: the EntryInfo of TF checkpoints and the file formats (``KerasEntry`` is one).
+
+    ``nbytes`` is its size in the data shards; ``path`` its readable path where the source lists one with
+    it (Keras files; a TF checkpoint gives it by ``readable_name``, from its object graph)."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    path: str | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
+from restorekit.formats._dtypes import STORAGE_DTYPES, STORAGE_ONLY
 
 __all__ = ["Scan", "ScanError", "StorageRef", "View", "check_views", "scan_legacy", "scan_zip", "state_of", "views_of"]
 
@@ -180,20 +181,18 @@ class _Unpickler(pickle.Unpickler):
         return ref
 
 
-# Element sizes of torch's storage classes (torch.FloatStorage, ...), by name.
-_STORAGE_ITEMSIZES = {
-    "Untyped": 1, "Double": 8, "Float": 4, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
-    "Char": 1, "Byte": 1, "Bool": 1, "ComplexDouble": 16, "ComplexFloat": 8, "QUInt8": 1, "QInt8": 1,
-    "QInt32": 4, "QUInt4x2": 1, "QUInt2x4": 1,
-}
-
-
 def _torch_itemsizes():
     import torch
 
+    from restorekit._bundle.format import dtype_enum
+    from restorekit._bundle.format import itemsize as tf_itemsize
+
+    # Element sizes of torch's storage classes (torch.FloatStorage, ...), by name: a TF dtype's, or its own.
+    storage = {stem: tf_itemsize(dtype_enum(name)) for stem, name in STORAGE_DTYPES.items()} | STORAGE_ONLY
+
     def itemsize(name: str) -> int:
         if name.endswith("Storage"):
-            return _STORAGE_ITEMSIZES.get(name[: -len("Storage")], 0)
+            return storage.get(name[: -len("Storage")], 0)
         found = getattr(torch, name, None)
         return found.itemsize if isinstance(found, torch.dtype) else 0
 

@@ -32,6 +32,7 @@ from restorekit._bundle.jsonfile import read_json
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
 from restorekit.export._base import raw_bytes_view
 from restorekit.export._layout import METADATA_KEY, LayoutRecord
+from restorekit.formats._dtypes import FROM_SAFETENSORS
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import check_output_size, reader, regular_file
 from restorekit.formats._registry import BY_NAME, BY_BYTES, Probe, register
@@ -45,27 +46,6 @@ SUFFIXES = (".safetensors",)
 INDEX_SUFFIX = ".safetensors.index.json"
 _SHARD = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors")
 
-# TF dtype name -> safetensors dtype. Others are stored as a stand-in (STORED_AS,
-# complex128 as float64 pairs) and named in the layout record.
-_TO_ST = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint64": "U64",
-    "uint32": "U32",
-    "uint16": "U16",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
-_FROM_ST = {v: k for k, v in _TO_ST.items()}
 _MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers ("header too large")
 _MAX_RANK = 64  # numpy's limit
 
@@ -91,7 +71,7 @@ class Header:
 def _numpy_dtype(st_dtype: str) -> np.dtype:
     from restorekit._bundle.format import dtype_enum, numpy_dtype
 
-    return numpy_dtype(dtype_enum(_FROM_ST[st_dtype]))
+    return numpy_dtype(dtype_enum(FROM_SAFETENSORS[st_dtype]))
 
 
 @reader("safetensors file")
@@ -157,7 +137,7 @@ def _read_json(path: str, size: int) -> tuple[dict, int]:
 
 
 # Every dtype the format defines; those restorekit lacks are refused as unsupported, not corrupt.
-_ST_DTYPES = frozenset(_FROM_ST) | {"F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C128"}
+_ST_DTYPES = frozenset(FROM_SAFETENSORS) | {"F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C128"}
 
 
 def _is_count(value) -> bool:
@@ -170,7 +150,7 @@ def _tensor_info(path: str, name: str, info) -> TensorInfo:
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
         raise _bad(path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}, which the format does not define")
-    if dtype not in _FROM_ST:
+    if dtype not in FROM_SAFETENSORS:
         raise InvalidArgumentError(f"{path!r}: tensor {name!r} has dtype {dtype!r}, which restorekit cannot read")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise _bad(path, f"tensor {name!r} has shape {str(shape)[:80]}; dimensions are non-negative integers")

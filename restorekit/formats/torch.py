@@ -24,6 +24,7 @@ import numpy as np
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
 from restorekit.export._layout import LayoutRecord
 from restorekit.formats import _torchfile as torchfile
+from restorekit.formats._dtypes import TORCH_DTYPES
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import check_output_size, open_zip, reader, regular_file
 from restorekit.formats._registry import BY_BYTES, Probe, register
@@ -34,26 +35,7 @@ FORMAT = "torch"
 SUFFIXES = (".pt", ".pth", ".bin")
 
 RECORD_KEY = "__restorekit__"
-# TF dtype name -> torch dtype attribute. ml_dtypes arrays cross by a same-width int view.
-_TORCH_DTYPES = {
-    "float64": "float64",
-    "float32": "float32",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "int64": "int64",
-    "int32": "int32",
-    "int16": "int16",
-    "int8": "int8",
-    "uint64": "uint64",
-    "uint32": "uint32",
-    "uint16": "uint16",
-    "uint8": "uint8",
-    "bool": "bool",
-    "complex64": "complex64",
-    "complex128": "complex128",
-    "float8_e4m3fn": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2",
-}
+# ml_dtypes arrays cross to torch by a same-width int view.
 _BITS = {"bfloat16": ("int16", np.int16), "float8_e4m3fn": ("uint8", np.uint8), "float8_e5m2": ("uint8", np.uint8)}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # torch colours some of its messages
 _CRC_CHUNK = 16 << 20
@@ -81,7 +63,7 @@ def to_numpy(tensor) -> np.ndarray:
     if name in _BITS:
         int_name, _ = _BITS[name]
         return tensor.contiguous().view(getattr(torch, int_name)).numpy().view(numpy_dtype(dtype_enum(name)))
-    if name not in _TORCH_DTYPES:
+    if name not in TORCH_DTYPES:
         raise InvalidArgumentError(f"torch dtype {tensor.dtype} has no TensorFlow checkpoint equivalent")
     return tensor.numpy()
 

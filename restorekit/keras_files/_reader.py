@@ -78,7 +78,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit._bundle.verification import Problem, VerifyResult
-from restorekit.formats._registry import EntryMapping
+from restorekit.formats._registry import Entry, EntryMapping
 from restorekit.keras_files._archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
 from restorekit.keras_files._h5nodes import NODES, check_contained, check_dataset, check_links, root
 from restorekit.keras_files import _layouts as layouts
@@ -117,19 +117,8 @@ def is_keras_path(path) -> bool:
 
 
 @dataclass(frozen=True)
-class KerasEntry:
-    """One tensor of a Keras file: its key in the file, shape, dtype, size in bytes, readable path."""
-
-    name: str
-    shape: tuple
-    dtype: str
-    nbytes: int
-    path: str | None = None
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+class KerasEntry(Entry):
+    """One tensor of a Keras file: its key in the file (``name``), shape, dtype, size in bytes, readable path."""
 
 
 class _Paths(Mapping):
