@@ -350,6 +350,7 @@ def atomic_output(path):
         sweep_stale(directory)
         tmp = temp_name(path)
         try:
+            crash_point("output-locked")
             yield tmp
             crash_point("before-replace")
             os.replace(tmp, path)

@@ -140,6 +140,7 @@ def write_archive(path, source, tensors, *, attrs: dict | None = None) -> str:
         weights = temp_name(path + ".weights.h5")  # the new member, whole, before it goes into the archive
         try:
             _write_h5(weights, tensors, attrs)
+            atomic.crash_point("keras-member-written")
             with zipfile.ZipFile(source) as old, zipfile.ZipFile(tmp, "w") as new:
                 for info in old.infolist():
                     if info.filename == WEIGHTS_MEMBER:
@@ -220,6 +221,7 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
         return len(made)
 
     h5py = _h5py()
+    atomic.crash_point("h5-room-checked")
     with h5py.File(path, "w") as f:
         for i, (key, array) in enumerate(tensors):
             array = np.asarray(array() if callable(array) else array)
