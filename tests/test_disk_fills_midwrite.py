@@ -232,14 +232,12 @@ def test_a_disk_filled_during_a_conversion_is_write_failed_with_nothing_left(sou
     before = tree(small_tmpfs)
     report = run_while_the_disk_fills(op, src, out, point, small_tmpfs, tmp_path)
     assert report["result"] == "failed", report
-    # A directory of shards names the shard it was writing; a file names itself.
-    named = report["path"]
-    report["path"] = os.fspath(out) if case == "torch" else os.path.dirname(named) + "/"
-    if case == "torch":  # torch's writer words a full disk its own way: the cause is its message
-        assert report["reached"] == [point] and report["path"] == named, report
+    if case == "torch":  # torch's writer words a full disk its own way ('unexpected pos ...'): its cause is that
+        assert report["reached"] == [point] and report["path"] == os.fspath(out), report
         assert tree(small_tmpfs) == before
-    else:
-        check_failed(report, out, point, before, tree(small_tmpfs))
+    else:  # a directory of shards: the error names its first shard
+        assert os.path.dirname(report["path"]) == os.fspath(out), report
+        check_failed({**report, "path": os.fspath(out)}, out, point, before, tree(small_tmpfs))
     assert src.read_bytes() == source_bytes
 
 
