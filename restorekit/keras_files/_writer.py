@@ -261,11 +261,35 @@ class _H5Sink:
         self.size = size
         return size
 
+    def put(self, offset: int, array: np.ndarray) -> None:
+        """Write ``array``'s bytes at ``offset`` straight from its buffer (a dataset's data: no HDF5, no copy)."""
+        self.pos, pos = offset, self.pos
+        self.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self.pos = pos
+
     def flush(self) -> None:
         pass
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+_RAW_MIN = 1 << 16  # smaller datasets go through h5py whole: their bytes cost less than the extra calls
+
+
+def _create_dataset(h5py, f, key: str, array: np.ndarray, sink: _H5Sink):
+    """``f.create_dataset(key, data=array)``; a large array of a plain little-endian number type is laid out by HDF5
+    (contiguous, allocated at once, no fill) and its bytes written by ``sink`` from the array itself: h5py's
+    ``fileobj`` driver would copy them once more on the way."""
+    if array.nbytes < _RAW_MIN or array.dtype.kind not in "iuf" or array.dtype.byteorder == ">" \
+            or array.dtype.name == "bfloat16":
+        return f.create_dataset(key, data=array)
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    ds = f.create_dataset(key, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
+    sink.put(ds.id.get_offset(), array)
+    return ds
 
 
 def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
@@ -303,7 +327,7 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
                 array = np.asarray(array() if callable(array) else array)
                 fits(array.nbytes + _H5_PER_DATASET + _H5_PER_GROUP * new_groups(key))
                 bfloat16 = array.dtype.name == "bfloat16"
-                ds = f.create_dataset(key, data=array)
+                ds = _create_dataset(h5py, f, key, array, sink)
                 if bfloat16:
                     ds.attrs["dtype"] = "bfloat16"
                 written()
