@@ -264,7 +264,7 @@ class _H5Sink:
     def put(self, offset: int, array: np.ndarray) -> None:
         """Write ``array``'s bytes at ``offset`` straight from its buffer (a dataset's data: no HDF5, no copy)."""
         self.pos, pos = offset, self.pos
-        self.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
         self.pos = pos
 
     def flush(self) -> None:
