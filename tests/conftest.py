@@ -192,3 +192,40 @@ def fifo(tmp_path):
     yield sentinel
     sentinel.close()
     assert not sentinel.opened, f"something opened {sentinel.path!r} for reading"
+
+
+# ---------------------------------------------------------------- a small disk that can be filled
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A fresh 8 MiB tmpfs mounted at ``tmp_path/disk`` (unmounted at teardown): a disk that a test can fill
+    for real (ENOSPC) without touching the machine's own. Mounting needs root (CI runs as root); elsewhere
+    the case is skipped with that reason."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill_disk(directory) -> str:
+    """Fill the file system holding ``directory`` to the last byte (a file ``filler`` there), as another program
+    filling the disk would; returns the filler's path (remove it to free the space)."""
+    filler = os.path.join(os.fspath(directory), "filler")
+    with open(filler, "ab", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as e:
+                if e.errno != 28:  # ENOSPC
+                    raise
+    return filler

@@ -26,7 +26,7 @@ from restorekit._bundle.locking import (LOCK_SUFFIX, lock_path, make_directories
                                        remove_unheld_lock, write_failed)
 from restorekit._bundle.protos import decode_header
 from restorekit._bundle.table import read_table
-from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError, WriteFailedError
 
 __all__ = [
     "Staging",
@@ -355,6 +355,7 @@ def atomic_output(path):
         sweep_stale(directory)
         tmp = temp_name(path)
         try:
+            crash_point("output-locked")
             yield tmp
             crash_point("before-replace")
             os.replace(tmp, path)
@@ -576,8 +577,16 @@ class Staging:
             self.abort()
         if exc is not None:
             failed = write_failed(exc, self.output)
+            if isinstance(failed, WriteFailedError) and _inside(failed.path, self.tmpdir):
+                # A writer inside (atomic_output on a staged file) named its temporary file: the output is ours.
+                failed = WriteFailedError(path=self.output, cause=failed.cause)
+                failed.errno = getattr(exc, "errno", None)
             if failed is not exc:
                 raise failed from exc
+
+
+def _inside(path, directory: str) -> bool:
+    return path is not None and os.path.abspath(path).startswith(os.path.join(os.path.abspath(directory), ""))
 
 
 def _remove_tree(tmpdir: str) -> None:

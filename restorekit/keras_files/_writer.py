@@ -140,6 +140,7 @@ def write_archive(path, source, tensors, *, attrs: dict | None = None) -> str:
         weights = temp_name(path + ".weights.h5")  # the new member, whole, before it goes into the archive
         try:
             _write_h5(weights, tensors, attrs)
+            atomic.crash_point("keras-member-written")
             with zipfile.ZipFile(source) as old, zipfile.ZipFile(tmp, "w") as new:
                 for info in old.infolist():
                     if info.filename == WEIGHTS_MEMBER:
@@ -197,12 +198,106 @@ def _room(path: str) -> tuple[int | None, str]:
     return min(limits) if limits else (None, "")
 
 
+class _H5Sink:
+    """The file HDF5 writes a new ``.weights.h5`` through (h5py's ``fileobj`` driver), which never fails a write.
+
+    h5py crashes the process (SIGSEGV) once HDF5 has seen a write fail (ENOSPC when another program fills
+    the disk, EFBIG past ``ulimit -f``): its ids cannot be released afterwards. So the first failure (an
+    ``OSError``, or a Ctrl-C / SIGTERM raised in here) is kept in ``error`` and every later write skipped
+    while HDF5 is told each one succeeded; ``_write_h5`` stops at the next dataset, h5py closes the file
+    cleanly, and the kept error is raised then, to become the WriteFailedError of the commit path.
+    Reads past what is on disk are zeros, as HDF5's own POSIX driver reads them.
+    """
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self.pos = self.size = 0
+        self.error: BaseException | None = None
+
+    def _keep(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = offset + (self.size if whence == os.SEEK_END else self.pos if whence == os.SEEK_CUR else 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data) -> int:
+        count = len(data)
+        try:
+            if self.error is None:
+                view, done = memoryview(data), 0
+                while done < count:
+                    wrote = os.pwrite(self.fd, view[done:], self.pos + done)
+                    if wrote <= 0:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    done += wrote
+        except BaseException as e:  # noqa: BLE001 - kept, raised once h5py has closed the file
+            self._keep(e)
+        self.pos += count
+        self.size = max(self.size, self.pos)
+        return count
+
+    def read(self, count: int = -1) -> bytes:
+        count = self.size - self.pos if count < 0 else count
+        data = b""
+        try:
+            data = os.pread(self.fd, count, self.pos)
+        except BaseException as e:  # noqa: BLE001
+            self._keep(e)
+        self.pos += count
+        return data + bytes(count - len(data))
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self.pos if size is None else size
+        try:
+            if self.error is None:
+                os.ftruncate(self.fd, size)
+        except BaseException as e:  # noqa: BLE001
+            self._keep(e)
+        self.size = size
+        return size
+
+    def put(self, offset: int, array: np.ndarray) -> None:
+        """Write ``array``'s bytes at ``offset`` straight from its buffer (a dataset's data: no HDF5, no copy)."""
+        self.pos, pos = offset, self.pos
+        self.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self.pos = pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+_RAW_MIN = 1 << 16  # smaller datasets go through h5py whole: their bytes cost less than the extra calls
+
+
+def _create_dataset(h5py, f, key: str, array: np.ndarray, sink: _H5Sink):
+    """``f.create_dataset(key, data=array)``; a large array of a plain little-endian number type is laid out by HDF5
+    (contiguous, allocated at once, no fill) and its bytes written by ``sink`` from the array itself: h5py's
+    ``fileobj`` driver would copy them once more on the way."""
+    if array.nbytes < _RAW_MIN or array.dtype.kind not in "iuf" or array.dtype.byteorder == ">" \
+            or array.dtype.name == "bfloat16":
+        return f.create_dataset(key, data=array)
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    ds = f.create_dataset(key, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
+    sink.put(ds.id.get_offset(), array)
+    return ds
+
+
 def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
     from restorekit.keras_files._reader import _h5py
 
-    # HDF5 cannot take a failed write: h5py crashes the process (SIGSEGV) closing a file whose write failed
-    # (EFBIG, ENOSPC). So each dataset is checked to fit before it is written, with room for the metadata
-    # written at close; a write that would not fit is refused as the write error it would have been.
+    # A write that cannot fit is refused before it fills the disk: each dataset is checked to fit, with room
+    # for the metadata written at close. Space that vanishes after this check (another program filling the
+    # disk) is caught by _H5Sink, which keeps HDF5 from ever seeing a failed write.
     room, why = _room(path)
     needed = _H5_SLACK
     groups: set = set()
@@ -219,21 +314,33 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
         groups.update(made)
         return len(made)
 
+    def written() -> None:
+        if sink.error is not None:  # stop here; h5py closes the file cleanly, the error is raised after
+            raise sink.error
+
     h5py = _h5py()
-    with h5py.File(path, "w") as f:
-        for i, (key, array) in enumerate(tensors):
-            array = np.asarray(array() if callable(array) else array)
-            fits(array.nbytes + _H5_PER_DATASET + _H5_PER_GROUP * new_groups(key))
-            bfloat16 = array.dtype.name == "bfloat16"
-            ds = f.create_dataset(key, data=array)
-            if bfloat16:
-                ds.attrs["dtype"] = "bfloat16"
-            atomic.crash_point(f"tensor-{i}")
-        for group, values in (attrs or {}).items():
-            fits(_H5_PER_GROUP * new_groups(f"{group}/x") + sum(_attr_bytes(n, v) for n, v in values.items()))
-            target = f.require_group(group) if group else f
-            for name, value in values.items():
-                target.attrs[name] = value
+    atomic.crash_point("h5-room-checked")
+    sink = _H5Sink(path)
+    try:
+        with h5py.File(sink, "w") as f:
+            for i, (key, array) in enumerate(tensors):
+                array = np.asarray(array() if callable(array) else array)
+                fits(array.nbytes + _H5_PER_DATASET + _H5_PER_GROUP * new_groups(key))
+                bfloat16 = array.dtype.name == "bfloat16"
+                ds = _create_dataset(h5py, f, key, array, sink)
+                if bfloat16:
+                    ds.attrs["dtype"] = "bfloat16"
+                written()
+                atomic.crash_point(f"tensor-{i}")
+            for group, values in (attrs or {}).items():
+                fits(_H5_PER_GROUP * new_groups(f"{group}/x") + sum(_attr_bytes(n, v) for n, v in values.items()))
+                target = f.require_group(group) if group else f
+                for name, value in values.items():
+                    target.attrs[name] = value
+                written()
+        written()  # the metadata h5py wrote at close
+    finally:
+        sink.close()
 
 
 # ---------------------------------------------------------------- sharded sets
