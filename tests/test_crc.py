@@ -190,3 +190,39 @@ def test_a_shard_open_for_writing_elsewhere_is_read_not_mapped(tf_shard):
     from restorekit._bundle.table import mask_crc
 
     assert [mask_crc(c) for c in got] == [e.crc32c for e in entries]
+
+
+@pytest.mark.parametrize("bad_shard", [None, 0, 1])
+def test_a_shard_reusing_save_checks_every_data_shard(tmp_path, bad_shard):
+    """Two data shards: the first shard's pass starts on the saving thread, the second follows; a flipped bit
+    in either fails the save, naming the tensor, and nothing is published."""
+    import tensorflow as tf
+
+    from restorekit._bundle.writer import BundleWriter
+
+    rng = np.random.RandomState(2)
+    values = {f"s{shard}/t{i}": rng.randn(300, 200).astype(np.float32) for shard in (0, 1) for i in range(3)}
+    prefix = str(tmp_path / "src" / "model.ckpt")
+    with BundleWriter(prefix, num_shards=2, shard_id=None) as writer:
+        for name, value in values.items():
+            writer.shard(int(name[1])).add(name, value)
+    if bad_shard is not None:
+        entry = Checkpoint(prefix).bundle_entry(f"s{bad_shard}/t1")
+        with open(Checkpoint(prefix).data_file(bad_shard), "r+b") as f:
+            f.seek(entry.offset + 7)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x01]))
+    out = tmp_path / "out"
+    editor = CheckpointEditor(prefix)
+    editor.rename_all(lambda n: "renamed/" + n)
+    if bad_shard is None:
+        saved = editor.save(str(out / "model.ckpt"))
+        reader = tf.train.load_checkpoint(saved)
+        for name, value in values.items():
+            np.testing.assert_array_equal(reader.get_tensor("renamed/" + name), value)
+        return
+    with pytest.raises(ChecksumMismatchError, match=f"'s{bad_shard}/t1'"):
+        editor.save(str(out / "model.ckpt"))
+    assert not out.exists()
+    assert not [n for n in os.listdir(os.path.dirname(prefix)) if "restorekit" in n]

@@ -1138,7 +1138,7 @@ def test_check_kept_false_keeps_a_rename_index_only_and_the_bad_bytes_still_fail
         f.seek(entry.offset)
         f.write(bytes([first[0] ^ 1]))
     reads = []
-    monkeypatch.setattr(save_tf_module, "_check_kept", lambda *a, **k: reads.append(a))
+    monkeypatch.setattr(save_tf_module, "_start_check", lambda *a, **k: reads.append(a))
     editor = CheckpointEditor(src)
     editor.rename("dense/bias", "encoder/bias")
     out = editor.save(tmp_path / "out" / "model", check_kept=False)

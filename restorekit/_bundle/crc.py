@@ -24,6 +24,7 @@ reported the same way. See benchmarks/bench_crc.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import mmap
@@ -61,7 +62,7 @@ _fast = _optional("crc32c")  # the optional `fast` extra
 if not getattr(_fast, "hardware_based", False):  # its software fallback is slower than google_crc32c's
     _fast = None
 
-__all__ = ["COPY_CHUNK", "IMPLEMENTATION", "THREADS", "combine", "extend", "file_crcs", "read_chunks", "work_items"]
+__all__ = ["COPY_CHUNK", "IMPLEMENTATION", "THREADS", "FilePass", "combine", "extend", "file_crcs", "read_chunks", "work_items"]
 
 IMPLEMENTATION = "crc32c" if _fast is not None else f"google_crc32c ({google_crc32c.implementation})"
 
@@ -79,6 +80,40 @@ COPY_CHUNK = 1 << 20
 _scratch = threading.local()
 
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range in, failing with an errno instead of SIGBUS
+
+
+def _libc_madvise():
+    """libc's madvise through ctypes, which lets go of the GIL during the call (``mmap.madvise`` holds it,
+    so one thread faulting 8 MiB in stopped every other thread); None where there is no libc to load."""
+    if not _LINUX:
+        return None
+    try:
+        import ctypes
+
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    call.restype = ctypes.c_int
+    return call, ctypes.get_errno
+
+
+_madvise = _libc_madvise()
+
+
+def _populate(mapped, base: int, first: int, length: int) -> None:
+    """Fault ``length`` bytes of ``mapped`` (at address ``base``) in from page-aligned ``first``.
+
+    Raises:
+        OSError: the kernel's errno (EINVAL or ENOSYS on a kernel without MADV_POPULATE_READ).
+    """
+    if _madvise is None:
+        mapped.madvise(_MADV_POPULATE_READ, first, length)
+        return
+    call, get_errno = _madvise
+    if call(base + first, length, _MADV_POPULATE_READ) != 0:
+        error = get_errno()
+        raise OSError(error, os.strerror(error))
 
 
 def extend(crc: int, data) -> int:
@@ -151,31 +186,52 @@ def work_items(ranges, piece: int | None = None) -> list[list[tuple[int, int, in
     return [item for item in items if item]
 
 
+class _Workers:
+    """``work(item)`` for every item, on ``threads`` threads started now that each take the next item when
+    done; ``join()`` waits and gives the results in item order (the first error raised there, the other
+    threads stopped after their current item)."""
+
+    def __init__(self, work, items: list, threads: int):
+        self.results: list = [None] * len(items)
+        self._taken = iter(range(len(items)))
+        self._lock = threading.Lock()
+        self.failed = threading.Event()
+        self._work, self._items = work, items
+        count = max(1, min(threads, len(items)))
+        self._pool = ThreadPoolExecutor(count, thread_name_prefix="restorekit-crc")
+        self._futures = [self._pool.submit(self._loop) for _ in range(count)]
+        self._pool.shutdown(wait=False)
+
+    def _loop(self) -> None:
+        while not self.failed.is_set():
+            with self._lock:
+                k = next(self._taken, None)
+            if k is None:
+                return
+            try:
+                self.results[k] = self._work(self._items[k])
+            except BaseException:
+                self.failed.set()  # the others stop after their current item
+                raise
+
+    def join(self) -> list:
+        try:
+            for future in self._futures:
+                future.result()
+        except BaseException:
+            self.failed.set()
+            for future in self._futures:
+                with contextlib.suppress(BaseException):
+                    future.result()
+            raise
+        return self.results
+
+
 def _run(work, items: list, threads: int) -> list:
     """``work(item)`` for every item, on ``threads`` threads that each take the next item when done."""
     if threads <= 1 or len(items) <= 1:
         return [work(item) for item in items]
-    results: list = [None] * len(items)
-    taken = iter(range(len(items)))
-    lock = threading.Lock()
-    failed = threading.Event()
-
-    def loop() -> None:
-        while not failed.is_set():
-            with lock:
-                k = next(taken, None)
-            if k is None:
-                return
-            try:
-                results[k] = work(items[k])
-            except BaseException:
-                failed.set()  # the others stop after their current item
-                raise
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="restorekit-crc") as pool:
-        for future in [pool.submit(loop) for _ in range(min(threads, len(items)))]:
-            future.result()
-    return results
+    return _Workers(work, items, threads).join()
 
 
 def _identity(st: os.stat_result) -> tuple:
@@ -228,9 +284,9 @@ class _Lease:
                 pass
 
 
-def _mapped_item(mapped, view, item, start: int, lease: _Lease, fd: int, path: str) -> list:
+def _mapped_item(mapped, view, base: int, item, start: int, lease: _Lease, fd: int, path: str) -> list:
     """crc of each piece of ``item`` (at most CHUNK bytes in all) from the shared read-only
-    map ``mapped`` of the file from byte ``start`` on."""
+    map ``mapped`` (at address ``base``) of the file from byte ``start`` on."""
     if lease.broken():
         raise _changed(path, "was opened for writing or truncated")
     low = min(offset for _, offset, _ in item) - start
@@ -240,7 +296,7 @@ def _mapped_item(mapped, view, item, start: int, lease: _Lease, fd: int, path: s
     for first, end in spans:
         aligned = first - first % mmap.PAGESIZE
         try:
-            mapped.madvise(_MADV_POPULATE_READ, aligned, end - aligned)
+            _populate(mapped, base, aligned, end - aligned)
         except OSError as e:
             if e.errno not in (22, 38):  # EINVAL / ENOSYS: an older kernel, touch the pages instead
                 # EFAULT or EIO: these pages cannot be read (a SIGBUS if touched); read them instead,
@@ -294,49 +350,88 @@ def file_crcs(fd: int, ranges, *, path: str = "", threads: int | None = None) ->
     cut short). The ranges are cut into pieces of at most ``CHUNK`` bytes (``work_items``)
     that ``threads`` threads take in turn, each piece's crc joined to its range's. The
     file is mapped once under a read lease when one can be had, else each piece is read
-    with ``preadv``; see the module's docstring.
+    with ``preadv``; see the module's docstring. ``FilePass`` is the same, started.
 
     Raises:
         CheckpointChangedError: another process opened the file for writing, truncated it
             or replaced its bytes while they were checked (``path`` names it in the message).
     """
-    ranges = [(int(o), int(s)) for o, s in ranges]
-    crcs: list[int | None] = [0] * len(ranges)  # an empty range's crc is 0
-    threads = THREADS if threads is None else max(1, threads)
-    lease = _Lease(fd)
-    try:
-        before = os.fstat(fd)  # after the lease: from here on the size cannot shrink under the map
-        live = []
+    return FilePass(fd, ranges, path=path, threads=threads).result()
+
+
+class FilePass:
+    """``file_crcs`` started: its threads crc the ranges while the caller goes on; ``result()`` waits.
+
+    Started from the thread that goes on with other work (a save staging its index), the
+    crc is under way at once instead of waiting for that thread to let go of the GIL.
+    ``result()`` must be called (it lets go of the lease and the map), once; ``fd`` stays
+    open until then.
+    """
+
+    def __init__(self, fd: int, ranges, *, path: str = "", threads: int | None = None):
+        self.fd, self.path = fd, path
+        self.ranges = [(int(o), int(s)) for o, s in ranges]
+        self.crcs: list[int | None] = [0] * len(self.ranges)  # an empty range's crc is 0
+        self._mapped: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._workers: _Workers | None = None
+        self.items: list = []
+        self.lease = _Lease(fd)
+        try:
+            self.before = os.fstat(fd)  # after the lease: from here on the size cannot shrink under the map
+            self._start(THREADS if threads is None else max(1, threads))
+        except BaseException:
+            self._close()
+            raise
+
+    def _start(self, threads: int) -> None:
+        ranges, live = self.ranges, []
         for i, (offset, size) in enumerate(ranges):
-            if size > 0 and offset + size > before.st_size:
-                crcs[i] = None
+            if size > 0 and offset + size > self.before.st_size:
+                self.crcs[i] = None
             elif size > 0:
                 live.append(i)
-        items = [[(live[j], o, n) for j, o, n in item] for item in work_items([ranges[i] for i in live])]
-        if not items:
-            return crcs
+        self.items = [[(live[j], o, n) for j, o, n in item] for item in work_items([ranges[i] for i in live])]
+        if not self.items:
+            return
         if sum(ranges[i][1] for i in live) < _SPLIT_MIN:
             threads = 1
-        if lease.held:
+        if self.lease.held:
             start = min(ranges[i][0] for i in live)
             start -= start % mmap.ALLOCATIONGRANULARITY
             end = max(ranges[i][0] + ranges[i][1] for i in live)
-            mapped = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
-            try:
-                with memoryview(mapped) as view:
-                    results = _run(lambda item: _mapped_item(mapped, view, item, start, lease, fd, path),
-                                   items, threads)
-            finally:
-                mapped.close()
-            if lease.broken():
-                raise _changed(path, "was opened for writing or truncated")
+            mapped = self._mapped = mmap.mmap(self.fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                                              offset=start)
+            view = self._view = memoryview(mapped)
+            address = np.frombuffer(view, np.uint8)
+            base = address.ctypes.data
+            del address  # no export of the map may outlive the pass (mmap.close refuses then)
+            lease, fd, path = self.lease, self.fd, self.path
+            self._workers = _Workers(lambda item: _mapped_item(mapped, view, base, item, start, lease, fd, path),
+                                     self.items, threads)
         else:
-            results = _run(lambda item: [_read_piece(fd, piece) for piece in item], items, threads)
-    finally:
-        lease.release()
-    if _identity(os.fstat(fd)) != _identity(before):
-        raise _changed(path, "changed (its size, modification time or identity)")
-    return _join(items, results, crcs)
+            fd = self.fd
+            self._workers = _Workers(lambda item: [_read_piece(fd, piece) for piece in item], self.items, threads)
+
+    def result(self) -> list[int | None]:
+        """The crcs, in the order of the ranges; see ``file_crcs``."""
+        try:
+            results: list = self._workers.join() if self._workers is not None else []
+            if self.lease.held and self.lease.broken():
+                raise _changed(self.path, "was opened for writing or truncated")
+        finally:
+            self._close()
+        if _identity(os.fstat(self.fd)) != _identity(self.before):
+            raise _changed(self.path, "changed (its size, modification time or identity)")
+        return _join(self.items, results, self.crcs)
+
+    def _close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+        if self._mapped is not None:
+            self._mapped.close()
+        self._view = self._mapped = None
+        self.lease.release()
 
 
 def _join(items, results, crcs: list) -> list:

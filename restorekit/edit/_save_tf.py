@@ -17,7 +17,7 @@ from restorekit._bundle.format import decode_tensor, encode_slice_key
 from restorekit._bundle.objectgraph import rewrite_keys
 from restorekit._bundle.protos import decode_header, encode_entry
 from restorekit._bundle.table import mask_crc, read_table
-from restorekit._bundle.crc import file_crcs
+from restorekit._bundle.crc import FilePass
 from restorekit._bundle.writer import BundleWriter, balance, check_num_shards
 from restorekit._checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit._plan import ATTRIBUTES, STRING, Concat, Item
@@ -106,8 +106,7 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
             kept_checked.result()  # a failed check raises here, and nothing is published
             atomic.crash_point("before-commit")
         except BaseException:
-            if not kept_checked.cancel():
-                _settle(kept_checked)
+            _settle(kept_checked)  # its pass has started: let it end (it maps the source) before cleaning up
             writer.abort()
             raise
         staging.commit(remove_before=remove_before, remove_after=remove_after)
@@ -227,21 +226,12 @@ def check_sources(source: Source, plan: dict[str, Item], *, reuse: bool) -> Futu
             kept.append((item.read_name, ckpt.bundle_entry(item.read_name)))
         elif item.base is None and item.cast is not None:
             cast.append((item.read_name, ckpt.bundle_entry(item.read_name)))  # its crc is checked as it streams
-    if reuse:  # the bytes' pass starts first: the metadata checks below run meanwhile
-        pool = ThreadPoolExecutor(1, thread_name_prefix="restorekit-check")
-        try:
-            checked = pool.submit(_check_kept_bytes, ckpt, kept)
-        finally:
-            pool.shutdown(wait=False)
-    else:
-        checked = Future()
-        checked.set_result(None)
+    checked = _start_check(ckpt, kept) if reuse else _done()  # the bytes' pass first, the metadata meanwhile
     try:
         for name, entry in kept + cast:
             check_readable(name, entry)
     except BaseException:
-        if not checked.cancel():
-            _settle(checked)
+        _settle(checked)
         raise
     return checked
 
@@ -252,26 +242,71 @@ def _settle(future: Future) -> None:
         future.result()
 
 
-def _check_kept_bytes(ckpt, kept: list) -> None:
-    strings = [(name, entry) for name, entry in kept if entry.dtype == STRING]
-    for name, entry in strings:
-        decode_tensor(ckpt.read_raw(entry, name), STRING, entry.shape, name=name, crc32c=entry.crc32c)
+def _done() -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
+
+
+def _start_check(ckpt, kept: list) -> Future:
+    """The check of the kept bytes, under way: the first data shard's crc pass starts here, on this thread
+    (so at once, not when this thread next lets go of the GIL); string tensors and any further shards follow
+    on a background thread, which the returned future stands for."""
     by_shard: dict[int, list] = {}
     for name, entry in kept:
         if entry.dtype != STRING:
             by_shard.setdefault(entry.shard_id, []).append((name, entry))
-    for shard_id, entries in sorted(by_shard.items()):
-        _check_kept(ckpt.data_file(shard_id), entries)
+    shards = [(ckpt.data_file(i), entries) for i, entries in sorted(by_shard.items())]
+    first = _start_shard(*shards[0]) if shards else None
+    strings = [(name, entry) for name, entry in kept if entry.dtype == STRING]
+    try:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="restorekit-check")
+        try:
+            return pool.submit(_finish_check, ckpt, strings, first, shards[1:])
+        finally:
+            pool.shutdown(wait=False)
+    except BaseException:
+        if first is not None:
+            _settle_shard(first)
+        raise
 
 
-def _check_kept(path: str, entries: list) -> None:
-    """Check the crc32c of every ``(name, entry)`` kept from the data shard ``path`` (``crc.file_crcs``)."""
+def _finish_check(ckpt, strings: list, first, rest: list) -> None:
+    try:
+        for name, entry in strings:
+            decode_tensor(ckpt.read_raw(entry, name), STRING, entry.shape, name=name, crc32c=entry.crc32c)
+    except BaseException:
+        if first is not None:
+            _settle_shard(first)
+        raise
+    if first is not None:
+        _end_shard(*first)
+    for path, entries in rest:
+        _end_shard(*_start_shard(path, entries))
+
+
+def _start_shard(path: str, entries: list) -> tuple:
+    """Open the data shard ``path`` and start the crc pass over the ``(name, entry)`` it keeps."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         raise CorruptCheckpointError(f"data shard {path!r} for {entries[0][0]!r} is missing or unreadable") from None
     try:
-        crcs = file_crcs(fd, [(entry.offset, entry.size) for _, entry in entries], path=path)
+        return path, entries, fd, FilePass(fd, [(entry.offset, entry.size) for _, entry in entries], path=path)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _settle_shard(started: tuple) -> None:
+    with contextlib.suppress(BaseException):
+        _end_shard(*started)
+
+
+def _end_shard(path: str, entries: list, fd: int, started: FilePass) -> None:
+    """Wait for a shard's crc pass and compare each kept tensor's crc32c with its entry's."""
+    try:
+        crcs = started.result()
     finally:
         os.close(fd)
     for (name, entry), crc in zip(entries, crcs):
