@@ -273,3 +273,32 @@ def test_the_sweep_removes_keras_shards_no_weights_json_names_and_keeps_the_name
     atomic.sweep_stale(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.json", "m_00000.weights.h5", "m_00001.weights.h5"]
     assert atomic._is_index(str(tmp_path / "m.weights.json"))
+
+
+def test_staging_sync_makes_staged_files_durable_once_and_commit_syncs_what_changed_since(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isfile(path):
+            synced.append(os.path.basename(path))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out"
+    with atomic.Staging(str(out), output=str(out / "m.index")) as staging:
+        a, b = staging.path(str(out / "m.data-00000-of-00001")), staging.path(str(out / "m.index"))
+        with open(a, "wb") as f:
+            f.write(b"shard")
+        staging.sync()
+        assert synced == ["m.data-00000-of-00001"]
+        staging.sync()
+        assert synced == ["m.data-00000-of-00001"]  # nothing changed: nothing to do
+        with open(b, "wb") as f:
+            f.write(b"index")
+        with open(a, "ab") as f:
+            f.write(b" grown")
+        staging.commit()
+    assert sorted(synced[1:]) == ["m.data-00000-of-00001", "m.index"]  # changed since, and staged since
+    assert (out / "m.data-00000-of-00001").read_bytes() == b"shard grown" and (out / "m.index").read_bytes() == b"index"

@@ -1,6 +1,7 @@
 """Tests for restorekit/_bundle: the table writer, varints, slice keys, errors, BundleWriter, atomic outputs."""
 
 import os
+import re
 import stat
 
 import ml_dtypes
@@ -363,3 +364,60 @@ def test_add_placed_records_bytes_the_caller_put_in_the_shard(tmp_path):
     np.testing.assert_array_equal(reader.get_tensor("placed"), values)
     assert reader.get_tensor("first") == 5 and reader.get_tensor("after") == np.float32(2.5)
     assert sorted(reader.get_variable_to_shape_map()) == ["after", "first", "placed"]
+
+
+# ------------------------------------------------------------------ entries: the fast decoder
+
+
+def _general_decode(buf, monkeypatch):
+    from restorekit._bundle import protos
+
+    with monkeypatch.context() as m:
+        m.setattr(protos, "_decode_entry_fast", lambda buf: None)
+        return protos.decode_entry(buf)
+
+
+def test_the_fast_entry_decoder_agrees_with_the_general_one_and_with_tensorflow(monkeypatch):
+    from tensorflow.core.protobuf import tensor_bundle_pb2
+
+    from restorekit._bundle.protos import _decode_entry_fast
+
+    rng = np.random.default_rng(7)
+    taken = 0
+    for _ in range(300):
+        proto = tensor_bundle_pb2.BundleEntryProto(
+            dtype=int(rng.integers(1, 30)), shard_id=int(rng.choice([0, 0, 1, 200, 2**20])),
+            offset=int(rng.integers(0, 2**45)), size=int(rng.integers(0, 2**34)), crc32c=int(rng.integers(0, 2**32)))
+        for dim in rng.integers(0, 2 ** int(rng.integers(1, 40)), size=int(rng.integers(0, 7))):
+            proto.shape.dim.add(size=int(dim))
+        buf = proto.SerializeToString()
+        fast, general = _decode_entry_fast(buf), _general_decode(buf, monkeypatch)
+        assert general.shape == tuple(d.size for d in proto.shape.dim)
+        assert (general.dtype, general.shard_id, general.offset, general.size, general.crc32c) == (
+            proto.dtype, proto.shard_id, proto.offset, proto.size, proto.crc32c)
+        if fast is not None:
+            taken += 1
+            assert fast == general and fast.encoded == buf
+    assert taken == 300  # every entry TF writes for a plain tensor takes the fast path
+
+
+@pytest.mark.parametrize("buf", [
+    b"\x08\x01\x12\x0c\x12\x0a\x08" + b"\xff" * 9 + b"\x01",  # a negative dim (10-byte varint)
+    b"\x08\x01\x12\x04\x12\x02\x08\x03\x12\x04\x12\x02\x08\x03",  # two shapes
+    b"\x08\x01\x35\x01\x02\x03\x04\x35\x01\x02\x03\x04",  # two crcs
+    b"\x08\x01\x3a\x00",  # a slice
+    b"\x08\x01\x12\x05\x12\x02\x08",  # a shape running past its end
+    b"\x08\x81",  # a varint running past the end
+    b"\x08\x01\x35\x01\x02",  # a short crc
+], ids=["negative dim", "two shapes", "two crcs", "slices", "shape overrun", "varint overrun", "short crc"])
+def test_the_fast_entry_decoder_leaves_the_unusual_and_the_malformed_to_the_general_one(buf, monkeypatch):
+    from restorekit._bundle.protos import _decode_entry_fast, decode_entry
+
+    assert _decode_entry_fast(buf) is None
+    try:
+        expected = _general_decode(buf, monkeypatch)
+    except CorruptCheckpointError as e:
+        with pytest.raises(CorruptCheckpointError, match=re.escape(str(e))):
+            decode_entry(buf)
+    else:
+        assert decode_entry(buf) == expected

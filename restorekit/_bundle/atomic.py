@@ -424,6 +424,7 @@ class Staging:
                 raise failed from e
             raise
         self._finals: dict[str, str] = {}
+        self._synced: dict[str, list | None] = {}  # staged file -> its identity when sync() made it durable
         self._journal_written = False
         self._asides: list[str] = []
         self._set_aside_ids: dict = {}
@@ -442,6 +443,19 @@ class Staging:
         tmp = os.path.join(self.tmpdir, os.path.basename(final))
         self._finals[tmp] = final
         return tmp
+
+    def sync(self) -> None:
+        """Make the files staged so far durable now, so that ``commit`` only renames them.
+
+        For a caller with something else to wait for before it may commit (a save whose
+        check of kept bytes is still running). A file changed after this is made durable
+        again by ``commit``."""
+        for tmp in self._finals:
+            identity = _identity(tmp)
+            if identity is not None and self._synced.get(tmp) != identity:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                self._synced[tmp] = identity
 
     def set_aside(self, index: str, text: str, links: dict) -> None:
         """Keep a set being replaced whole under other names while the new one takes its names.
@@ -506,9 +520,7 @@ class Staging:
 
     def _publish(self, remove_before: list, remove_after: list, index_first: bool) -> None:
         staged = [t for t in self._finals if os.path.exists(t)]
-        for tmp in staged:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+        self.sync()
         finals = set(self._finals.values())
         indexes = [self._finals[t] for t in staged if _is_index(t)]
         if index_first and any(os.path.exists(self._finals[t]) for t in staged if not _is_index(t)):

@@ -363,6 +363,9 @@ class RemoteStaging:
             os.remove(tmp)
             self._finals.pop(tmp, None)
 
+    def sync(self) -> None:
+        """Nothing to do: what is published has been uploaded, and the rest is uploaded by ``commit``."""
+
     def commit(self, *, remove_before=(), remove_after=()) -> None:
         """Upload the staged files not yet published, ``.index`` files last."""
         if remove_before or remove_after:

@@ -106,67 +106,89 @@ def _decode_shape(buf: bytes) -> tuple[tuple, bool]:
     return tuple(dims), unknown_rank
 
 
-def _fast_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    b = buf[pos] if pos < end else 256
-    if b < 0x80:
-        return b, pos + 1
-    return read_varint(buf, pos, end, "index entry")
+_new_entry = object.__new__
+_ENTRY_KEYS = {0x08: "dtype", 0x18: "shard_id", 0x20: "offset", 0x28: "size"}
 
 
-def _fast_shape(buf: bytes, pos: int, end: int) -> tuple[list[int], int] | None:
-    """The dims of a plain TensorShapeProto at ``pos`` and the position after it; None otherwise."""
-    length, pos = _fast_varint(buf, pos, end)
-    stop = pos + length
+def _fast_shape(buf: bytes, pos: int, end: int) -> tuple[tuple, int] | None:
+    """The dims of a plain TensorShapeProto (under 128 bytes) at ``pos`` and the position after it; None otherwise."""
+    if pos >= end or buf[pos] >= 0x80:  # a shape over 127 bytes (rank > ~20): the general decoder
+        return None
+    stop = pos + 1 + buf[pos]
+    pos += 1
     if stop > end:
         return None
     dims = []
     while pos < stop:
-        if buf[pos] != 0x12:
+        if buf[pos] != 0x12 or pos + 1 >= stop or buf[pos + 1] >= 0x80:
             return None
-        dim_len, pos = _fast_varint(buf, pos + 1, stop)
-        dim_stop = pos + dim_len
+        dim_stop = pos + 2 + buf[pos + 1]
+        pos += 2
         if dim_stop > stop:
             return None
         value = 0
         while pos < dim_stop:
             if buf[pos] != 0x08:
                 return None
-            value, pos = _fast_varint(buf, pos + 1, dim_stop)
-        if value >= 1 << 63:
-            return None
+            pos += 1
+            value = shift = 0
+            while True:
+                if pos >= dim_stop or shift > 62:  # 63 bits at most: a negative size is not plain
+                    return None
+                b = buf[pos]
+                pos += 1
+                value |= (b & 0x7F) << shift
+                if b < 0x80:
+                    break
+                shift += 7
         dims.append(value)
-    return dims, pos
+    return tuple(dims), pos
 
 
 def _decode_entry_fast(buf: bytes) -> BundleEntry | None:
     """The common entry (dtype, plain shape, shard, offset, size, crc) in one pass; None otherwise.
 
-    Listing a checkpoint parses every entry, so this path matters: it is ~4x the
-    speed of the general field walker, which handles everything else.
+    Listing a checkpoint, and any edit, parses every entry, so this path matters: varints
+    are read inline (a call per varint cost more than the rest), and the entry is built
+    without the frozen dataclass's per-field ``__init__``. The general field walker handles
+    everything else (``None`` sends it there: a field this path does not take, a repeated
+    shape or crc, or anything malformed).
     """
     end = len(buf)
     pos = 0
-    crc = 0
-    # dtype, shard_id, offset, size by their field keys
-    scalars = {0x08: 0, 0x18: 0, 0x20: 0, 0x28: 0}
-    shape = None
+    fields = {"dtype": 0, "shape": (), "shard_id": 0, "offset": 0, "size": 0, "crc32c": 0}
+    seen = 0
     while pos < end:
         key = buf[pos]
         pos += 1
-        if key in scalars:
-            scalars[key], pos = _fast_varint(buf, pos, end)
-        elif key == 0x12 and shape is None:  # shape; a second one goes to the general decoder
+        name = _ENTRY_KEYS.get(key)
+        if name is not None:
+            value = shift = 0
+            while True:
+                if pos >= end or shift > 63:
+                    return None
+                b = buf[pos]
+                pos += 1
+                value |= (b & 0x7F) << shift
+                if b < 0x80:
+                    break
+                shift += 7
+            fields[name] = value
+        elif key == 0x12 and not seen & 1:
+            seen |= 1
             parsed = _fast_shape(buf, pos, end)
             if parsed is None:
                 return None
-            shape, pos = parsed
-        elif key == 0x35 and pos + 4 <= end:  # crc32c, fixed32
-            crc = struct.unpack_from("<I", buf, pos)[0]
+            fields["shape"], pos = parsed
+        elif key == 0x35 and pos + 4 <= end and not seen & 2:  # crc32c, fixed32
+            seen |= 2
+            fields["crc32c"] = buf[pos] | buf[pos + 1] << 8 | buf[pos + 2] << 16 | buf[pos + 3] << 24
             pos += 4
         else:
             return None
-    entry = BundleEntry(scalars[0x08], tuple(shape or ()), scalars[0x18], scalars[0x20], scalars[0x28], crc)
-    object.__setattr__(entry, "encoded", bytes(buf))  # what it was read from decodes to it: write it back as is
+    entry = _new_entry(BundleEntry)
+    fields.update(slices=(), unknown_rank=False, extra=b"", encoded=bytes(buf))  # written back as read
+    entry.__dict__.update(fields)
     return entry
 
 

@@ -103,6 +103,7 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
             sizes.update(writer.shard_sizes)
             atomic.crash_point("before-verify")
             verify(staging.path(prefix + ".index"), sizes, expected, writer.entries)
+            staging.sync()  # while the check runs: the commit then only renames
             kept_checked.result()  # a failed check raises here, and nothing is published
             atomic.crash_point("before-commit")
         except BaseException:
