@@ -6,31 +6,45 @@ The BERT-base + Adam checkpoint of make_bert_checkpoint.py (~1.3 GB; written int
 ``DIR/crc/`` when missing, after checking free space, and deleted afterwards unless
 ``--keep``). Every round times, in one process with the shard in the page cache:
 
-- the reference: crc32c of every entry's bytes on two threads (``crc.file_crcs``'s
-  split) over a copy of the data shard already in memory, with the fastest crc32c
-  installed; and the same pass with google-crc32c, and on one thread;
+- two references, neither of them restorekit code:
+  - **in memory**: crc32c of every entry's bytes on two threads (cut into the pieces
+    ``crc.file_crcs`` cuts) over a copy of the data shard already in this process's
+    memory, with the fastest crc32c installed. No pass over a file reaches it: the file's
+    bytes must first be mapped (or copied), which costs page-table work per 4 KiB page the
+    page cache holds in small pages;
+  - **over the file**: the shard mapped (``mmap``), its two halves crc32c'd on two threads,
+    unmapped: a plain pass over the same bytes where the page cache holds them;
+- the in-memory pass with google-crc32c, and on one thread;
+- ``crc.file_crcs`` of the shard (what a checked save runs);
 - "rename every variable" + ``save`` with the default check of kept bytes (mapped under
   a read lease), with the check forced onto ``preadv`` reads (no lease), with one
   thread, and with ``check_kept=False`` (index only).
 
-Each case runs right next to a reference pass (order alternating); results are medians,
-ratios the median of those paired ratios.
-Goals: checked rename <= 1.3x the reference; unchecked rename < 0.05 s. Results: benchmarks/README.md.
+Each case runs right next to both references (order rotating); results are medians,
+ratios the median of the paired ratios. The page cache's state moves the mapped passes
+(a shard in 2 MiB pages maps ~10x cheaper than one in 4 KiB pages), so the run prints
+how much of the shard is in 2 MiB pages; ``--readback`` first drops the shard from the
+page cache and reads it back sequentially (the state after reading it from disk).
+Goals: checked rename <= 1.3x a two-thread crc32c pass; unchecked rename < 0.05 s.
+Results: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import crc32c as crc32c_package  # noqa: E402
 import google_crc32c  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -43,8 +57,55 @@ from restorekit.edit import CheckpointEditor  # noqa: E402
 def in_memory_pass(memory: np.ndarray, ranges, extend, threads: int) -> list[int]:
     """crc32c of each range of ``memory``, cut into the pieces file_crcs cuts a file into, on ``threads`` threads."""
     items = crc.work_items(ranges)
-    results = crc._run(lambda item: [extend(0, memory[o : o + n]) for _, o, n in item], items, threads)
+
+    def work(item):
+        return [extend(0, memory[o : o + n]) for _, o, n in item]
+
+    results = crc._Workers(work, items, threads).join() if threads > 1 else [work(item) for item in items]
     return crc._join(items, results, [0] * len(ranges))
+
+
+def file_pass(path: str) -> list[int]:
+    """The plain pass over the file: mapped, each half crc32c'd on a thread of its own, unmapped."""
+    size = os.path.getsize(path)
+    half = size // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(lambda lo, hi: crc32c_package.crc32c(view[lo:hi]), (0, half), (half, size)))
+        finally:
+            view.release()
+
+
+def in_2mib_pages(path: str) -> float | None:
+    """The share of ``path``'s bytes the page cache holds in 2 MiB pages (Linux; None elsewhere)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+            mapped.madvise(22, 0, size)  # MADV_POPULATE_READ: map every page the page cache holds
+            address = np.frombuffer(mapped, np.uint8).ctypes.data
+            lines = open("/proc/self/smaps").read().splitlines()
+            for k, line in enumerate(lines):
+                if line.startswith(f"{address:x}-"):
+                    for field in lines[k + 1 :]:
+                        if field.startswith("FilePmdMapped:"):
+                            return int(field.split()[1]) * 1024 / size
+    except (OSError, AttributeError, ValueError):
+        return None
+    return None
+
+
+def read_back(path: str) -> None:
+    """Drop ``path`` from the page cache and read it back sequentially (as a first read from disk does)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        while os.read(fd, 8 << 20):
+            pass
+    finally:
+        os.close(fd)
 
 
 def rename(src: str, out_dir: str, **save) -> None:
@@ -80,6 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", default=os.path.join(HERE, "data"))
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--readback", action="store_true", help="drop the shard from the page cache and read it back first")
     args = parser.parse_args(argv)
     import make_bert_checkpoint
 
@@ -98,13 +160,18 @@ def main(argv=None) -> int:
         entries = [ckpt.bundle_entry(n) for n in ckpt]
         ranges = [(e.offset, e.size) for e in entries]
         data = ckpt.data_file(0)
+        if args.readback:
+            read_back(data)
         memory = np.fromfile(data, np.uint8)
         memory.flags.writeable = False
         kept = sum(s for _, s in ranges)
         out = os.path.join(directory, "out")
         fast = crc.extend
+        in_memory, over_file = "reference: crc32c pass, 2 threads, bytes in memory", \
+            "reference: crc32c pass, 2 threads, file mapped"
         cases = {
-            "reference: crc32c pass, 2 threads, bytes in memory": lambda: in_memory_pass(memory, ranges, fast, 2),
+            in_memory: lambda: in_memory_pass(memory, ranges, fast, 2),
+            over_file: lambda: file_pass(data),
             "crc32c pass, 1 thread, bytes in memory": lambda: in_memory_pass(memory, ranges, fast, 1),
             "google-crc32c pass, 2 threads, bytes in memory": lambda: in_memory_pass(
                 memory, ranges, google_crc32c.extend, 2),
@@ -114,33 +181,45 @@ def main(argv=None) -> int:
             "checked rename, 1 thread": lambda: _with(_Threads(1), rename, prefix, out),
             "unchecked rename (check_kept=False)": lambda: rename(prefix, out, check_kept=False),
         }
-        reference = next(iter(cases))
-        names = list(cases)
+        references = [in_memory, over_file]
+        names = [name for name in cases if name not in references]
         want = [e.crc32c for e in entries]
         got = [mask_crc(v) for v in in_memory_pass(memory, ranges, fast, 2)]
         assert got == want, "the reference pass computed wrong crcs"
-        # Each case is paired with a reference pass right next to it (order alternating): the machine is shared.
-        times = {name: [] for name in cases}
-        ratios = {name: [] for name in cases}
+        whole = crc32c_package.crc32c(memory)
+        halves = file_pass(data)
+        assert crc.combine(halves[0], halves[1], len(memory) - len(memory) // 2 // mmap.PAGESIZE * mmap.PAGESIZE) \
+            == whole, "the pass over the file computed wrong crcs"
+        share = in_2mib_pages(data)
+        # Each case is paired with both references right next to it (order rotating): the machine is shared.
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        ratios: dict[str, dict[str, list[float]]] = {ref: {name: [] for name in cases} for ref in references}
         for round_ in range(args.repeat + 1):
-            for name in names[1:]:
-                pair = [reference, name] if round_ % 2 else [name, reference]
+            for name in names:
+                steps = [name, *references]
+                steps = steps[round_ % 3:] + steps[: round_ % 3]
                 timed = {}
-                for step in pair:
+                for step in steps:
                     start = time.perf_counter()
                     cases[step]()
                     timed[step] = time.perf_counter() - start
                 if round_:  # round 0 warms the page cache and the imports
-                    times[name].append(timed[name])
-                    times[reference].append(timed[reference])
-                    ratios[name].append(timed[name] / timed[reference])
-        ratios[reference] = [1.0]
+                    for step in steps:
+                        times[step].append(timed[step])
+                    for ref in references:
+                        for step in steps:
+                            if step != ref:
+                                ratios[ref][step].append(timed[step] / timed[ref])
+        pages = "unknown" if share is None else f"{share:.0%}"
         print(f"crc32c implementation: {crc.IMPLEMENTATION}; {crc.THREADS} threads; {os.cpu_count()} cores; "
-              f"{kept / 1e9:.2f} GB checked; load average {os.getloadavg()[0]:.1f}")
+              f"{kept / 1e9:.2f} GB checked; shard in 2 MiB pages: {pages}"
+              f"{' (read back from disk first)' if args.readback else ''}; load average {os.getloadavg()[0]:.1f}")
+        print(f"{'':52s} {'median':>8s}  {'GB/s':>5s}  {'/ in memory':>11s}  {'/ over file':>11s}")
         for name, ts in times.items():
-            shown = ", ".join(f"{r:.2f}" for r in ratios[name]) if name != reference else "-"
-            print(f"{name:52s} {statistics.median(ts) * 1e3:8.1f} ms  {kept / statistics.median(ts) / 1e9:5.1f} GB/s"
-                  f"  {statistics.median(ratios[name]):5.2f}x reference  (paired rounds: {shown})")
+            shown = [f"{statistics.median(ratios[ref][name]):10.2f}x" if ratios[ref][name] else f"{'1':>10s}x"
+                     for ref in references]
+            print(f"{name:52s} {statistics.median(ts) * 1e3:5.1f} ms  {kept / statistics.median(ts) / 1e9:5.1f}  "
+                  f"{shown[0]:>11s}  {shown[1]:>11s}")
     finally:
         if made and not args.keep:
             shutil.rmtree(directory, ignore_errors=True)

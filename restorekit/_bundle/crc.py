@@ -168,7 +168,7 @@ def work_items(ranges, piece: int | None = None) -> list[list[tuple[int, int, in
 
     Each item is a list of pieces (range index, offset, size): small ranges share an item,
     a big one is cut over several (its crcs joined again by ``combine``). Threads take the
-    items one at a time (``_run``), so one that is slowed down (the save's own work on the
+    items one at a time (``_Workers``), so one that is slowed down (the save's own work on the
     same cores) takes fewer, and all finish together."""
     piece = piece or CHUNK
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
@@ -225,13 +225,6 @@ class _Workers:
                     future.result()
             raise
         return self.results
-
-
-def _run(work, items: list, threads: int) -> list:
-    """``work(item)`` for every item, on ``threads`` threads that each take the next item when done."""
-    if threads <= 1 or len(items) <= 1:
-        return [work(item) for item in items]
-    return _Workers(work, items, threads).join()
 
 
 def _identity(st: os.stat_result) -> tuple:
