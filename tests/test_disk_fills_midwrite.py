@@ -9,6 +9,7 @@ the case that matters most: h5py crashes the process (SIGSEGV) closing a file wh
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -251,3 +252,49 @@ def test_with_room_to_spare_the_same_conversions_hold_the_source_values(sources,
     if case == "hugging-face-shards":
         assert len([n for n in os.listdir(out) if n.endswith(".safetensors")]) > 1
     assert arrays(out) == arrays(sources / "net.weights.h5")
+
+
+EFBIG_CHILD = r"""
+import json, os, resource, sys
+sys.path.insert(0, os.environ["ROOT"])
+src, out, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import restorekit
+from restorekit.errors import WriteFailedError
+from restorekit.keras_files import _writer
+
+_writer._room = lambda path: (None, "")  # no pre-check: the first write past the limit must meet the sink
+sinks, real_init = [], _writer._H5Sink.__init__
+
+
+def init(self, path):
+    real_init(self, path)
+    sinks.append(self)
+
+
+_writer._H5Sink.__init__ = init
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    restorekit.convert(src, out)
+    result = {"result": "ok"}
+except WriteFailedError as e:
+    result = {"result": "failed", "path": e.path, "errno": e.errno}
+result["sink_errors"] = [getattr(s.error, "errno", None) for s in sinks]
+print(json.dumps(result))
+"""
+
+
+def test_a_keras_write_past_the_file_size_limit_is_caught_by_the_sink_and_is_write_failed(sources, tmp_path):
+    """EFBIG (``ulimit -f``) met mid-write, with the space pre-check out of the way: the sink keeps the
+    error from HDF5 (no crash), the error names the output, and nothing is left."""
+    src, out = sources / "net.keras", tmp_path / "out" / "net.weights.h5"
+    (tmp_path / "out").mkdir()
+    source_bytes = src.read_bytes()
+    env = {**os.environ, "ROOT": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, "-c", EFBIG_CHILD, str(src), str(out), "100000"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # not -11 (h5py's crash) nor -25 (SIGXFSZ)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["result"] == "failed" and report["path"] == os.fspath(out) and report["errno"] == errno.EFBIG, report
+    assert report["sink_errors"] == [errno.EFBIG], report  # the sink met the limit, not a pre-check
+    assert tree(tmp_path / "out") == {}
+    assert src.read_bytes() == source_bytes
