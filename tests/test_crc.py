@@ -38,6 +38,47 @@ def test_extend_matches_google_crc32c_on_every_buffer_kind():
     assert crc.extend(crc.extend(0, array[:999]), memoryview(data)[999:]) == want
 
 
+def test_work_items_keep_ranges_up_to_two_pieces_whole_and_cut_bigger_ones_in_file_order():
+    rnd = random.Random(3)
+    piece = 1000
+    ranges = [(rnd.randrange(10**6), rnd.choice([0, 1, 999, 1000, 1999, 2000, 2001, 5000, rnd.randrange(8000)]))
+              for _ in range(400)]
+    items = crc.work_items(ranges, piece)
+    got: dict[int, list] = {}
+    for item in items:
+        assert item and sum(n for _, _, n in item) <= 2 * piece
+        for i, offset, size in item:
+            got.setdefault(i, []).append((offset, size))
+    for i, (offset, size) in enumerate(ranges):
+        parts = got.get(i, [])
+        if size == 0:
+            assert parts in ([], [(offset, 0)])
+            continue
+        assert parts[0][0] == offset and sum(n for _, n in parts) == size  # in order, nothing left out
+        assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+        assert len(parts) == 1 if size <= 2 * piece else all(n <= piece for _, n in parts)
+    order = [ranges[i][0] for item in items for i, _, _ in item]
+    assert order == sorted(order)
+
+
+def test_mapped_crcs_of_ranges_starting_anywhere_in_a_page_match(tmp_path):
+    """_mapped_item crcs a range's bytes up to a page boundary apart from the rest: every start in a page,
+    sizes on both sides of the threshold, and ranges ending inside their first page."""
+    data = os.urandom(3 << 20)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    page = 4096
+    ranges = [(page * k + d, n) for k, d in enumerate((0, 1, 7, 8, 2047, 4095, 4096))
+              for n in (1, page - d % page, crc._ALIGN_MIN - 1, crc._ALIGN_MIN, crc._ALIGN_MIN + 5, 1 << 20)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _need_a_lease(fd)
+        got = crc.file_crcs(fd, ranges, path=str(path))
+    finally:
+        os.close(fd)
+    assert got == [google_crc32c.value(data[o : o + n]) for o, n in ranges]
+
+
 def _need_a_lease(fd: int) -> None:
     """Skip, naming why, where the file system gives no read lease (NFS, some overlays): crc.file_crcs then
     reads instead of mapping (the "reads" cases), so the mapped path cannot run there."""
