@@ -61,6 +61,31 @@ def test_work_items_keep_ranges_up_to_two_pieces_whole_and_cut_bigger_ones_in_fi
     assert order == sorted(order)
 
 
+def test_work_items_aim_lower_toward_the_end_so_threads_finish_together():
+    """Guided items: full ``piece`` items while much is left, then smaller ones down to ``least``;
+    nothing left out, file order kept, no item over ``2 * piece``, one big range cut the same way."""
+    piece, least = 1000, 100
+    rnd = random.Random(5)
+    offset, ranges = 0, []
+    for _ in range(300):
+        size = rnd.choice([10, 500, 1500, 2500, 40, 30_000])
+        ranges.append((offset, size))
+        offset += size
+    for rs in (ranges, [(0, 100 * piece)]):
+        items = crc.work_items(rs, piece, least=least, threads=2)
+        sizes = [sum(n for _, _, n in item) for item in items]
+        assert max(sizes) <= 2 * piece and sizes[0] >= piece
+        assert max(sizes[-8:]) < piece // 2  # the last 8 items (4 per thread) are small ...
+        assert sum(sizes[-8:]) >= least  # ... but not crumbs
+        pieces = [(i, o, n) for item in items for i, o, n in item]
+        assert [o for _, o, _ in pieces] == sorted(o for _, o, _ in pieces)
+        for k, (start, size) in enumerate(rs):
+            parts = [(o, n) for i, o, n in pieces if i == k]
+            assert parts[0][0] == start and sum(n for _, n in parts) == size
+            assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:]))
+    assert len(crc.work_items([(0, 100 * piece)], piece, least=least, threads=2)) < 100 + 40
+
+
 def test_mapped_crcs_of_ranges_starting_anywhere_in_a_page_match(tmp_path):
     """_mapped_item crcs a range's bytes up to a page boundary apart from the rest: every start in a page,
     sizes on both sides of the threshold, and ranges ending inside their first page."""
