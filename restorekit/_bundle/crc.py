@@ -9,8 +9,9 @@ pieces, so one tensor can be checked by two threads.
 without copying them: the file is mapped once and the ranges are cut into work items
 (``work_items``: about ``CHUNK`` bytes, smaller toward the end) that the threads take in
 turn, so a thread slowed down by other work on its core (the save writing its index
-meanwhile) takes fewer and none waits long at the end. A mapped read of bytes another process has cut off (``truncate``) raises SIGBUS, which
-kills the process, so the file is mapped only under a kernel read lease (``F_SETLEASE``):
+meanwhile) takes fewer and none waits long at the end. A mapped read of bytes another
+process has cut off (``truncate``) raises SIGBUS, which kills the process, so the file is
+mapped only under a kernel read lease (``F_SETLEASE``):
 while it is held, another process that opens the file for writing or truncates it waits
 (up to ``/proc/sys/fs/lease-break-time``) until the check lets go, and the check, which
 looks at the lease between chunks, stops with ``CheckpointChangedError``. When no lease
@@ -205,7 +206,7 @@ def work_items(ranges, piece: int | None = None, *, least: int | None = None,
                 offset += target
                 left -= target
                 target = aim()
-            half = (end - offset + 1) // 2 if end - offset > target else end - offset
+            half = (end - offset + 1) // 2  # what is left is over one aim: two items, each at most one
             items += [[(i, offset, half)], [(i, offset + half, end - offset - half)], []]
             left -= end - offset
             continue
@@ -434,7 +435,8 @@ class FilePass:
                 self.crcs[i] = None
             elif size > 0:
                 live.append(i)
-        self.items = [[(live[j], o, n) for j, o, n in item] for item in work_items([ranges[i] for i in live], threads=threads)]
+        items = work_items([ranges[i] for i in live], threads=threads)
+        self.items = [[(live[j], o, n) for j, o, n in item] for item in items]
         if not self.items:
             return
         if sum(ranges[i][1] for i in live) < _SPLIT_MIN:
