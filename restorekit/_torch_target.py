@@ -62,9 +62,10 @@ class LayoutSource:
         # Imported here: restorekit.export's package imports scan, which imports this module.
         from restorekit.export.layouts._view import TorchView
 
-        self.checkpoint = checkpoint
+        # A torch_view brings its hints (model=, flatten_channels=, layer_kinds=); a checkpoint gets a plain one.
+        self.view = checkpoint if isinstance(checkpoint, TorchView) else TorchView(checkpoint)
+        self.checkpoint = self.view.checkpoint
         self.layout = layout
-        self.view = TorchView(checkpoint)
         self.prefix = checkpoint.prefix
         self.entries = self.view.entries
 
@@ -166,6 +167,12 @@ def stored_tensor(source, name: str):
     return checkpoint, key, found[2]
 
 
+def _is_torch_view(checkpoint) -> bool:
+    from restorekit.export.layouts._view import TorchView
+
+    return isinstance(checkpoint, TorchView)
+
+
 def _is_rule_set_name(rules) -> bool:
     return isinstance(rules, str) or (hasattr(rules, "target_of") and hasattr(rules, "plan"))
 
@@ -183,6 +190,10 @@ def layout_source(checkpoint, layout, rules=None) -> tuple:
     """
     if layout is not None and layout != "torch":
         raise InvalidArgumentError(f"layout is None or 'torch', got {layout!r}")
+    if _is_torch_view(checkpoint):
+        if layout not in (None, "torch") or rules is not None:
+            raise InvalidArgumentError("a torch_view is read with layout 'torch' and no rules")
+        return LayoutSource(checkpoint, "torch"), None
     if _is_rule_set_name(rules):
         if layout is not None:
             raise InvalidArgumentError(f"rule set {rules!r} sets names and axes itself; leave layout=None")

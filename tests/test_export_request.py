@@ -79,7 +79,8 @@ def test_import_refuses_a_layout_an_npz_source_does_not_have(tf2, tmp_path):
 
 
 def test_the_table_covers_every_option_the_verbs_check():
-    assert set(OPTIONS) == {"layout", "rules", "weights_only", "ema", "max_shard_size", "num_shards", "config"}
+    assert set(OPTIONS) == {"layout", "rules", "weights_only", "ema", "max_shard_size", "num_shards", "config", "model",
+                            "flatten_channels"}
     check({"num_shards": None, "layout": None, "ema": False}, target="npz")  # not given: nothing to refuse
     with pytest.raises(OptionNotApplicableError, match="weights_only"):
         check({"weights_only": True, "ema": True}, target="keras")  # ema: a .weights.h5 keeps Keras' values

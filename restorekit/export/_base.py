@@ -16,6 +16,7 @@ import numpy as np
 
 from restorekit._bundle.atomic import atomic_output  # noqa: F401  (format modules write through it)
 from restorekit.errors import InvalidArgumentError, format_names
+from restorekit._names import is_weight
 from restorekit._report import format_bytes
 
 __all__ = [
@@ -253,6 +254,11 @@ class PlannedCheckpoint:
         self.entries = entries
         self.is_object_based = OBJECT_GRAPH_KEY in entries
 
+    @property
+    def config(self):
+        """The source's Keras model config where it has one (a Keras file's): layout 'torch' reads its Flattens."""
+        return getattr(self._checkpoint, "config", None)
+
     @cached_property
     def object_graph(self):
         if not self.is_object_based:
@@ -284,3 +290,34 @@ class PlannedCheckpoint:
 
     def readable_name(self, name: str) -> str:
         return name
+
+
+def keras_source(ckpt, *, weights_only: bool = False):
+    """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
+    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group.
+    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file.
+    A ``.keras`` archive's weights member is checked against its zip CRC-32 first (a conversion reads it whole).
+
+    Raises:
+        ChecksumMismatchError: the ``.keras`` weights member's bytes changed.
+    """
+    ckpt.check_crc()
+    names = {}
+    for key in ckpt.entries:
+        path = ckpt.readable_name(key)
+        if weights_only and not is_weight(key, path=path):
+            continue
+        names[path if path not in names else key] = key
+    return _KerasSource(ckpt, names)
+
+
+class _KerasSource(PlannedCheckpoint):
+    """A Keras file under readable paths, with the byte ranges of its plain datasets (``stored_range``)."""
+
+    def __init__(self, ckpt, names: dict):
+        super().__init__(ckpt, names)
+        self._keras, self._keys = ckpt, dict(names)
+
+    def stored_range(self, name: str):
+        """``KerasCheckpoint.stored_range`` of the entry named ``name`` here: (path, offset, size) or None."""
+        return self._keras.stored_range(self._keys[name])

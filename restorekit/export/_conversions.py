@@ -110,6 +110,8 @@ def export_checkpoint(
     config=None,
     overwrite: bool = False,
     progress: bool = False,
+    model=None,
+    flatten_channels: dict | None = None,
 ) -> ExportResult:
     """Write a TF checkpoint as a PyTorch ``state_dict``, a ``.safetensors`` or an ``.npz`` file.
 
@@ -146,6 +148,11 @@ def export_checkpoint(
             ``config.json`` beside the output, sizes read from the shapes (see ``hf.hf_config``).
         overwrite: replace an existing output file.
         progress: show a progress bar on stderr (when it is a terminal).
+        model: with ``layout='torch'``, the live Keras model a TF2 checkpoint was written
+            from: layers named by the layers on their way, and Dense layers behind a
+            Flatten reordered (``restorekit.export.layouts.torch_view``).
+        flatten_channels: with ``layout='torch'``, ``{Dense layer: channels}`` of the
+            flattened feature map each reads (None: none), as ``torch_view`` takes it.
 
     Returns:
         An ExportResult.
@@ -162,12 +169,13 @@ def export_checkpoint(
     if isinstance(checkpoint, TorchView):
         if layout not in (None, "torch"):
             raise InvalidArgumentError(f"a torch_view is exported with layout 'torch', not layout={layout!r}")
-        if rules is not None or weights_only or given(ema):
-            raise InvalidArgumentError("rules=, weights_only= and ema= choose the tensors a torch_view maps: "
-                                       "pass them with the checkpoint itself (export_checkpoint(ckpt, ..., "
-                                       "layout='torch', ...)), not with a view of it")
+        if rules is not None or weights_only or given(ema) or model is not None or flatten_channels is not None:
+            raise InvalidArgumentError("rules=, weights_only=, ema=, model= and flatten_channels= choose the tensors "
+                                       "a torch_view maps: pass them with the checkpoint itself "
+                                       "(export_checkpoint(ckpt, ..., layout='torch', ...)), not with a view of it")
         layout = "torch"
-    options = request(layout, rules, weights_only, ema, max_shard_size, config)
+    options = request(layout, rules, weights_only, ema, max_shard_size, config, model=model,
+                      flatten_channels=flatten_channels)
     out = os.fspath(out)
     fmt = _target(out, to, options)
     if fmt in (formats.TF, KERAS):
@@ -251,7 +259,8 @@ def _import(source, fmt: str, out: str, options: Request, *, overwrite: bool, pr
 # ------------------------------------------------------------------ any -> any
 def convert(src, out, *, to: str | None = None, layout: str | None = None, rules=None, weights_only: bool = False,
             ema=None, max_shard_size=None, config=None, overwrite: bool = False,
-            progress: bool = False, max_output_bytes: int | None = None, num_shards: int | None = None) -> ExportResult:
+            progress: bool = False, max_output_bytes: int | None = None, num_shards: int | None = None,
+            model=None, flatten_channels: dict | None = None) -> ExportResult:
     """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards) and npz.
 
     The source is opened once (``restorekit.formats.open``; an open Source is taken as
@@ -260,7 +269,8 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     ``to``: a directory of safetensors shards). ``rules``, ``weights_only``, ``ema`` and
     ``config`` are as in :func:`export_checkpoint`; ``rules`` applies to TF-side names
     (after a restorekit file's record is undone) and ``config`` needs a Hugging Face rule
-    set. ``max_shard_size`` is the largest shard of the output: safetensors shards, or
+    set; ``model`` and ``flatten_channels`` are the hints of ``layout='torch'`` (as in
+    :func:`export_checkpoint`). ``max_shard_size`` is the largest shard of the output: safetensors shards, or
     with ``to='tf'`` TF data shards; ``num_shards`` writes a TF checkpoint output as that
     many data shards balanced by bytes. Which option applies to which format is one
     table, ``restorekit.export._request.OPTIONS``.
@@ -277,7 +287,7 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
             cover; ``num_shards`` that is not a positive int.
         OutputExistsError: the output is the source, or exists without overwrite.
     """
-    options = request(layout, rules, weights_only, ema, max_shard_size, config, num_shards)
+    options = request(layout, rules, weights_only, ema, max_shard_size, config, num_shards, model, flatten_channels)
     out = os.fspath(out)
     source, fmt = open_source(src)
     if fmt == KERAS and os.path.exists(out):  # being the source (a shard of a set) outranks a name that contradicts to

@@ -59,19 +59,20 @@ def write_tf_checkpoint(ckpt, files, out: str, options: Request, *, overwrite: b
         return finish(write_tf(out, _tf_stream(ckpt, plan), progress=progress, parts=parts), plan)
 
 
-def _export_source(ckpt, plan: OutputPlan | None, layout: str | None):
+def _export_source(ckpt, plan: OutputPlan | None, options: Request):
     """(what the writer reads, its ``names=``) for an export without axis transforms.
 
     Layout 'torch' maps whole layers, so the writer gets ``torch_view`` of the planned
     checkpoint (renames, subsets and EMA values applied first); otherwise the checkpoint
     with the plan as ``names``. Both copy raw shard bytes for tensors that keep them.
     """
+    layout = options.layout
     if isinstance(ckpt, TorchView):  # the caller's view, with its layer hints
         return ckpt, None
     if layout == "torch":
         if plan is not None and not plan.identity:
             ckpt = PlannedCheckpoint(ckpt, plan.names, graph=plan.graph)
-        return torch_view(ckpt, layout), None
+        return torch_view(ckpt, layout, model=options.model, flatten_channels=options.flatten_channels), None
     source = WithObjectGraph(ckpt, plan.graph) if plan is not None and plan.graph is not None else ckpt
     return source, None if plan is None or plan.identity else plan.names
 
@@ -102,7 +103,7 @@ def _write_file(ckpt, path: str, fmt: str, options: Request, *, overwrite: bool,
         else:
             result = single(lambda p: module.write(p, tensors, metadata=meta, progress=progress), path, config)
         return finish(result, plan)
-    source, names = _export_source(ckpt, plan, layout)
+    source, names = _export_source(ckpt, plan, options)
     if shard is not None:
         result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=meta,
                                           max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)

@@ -51,6 +51,10 @@ OPTIONS: dict[str, Applies] = {
                                    "are written whole"),
     "num_shards": Applies((TF,), hint="max_shard_size= splits the other formats that shard"),
     "config": Applies(FILES, hint="config.json goes beside a Hugging Face (torch, safetensors) output"),
+    # layout='torch' hints (restorekit.export.layouts.torch_view): the layers' names and which Dense reads a Flatten.
+    "model": Applies(("torch", "safetensors"), hint="model= tells layout='torch' the layers of a TF checkpoint"),
+    "flatten_channels": Applies(("torch", "safetensors"), hint="flatten_channels= reorders Dense inputs for "
+                                                                "layout='torch'"),
 }
 
 
@@ -106,6 +110,8 @@ class Request:
     max_shard_size: object = None
     config: object = None
     num_shards: int | None = None
+    model: object = None
+    flatten_channels: object = None
 
     @property
     def planned(self) -> bool:
@@ -134,7 +140,7 @@ class Request:
 
 
 def request(layout=None, rules=None, weights_only=False, ema=None, max_shard_size=None, config=None,
-            num_shards=None) -> Request:
+            num_shards=None, model=None, flatten_channels=None) -> Request:
     """The options of one conversion, each value checked on its own (formats are checked by ``Request.check``).
 
     Raises:
@@ -152,7 +158,13 @@ def request(layout=None, rules=None, weights_only=False, ema=None, max_shard_siz
         parse_size(max_shard_size)
         if num_shards is not None:
             raise InvalidArgumentError("num_shards= and max_shard_size= both choose the shards: give one of them")
-    options = Request(layout, rules, bool(weights_only), ema, max_shard_size, config, num_shards)
+    if (model is not None or flatten_channels is not None) and layout != "torch":
+        raise InvalidArgumentError("model= and flatten_channels= are hints of layout='torch': pass layout='torch' too")
+    if flatten_channels is not None and not isinstance(flatten_channels, dict):
+        raise InvalidArgumentError(f"flatten_channels= is a dict {{Dense layer: channels or None}}, got "
+                                   f"{flatten_channels!r}")
+    options = Request(layout, rules, bool(weights_only), ema, max_shard_size, config, num_shards, model,
+                      flatten_channels)
     ruleset = options.ruleset()
     if ruleset is not None and layout is not None:
         if ruleset.target != "hf":

@@ -15,12 +15,11 @@ from types import ModuleType
 
 from restorekit.errors import InvalidArgumentError
 from restorekit.export import _formats as formats
-from restorekit.export._base import PlannedCheckpoint
+from restorekit.export._base import PlannedCheckpoint, _KerasSource, keras_source  # noqa: F401 - re-exported
 from restorekit.export._options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.formats import npz, safetensors, torch
 from restorekit.formats.files import FileCheckpoint, FileReader, _tf_layout, tf_shapes
 from restorekit.formats.safetensors import ShardedSafetensorsReader, shard_set
-from restorekit._names import is_weight
 
 __all__ = ["FileCheckpoint", "Reader", "ShardedSafetensorsReader", "file_plan", "file_sizes", "of_view", "open_source", "reader",
            "shard_set", "source_nbytes", "tf_shapes", "tf_sizes", "tf_tensors"]
@@ -167,34 +166,3 @@ def tf_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     if plan is None:
         return [(name, entry.nbytes) for name, entry in entries.items()]
     return [(out, entries[src].nbytes) for out, src in plan.names.items() if src in entries]
-
-
-def keras_source(ckpt, *, weights_only: bool = False):
-    """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
-    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group.
-    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file.
-    A ``.keras`` archive's weights member is checked against its zip CRC-32 first (a conversion reads it whole).
-
-    Raises:
-        ChecksumMismatchError: the ``.keras`` weights member's bytes changed.
-    """
-    ckpt.check_crc()
-    names = {}
-    for key in ckpt.entries:
-        path = ckpt.readable_name(key)
-        if weights_only and not is_weight(key, path=path):
-            continue
-        names[path if path not in names else key] = key
-    return _KerasSource(ckpt, names)
-
-
-class _KerasSource(PlannedCheckpoint):
-    """A Keras file under readable paths, with the byte ranges of its plain datasets (``stored_range``)."""
-
-    def __init__(self, ckpt, names: dict):
-        super().__init__(ckpt, names)
-        self._keras, self._keys = ckpt, dict(names)
-
-    def stored_range(self, name: str):
-        """``KerasCheckpoint.stored_range`` of the entry named ``name`` here: (path, offset, size) or None."""
-        return self._keras.stored_range(self._keys[name])

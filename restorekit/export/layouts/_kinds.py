@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from restorekit.errors import InvalidArgumentError
+from restorekit.export.layouts._flatten import reorder_ops
 from restorekit.export.layouts._names import KERNEL_PERMS, dotted
 from restorekit.export.layouts._ops import stored_shape
 
@@ -54,6 +56,29 @@ class Context:
     scopes: set  # every layer scope of the checkpoint
     forget_bias: float
     hints: dict  # layer scope -> Keras class name, lowercased
+    flatten: dict | None = None  # Dense layer name -> FlattenInput, from the model's config (None: no config)
+    flatten_channels: dict = field(default_factory=dict)  # the caller's {Dense path or name: channels or None}
+    unsure: dict = field(default_factory=dict)  # Dense scope -> why its columns may be in Keras' order
+
+    def dense_ops(self, scope: str, kernel_shape: tuple) -> dict:
+        """The ops of a Dense kernel: a transpose, and the column reorder when it reads a flattened feature map."""
+        last = scope.rpartition("/")[2]
+        for key in (scope, last):
+            if key in self.flatten_channels:
+                channels = self.flatten_channels[key]
+                return {"perm": (1, 0)} if channels is None else reorder_ops(kernel_shape, int(channels), scope)
+        found = (self.flatten or {}).get(last)
+        if found is None:
+            return {"perm": (1, 0)}
+        if found.why is not None:
+            self.unsure[scope] = found.why
+            return {"perm": (1, 0)}
+        try:
+            return reorder_ops(kernel_shape, found.channels, scope)
+        except InvalidArgumentError:
+            self.unsure[scope] = (f"it reads {found.via!r}'s flattened map of {found.channels} channels, which its "
+                                  f"{kernel_shape[0]} inputs do not divide")
+            return {"perm": (1, 0)}
 
     def text(self, scope: str, leaves: dict) -> str:
         """All names a layer is known by, lowercased, plus a kind hint the caller gave."""
@@ -151,7 +176,8 @@ def _name(module: str, leaf: str) -> str:
 
 def _dense(scope, leaves, ctx):
     m = _module(scope)
-    parts = [_part(_name(m, "weight"), leaves.pop("kernel"), "Dense", {"perm": (1, 0)})]
+    kernel = leaves.pop("kernel")
+    parts = [_part(_name(m, "weight"), kernel, "Dense", ctx.dense_ops(scope, kernel.shape))]
     if "bias" in leaves:
         parts.append(_part(_name(m, "bias"), leaves.pop("bias"), "Dense"))
     return parts

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 
 from restorekit.export.layouts import _kinds as kinds
+from restorekit.errors import InvalidArgumentError, format_names
+from restorekit.export.layouts._flatten import flatten_inputs, model_config, suspects
 from restorekit.export.layouts._kinds import Part
 from restorekit.export.layouts._live import PRIVATE, model_paths
 from restorekit.export.layouts._names import dotted, split_leaf, torch_name
@@ -41,6 +43,7 @@ class Plan:
     unmapped: dict = field(default_factory=dict)
     kept: list = field(default_factory=list)
     internal: list = field(default_factory=list)  # readable paths that run through Keras internals (no model given)
+    unsure: dict = field(default_factory=dict)  # Dense scope -> why its inputs may be a flattened map in Keras' order
 
     def by_key(self) -> dict:
         out: dict = {}
@@ -72,11 +75,19 @@ def readable_path(tracked) -> str:
     return "/".join([PRIVATE.get(p, p) for p in parts[:-1]] + [parts[-1].lstrip("_")])
 
 
-def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None) -> Plan:
+def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None,
+                    flatten_channels: dict | None = None) -> Plan:
     """Plan the torch layout of every entry of ``checkpoint`` (see the module docstring).
 
     ``model``: the live Keras model the checkpoint was written from; object-graph
-    variables are then named by the layers on their way (``restorekit.export.layouts._live``).
+    variables are then named by the layers on their way (``restorekit.export.layouts._live``),
+    and its config shows which Dense layers read a flattened feature map (``_flatten``), as a
+    Keras file's own config does. ``flatten_channels``: ``{Dense path or name: channels}``
+    of the map each flattens (None: it reads no flattened map), where no config shows it.
+
+    Raises:
+        InvalidArgumentError: a ``flatten_channels`` key that names no Dense layer, or
+            channels that do not divide its inputs.
     """
     from restorekit._names import optimizer_slot_kind
 
@@ -85,6 +96,7 @@ def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict |
     entries = checkpoint.entries
     tracked = graph.by_key if graph is not None else {}
     live = {} if model is None else model_paths(model, [t.object_path for t in tracked.values() if t.kind == "variable"])
+    flatten = flatten_inputs(model_config(model) if model is not None else getattr(checkpoint, "config", None))
     model = []
     for key, entry in entries.items():
         t = tracked.get(key)
@@ -115,12 +127,31 @@ def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict |
     for var in model:
         scope, leaf = split_leaf(var.path)
         layers.setdefault(scope, {})[leaf] = var
-    context = kinds.Context(set(layers), forget_bias, {k.strip("/"): v.lower() for k, v in (layer_kinds or {}).items()})
+    given = {k.strip("/"): v for k, v in (flatten_channels or {}).items()}
+    _check_flatten_keys(given, layers)
+    context = kinds.Context(set(layers), forget_bias, {k.strip("/"): v.lower() for k, v in (layer_kinds or {}).items()},
+                            flatten, given)
+    if flatten is None:  # no config shows the structure: name the Dense layers that may follow a Flatten
+        for scope, (conv, channels) in suspects(layers).items():
+            if scope not in given and scope.rpartition("/")[2] not in given:
+                context.unsure[scope] = (f"its {layers[scope]['kernel'].shape[0]} inputs are a multiple of the "
+                                         f"{channels} channels of {conv!r}")
     for scope, leaves in layers.items():
         parts, unmapped = kinds.map_layer(scope, leaves, context)
         plan.parts.extend(parts)
         plan.unmapped.update(unmapped)
+    plan.unsure.update(context.unsure)
     return plan
+
+
+def _check_flatten_keys(given: dict, layers: dict) -> None:
+    dense = [s for s, leaves in layers.items() if "kernel" in leaves and len(leaves["kernel"].shape) == 2
+             and "recurrent_kernel" not in leaves]
+    names = set(dense) | {s.rpartition("/")[2] for s in dense}
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        raise InvalidArgumentError(f"flatten_channels names no Dense layer: {format_names(unknown)} (Dense layers: "
+                                   f"{format_names(dense) or 'none'})")
 
 
 def name_only_refusal(path: str, shape: tuple) -> str | None:

@@ -14,7 +14,7 @@ from restorekit.export.layouts._record import LayoutRecord, collision
 
 
 def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float = 1.0, layer_kinds: dict | None = None,
-               model=None):
+               model=None, flatten_channels: dict | None = None):
     """``checkpoint`` as layout 'torch' stores it (``layout`` None: ``checkpoint`` itself).
 
     The format writers take the view where they take a ``Checkpoint``
@@ -38,23 +38,43 @@ def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float =
             the model, each variable is named by the layers on its way
             (``block_a.fc.weight``), as a torch twin of the same tree names it. Without it,
             layers whose Keras paths collide (nested functional blocks each with an ``fc``)
-            keep those positions, and a warning says so.
+            keep those positions, and a warning says so. Its config also shows which
+            Dense layers read a flattened feature map (see below).
+        flatten_channels: ``{Dense layer path or name: channels}`` for a Dense that reads a
+            feature map flattened by Keras or tf-slim (``[*spatial, C]``, position first),
+            whose columns are reordered to torch's channel-first ``nn.Flatten`` order; None
+            for a Dense that reads no flattened map. A Keras file's config or ``model=``
+            shows this by itself; a bare checkpoint cannot, and a Dense whose input size is a
+            multiple of a convolution's channels is then warned about by name.
+
+    Raises:
+        InvalidArgumentError: a ``flatten_channels`` key naming no Dense layer, or channels
+            that do not divide its inputs.
     """
     if layout != "torch":
         return checkpoint
-    return TorchView(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model)
+    return TorchView(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model,
+                     flatten_channels=flatten_channels)
 
 
 class TorchView:
     """The stored tensors of a layout-'torch' export of a checkpoint; duck-types what writers read of a ``Checkpoint``."""
 
-    def __init__(self, checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None):
+    def __init__(self, checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None,
+                 flatten_channels: dict | None = None):
         from restorekit._checkpoint import Entry
+        from restorekit.export._base import keras_source
+        from restorekit.keras_files import KerasCheckpoint
 
+        self.checkpoint = checkpoint  # as given (its check_shards, files)
+        if isinstance(checkpoint, KerasCheckpoint):  # layers are told by readable paths (enc1/kernel), not by keys
+            checkpoint = keras_source(checkpoint)
         self._source = checkpoint
         self.prefix = checkpoint.prefix
         self.object_graph = None  # names are decided; the record below carries them
-        plan = plan_checkpoint(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model)
+        plan = plan_checkpoint(checkpoint, forget_bias=forget_bias, layer_kinds=layer_kinds, model=model,
+                               flatten_channels=flatten_channels)
+        self.unsure = MappingProxyType(dict(plan.unsure))
         record = LayoutRecord("torch")
         record.unmapped.update(plan.unmapped)
         record._kept.extend(plan.kept)
@@ -78,6 +98,8 @@ class TorchView:
         record.warn_unmapped(stacklevel=4)
         if plan.internal:
             _warn_internal(plan.internal)
+        if plan.unsure:
+            _warn_unsure(plan.unsure)
 
 
     @property
@@ -124,6 +146,26 @@ class TorchView:
     def readable_name(self, name: str) -> str:
         part = self._parts.get(name)
         return part.key if part is not None and part.key is not None else name
+
+
+def _warn_unsure(unsure: dict) -> None:
+    import warnings
+
+    from restorekit.errors import RestoreKitWarning
+
+    lines = "; ".join(f"{scope!r}: {why}" for scope, why in list(unsure.items())[:4])
+    more = f" ... and {len(unsure) - 4} more" if len(unsure) > 4 else ""
+    example = next(iter(unsure)).rpartition("/")[2]
+    warnings.warn(
+        f"layout 'torch': {len(unsure)} Dense layer(s) may read a flattened feature map ({lines}{more}). Keras and "
+        f"tf-slim flatten [height, width, channels] position first, torch.nn.Flatten after a Conv2d channel first, "
+        f"so behind a Flatten these columns are in the wrong order for a torch twin and nothing else would show it. "
+        f"Pass model=<the Keras model> (or convert from its .keras file), or flatten_channels={{{example!r}: "
+        f"<channels of the flattened map>}} to reorder them, or flatten_channels={{{example!r}: None}} if no "
+        f"Flatten precedes it",
+        RestoreKitWarning,
+        stacklevel=5,
+    )
 
 
 def _warn_internal(paths: list) -> None:
