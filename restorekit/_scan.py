@@ -8,6 +8,7 @@ entries nothing took into skipped and unused.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from restorekit._report import Record, RestoreReport
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit._sources import is_several, scan_several
 from restorekit._targets import Target, collect, variable_name
-from restorekit._torch_target import layout_source
+from restorekit._torch_target import is_foreign_torch_file, is_torch_module, layout_source
 from restorekit._trackables import is_trackable, object_graph_keys
 
 __all__ = ["as_checkpoint", "scan"]
@@ -168,7 +169,7 @@ def scan(
                       skip_optimizer_slots, include_global_step=include_global_step, ema=ema, rules=rules,
                       shape_policy=shape_policy, dtype_policy=dtype_policy, vocab=vocab, match=match, layout=layout)
         return scan_several(checkpoint, variables, shared, scan)
-    ckpt, rules = layout_source(as_checkpoint(checkpoint), layout, rules)
+    ckpt, rules = layout_source(as_checkpoint(checkpoint), layout, rules, variables)
     ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):
         raise InvalidArgumentError(f"match is 'auto', 'path' or 'object_graph', got {match!r}")
@@ -182,7 +183,21 @@ def scan(
     state.excludes.check_all_used(names)
     state.policies.check_all_used(names)
     _sort_leftover_entries(state)
+    state.notes += _layout_hints(state, layout, variables)
     return _report(state)
+
+
+def _layout_hints(state, layout, variables) -> tuple:
+    """A PyTorch file scanned by name into TF or Keras variables pairs nothing: point at ``layout='torch'``."""
+    if layout is not None or state.matched or not state.unused or is_torch_module(variables):
+        return ()
+    if not is_foreign_torch_file(state.ckpt):
+        return ()
+    example = next((r for r in state.unused if len(r.checkpoint_shape or ()) > 1), state.unused[0])
+    return (f"{state.ckpt.prefix!r} holds PyTorch names and axes ({example.checkpoint_name!r} "
+            f"{list(example.checkpoint_shape or ())}); pass layout='torch' to read it as the TF checkpoint it holds "
+            f"(names, kernel axes, and Dense inputs behind a Flatten as the model's config shows them), as "
+            f"'restorekit convert {os.path.basename(state.ckpt.prefix)} OUT --layout torch' does.",)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from restorekit import _distribute as distribute, keras_files, _remap as remap, 
 from restorekit._tensorflow import import_tensorflow
 from restorekit._array_values import read_arrays
 from restorekit._bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
+from restorekit._checkpoint import Checkpoint
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError
 from restorekit.formats import detect, open_source
 from restorekit._report import live_handles, nothing_matched, policy_of
@@ -72,12 +73,15 @@ def _nbytes(record) -> int:
         return size * 4
 
 
-def _read_matched(tf, source: str, records: list) -> dict:
-    """checkpoint key -> tensor for every matched record: RestoreV2 for TF bundles, numpy for other formats."""
+def _read_matched(tf, source: str, records: list, opened=None) -> dict:
+    """checkpoint key -> tensor for every matched record: RestoreV2 for TF bundles, numpy for other formats.
+
+    ``opened``: the source as scan saw it, when it is a view of the file (a PyTorch file read
+    under TF names): its entries exist only there, so it is read, not the path again."""
     keys = sorted({r.checkpoint_name for r in records})
-    if detect(source) != "tf":
+    if detect(source) != "tf" or (opened is not None and not isinstance(opened, Checkpoint)):
         # RestoreV2 reads only TF bundles; any other format (a Keras file, safetensors, .pt, .npz) with its reader.
-        arrays = read_arrays(open_source(source), keys)
+        arrays = read_arrays(opened if opened is not None else open_source(source), keys)
         with tf.device("/cpu:0"):
             return {k: tf.convert_to_tensor(a) for k, a in arrays.items()}
     dtype_of = {r.checkpoint_name: r.checkpoint_dtype for r in records}
@@ -139,8 +143,9 @@ def restore(report, *, strict: bool = False):
     if not report.matched:
         raise _nothing_matched(report)
     tensors: dict[tuple[str, str], object] = {}  # (source, checkpoint key) -> tensor: each source's matches read in one go
+    opened = report._source if not report.sources else None  # one source: the very view scan read
     for source, records in report.by_source().items():
-        tensors.update(((source, k), v) for k, v in _read_matched(tf, source, records).items())
+        tensors.update(((source, k), v) for k, v in _read_matched(tf, source, records, opened).items())
     values = []
     for r in report.matched:
         handle = handles[r.variable_name]

@@ -167,6 +167,25 @@ def stored_tensor(source, name: str):
     return checkpoint, key, found[2]
 
 
+def is_foreign_torch_file(source) -> bool:
+    """True for a torch or safetensors file with PyTorch names that no restorekit export wrote (no layout record)."""
+    from restorekit.formats.files import FileView
+
+    return (isinstance(source, FileView) and source.format in ("torch", "safetensors")
+            and source.record_layout is None)
+
+
+def _as_tf(view, variables):
+    """A foreign PyTorch-named file as the TF checkpoint it holds, for TF or Keras ``variables``."""
+    from restorekit.export.layouts._flatten import flatten_inputs, model_config
+    from restorekit.export.layouts._foreign import guess_tf_names
+    from restorekit.formats.files import FileView
+
+    config = model_config(variables) if variables is not None else None
+    record = guess_tf_names(view.reader.read_shapes(), flatten=flatten_inputs(config) if config else None)
+    return FileView(view.prefix, view.reader, record=record)
+
+
 def _is_torch_view(checkpoint) -> bool:
     from restorekit.export.layouts._view import TorchView
 
@@ -177,10 +196,15 @@ def _is_rule_set_name(rules) -> bool:
     return isinstance(rules, str) or (hasattr(rules, "target_of") and hasattr(rules, "plan"))
 
 
-def layout_source(checkpoint, layout, rules=None) -> tuple:
+def layout_source(checkpoint, layout, rules=None, variables=None) -> tuple:
     """``checkpoint`` as scan sees it under ``layout`` or a ready rule set, and the ``rules`` left for naming.
 
-    ``layout='torch'`` reads it through the export's per-layer layouts; a rule set name
+    ``layout='torch'`` reads it through the export's per-layer layouts, for ``variables``
+    of a torch module; a file in PyTorch names and axes that no restorekit export wrote
+    (a ``.pth`` state dict) goes the other way for TF and Keras variables: read as the TF
+    checkpoint it holds (``layouts.guess_tf_names``, as ``convert --layout torch`` reads
+    it), Dense layers behind a Flatten reordered from the Keras model's config; into a
+    torch module it is read as it is. A rule set name
     (``'bert-tf-to-hf'``) or ``RuleSet`` through that rule set. Anything else in ``rules``
     (``KERAS_FROM_TF1``, regex pairs) is returned for scan's naming step.
 
@@ -190,6 +214,8 @@ def layout_source(checkpoint, layout, rules=None) -> tuple:
     """
     if layout is not None and layout != "torch":
         raise InvalidArgumentError(f"layout is None or 'torch', got {layout!r}")
+    if layout == "torch" and rules is None and is_foreign_torch_file(checkpoint):
+        return (checkpoint if is_torch_module(variables) else _as_tf(checkpoint, variables)), None
     if _is_torch_view(checkpoint):
         if layout not in (None, "torch") or rules is not None:
             raise InvalidArgumentError("a torch_view is read with layout 'torch' and no rules")

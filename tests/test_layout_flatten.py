@@ -259,3 +259,44 @@ def test_layout_hints_without_the_layout_are_refused(tmp_path):
     with pytest.raises(InvalidArgumentError, match="layout='torch'"):
         restorekit.convert(prefix, str(tmp_path / "m.safetensors"), flatten_channels={"fc": 4})
     assert not (tmp_path / "m.safetensors").exists()
+
+
+# ------------------------------------------------------------------ the other way: a PyTorch file into Keras
+@requires_torch
+def test_a_pth_scanned_into_a_keras_model_points_at_layout_torch(tmp_path):
+    torch = import_torch()
+    torch.save(_twin(torch).state_dict(), tmp_path / "t.pth")
+    report = restorekit.scan(str(tmp_path / "t.pth"), _functional())
+    assert not report.matched and len(report.unused) == 4
+    assert any("layout='torch'" in h and "'conv.weight' [4, 3, 3, 3]" in h for h in report.hints), report.hints
+
+
+@requires_torch
+def test_a_pth_restored_into_a_keras_model_with_layout_torch_computes_the_twins_outputs(tmp_path):
+    torch = import_torch()
+    twin = _twin(torch)
+    torch.save(twin.state_dict(), tmp_path / "t.pth")
+    model = _functional()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        report = restorekit.scan(str(tmp_path / "t.pth"), model, layout="torch")
+    assert not _no_unsure_warning(record)  # the model's config shows the Flatten
+    assert len(report.matched) == 4 and not report.unused
+    restorekit.restore(report)
+    np.testing.assert_allclose(model(X).numpy(), _run(torch, twin), atol=1e-5)
+
+
+@requires_torch
+def test_a_pth_converted_to_tf_warns_about_the_linear_and_flatten_channels_reorders_it(tmp_path):
+    torch = import_torch()
+    twin = _twin(torch)
+    torch.save(twin.state_dict(), tmp_path / "t.pth")
+    with pytest.warns(RestoreKitWarning, match=r"'fc.weight'.*16 inputs are a multiple of the 4 channels of 'conv'"):
+        restorekit.convert(str(tmp_path / "t.pth"), str(tmp_path / "plain" / "m.ckpt"), layout="torch")
+    restorekit.convert(str(tmp_path / "t.pth"), str(tmp_path / "tf" / "m.ckpt"), layout="torch",
+                       flatten_channels={"fc": 4})
+    model = _functional()
+    report = restorekit.scan(str(tmp_path / "tf" / "m.ckpt"), model)
+    assert len(report.matched) == 4
+    restorekit.restore(report)
+    np.testing.assert_allclose(model(X).numpy(), _run(torch, twin), atol=1e-5)

@@ -25,7 +25,7 @@ def write_tf_checkpoint(reader, out: str, options: Request, *, overwrite: bool, 
                         max_output_bytes) -> ExportResult:
     """The file behind ``reader`` as the TF checkpoint ``out`` (its layout record undone, or names guessed)."""
     with locked_output(out, formats.TF, reader.files, options, overwrite=overwrite):
-        arrays, record = open_source(reader, options.layout, max_output_bytes)
+        arrays, record = open_source(reader, options.layout, max_output_bytes, options.flatten_channels)
         plan = file_plan(reader, record, options)
         check_space(out_dir(out), source_nbytes(reader))
         if plan is None:
@@ -59,7 +59,7 @@ def _write_file(reader, out: str, to: str, options: Request, *, overwrite: bool,
     layout = options.layout
     read_layout = layout if layout in reader.module.LAYOUTS else None
     write_layout = layout if layout in target.LAYOUTS else None
-    arrays, record = open_source(reader, read_layout, max_output_bytes)
+    arrays, record = open_source(reader, read_layout, max_output_bytes, options.flatten_channels)
     plan = file_plan(reader, record, options)
     directory = sharded.output_files(out, 1)[0] if shard is not None else os.path.dirname(os.path.abspath(out))
     config = config_files(options, plan, tf_shapes(reader.read_shapes(), record), directory, overwrite) if plan else None

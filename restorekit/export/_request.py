@@ -53,8 +53,8 @@ OPTIONS: dict[str, Applies] = {
     "config": Applies(FILES, hint="config.json goes beside a Hugging Face (torch, safetensors) output"),
     # layout='torch' hints (restorekit.export.layouts.torch_view): the layers' names and which Dense reads a Flatten.
     "model": Applies(("torch", "safetensors"), hint="model= tells layout='torch' the layers of a TF checkpoint"),
-    "flatten_channels": Applies(("torch", "safetensors"), hint="flatten_channels= reorders Dense inputs for "
-                                                                "layout='torch'"),
+    "flatten_channels": Applies(("torch", "safetensors"), ("torch", "safetensors"),
+                                hint="flatten_channels= reorders Dense inputs for layout='torch'"),
 }
 
 

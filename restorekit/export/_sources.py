@@ -95,13 +95,16 @@ def source_nbytes(reader: Reader) -> int:
     return total
 
 
-def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None = None):
-    """(iterator of (stored name, array), LayoutRecord) of a non-TF source."""
+def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None = None,
+                flatten_channels: dict | None = None):
+    """(iterator of (stored name, array), LayoutRecord) of a non-TF source (``flatten_channels``: as
+    ``guess_tf_names`` takes it, for a file without a record)."""
     from restorekit.export._layout import LayoutRecord, guess_tf_names
 
     record = reader.read_record()
     if record is None:
-        record = guess_tf_names(reader.read_shapes()) if layout == "torch" else LayoutRecord()
+        record = (guess_tf_names(reader.read_shapes(), flatten_channels=flatten_channels) if layout == "torch"
+                  else LayoutRecord())
     return reader.read(max_output_bytes), record
 
 

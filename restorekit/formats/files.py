@@ -81,11 +81,12 @@ class FileView(EntryMapping):
     file (their layout record undone), never copied as TF shard bytes.
     """
 
-    def __init__(self, path, reader: "FileReader", *, stored: bool = False):
+    def __init__(self, path, reader: "FileReader", *, stored: bool = False, record: LayoutRecord | None = None):
         self.prefix = os.fspath(path)
         self.format = fmt = reader.fmt
         self._reader = reader
-        found = None if stored else reader.read_record()  # stored: names and axes as in the file
+        # stored: names and axes as in the file; record: a record the file lacks (guessed from its PyTorch names)
+        found = record if record is not None else None if stored else reader.read_record()
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
         with boundary(self.prefix, f"{fmt} file"):
             self._file = reader.checkpoint(found if found is not None else LayoutRecord())
@@ -233,6 +234,8 @@ def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
     perm = ops.get("perm", note.get("perm"))
     if perm is not None:
         shape = tuple(shape[i] for i in invert(perm))
+    if "split" in ops:  # undone last, as ops.backward undoes it
+        shape = tuple(int(d) for d in ops["split"][0])
     return shape
 
 

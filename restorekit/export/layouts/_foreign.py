@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-from restorekit.errors import NameCollisionError, RestoreKitWarning
+from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning, format_names
 from restorekit.export.layouts._names import KERNEL_PERMS
 from restorekit.export.layouts._record import LayoutRecord
 
 
-def guess_tf_names(shapes: dict):
+def guess_tf_names(shapes: dict, *, flatten_channels: dict | None = None, flatten: dict | None = None):
     """A record mapping PyTorch-style names of a foreign file back to TF (Keras) names.
 
     Rules, by name and rank: ``.`` -> ``/``; ``weight`` of rank >= 2 -> ``kernel`` with
@@ -27,11 +27,19 @@ def guess_tf_names(shapes: dict):
     Kernels without a bias are guesses (an RNN projection has the same rank) and are
     warned about by name.
 
+    A Linear that reads a convolution's map through ``nn.Flatten`` holds its columns channel
+    first, a Keras Dense position first (``restorekit.export.layouts._flatten``): given its
+    map's channels (``flatten_channels``, ``{TF layer path or name: channels or None}``, or
+    ``flatten``, ``{layer name: FlattenInput}`` from the Keras model it goes to), its columns
+    are reordered; otherwise a Linear whose input size is a multiple of a convolution's
+    channels is warned about by name.
+
     Args:
         shapes: stored name -> shape, for every tensor in the file.
 
     Raises:
         NameCollisionError: two stored names map to one TF name.
+        InvalidArgumentError: ``flatten_channels`` naming no Linear, or channels not dividing its inputs.
     """
     record = LayoutRecord(layout="torch")
     norm_scopes = {n.rpartition(".")[0] for n, s in shapes.items() if n.endswith("weight") and len(s) == 1}
@@ -39,6 +47,7 @@ def guess_tf_names(shapes: dict):
     bias_of = {n.rpartition(".")[0]: tuple(s) for n, s in shapes.items() if n.rpartition(".")[2] == "bias"}
     owners: dict[str, str] = {}
     guessed: list = []
+    reorders = _reorders(shapes, bias_of, dict(flatten_channels or {}), flatten)
     for stored, shape in shapes.items():
         scope, _, leaf = stored.rpartition(".")
         perm = None
@@ -65,7 +74,18 @@ def guess_tf_names(shapes: dict):
             raise NameCollisionError(f"{owners[name]!r} and {stored!r} both map back to {name!r}")
         owners[name] = stored
         record.note_tensor(stored, name, perm)
+        if stored in reorders and reorders[stored] is not None:
+            record.tensors[stored] = {"name": name, "ops": reorders[stored]}
     record.warn_unmapped(stacklevel=3)
+    unsure = {stored: why for stored, why in reorders.items() if isinstance(why, str)}
+    if unsure:
+        shown = "; ".join(f"{s!r}: {why}" for s, why in list(unsure.items())[:4])
+        warnings.warn(
+            f"no layout record in the file: {len(unsure)} Linear weight(s) may read a flattened feature map ({shown}). "
+            f"torch.nn.Flatten after a Conv2d flattens channel first, Keras' Flatten position first, so behind a "
+            f"Flatten these columns are in the wrong order for a Keras Dense; pass flatten_channels={{<layer>: "
+            f"<channels>}} to reorder them, or {{<layer>: None}} if no Flatten precedes it",
+            RestoreKitWarning, stacklevel=3)
     if guessed:
         warnings.warn(
             f"no layout record in the file: {len(guessed)} weight(s) without a bias were taken for Linear or "
@@ -73,6 +93,45 @@ def guess_tf_names(shapes: dict):
             f"{', ...' if len(guessed) > 6 else ''}); an RNN projection or a table of the same rank would be "
             f"wrong: check them", RestoreKitWarning, stacklevel=3)
     return record
+
+
+def _reorders(shapes: dict, bias_of: dict, given: dict, flatten: dict | None) -> dict:
+    """{stored Linear weight: the ops of its reorder, None (none), or why it may need one (a str)}."""
+    from restorekit.export.layouts._flatten import reorder_ops
+
+    given = {k.strip("/").replace("/", "."): v for k, v in given.items()}
+    linears = {n: tuple(s) for n, s in shapes.items() if n.rpartition(".")[2] == "weight" and len(s) == 2
+               and bias_of.get(n.rpartition(".")[0]) == (s[0],)}
+    scopes = {n.rpartition(".")[0]: n for n in linears}
+    names = set(scopes) | {s.rpartition(".")[2] for s in scopes}
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        raise InvalidArgumentError(f"flatten_channels names no Linear layer: {format_names(unknown)} (Linear layers: "
+                                   f"{format_names(sorted(scopes)) or 'none'})")
+    convs = [(n.rpartition(".")[0], int(s[0])) for n, s in shapes.items()
+             if n.rpartition(".")[2] == "weight" and len(s) in (3, 4, 5)]
+    out: dict = {}
+    for scope, stored in scopes.items():
+        out_dim, inputs = linears[stored]
+        last = scope.rpartition(".")[2]
+        key = scope if scope in given else last if last in given else None
+        if key is not None:
+            channels = given[key]
+        elif flatten is not None:
+            found = flatten.get(last)
+            channels = found.channels if found is not None else None
+            if found is not None and found.why is not None:
+                out[stored] = found.why
+                continue
+        else:
+            fitting = [(c, n) for c, n in convs if n > 1 and inputs > n and inputs % n == 0]
+            if fitting:
+                out[stored] = f"its {inputs} inputs are a multiple of the {fitting[-1][1]} channels of {fitting[-1][0]!r}"
+            continue
+        if channels is not None:
+            ops = reorder_ops((inputs, out_dim), int(channels), scope)
+            out[stored] = ops if "view" in ops else None
+    return out
 
 
 def _is_embedding(scope: str) -> bool:
