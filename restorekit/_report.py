@@ -63,6 +63,12 @@ class Record:
 
     ``source`` names the checkpoint a record comes from in a restore from several
     sources (``restorekit._sources``); None when there is one (``RestoreReport.checkpoint``).
+
+    ``stored_name``/``stored_shape`` name the entry as the file stores it, where the
+    source was read through a view that shows it under another name or shape
+    (``layout='torch'``: ``conv1.weight [6, 3, 3, 3]`` is stored as ``conv1/weights
+    [3, 3, 3, 6]``; a rule set such as ``'bert-tf-to-hf'``); None where they are the
+    checkpoint's own.
     """
 
     variable_name: str | None
@@ -75,6 +81,8 @@ class Record:
     checkpoint_path: str | None = None
     how: tuple = ()
     source: str | None = None
+    stored_name: str | None = None
+    stored_shape: tuple | None = None
 
     def describe(self) -> str:
         name = self.variable_name if self.variable_name is not None else (self.checkpoint_path or self.checkpoint_name)
@@ -255,6 +263,12 @@ class RestoreReport:
         ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))  # ties in a fixed order
         row("skipped", range(sum(reasons.values())), ", ".join(f"{reason} ({n})" for reason, n in ordered))
         row("unused", self.unused, listing(self.unused))
+        stored = [r for kind in _KINDS for r in getattr(self, kind) if r.stored_name is not None]
+        if stored:
+            shown = ", ".join(f"{r.checkpoint_name} {format_shape(r.checkpoint_shape)} <- {r.stored_name} "
+                              f"{format_shape(r.stored_shape)}" for r in stored[:4])
+            more = f", ... and {len(stored) - 4} more" if len(stored) > 4 else ""
+            lines.append(f"  stored as: {shown}{more}")
         for prefix, records in self.by_source().items() if self.sources else ():
             lines.append(f"  from {prefix}: {len(records)} matched")
         lines.extend(

@@ -534,7 +534,9 @@ def _sort_leftover_entries(state: _Scan) -> None:
             continue
         readable = _readable(state.ckpt, name)
         record = Record(None, name, checkpoint_shape=entry.shape, checkpoint_dtype=entry.dtype, checkpoint_path=readable)
-        skip = _state_reason(state, readable or name)
+        # through a layout or rule set, what an entry is (an optimizer slot) is read off its stored key
+        stored = state.ckpt.stored_name(name) if hasattr(state.ckpt, "stored_name") else name
+        skip = _state_reason(state, readable or stored)
         if skip is not None:
             state.skipped.append(replace(record, reason=skip[0], how=(skip[1],)))
         elif name in state.raw_replaced:
@@ -608,6 +610,21 @@ def _repeated_names_hints(state: _Scan) -> tuple:
             f"('block/{name}'), or pass assignment_map={{checkpoint name: variable}} for each.",)
 
 
+def _with_stored(ckpt: Source, records) -> tuple:
+    """``records`` with the entry each reads as the file stores it, where a layout or rule set view renames or
+    reshapes it (``Record.stored_name``/``stored_shape``)."""
+    stored_entry = getattr(ckpt, "stored_entry", None)
+    if stored_entry is None:
+        return tuple(records)
+    out = []
+    for r in records:
+        found = stored_entry(r.checkpoint_name) if r.checkpoint_name is not None else None
+        if found is not None and (found[0] != r.checkpoint_name or tuple(found[1]) != tuple(r.checkpoint_shape or ())):
+            r = replace(r, stored_name=found[0], stored_shape=tuple(found[1]))
+        out.append(r)
+    return tuple(out)
+
+
 def _report(state: _Scan) -> RestoreReport:
     ckpt = state.ckpt
     repeated = _repeated(state)
@@ -619,12 +636,12 @@ def _report(state: _Scan) -> RestoreReport:
     return RestoreReport(
         checkpoint=ckpt.prefix,
         num_variables=len(state.targets),
-        matched=tuple(state.matched),
-        missing=tuple(state.missing),
-        shape_mismatched=tuple(state.shape_mismatched),
-        dtype_mismatched=tuple(state.dtype_mismatched),
-        skipped=tuple(state.skipped),
-        unused=tuple(state.unused),
+        matched=_with_stored(ckpt, state.matched),
+        missing=_with_stored(ckpt, state.missing),
+        shape_mismatched=_with_stored(ckpt, state.shape_mismatched),
+        dtype_mismatched=_with_stored(ckpt, state.dtype_mismatched),
+        skipped=_with_stored(ckpt, state.skipped),
+        unused=_with_stored(ckpt, state.unused),
         hints=_repeated_names_hints(state) + restore_hints(
             [r for r in state.missing if r.variable_name not in repeated], state.shape_mismatched,
             state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,

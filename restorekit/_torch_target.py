@@ -75,6 +75,14 @@ class LayoutSource:
     def readable_name(self, name: str) -> str:
         return name
 
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's own key that view name ``name`` is read from (``conv1/weights`` of ``conv1.weight``)."""
+        return self.view.readable_name(name)
+
+    def stored_entry(self, name: str) -> tuple | None:
+        """(the checkpoint's key, its stored shape) that view name ``name`` is read from; None for an added tensor."""
+        return self.view.stored_entry(name)
+
     def read(self, name: str):
         return self.view.read(name)
 
@@ -126,6 +134,14 @@ class RuleSetSource(LayoutSource):
 
     def readable_name(self, name: str) -> str:
         return self._source_of.get(name, name)
+
+    def stored_name(self, name: str) -> str:
+        return self._source_of.get(name, name)
+
+    def stored_entry(self, name: str) -> tuple | None:
+        source = self._source_of.get(name, name)
+        entry = self.checkpoint.entries.get(source)
+        return None if entry is None else (source, tuple(entry.shape))
 
     def stored(self, name: str):
         """``(checkpoint, key, transposed)`` when the value of ``name`` is the checkpoint's tensor ``key`` as stored

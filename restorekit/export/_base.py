@@ -48,7 +48,9 @@ class ExportResult:
     names left out on purpose (``weights_only``, EMA shadows written under their
     weights' names, tied copies a rule set drops), ``fallback`` the weights ``ema=``
     found no shadow for (exported raw), ``renamed`` the rule set applied, ``files``
-    every file written when there are several (shards, index, ``config.json``).
+    every file written when there are several (shards, index, ``config.json``), ``added``
+    the stored names layout 'torch' wrote with no TF tensor behind them (a BatchNorm's
+    ``num_batches_tracked``): ``count`` counts them, as the file holds them.
     """
 
     path: str
@@ -64,12 +66,15 @@ class ExportResult:
     renamed: str | None = None
     files: tuple = ()
     unmapped: tuple = ()
+    added: tuple = ()
 
     def __str__(self) -> str:
         text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
         if self.layout:
             kept = f"; {len(self.kept)} optimizer tensors left in TF layout" if self.kept else ""
             text += f", layout {self.layout!r} ({len(self.permuted)} permuted{kept})"
+        if self.added:
+            text += f"; {len(self.added)} added for PyTorch with no TF tensor: {format_names(self.added)}"
         if self.strings:
             text += f"; string tensors carried in metadata: {', '.join(repr(s) for s in self.strings)}"
         if self.renamed:

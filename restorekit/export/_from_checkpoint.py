@@ -110,6 +110,8 @@ def _write_file(ckpt, path: str, fmt: str, options: Request, *, overwrite: bool,
     else:
         result = single(lambda p: module.write_checkpoint(source, p, names=names, layout=layout, metadata=meta,
                                                           progress=progress), path, config)
+    if isinstance(source, TorchView):  # what the file holds beyond the checkpoint's tensors, named
+        result = dataclasses.replace(result, added=source.added)
     if layout == "torch" and shard is not None:
         # every shard's record starts from the view's: each lists all of the unmapped and kept names
         result = dataclasses.replace(result, unmapped=tuple(source.layout_record.unmapped),

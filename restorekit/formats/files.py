@@ -133,6 +133,12 @@ class FileView(EntryMapping):
     def is_partitioned(self, name: str) -> bool:
         return True  # what writers ask before a raw copy: never for a decoded file
 
+    def stored_entry(self, name: str) -> tuple | None:
+        """(the name as the file stores it, its stored shape) of entry ``name``, where a layout record renamed it."""
+        if self.record_layout is None or name not in self.entries:
+            return None
+        return self._file.stored_entry(name)
+
     def check_shards(self) -> None:
         """Nothing to do: the file (each safetensors shard) was checked when it was opened."""
 
@@ -331,6 +337,11 @@ class FileCheckpoint:
 
     def readable_name(self, name: str) -> str:
         return name
+
+    def stored_entry(self, name: str) -> tuple | None:
+        """(the stored name, its stored shape) that TF tensor ``name`` is read from (the first of its parts)."""
+        parts = self._parts.get(name)
+        return None if not parts else (parts[0], tuple(self._stored[parts[0]][0]))
 
 
 def by_name(probe: Probe, suffixes) -> int:

@@ -103,6 +103,11 @@ class TorchView:
 
 
     @property
+    def added(self) -> tuple:
+        """Stored names with no TF tensor behind them (a BatchNorm's ``num_batches_tracked``), in file order."""
+        return tuple(name for name, part in self._parts.items() if part.key is None)
+
+    @property
     def layout_record(self) -> LayoutRecord:
         """A fresh copy of the planned record (each export fills its own)."""
         return copy.deepcopy(self._record)
@@ -142,6 +147,13 @@ class TorchView:
         if "sum" in part.extra:
             return _ops.constants(part.extra["sum"], np.zeros(part.shape, dtype=array.dtype))
         return _ops.forward(part.ops, array) if part.ops else array
+
+    def stored_entry(self, name: str) -> tuple | None:
+        """(the source's key, its stored shape) that ``name`` is computed from; None for a tensor added for PyTorch."""
+        part = self._parts.get(name)
+        if part is None or part.key is None:
+            return None
+        return part.key, tuple(self._source.entries[part.key].shape)
 
     def readable_name(self, name: str) -> str:
         part = self._parts.get(name)
