@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError, NoMatchError
 
@@ -284,6 +284,20 @@ class RestoreReport:
         if len(self.hints) > 8:
             lines.append(f"  ... and {len(self.hints) - 8} more hints")
         return "\n".join(lines)
+
+
+def with_stored(records, stored_entry) -> tuple:
+    """``records`` with the entry each reads as the file stores it (``Record.stored_name``/``stored_shape``), where
+    ``stored_entry`` (a view's: name -> (stored name, stored shape) or None) shows it under another name or shape."""
+    if stored_entry is None:
+        return tuple(records)
+    out = []
+    for r in records:
+        found = stored_entry(r.checkpoint_name) if r.checkpoint_name is not None else None
+        if found is not None and (found[0] != r.checkpoint_name or tuple(found[1]) != tuple(r.checkpoint_shape or ())):
+            r = replace(r, stored_name=found[0], stored_shape=tuple(found[1]))
+        out.append(r)
+    return tuple(out)
 
 
 def live_handles(report) -> dict:

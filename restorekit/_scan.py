@@ -8,7 +8,6 @@ entries nothing took into skipped and unused.
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from dataclasses import dataclass, field, replace
@@ -24,11 +23,11 @@ from restorekit.formats import open_source
 from restorekit.formats._registry import Source
 from restorekit._hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit._names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
-from restorekit._report import Record, RestoreReport
+from restorekit._report import Record, RestoreReport, with_stored
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit._sources import is_several, scan_several
 from restorekit._targets import Target, collect, variable_name
-from restorekit._torch_target import is_foreign_torch_file, is_torch_module, layout_source
+from restorekit._torch_target import foreign_file_hint, is_torch_module, layout_source
 from restorekit._trackables import is_trackable, object_graph_keys
 
 __all__ = ["as_checkpoint", "scan"]
@@ -189,15 +188,9 @@ def scan(
 
 def _layout_hints(state, layout, variables) -> tuple:
     """A PyTorch file scanned by name into TF or Keras variables pairs nothing: point at ``layout='torch'``."""
-    if layout is not None or state.matched or not state.unused or is_torch_module(variables):
+    if layout is not None or state.matched or is_torch_module(variables):
         return ()
-    if not is_foreign_torch_file(state.ckpt):
-        return ()
-    example = next((r for r in state.unused if len(r.checkpoint_shape or ()) > 1), state.unused[0])
-    return (f"{state.ckpt.prefix!r} holds PyTorch names and axes ({example.checkpoint_name!r} "
-            f"{list(example.checkpoint_shape or ())}); pass layout='torch' to read it as the TF checkpoint it holds "
-            f"(names, kernel axes, and Dense inputs behind a Flatten as the model's config shows them), as "
-            f"'restorekit convert {os.path.basename(state.ckpt.prefix)} OUT --layout torch' does.",)
+    return foreign_file_hint(state.ckpt, state.unused)
 
 
 @dataclass
@@ -610,21 +603,6 @@ def _repeated_names_hints(state: _Scan) -> tuple:
             f"('block/{name}'), or pass assignment_map={{checkpoint name: variable}} for each.",)
 
 
-def _with_stored(ckpt: Source, records) -> tuple:
-    """``records`` with the entry each reads as the file stores it, where a layout or rule set view renames or
-    reshapes it (``Record.stored_name``/``stored_shape``)."""
-    stored_entry = getattr(ckpt, "stored_entry", None)
-    if stored_entry is None:
-        return tuple(records)
-    out = []
-    for r in records:
-        found = stored_entry(r.checkpoint_name) if r.checkpoint_name is not None else None
-        if found is not None and (found[0] != r.checkpoint_name or tuple(found[1]) != tuple(r.checkpoint_shape or ())):
-            r = replace(r, stored_name=found[0], stored_shape=tuple(found[1]))
-        out.append(r)
-    return tuple(out)
-
-
 def _report(state: _Scan) -> RestoreReport:
     ckpt = state.ckpt
     repeated = _repeated(state)
@@ -636,12 +614,12 @@ def _report(state: _Scan) -> RestoreReport:
     return RestoreReport(
         checkpoint=ckpt.prefix,
         num_variables=len(state.targets),
-        matched=_with_stored(ckpt, state.matched),
-        missing=_with_stored(ckpt, state.missing),
-        shape_mismatched=_with_stored(ckpt, state.shape_mismatched),
-        dtype_mismatched=_with_stored(ckpt, state.dtype_mismatched),
-        skipped=_with_stored(ckpt, state.skipped),
-        unused=_with_stored(ckpt, state.unused),
+        matched=with_stored(state.matched, getattr(ckpt, 'stored_entry', None)),
+        missing=with_stored(state.missing, getattr(ckpt, 'stored_entry', None)),
+        shape_mismatched=with_stored(state.shape_mismatched, getattr(ckpt, 'stored_entry', None)),
+        dtype_mismatched=with_stored(state.dtype_mismatched, getattr(ckpt, 'stored_entry', None)),
+        skipped=with_stored(state.skipped, getattr(ckpt, 'stored_entry', None)),
+        unused=with_stored(state.unused, getattr(ckpt, 'stored_entry', None)),
         hints=_repeated_names_hints(state) + restore_hints(
             [r for r in state.missing if r.variable_name not in repeated], state.shape_mismatched,
             state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,

@@ -191,6 +191,19 @@ def is_foreign_torch_file(source) -> bool:
             and source.record_layout is None)
 
 
+def foreign_file_hint(source, unused) -> tuple:
+    """The hint for a foreign PyTorch file whose entries nothing took by name: read it with ``layout='torch'``."""
+    if not unused or not is_foreign_torch_file(source):
+        return ()
+    import os
+
+    example = next((r for r in unused if len(r.checkpoint_shape or ()) > 1), unused[0])
+    return (f"{source.prefix!r} holds PyTorch names and axes ({example.checkpoint_name!r} "
+            f"{list(example.checkpoint_shape or ())}); pass layout='torch' to read it as the TF checkpoint it holds "
+            f"(names, kernel axes, and Dense inputs behind a Flatten as the model's config shows them), as "
+            f"'restorekit convert {os.path.basename(source.prefix)} OUT --layout torch' does.",)
+
+
 def _as_tf(view, variables):
     """A foreign PyTorch-named file as the TF checkpoint it holds, for TF or Keras ``variables``."""
     from restorekit.export.layouts._flatten import flatten_inputs, model_config

@@ -111,7 +111,7 @@ class Request:
     config: object = None
     num_shards: int | None = None
     model: object = None
-    flatten_channels: object = None
+    flatten_channels: dict | None = None
 
     @property
     def planned(self) -> bool:

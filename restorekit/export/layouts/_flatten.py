@@ -163,7 +163,8 @@ def _graphs(config) -> list:
     for item in layers:
         if not isinstance(item, dict):
             continue
-        cfg = item.get("config") if isinstance(item.get("config"), dict) else {}
+        raw = item.get("config")
+        cfg: dict = raw if isinstance(raw, dict) else {}
         name = str(cfg.get("name", item.get("name", "")))
         inputs, shape = ([previous] if previous else [], None) if sequential else _inbound(item.get("inbound_nodes"))
         build = item.get("build_config")
