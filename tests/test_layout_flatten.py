@@ -300,3 +300,42 @@ def test_a_pth_converted_to_tf_warns_about_the_linear_and_flatten_channels_reord
     assert len(report.matched) == 4
     restorekit.restore(report)
     np.testing.assert_allclose(model(X).numpy(), _run(torch, twin), atol=1e-5)
+
+
+def _nested():
+    """A backbone model's convolution, then a head model's Flatten and Dense: the walk crosses both models."""
+    inp = keras.Input((6, 6, 3))
+    backbone = keras.Model(inp, keras.layers.MaxPooling2D(name="pool")(keras.layers.Conv2D(4, 3, name="conv")(inp)),
+                           name="backbone")
+    head = keras.Sequential([keras.layers.Flatten(name="flatten"), keras.layers.Dense(5, name="fc")], name="head")
+    outer = keras.Input((6, 6, 3))
+    return keras.Model(outer, head(backbone(outer)))
+
+
+def _reshaped():
+    inp = keras.Input((6, 6, 3))
+    x = keras.layers.MaxPooling2D(name="pool")(keras.layers.Conv2D(4, 3, name="conv")(inp))
+    x = keras.layers.Reshape((-1,), name="reshape")(x)
+    return keras.Model(inp, keras.layers.Dense(5, name="fc")(x))
+
+
+@pytest.mark.parametrize("build", [_nested, _reshaped], ids=["across nested models", "a Reshape to one axis"])
+def test_the_walk_finds_the_flatten_across_models_and_reshapes(build):
+    found = flatten_inputs(build().get_config())
+    assert set(found) == {"fc"} and found["fc"].channels == 4 and found["fc"].why is None
+
+
+@requires_torch
+@pytest.mark.parametrize("build", [_nested, _reshaped], ids=["across nested models", "a Reshape to one axis"])
+def test_a_keras_file_across_models_or_with_a_reshape_exports_for_the_twin(tmp_path, build):
+    torch = import_torch()
+    model = build()
+    model.save(tmp_path / "m.keras")
+    restorekit.convert(str(tmp_path / "m.keras"), str(tmp_path / "m.safetensors"), layout="torch")
+    from safetensors.torch import load_file
+
+    # the Sequential head's layers are named inside it ('head.fc.weight'), as a twin with self.head would name them
+    stored = {k.removeprefix("head."): v for k, v in load_file(str(tmp_path / "m.safetensors")).items()}
+    twin = _twin(torch)
+    twin.load_state_dict(stored, strict=True)
+    np.testing.assert_allclose(_run(torch, twin), model(X).numpy(), atol=1e-5)

@@ -54,13 +54,25 @@ class FlattenInput:
     why: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Layer:
     name: str
     kind: str
     config: dict
-    inputs: list  # names of the layers whose outputs it reads
+    inputs: list  # names of the layers of its own model whose outputs it reads (_INPUT: the model's input)
     shape: tuple | None  # its input's shape without the batch axis, where the config records it
+    graph: "_Graph"
+    inner: "_Graph | None" = None  # a nested model's own layers
+
+
+@dataclass(eq=False)
+class _Graph:
+    layers: dict  # name -> _Layer
+    output: str | None  # the layer whose output is the model's
+    parent: _Layer | None = None  # the layer this model is inside its parent model
+
+
+_INPUT = "\0input"  # a Sequential model's first layer reads the model's input
 
 
 def flatten_inputs(config) -> dict | None:
@@ -74,11 +86,11 @@ def flatten_inputs(config) -> dict | None:
     if not graphs:
         return None
     found: dict = {}
-    for layers in graphs:
-        for layer in layers.values():
+    for graph in graphs:
+        for layer in graph.layers.values():
             if layer.kind != "Dense":
                 continue
-            seen = _reads(layer, layers)
+            seen = _reads(layer)
             if seen is None:
                 continue
             earlier = found.get(layer.name)
@@ -147,8 +159,8 @@ def suspects(layers: dict) -> dict:
 
 
 # ------------------------------------------------------------------ reading a config
-def _graphs(config) -> list:
-    """Every (nested) model of ``config`` as ``{layer name: _Layer}``, outermost first."""
+def _graphs(config, parent: _Layer | None = None) -> list:
+    """Every (nested) model of ``config`` as a ``_Graph``, outermost first."""
     if not isinstance(config, dict):
         return []
     inner = config.get("config") if isinstance(config.get("config"), dict) and "layers" not in config else config
@@ -157,7 +169,7 @@ def _graphs(config) -> list:
         return []
     sequential = str(config.get("class_name", "")) == "Sequential" or all(
         not isinstance(item, dict) or "inbound_nodes" not in item for item in layers)
-    graph: dict = {}
+    graph = _Graph({}, None, parent)
     nested: list = []
     previous = None
     for item in layers:
@@ -166,14 +178,31 @@ def _graphs(config) -> list:
         raw = item.get("config")
         cfg: dict = raw if isinstance(raw, dict) else {}
         name = str(cfg.get("name", item.get("name", "")))
-        inputs, shape = ([previous] if previous else [], None) if sequential else _inbound(item.get("inbound_nodes"))
+        if sequential:
+            inputs, shape = [previous or _INPUT], None
+        else:
+            inputs, shape = _inbound(item.get("inbound_nodes"))
         build = item.get("build_config")
         if isinstance(build, dict) and isinstance(build.get("input_shape"), (list, tuple)):
             shape = _without_batch(build["input_shape"]) or shape
-        graph[name] = _Layer(name, str(item.get("class_name", "")), cfg, inputs, shape)
-        nested.extend(_graphs(item))
+        layer = _Layer(name, str(item.get("class_name", "")), cfg, inputs, shape, graph)
+        graph.layers[name] = layer
+        below = _graphs(item, layer)
+        if below:
+            layer.inner = below[0]
+            nested.extend(below)
         previous = name
+    graph.output = previous if sequential else _output_name(inner.get("output_layers") if isinstance(inner, dict) else None)
     return [graph, *nested]
+
+
+def _output_name(outputs) -> str | None:
+    """The one output layer's name of a functional config (``['fc', 0, 0]`` or ``[['fc', 0, 0]]``)."""
+    if isinstance(outputs, list) and len(outputs) == 1 and isinstance(outputs[0], list):
+        outputs = outputs[0]
+    if isinstance(outputs, list) and outputs and isinstance(outputs[0], str):
+        return outputs[0]
+    return None
 
 
 def _inbound(nodes) -> tuple[list, tuple | None]:
@@ -211,18 +240,30 @@ def _without_batch(shape) -> tuple | None:
     return tuple(shape[1:])
 
 
-def _producer(layer: _Layer, layers: dict) -> _Layer | None:
-    """The one layer ``layer`` reads (None: an input, several, or one outside this model)."""
+def _producer(layer: _Layer) -> _Layer | None:
+    """The one layer whose output ``layer`` reads, across nested models (None: a model input, several, unknown)."""
     if len(layer.inputs) != 1:
         return None
-    return layers.get(layer.inputs[0])
+    graph = layer.graph
+    if layer.inputs[0] == _INPUT:
+        node = None
+    else:
+        node = graph.layers.get(layer.inputs[0])
+        if node is None:
+            return None
+    if node is None or (node.kind == "InputLayer" and graph.parent is not None):
+        # a nested model's input: what its layer reads in the model around it
+        return _producer(graph.parent) if graph.parent is not None else None
+    while node is not None and node.inner is not None:  # a nested model: its output layer
+        node = node.inner.layers.get(node.inner.output) if node.inner.output else None
+    return node
 
 
-def _reads(dense: _Layer, layers: dict) -> FlattenInput | None:
+def _reads(dense: _Layer) -> FlattenInput | None:
     """What ``dense`` reads, when it is a feature map flattened in Keras' spatial-first order."""
-    node = _producer(dense, layers)
+    node = _producer(dense)
     while node is not None and node.kind in _SHAPE_KEEPING:
-        node = _producer(node, layers)
+        node = _producer(node)
     if node is None:
         return None
     reshape = node.kind == "Reshape"
@@ -230,7 +271,7 @@ def _reads(dense: _Layer, layers: dict) -> FlattenInput | None:
         return None
     if node.kind != "Flatten" and not reshape:
         return None
-    maker, channels = _feature_map(node, layers)
+    maker, channels = _feature_map(node)
     if maker is None:
         return None  # no convolution or pooling before it: the twin flattens the same array
     map_format = str(maker.config.get("data_format") or "channels_last")
@@ -249,9 +290,9 @@ def _reads(dense: _Layer, layers: dict) -> FlattenInput | None:
     return FlattenInput(channels, node.name)
 
 
-def _feature_map(flatten: _Layer, layers: dict) -> tuple[_Layer | None, int | None]:
+def _feature_map(flatten: _Layer) -> tuple[_Layer | None, int | None]:
     """(the layer that made the map ``flatten`` reads, its channels) walking back through channel-keeping layers."""
-    node = _producer(flatten, layers)
+    node = _producer(flatten)
     multiplier = 1
     maker = None
     while node is not None:
@@ -265,5 +306,5 @@ def _feature_map(flatten: _Layer, layers: dict) -> tuple[_Layer | None, int | No
             return None, None  # the spatial axes are gone: nothing is left to reorder
         elif node.kind not in _CHANNEL_KEEPING and not node.kind.startswith("DepthwiseConv"):
             break
-        node = _producer(node, layers)
+        node = _producer(node)
     return maker, None
