@@ -71,25 +71,18 @@ def _open(path: str, weights_only: bool) -> _Source:
     from restorekit._checkpoint import Checkpoint
     from restorekit.export import _sources as sources
     from restorekit.export._base import checkpoint_files
-    from restorekit.export._conversions import source_format
-    from restorekit.export._formats import TF
     from restorekit.formats.files import FileView
     from restorekit.export._options import OBJECT_GRAPH_KEY, select
-    from restorekit.keras_files import KerasCheckpoint, is_keras_path
+    from restorekit.keras_files import KerasCheckpoint
 
     path = os.fspath(path)
-    ckpt: Source
-    if is_keras_path(path) or source_format(path) == TF:
-        ckpt = Checkpoint(path)
-        if isinstance(ckpt, KerasCheckpoint):
-            files, ckpt = list(ckpt.files), sources.keras_source(ckpt, weights_only=weights_only)
-        else:
-            files = checkpoint_files(ckpt.prefix)
+    ckpt: Source = Checkpoint(path)  # the format decided by the file's bytes (restorekit.formats.open)
+    if isinstance(ckpt, KerasCheckpoint):
+        files, ckpt = list(ckpt.files), sources.keras_source(ckpt, weights_only=weights_only)
+    elif isinstance(ckpt, FileView):  # safetensors (a shard set too), torch, npz, onnx: every file its reader reads
+        files = list(ckpt.reader.files)
     else:
-        # the format's own Source over its reader (npz keeps its exact dtypes in notes only its reader reads)
-        reader = sources.reader(path, source_format(path))
-        ckpt = FileView(path, reader.source)
-        files = list(reader.files)
+        files = checkpoint_files(ckpt.prefix)
     names = list(ckpt.entries)
     graph = ckpt.object_graph if ckpt.is_object_based and weights_only else None
     # the one rule for "which entries are weights" (optimizer slots, beta powers, global_step, save_counter)

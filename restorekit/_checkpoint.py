@@ -45,6 +45,7 @@ from restorekit.errors import (
     EntryNotFoundError,
     InvalidArgumentError,
     RestoreKitWarning,
+    UnknownFormatError,
     closest_names,
     format_names,
 )
@@ -143,6 +144,7 @@ def resolve_prefix(path) -> str:
             reason = f"{path!r} has no 'checkpoint' state file"
         _warn_once(path, fallback, f"{reason}; using {fallback!r}")
         return fallback
+    _refuse_unknown_file(path)
     hint = ""
     parent = path.rsplit("/", 1)[0] if "/" in path else "."
     if files.isdir(parent):
@@ -151,6 +153,13 @@ def resolve_prefix(path) -> str:
         if near:
             hint = f" Checkpoints nearby: {format_names(near)}."
     raise CheckpointNotFoundError(f"no checkpoint at {path!r} (looked for {path + '.index'!r}).{hint}", path)
+
+
+def _refuse_unknown_file(path: str) -> None:
+    """A file that is there, in no format the registry claims: an error saying what it is, never "not found"."""
+    if not files.is_remote(path) and os.path.isfile(path):
+        raise UnknownFormatError(path, looks_like=registry.described(registry.Probe.of(path)),
+                                 formats=tuple(registry.formats()))
 
 
 class Checkpoint(registry.EntryMapping):

@@ -8,6 +8,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     ├── CorruptCheckpointError         (ValueError)         unreadable index or shard
     │   ├── ChecksumMismatchError                           crc32c of a tensor is wrong
     │   ├── ExternalDataError                               a file whose data would be read from another file
+    │   ├── UnknownFormatError                              a file that exists, in no format restorekit reads
     │   └── CheckpointChangedError                          a file replaced or rewritten while it was open
     ├── InvalidArgumentError           (ValueError)         a bad argument, caught early
     │   ├── NoMatchError                                    a name, rule or pattern matches nothing
@@ -71,6 +72,7 @@ __all__ = [
     "RestoreKitWarning",
     "SourceMismatchError",
     "RunDirectoryError",
+    "UnknownFormatError",
     "UnknownVariableError",
     "VocabularyError",
     "WriteFailedError",
@@ -103,6 +105,23 @@ class ChecksumMismatchError(CorruptCheckpointError):
 class ExternalDataError(CorruptCheckpointError):
     """A checkpoint file that would make a reader read another file (HDF5 external storage, external links,
     virtual datasets): refused before anything is read from it."""
+
+
+class UnknownFormatError(CorruptCheckpointError):
+    """A file exists at the path, but in no format restorekit reads: not a ``FileNotFoundError``.
+
+    ``path`` is the file; ``looks_like`` what its first bytes say it is (``'a Python pickle
+    (protocol 4)'``), None when they say nothing; ``formats`` the names of the formats restorekit
+    reads. Nothing past the file's first bytes was read.
+    """
+
+    def __init__(self, path, *, looks_like: str | None = None, formats: Iterable[str] = ()):
+        self.path = str(path)
+        self.looks_like = looks_like
+        self.formats = tuple(formats)
+        what = f"it looks like {looks_like}" if looks_like else "its first bytes are those of no format restorekit knows"
+        readable = f" restorekit reads {', '.join(self.formats)}." if self.formats else ""
+        super().__init__(f"{self.path!r} is a file, but not a checkpoint restorekit can read: {what}.{readable}")
 
 
 class CheckpointChangedError(CorruptCheckpointError):

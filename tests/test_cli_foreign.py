@@ -1,6 +1,7 @@
 """restorekit inspect, verify and diff over safetensors, .pt and .npz files and across formats (diff --by)."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -176,6 +177,23 @@ def test_bad_input_is_one_line_and_exit_3(capsys, tmp_path, make, message, comma
     code, out, err = run(capsys, *argv)
     assert code == 3 and out == ""
     assert err.count("\n") == 1 and err.startswith("restorekit: error: ") and message in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "verify", "diff"])
+def test_an_existing_file_of_no_known_format_is_named_for_what_it_is_exit_3(capsys, tmp_path, command):
+    """Issue 39 finding 2: `inspect pnet.lz4` said "no checkpoint at 'pnet.lz4' (looked for 'pnet.lz4.index')"."""
+    path = tmp_path / "pnet.lz4"
+    path.write_bytes(b"\x04\x22\x4d\x18\x64\x40\xa7" + bytes(40))  # an LZ4 frame, as joblib compress='lz4' writes
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [command, path] + ([out / "m.safetensors"] if command == "convert" else [])
+    argv += [_write(tmp_path / "ok.npz")] if command == "diff" else []
+    code, stdout, err = run(capsys, *argv)
+    assert code == 3 and stdout == "" and err.count("\n") == 1
+    assert err.startswith(f"restorekit: error: {str(path)!r} is a file, but not a checkpoint restorekit can read: "
+                          "it looks like an LZ4 frame")
+    assert "looked for" not in err and "onnx" in err
+    assert os.listdir(out) == []
 
 
 def test_inspect_a_safetensors_file_as_a_subprocess(tmp_path):

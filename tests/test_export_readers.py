@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
-from restorekit.export import export_checkpoint, import_checkpoint
+from restorekit.export import convert, export_checkpoint, import_checkpoint
 from restorekit.export import npz as npz_format
 from restorekit.export import safetensors as st_format
 from restorekit.export import torch as torch_format
@@ -278,6 +278,31 @@ def test_npz_deflated_bomb_is_refused_before_decompressing(tmp_path):
         import_checkpoint(tmp_path / "z.npz", tmp_path / "out" / "m", max_output_bytes=1 << 20)
     assert _listing(tmp_path / "out") == []
     assert dict(npz_format.read(tmp_path / "z.npz"))["z"].shape == (4 << 20,)  # the default allows it
+
+
+@pytest.mark.parametrize("verb", [
+    pytest.param(lambda src, out: convert(src, out / "m.safetensors", max_output_bytes=32 << 20), id="convert_to_safetensors"),
+    pytest.param(lambda src, out: convert(src, out / "m.npz", max_output_bytes=32 << 20), id="convert_to_npz"),
+    pytest.param(lambda src, out: import_checkpoint(src, out / "m", max_output_bytes=32 << 20), id="import_to_tf"),
+])
+def test_npz_bomb_is_refused_from_its_headers_at_constant_memory(tmp_path, verb):
+    """Issue 40 item 5: opening the archive (its listing) decompressed every member before the size check."""
+    import tracemalloc
+
+    np.savez_compressed(tmp_path / "z.npz", z=np.zeros(16 << 20, np.float32))  # 64 MiB of zeros in ~64 KB
+    assert (tmp_path / "z.npz").stat().st_size < 200_000
+    (tmp_path / "out").mkdir()
+    tracemalloc.start()
+    try:
+        with pytest.raises(OutputError, match=r"would expand to 64\.0 MiB of tensors, over max_output_bytes=33554432"):
+            verb(tmp_path / "z.npz", tmp_path / "out")
+        entries = Checkpoint(tmp_path / "z.npz").entries  # what inspect lists: from the header alone
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert entries["z"].shape == (16 << 20,) and entries["z"].nbytes == 64 << 20
+    assert peak < 4 << 20, f"peak {peak} bytes"
+    assert _listing(tmp_path / "out") == []
 
 
 def test_npz_member_whose_declared_size_disagrees_with_its_header_is_refused(tmp_path):

@@ -81,6 +81,52 @@ def test_open_decides_by_bytes_and_uses_the_name_only_to_break_ties(tf1_checkpoi
         formats.open(st, "hdf9")
 
 
+def _zip_of_text(path):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("readme.txt", "hello")
+
+
+# (file name, how to write it, what the error says it looks like)
+UNKNOWN_FILES = [
+    pytest.param("pnet.lz4", lambda p: p.write_bytes(b"\x04\x22\x4d\x18\x64\x40\xa7" + bytes(40)),
+                 "an LZ4 frame (joblib.dump(..., compress='lz4') writes these)", id="joblib_lz4"),
+    pytest.param("notes.zip", _zip_of_text, "a zip archive (1 member: 'readme.txt')", id="zip_of_text"),
+    pytest.param("w.gz", lambda p: p.write_bytes(__import__("gzip").compress(b"weights")), "gzip-compressed data",
+                 id="gzip"),
+    pytest.param("a.npy", lambda p: np.save(p, np.ones(3)), "one numpy .npy array", id="npy"),
+    pytest.param("model.pbx", lambda p: p.write_bytes(b"\x08\x09\x12\x07pytorch" + bytes(8)),
+                 "a protobuf message (an ONNX model?", id="onnx_bytes_other_name"),
+    pytest.param("notes.txt", lambda p: p.write_text("hello"), None, id="text"),
+]
+
+
+@pytest.mark.parametrize("name, write, looks_like", UNKNOWN_FILES)
+def test_an_existing_file_of_no_readable_format_says_what_it_is_not_that_it_is_missing(tmp_path, name, write,
+                                                                                       looks_like):
+    """Issue 39 finding 2: such a file was a CheckpointNotFoundError 'no checkpoint at X (looked for X.index)'."""
+    from restorekit.errors import CorruptCheckpointError, UnknownFormatError
+
+    path = tmp_path / name
+    write(path)
+    out = tmp_path / "out"
+    out.mkdir()
+    for attempt in (lambda: formats.open(path), lambda: restorekit.Checkpoint(path),
+                    lambda: restorekit.convert(path, out / "m.safetensors"), lambda: restorekit.scan(path)):
+        with pytest.raises(UnknownFormatError) as caught:
+            attempt()
+        e = caught.value
+        assert not isinstance(e, FileNotFoundError) and isinstance(e, CorruptCheckpointError)
+        assert e.path == str(path) and e.looks_like == (None if looks_like is None else e.looks_like)
+        assert looks_like is None or looks_like in e.looks_like
+        assert {"tf", "keras", "safetensors", "torch", "npz", "onnx"} <= set(e.formats)
+        text = str(e)
+        assert text.startswith(f"{str(path)!r} is a file, but not a checkpoint restorekit can read: ")
+        assert "looked for" not in text and "restorekit reads tf, keras, safetensors" in text
+    assert os.listdir(out) == []
+
+
 @requires_torch
 def test_torch_zip_and_legacy_pickle_are_told_from_npz_and_keras_by_their_members(tmp_path):
     import torch

@@ -77,7 +77,10 @@ def _print_tensor(ckpt, name: str, as_json: bool) -> int:
 def _inspect(args) -> int:
     from restorekit.cli._compress import inspect_model_file, is_model_file
 
-    if is_model_file(args.checkpoint):  # a .tflite / .onnx: a model for inference, not a checkpoint
+    from restorekit.formats import detect
+
+    # a .tflite / .onnx: a model for inference, summarized as one; an ONNX model's values read as a checkpoint's
+    if is_model_file(args.checkpoint) and not ((args.stats or args.tensor) and detect(args.checkpoint) == "onnx"):
         return inspect_model_file(args)
     ckpt = open_checkpoint(args.checkpoint)
     if args.tensor:

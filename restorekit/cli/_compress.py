@@ -67,8 +67,8 @@ def inspect_model_file(args) -> int:
     from restorekit.compress._files import inspect_model
 
     if args.stats or args.tensor:
-        raise Usage(f"--stats and --tensor read checkpoints; {args.checkpoint!r} is a model file "
-                    f"(inspect lists its inputs, outputs, ops and tensors)")
+        raise Usage(f"--stats and --tensor read checkpoints and ONNX models; {args.checkpoint!r} is a .tflite "
+                    f"model file (inspect lists its inputs, outputs, ops and tensors)")
     summary = inspect_model(args.checkpoint)
     if args.filter:
         pattern = re.compile(args.filter)

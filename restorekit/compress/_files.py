@@ -6,7 +6,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from restorekit.errors import GraphError, InvalidArgumentError, MissingDependencyError
+from restorekit.errors import GraphError, InvalidArgumentError
 
 __all__ = ["ModelSummary", "inspect_model", "is_model_file", "verify_model"]
 
@@ -41,7 +41,8 @@ class Tensor:
 
 @dataclass(frozen=True)
 class ModelSummary:
-    """What a ``.tflite`` or ``.onnx`` file holds. ``ops`` counts the nodes of each op type."""
+    """What a ``.tflite`` or ``.onnx`` file holds. ``ops`` counts the nodes of each op type (of the main graph;
+    ``subgraph_ops`` those of an ONNX model's subgraphs)."""
 
     path: str
     format: str
@@ -51,6 +52,7 @@ class ModelSummary:
     ops: dict = field(default_factory=dict)
     tensors: tuple[Tensor, ...] = ()
     opset: int | None = None
+    subgraph_ops: dict = field(default_factory=dict)  # ONNX: the ops of If / Loop / Scan bodies, counted apart
 
     def to_dict(self) -> dict:
         def rows(items):
@@ -58,7 +60,7 @@ class ModelSummary:
 
         return {"path": self.path, "format": self.format, "size": self.size, "opset": self.opset,
                 "inputs": rows(self.inputs), "outputs": rows(self.outputs), "ops": dict(self.ops),
-                "tensors": rows(self.tensors)}
+                "subgraph_ops": dict(self.subgraph_ops), "tensors": rows(self.tensors)}
 
     def __str__(self) -> str:
         from restorekit._report import format_bytes, format_shape
@@ -69,20 +71,14 @@ class ModelSummary:
             lines.append(f"  {title}:")
             lines += [f"    {t.name}  {format_shape(t.shape)}  {t.dtype}" for t in items]
         lines.append("  ops: " + ", ".join(f"{op} x{n}" for op, n in sorted(self.ops.items())))
+        if self.subgraph_ops:
+            lines.append("  ops in subgraphs: " + ", ".join(f"{op} x{n}" for op, n in sorted(self.subgraph_ops.items())))
         stored = sum(t.nbytes for t in self.tensors)
         lines.append(f"  tensors: {len(self.tensors)}, {format_bytes(stored)}")
         width = max((len(t.name) for t in self.tensors), default=0)
         lines += [f"    {t.name.ljust(width)}  {format_shape(t.shape)}  {t.dtype}  {format_bytes(t.nbytes)}"
                   for t in self.tensors]
         return "\n".join(lines)
-
-
-def _onnx():
-    try:
-        import onnx
-    except ImportError:
-        raise MissingDependencyError("reading an .onnx file needs onnx: pip install 'restorekit[onnx]'.") from None
-    return onnx
 
 
 def _onnx_tensor(value, onnx) -> Tensor:
@@ -92,7 +88,9 @@ def _onnx_tensor(value, onnx) -> Tensor:
 
 
 def _load_onnx(path: str):
-    onnx = _onnx()
+    from restorekit.formats.onnx import import_onnx
+
+    onnx = import_onnx()
     try:
         return onnx, onnx.load_model(path)
     except Exception as e:  # protobuf's DecodeError, onnx's own errors
@@ -100,22 +98,28 @@ def _load_onnx(path: str):
 
 
 def _inspect_onnx(path: str) -> ModelSummary:
-    onnx, model = _load_onnx(path)
-    graph = model.graph
+    """The summary of an ``.onnx`` file, its tensors and ops as the ONNX format's one reader lists them
+    (``restorekit.formats.onnx``: initializers and Constant nodes, in subgraphs too)."""
+    from restorekit.errors import CorruptCheckpointError, ExternalDataError
+    from restorekit.formats.onnx import OnnxReader, import_onnx, op_counts
+
+    try:
+        reader = OnnxReader(path)
+    except ExternalDataError:
+        raise
+    except CorruptCheckpointError as e:
+        raise GraphError(str(e)) from None
+    onnx, graph = import_onnx(), reader.model.graph
     stored = {i.name for i in graph.initializer}
-    tensors = []
-    for init in graph.initializer:
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-        count = 1
-        for d in init.dims:
-            count *= d
-        tensors.append(Tensor(init.name, tuple(init.dims), dtype.name, count * dtype.itemsize))
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    tensors = tuple(Tensor(s.name, s.shape, "string" if s.dtype == object else s.dtype.name, s.nbytes)
+                    for s in reader.tensors.values())
+    main, sub = op_counts(reader.model)
+    opset = next((o.version for o in reader.model.opset_import if o.domain in ("", "ai.onnx")), None)
     return ModelSummary(
         path=path, format="onnx", size=os.path.getsize(path),
         inputs=tuple(_onnx_tensor(v, onnx) for v in graph.input if v.name not in stored),
         outputs=tuple(_onnx_tensor(v, onnx) for v in graph.output),
-        ops=dict(Counter(n.op_type for n in graph.node)), tensors=tuple(tensors), opset=opset)
+        ops=dict(main), tensors=tensors, opset=opset, subgraph_ops=dict(sub))
 
 
 def _interpreter(path: str):

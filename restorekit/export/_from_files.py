@@ -57,7 +57,7 @@ def _write_file(reader, out: str, to: str, options: Request, *, overwrite: bool,
     # converted to npz (which keeps TF names and axes) is read with it and written without
     # (request.OPTIONS has refused a layout neither side has).
     layout = options.layout
-    read_layout = layout if layout in reader.module.LAYOUTS else None
+    read_layout = layout if layout in reader.layouts else None
     write_layout = layout if layout in target.LAYOUTS else None
     arrays, record = open_source(reader, read_layout, max_output_bytes, options.flatten_channels)
     plan = file_plan(reader, record, options)

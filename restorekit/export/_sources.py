@@ -17,7 +17,7 @@ from restorekit.errors import InvalidArgumentError
 from restorekit.export import _formats as formats
 from restorekit.export._base import PlannedCheckpoint, _KerasSource, keras_source  # noqa: F401 - re-exported
 from restorekit.export._options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
-from restorekit.formats import npz, safetensors, torch
+from restorekit.formats import npz, onnx, safetensors, torch
 from restorekit.formats.files import FileCheckpoint, FileReader, _tf_layout, tf_shapes
 from restorekit.formats.safetensors import ShardedSafetensorsReader, shard_set
 
@@ -30,11 +30,17 @@ class Reader:
     """A conversion's non-TF source: the format's reader (``restorekit.formats``) and the export module of its format."""
 
     source: FileReader  # one file, or a set of safetensors shards (ShardedSafetensorsReader)
-    module: ModuleType  # the export format module: its LAYOUTS are what a conversion of the file may ask for
+    module: ModuleType | None  # the export format module (None for a format read only, such as onnx)
 
     @property
     def path(self) -> str:
         return self.source.path
+
+    @property
+    def layouts(self) -> tuple:
+        """The ``layout=`` values a conversion of the file may read it with (its export module's; None alone for a
+        format restorekit only reads)."""
+        return self.module.LAYOUTS if self.module is not None else (None,)
 
     @property
     def fmt(self) -> str:
@@ -64,16 +70,18 @@ def reader(src: str, fmt: str) -> Reader:
         CheckpointNotFoundError: nothing there.
         InvalidArgumentError: ``fmt`` is no file format.
     """
-    module = formats.module(fmt)
-    return Reader(_READERS[fmt](src), module)
+    if fmt not in _READERS:
+        formats.module(fmt)  # InvalidArgumentError naming the file formats
+    return Reader(_READERS[fmt](src), formats.modules().get(fmt))
 
 
 def of_view(view) -> Reader:
     """The conversion's reader of an open ``FileView``: the reader it opened, nothing opened again."""
-    return Reader(view.reader, formats.module(view.format))
+    return Reader(view.reader, formats.modules().get(view.format))
 
 
-_READERS = {"safetensors": safetensors.open_reader, "torch": torch.TorchReader, "npz": npz.NpzReader}
+_READERS = {"safetensors": safetensors.open_reader, "torch": torch.TorchReader, "npz": npz.NpzReader,
+            "onnx": onnx.OnnxReader}
 
 
 def source_nbytes(reader: Reader) -> int:

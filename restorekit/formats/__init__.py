@@ -6,8 +6,9 @@
 Formats (one module each, registered on import): ``tf`` (TF bundles, TF2 object-based
 checkpoints, SavedModel variables), ``keras`` (``.weights.h5``, ``.keras``, sharded
 ``.weights.json``, legacy Keras 2 ``.h5``), ``safetensors`` (one file, or a Hugging Face
-shard set read by a subclass of the one-file reader), ``torch`` and ``npz``; ``files``
-is what the last three share. A file restorekit wrote reads under the TF names of the
+shard set read by a subclass of the one-file reader), ``torch``, ``npz`` and ``onnx``
+(initializers and Constant tensors of ONNX models, read only); ``files`` is what the last
+four share. A file restorekit wrote reads under the TF names of the
 checkpoint it was converted from, a file from elsewhere under its own. The writers are
 ``restorekit.export``'s.
 """

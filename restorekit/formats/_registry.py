@@ -38,6 +38,7 @@ __all__ = [
     "Format",
     "Probe",
     "Source",
+    "described",
     "detect",
     "formats",
     "open_source",
@@ -297,3 +298,40 @@ def open_source(path, fmt: str | None = None) -> Source:
     if name not in registered:
         raise InvalidArgumentError(f"unknown checkpoint format {name!r}; choose one of {', '.join(registered)}")
     return registered[name].open(os.fspath(path))
+
+
+# What a file's first bytes say it is, for the error a file of no readable format gets (``UnknownFormatError``).
+_MAGIC = (
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file"),
+    (b"\x1f\x8b", "gzip-compressed data"),
+    (b"\x04\x22\x4d\x18", "an LZ4 frame (joblib.dump(..., compress='lz4') writes these)"),
+    (b"\x28\xb5\x2f\xfd", "zstandard-compressed data"),
+    (b"BZh", "bzip2-compressed data"),
+    (b"\xfd7zXZ\x00", "xz-compressed data"),
+    (b"\x93NUMPY", "one numpy .npy array (restorekit reads .npz archives of them)"),
+    (b"GGUF", "a GGUF model (llama.cpp)"),
+    (b"\x7fELF", "an executable (ELF)"),
+)
+
+
+def described(probe: Probe) -> str | None:
+    """What ``probe``'s first bytes say the file is, in words; None when they say nothing."""
+    head = probe.head
+    if probe.members is not None:
+        shown = ", ".join(repr(m) for m in probe.members[:4]) + (", ..." if len(probe.members) > 4 else "")
+        count = f"{len(probe.members)} member{'s' if len(probe.members) != 1 else ''}"
+        return f"a zip archive ({count}: {shown})" if probe.members else "an empty zip archive"
+    if len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return f"a Python pickle (protocol {head[1]}: joblib, pickle.dump and the old torch.save write these)"
+    for magic, words in _MAGIC:
+        if head.startswith(magic):
+            return words
+    if head[4:8] == b"TFL3":
+        return "a TensorFlow Lite model"
+    if len(head) >= 3 and head[0] == 0x08 and head[2] in (0x12, 0x1A, 0x22, 0x28, 0x32, 0x3A, 0x42):
+        return "a protobuf message (an ONNX model? restorekit reads those named '*.onnx')"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "JSON text"
+    if not head:
+        return "an empty file"
+    return None

@@ -230,31 +230,23 @@ def _dtype_of(path: str, name: str, member: _Member, note: dict | None) -> np.dt
 class _NpzArchive:
     """An npz file's tensors as restorekit's npz reader gives them back (bfloat16 from its bits, strings exact).
 
-    Listing reads the archive through once, one tensor at a time, since the exact dtypes
-    live in the reader's notes; ``read`` then takes one member alone.
+    Listed from the ``.npy`` headers and the record alone (``NpzReader.stored_tensors``):
+    nothing is decompressed until a tensor is read, so a few KB of deflated zeros that
+    claim gigabytes cost no memory to open, and are refused by size before any is read.
     """
 
-    def __init__(self, path: str, reader):
+    def __init__(self, path: str, reader: NpzReader):
         self._path = path
-        self._strings = {}
+        self._stored = reader.stored_tensors()
         entries = {}
-        for name, array in reader.read():
-            dtype = tf_dtype_of(array)
-            entries[name] = Entry(name, tuple(array.shape), dtype, 0 if dtype == "string" else array.nbytes)
-            if dtype == "string":  # object-graph sized: kept as the reader restored them (exact lengths)
-                self._strings[name] = array
-            del array
+        for name, (shape, dtype, _) in self._stored.items():
+            tf_dtype = tf_dtype_of(np.empty(0, dtype))
+            nbytes = 0 if tf_dtype == "string" else math.prod(shape) * dtype.itemsize
+            entries[name] = Entry(name, tuple(shape), tf_dtype, nbytes)
         self.entries = entries
 
     def read(self, name: str) -> np.ndarray:
-        from restorekit._bundle.format import dtype_enum, numpy_dtype
-
-        if name in self._strings:
-            return self._strings[name]
-        with np.load(self._path, allow_pickle=False) as data:
-            array = data[name]
-        target = numpy_dtype(dtype_enum(self.entries[name].dtype))
-        return array if array.dtype == target else np.ascontiguousarray(array).view(target)
+        return self._stored[name][2]()
 
 
 def detect(probe: Probe) -> int:
