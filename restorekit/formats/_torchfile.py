@@ -141,7 +141,7 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         if module == "torch._utils":
-            if name == "_rebuild_tensor_v2":
+            if name in ("_rebuild_tensor", "_rebuild_tensor_v2"):  # _rebuild_tensor: files of torch < 1.0
                 return _dense
             if name == "_rebuild_tensor_v3":
                 return _dense_v3
@@ -244,14 +244,32 @@ def scan_zip(path: str, archive) -> Scan:
     return Scan(obj, records, tuple(unpickler.unknown), prefix)
 
 
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+
+
 def scan_legacy(path: str, data: bytes) -> Scan:
     """The tensors of torch's legacy (pre-1.6) format: magic, version, sys info, the pickle,
-    the storage keys, then each storage as an 8-byte element count and its bytes."""
+    the storage keys, then each storage as an 8-byte little-endian element count and its bytes.
+
+    The header's ``little_endian`` names the machine that wrote the file, not the bytes: torch
+    writes (and reads) every legacy storage little-endian, swapping on a big-endian machine, so
+    the bytes are kept as stored and torch reads them as they are meant on any machine.
+
+    Raises:
+        CorruptCheckpointError: not the legacy header, a storage list naming an unknown
+            storage, an element count other than the pickle declares, a file shorter or
+            longer than its storages.
+    """
     stream = io.BytesIO(data)
     itemsizes = _torch_itemsizes()
     unknown: list[str] = []
-    for _ in range(3):  # magic number, protocol version, sys_info: plain values
-        _load(_Unpickler(stream, itemsizes, unknown))
+    magic, protocol, sys_info = (_load(_Unpickler(stream, itemsizes, unknown)) for _ in range(3))
+    if magic != _LEGACY_MAGIC or protocol != _LEGACY_PROTOCOL or not isinstance(sys_info, dict):
+        raise CorruptCheckpointError(
+            f"{path!r} is a pickle but not torch.save's legacy format (no magic number {_LEGACY_MAGIC:#x}, "
+            f"protocol {_LEGACY_PROTOCOL} and system info before the data)"
+        )
     unpickler = _Unpickler(stream, itemsizes, unknown)
     obj = _load(unpickler)
     keys = _load(_Unpickler(stream, itemsizes, unknown))
@@ -264,6 +282,11 @@ def scan_legacy(path: str, data: bytes) -> Scan:
         ref = storages.get(key)
         if ref is None:
             raise CorruptCheckpointError(f"{path!r}: the legacy storage list names {key!r}, which no tensor uses")
+        count = int.from_bytes(data[position:position + 8], "little") if position + 8 <= len(data) else None
+        if count is not None and count != ref.numel:
+            raise CorruptCheckpointError(
+                f"{path!r}: storage {key!r} holds {count} elements where the pickle declares {ref.numel}"
+            )
         records[key] = ref.nbytes if position + 8 + ref.nbytes <= len(data) else max(0, len(data) - position - 8)
         position += 8 + ref.nbytes
     if position != len(data):

@@ -1,0 +1,169 @@
+"""The torch files packages ship (issue 40): legacy pickles, training-checkpoint dicts, TorchScript archives.
+
+Each file is written by torch itself and every verb (inspect, convert to safetensors / TF /
+npz, scan + restore into a torch module, diff) is checked against torch's own loader.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+
+import restorekit
+from restorekit.cli import main
+from restorekit.errors import CorruptCheckpointError
+from conftest import import_torch
+
+torch = import_torch()
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+
+
+class _OldTensor:
+    """A tensor pickled the way torch < 1.0 did: ``torch._utils._rebuild_tensor(storage, offset, size, stride)``."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __reduce_ex__(self, protocol):
+        t = self.tensor
+        storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+        return torch._utils._rebuild_tensor, (storage, t.storage_offset(), tuple(t.size()), t.stride())
+
+
+def _listing(path):
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def check_every_verb(capsys, tmp_path, src, expected: dict, module=None):
+    """inspect, convert (safetensors, TF, npz), scan + restore into ``module``, diff: each gives ``expected``."""
+    code, out, _ = run(capsys, "inspect", src)
+    assert code == 0 and f"{len(expected)} tensors" in out
+    for name in expected:
+        assert name in out
+    source = restorekit.formats.open(str(src))
+    assert sorted(source.entries) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(source.read(name), value)
+    outputs = {"safetensors": tmp_path / "out.safetensors", "npz": tmp_path / "out.npz", "tf": tmp_path / "tf" / "m"}
+    for fmt, out_path in outputs.items():
+        code, _, err = run(capsys, "convert", src, out_path, "--to", fmt)
+        assert code == 0, err
+    import safetensors.numpy
+
+    for name, value in safetensors.numpy.load_file(str(outputs["safetensors"])).items():
+        np.testing.assert_array_equal(value, expected[name])
+    with np.load(outputs["npz"]) as npz:
+        assert sorted(npz.files) == sorted(expected)
+        for name in npz.files:
+            np.testing.assert_array_equal(npz[name], expected[name])
+    back = restorekit.Checkpoint(str(outputs["tf"]))
+    assert sorted(back.entries) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(back.read(name), value)
+    code, out, err = run(capsys, "diff", src, outputs["safetensors"])
+    assert code == 0, out + err
+    if module is not None:
+        report = restorekit.scan(str(src), module)
+        restorekit.restore(report, strict=True)
+        for name, tensor in module.state_dict().items():
+            np.testing.assert_array_equal(tensor.numpy(), expected[name])
+
+
+def _values(state: dict) -> dict:
+    return {name: t.numpy() for name, t in state.items()}
+
+
+# ---------------------------------------------------------------- item 1: legacy (pre-zip) files
+
+
+def test_a_legacy_state_dict_reads_with_every_verb(capsys, tmp_path):
+    model = _model()
+    path = tmp_path / "legacy.pt"
+    torch.save(model.state_dict(), path, _use_new_zipfile_serialization=False)
+    expected = _values(torch.load(path, weights_only=True))
+    check_every_verb(capsys, tmp_path, path, expected, module=_model().train(False).requires_grad_(False))
+
+
+def test_a_pre_1_0_rebuild_tensor_file_reads_as_torch_reads_it(capsys, tmp_path):
+    path = tmp_path / "old.pt"
+    weight = torch.randn(3, 4)
+    rows = torch.arange(10.0)[2:8:2]  # a strided view into a larger storage
+    state = collections.OrderedDict([("lin0.model.1.weight", _OldTensor(weight)), ("lin0.model.1.bias", _OldTensor(rows))])
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    expected = _values(torch.load(path, weights_only=True))
+    assert expected["lin0.model.1.bias"].tolist() == [2, 4, 6]
+    check_every_verb(capsys, tmp_path, path, expected)
+
+
+def _legacy_bytes(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.arange(6, dtype=torch.float32), "b": torch.arange(2, dtype=torch.int64)}, path,
+               _use_new_zipfile_serialization=False)
+    return path.read_bytes()
+
+
+def _small_storage(data: bytes) -> bytes:
+    """The first storage's element count (8 bytes little-endian, before its data) one less than the pickle says."""
+    six = (6).to_bytes(8, "little") + np.arange(6, dtype=np.float32).tobytes()
+    assert data.count(six) == 1
+    return data.replace(six, (5).to_bytes(8, "little") + np.arange(6, dtype=np.float32).tobytes())
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("damage,error,message", [
+    (lambda data, tmp: data[:-5], CorruptCheckpointError, "declare"),
+    (lambda data, tmp: data[:40], CorruptCheckpointError, "bad.pt"),
+    (lambda data, tmp: _small_storage(data), CorruptCheckpointError, "holds 5 elements where the pickle declares 6"),
+], ids=["truncated_storage", "truncated_header", "storage_count_too_small"])
+def test_a_broken_legacy_file_is_refused_and_nothing_is_written(capsys, tmp_path, damage, error, message):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(damage(_legacy_bytes(tmp_path), tmp_path))
+    with pytest.raises(error, match=message):
+        restorekit.convert(bad, tmp_path / "out" / "m.safetensors")
+    assert _listing(tmp_path / "out") == []
+    code, _, err = run(capsys, "convert", bad, tmp_path / "out" / "m.npz")
+    assert code == 3 and "bad.pt" in err and _listing(tmp_path / "out") == []
+
+
+def test_a_legacy_tensor_reaching_past_its_storage_is_refused(tmp_path):
+    path = tmp_path / "past.pt"
+    base = torch.arange(4.0)
+    torch.save({"w": _OldTensor(base)}, path, _use_new_zipfile_serialization=False)
+    # the pickle's size (4,) becomes (9,): torch.load would read past the storage's 4 elements
+    data = path.read_bytes()
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(data.replace(b"K\x04\x85", b"K\x09\x85", 1))
+    assert bad.read_bytes() != data
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' of shape \[9\].* reaches byte 36 of a 16-byte storage"):
+        restorekit.convert(bad, tmp_path / "out" / "m.safetensors")
+    assert _listing(tmp_path / "out") == []
+
+
+def test_a_legacy_pickle_that_wants_to_run_code_is_refused_unrun(capsys, tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "hook": _Evil(marker)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CorruptCheckpointError, match="refusing to load"):
+        restorekit.convert(path, tmp_path / "out" / "m.safetensors")
+    code, _, err = run(capsys, "inspect", path)
+    assert code == 3 and "evil.pt" in err
+    assert not marker.exists() and _listing(tmp_path / "out") == []
