@@ -11,7 +11,7 @@ import pytest
 
 import restorekit
 from restorekit.cli import main
-from restorekit.errors import CorruptCheckpointError
+from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
 from conftest import import_torch
 
 torch = import_torch()
@@ -167,3 +167,116 @@ def test_a_legacy_pickle_that_wants_to_run_code_is_refused_unrun(capsys, tmp_pat
     code, _, err = run(capsys, "inspect", path)
     assert code == 3 and "evil.pt" in err
     assert not marker.exists() and _listing(tmp_path / "out") == []
+
+
+# ---------------------------------------------------------------- item 2: training-checkpoint dicts
+
+
+def _trained():
+    """A model, its Adam optimizer after one step, and a flat name -> numpy of a checkpoint dict as torch loads it."""
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _flat(obj, name=""):
+    """name -> numpy of every tensor of what torch.load returned, by path (the reference for restorekit's names)."""
+    if torch.is_tensor(obj):
+        return {name: obj.numpy()}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out = {}
+    for key, value in items:
+        out.update(_flat(value, f"{name}.{key}" if name else str(key)))
+    return out
+
+
+LAYOUTS = {
+    "step_model_optimizer": lambda m, o: {"step": 3, "model_state": m.state_dict(), "optimizer_state": o.state_dict()},
+    "model_ema_optimizer_epoch": lambda m, o: {"model": m.state_dict(), "ema": m.state_dict(),
+                                               "optimizer": o.state_dict(), "epoch": 7},
+    "lightning": lambda m, o: {"epoch": 2, "global_step": 20, "state_dict": m.state_dict(),
+                               "optimizer_states": [o.state_dict()], "lr_schedulers": []},
+}
+GROUP = {"step_model_optimizer": "model_state", "model_ema_optimizer_epoch": "model", "lightning": "state_dict"}
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_a_training_checkpoint_reads_by_path_with_every_verb(capsys, tmp_path, layout, zipped):
+    model, optimizer = _trained()
+    path = tmp_path / "ckpt.pt"
+    torch.save(LAYOUTS[layout](model, optimizer), path, _use_new_zipfile_serialization=zipped)
+    loaded = torch.load(path, weights_only=True)
+    expected = _flat(loaded)
+    group = GROUP[layout]
+    assert f"{group}.0.weight" in expected and any(".state.0.exp_avg_sq" in n for n in expected)
+    check_every_verb(capsys, tmp_path, path, expected)
+    # the scalars are metadata that inspect shows
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and "metadata (" in out and "param_groups.0.lr = 0.01" in out
+    source = restorekit.formats.open(str(path))
+    assert {k: v for k, v in source.metadata.items() if k in ("step", "epoch", "global_step")} == {
+        k: v for k, v in loaded.items() if k in ("step", "epoch", "global_step")}
+    # the one weights rule knows torch's optimizer state: --weights-only, scan and strip agree
+    optimizer_names = sorted(n for n in expected if ".state." in n)
+    weights = sorted(set(expected) - set(optimizer_names))
+    restorekit.convert(path, tmp_path / "w.safetensors", weights_only=True)
+    assert sorted(restorekit.formats.open(str(tmp_path / "w.safetensors")).entries) == weights
+    code, _, err = run(capsys, "strip", tmp_path / "tf" / "m", tmp_path / "stripped" / "m")
+    assert code == 0, err
+    assert sorted(restorekit.Checkpoint(str(tmp_path / "stripped" / "m")).entries) == weights
+    report = restorekit.scan(str(path), _model())
+    assert sorted(r.checkpoint_name for r in report.skipped) == optimizer_names
+    assert all(r.how[0] == "optimizer" for r in report.skipped)
+    # one group as the source: From(prefix=...) in Python, FILE:GROUP on the command line
+    target = _model().requires_grad_(False)
+    restorekit.restore(restorekit.scan(restorekit.From(path, prefix=f"{group}."), target), strict=True)
+    for name, tensor in target.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), loaded[group][name].numpy())
+    code, out, _ = run(capsys, "inspect", f"{path}:{group}")
+    assert code == 0 and f"{len(loaded[group])} tensors" in out and "\n0.weight " in out
+
+
+def test_hf_trainer_optimizer_file_is_all_optimizer_state(tmp_path):
+    _, optimizer = _trained()
+    path = tmp_path / "optimizer.pt"
+    torch.save(optimizer.state_dict(), path)
+    source = restorekit.formats.open(str(path))
+    assert sorted(source.entries) == sorted(_flat(torch.load(path, weights_only=True)))
+    assert {restorekit._names.entry_kind(n) for n in source.entries} == {restorekit._names.Kind.OPTIMIZER}
+    assert source.metadata["param_groups.0.lr"] == 0.01
+
+
+def test_a_group_holding_nothing_is_refused_by_name_and_nothing_is_written(capsys, tmp_path):
+    model, optimizer = _trained()
+    path = tmp_path / "ckpt.pt"
+    torch.save(LAYOUTS["step_model_optimizer"](model, optimizer), path)
+    with pytest.raises(InvalidArgumentError, match=r"no tensors under 'modle_state'.*'model_state', 'optimizer_state'"):
+        restorekit.convert(f"{path}:modle_state", tmp_path / "out" / "m.safetensors")
+    code, _, err = run(capsys, "convert", f"{path}:modle_state", tmp_path / "out" / "m.npz")
+    assert code == 3 and "modle_state" in err and _listing(tmp_path / "out") == []
+
+
+def test_a_broken_training_checkpoint_is_refused_and_nothing_is_written(tmp_path):
+    model, optimizer = _trained()
+    path = tmp_path / "ckpt.pt"
+    torch.save(LAYOUTS["step_model_optimizer"](model, optimizer), path, _use_new_zipfile_serialization=False)
+    (tmp_path / "cut.pt").write_bytes(path.read_bytes()[:-9])
+    with pytest.raises(CorruptCheckpointError, match="cut.pt"):
+        restorekit.convert(tmp_path / "cut.pt", tmp_path / "out" / "m.safetensors")
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "model_state": model.state_dict(), "hook": _Evil(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(CorruptCheckpointError, match="refusing to load"):
+        restorekit.convert(tmp_path / "evil.pt", tmp_path / "out" / "m.safetensors")
+    assert not marker.exists() and _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("optimizer_state.state.0.exp_avg", "optimizer"), ("state.3.momentum_buffer", "optimizer"),
+    ("optimizer_states.0.param_groups.0.lr", "optimizer"), ("model_state.state.0.weight", "weight"),
+    ("encoder.state.1.bias", "weight"),
+], ids=["adam_slot", "sgd_momentum", "param_group_value", "a_module_named_state", "a_module_list_named_state"])
+def test_the_weights_rule_knows_torch_optimizer_state_by_its_slot_names(name, kind):
+    assert restorekit._names.entry_kind(name).value == kind
