@@ -280,3 +280,86 @@ def test_a_broken_training_checkpoint_is_refused_and_nothing_is_written(tmp_path
 ], ids=["adam_slot", "sgd_momentum", "param_group_value", "a_module_named_state", "a_module_list_named_state"])
 def test_the_weights_rule_knows_torch_optimizer_state_by_its_slot_names(name, kind):
     assert restorekit._names.entry_kind(name).value == kind
+
+
+# ---------------------------------------------------------------- item 3: TorchScript archives
+
+
+class _Block(torch.nn.Module):
+    """Parameters, a buffer, an unset optional parameter, a tensor attribute that is neither, and a shared child."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 4)
+        self.head = torch.nn.Linear(4, 2, bias=False)
+        self.norm = torch.nn.LayerNorm(2)
+        self.register_buffer("scale", torch.tensor([2.0, 3.0]))
+        self.register_parameter("unset", None)
+        self.offset = torch.ones(2)  # a plain attribute: not in state_dict
+
+    def forward(self, x):
+        return self.norm(self.head(torch.relu(self.proj(x)))) * self.scale + self.offset
+
+
+def _zip_rewrite(src, dst, change):
+    """Copy the zip archive ``src`` to ``dst`` with ``change(name, data) -> data or None`` (None drops it), stored."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as b:
+        for info in a.infolist():
+            data = change(info.filename, a.read(info))
+            if data is not None:
+                b.writestr(info.filename, data)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"], ids=["jit_script", "jit_trace"])
+def test_a_torchscript_archive_reads_as_its_state_dict_with_every_verb(capsys, tmp_path, how):
+    torch.manual_seed(1)
+    block = _Block()
+    scripted = torch.jit.script(block) if how == "script" else torch.jit.trace(block, torch.randn(2, 3))
+    path = tmp_path / "block.jit"
+    torch.jit.save(scripted, str(path))
+    reference = torch.jit.load(str(path)).state_dict()
+    expected = _values(reference)
+    assert "offset" not in expected and "unset" not in expected and "scale" in expected
+    assert list(restorekit.formats.open(str(path)).reader.read_shapes()) == list(reference)  # state_dict's order
+    check_every_verb(capsys, tmp_path, path, expected, module=_Block().requires_grad_(False))
+
+
+def _script_file(tmp_path):
+    path = tmp_path / "m.pt"
+    torch.jit.save(torch.jit.script(_model()), str(path))
+    return path
+
+
+def _evil_pickle(marker) -> bytes:
+    import pickle
+
+    return pickle.dumps(_Evil(marker), protocol=2)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (lambda name, data, tmp: data[:-4] if name.endswith("data/0") else data, CorruptCheckpointError,
+     r"tensor '0.weight'.* holds 44 bytes where the pickle declares 48"),
+    (lambda name, data, tmp: None if name.endswith("modules/linear.py") else data, InvalidArgumentError,
+     r"class '__torch__\.torch\.nn\.modules\.linear\.Linear' declares no __parameters__"),
+    (lambda name, data, tmp: _evil_pickle(tmp / "pwned") if name.endswith("/data.pkl") else data,
+     InvalidArgumentError, r"calls 'posix\.system'"),
+], ids=["storage_too_small", "class_without_declarations", "pickle_wants_to_run_code"])
+def test_a_broken_torchscript_archive_is_refused_by_name_and_nothing_is_written(capsys, tmp_path, change, error,
+                                                                                 message):
+    bad = tmp_path / "bad.pt"
+    _zip_rewrite(_script_file(tmp_path), bad, lambda name, data: change(name, data, tmp_path))
+    with pytest.raises(error, match=message):
+        restorekit.convert(bad, tmp_path / "out" / "m.safetensors")
+    code, _, err = run(capsys, "inspect", bad)
+    assert code == 3 and "bad.pt" in err
+    assert not (tmp_path / "pwned").exists() and _listing(tmp_path / "out") == []
+
+
+def test_a_truncated_torchscript_archive_is_refused(tmp_path):
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(_script_file(tmp_path).read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match="cut.pt"):
+        restorekit.convert(cut, tmp_path / "out" / "m.safetensors")
+    assert _listing(tmp_path / "out") == []

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
-from restorekit.formats._dtypes import STORAGE_DTYPES, STORAGE_ONLY
+from restorekit.formats._dtypes import STORAGE_DTYPES, STORAGE_ONLY, TORCH_DTYPES
 
 __all__ = ["Scan", "ScanError", "StorageRef", "Tree", "View", "check_views", "flatten", "scan_legacy", "scan_zip", "state_of"]
 
@@ -54,6 +54,7 @@ class StorageRef:
     itemsize: int
     numel: int  # in elements of ``itemsize`` bytes
     location: str
+    dtype: str = ""  # torch's name of its element type ('float32'), '' for an untyped storage
 
     @property
     def nbytes(self) -> int:
@@ -105,9 +106,10 @@ class Placeholder:
 
 @dataclass(frozen=True)
 class _Itemsize:
-    """A storage type or dtype global, reduced to its element size."""
+    """A storage type or dtype global, reduced to its element size and torch's dtype name."""
 
     itemsize: int
+    dtype: str = ""
 
 
 def _dense(storage, offset=0, shape=(), stride=(), *rest):
@@ -157,7 +159,8 @@ class _Unpickler(pickle.Unpickler):
         if module in ("torch", "torch.storage") and (_STORAGE_NAME.fullmatch(name) or _DTYPE_NAME.fullmatch(name)):
             size = self._itemsizes(name)
             if size:
-                return _Itemsize(size)
+                tf_name = STORAGE_DTYPES.get(name[: -len("Storage")], "") if name.endswith("Storage") else name
+                return _Itemsize(size, TORCH_DTYPES.get(tf_name, tf_name))
         self.unknown.append(f"{module}.{name}")
         return Placeholder
 
@@ -175,7 +178,7 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
         if view and view[0] is not None:
             raise pickle.UnpicklingError(f"storage {key!r} is a view of another storage (a pre-1.0 file)")
-        ref = StorageRef(key, kind.itemsize, numel, location)
+        ref = StorageRef(key, kind.itemsize, numel, location, kind.dtype)
         if self.storages.setdefault(key, ref) != ref:
             raise pickle.UnpicklingError(f"storage {key!r} is declared twice, differently")
         return ref
@@ -208,7 +211,8 @@ class ScanError(Exception):
         self.unknown = unknown
 
 
-def _load(unpickler: "_Unpickler"):
+def load_pickle(unpickler: "_Unpickler"):
+    """``unpickler.load()``; any failure of the restricted reader as ScanError."""
     try:
         return unpickler.load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
@@ -339,7 +343,7 @@ def scan_zip(path: str, archive) -> Scan:
                 )
             records[info.filename[len(prefix + "data/"):]] = info.file_size
     unpickler = _Unpickler(io.BytesIO(archive.read(pickles[0])), _torch_itemsizes())
-    obj = _load(unpickler)
+    obj = load_pickle(unpickler)
     return Scan(obj, records, tuple(unpickler.unknown), prefix)
 
 
@@ -363,15 +367,15 @@ def scan_legacy(path: str, data: bytes) -> Scan:
     stream = io.BytesIO(data)
     itemsizes = _torch_itemsizes()
     unknown: list[str] = []
-    magic, protocol, sys_info = (_load(_Unpickler(stream, itemsizes, unknown)) for _ in range(3))
+    magic, protocol, sys_info = (load_pickle(_Unpickler(stream, itemsizes, unknown)) for _ in range(3))
     if magic != _LEGACY_MAGIC or protocol != _LEGACY_PROTOCOL or not isinstance(sys_info, dict):
         raise CorruptCheckpointError(
             f"{path!r} is a pickle but not torch.save's legacy format (no magic number {_LEGACY_MAGIC:#x}, "
             f"protocol {_LEGACY_PROTOCOL} and system info before the data)"
         )
     unpickler = _Unpickler(stream, itemsizes, unknown)
-    obj = _load(unpickler)
-    keys = _load(_Unpickler(stream, itemsizes, unknown))
+    obj = load_pickle(unpickler)
+    keys = load_pickle(_Unpickler(stream, itemsizes, unknown))
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise CorruptCheckpointError(f"{path!r}: the legacy storage list is not a list of keys")
     storages = unpickler.storages

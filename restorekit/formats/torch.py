@@ -6,6 +6,10 @@ pickle claims without running any of it: a file that asks to run code is refused
 ``CorruptCheckpointError`` before anything runs. What an export did (names, axes, dtype
 stand-ins, string tensors) is read back from the state_dict's ``_metadata`` attribute
 under ``'__restorekit__'``. The writer is ``restorekit.export.torch``.
+
+A training checkpoint's tensors are named by their path (``_torchfile.flatten``), and
+``FILE:GROUP`` reads one group of it. A TorchScript archive is never loaded by torch:
+``_torchscript`` reads its parameters and buffers, and their bytes come from its records.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
 from restorekit.export._layout import LayoutRecord
 from restorekit.formats import _torchfile as torchfile
+from restorekit.formats import _torchscript as torchscript
 from restorekit.formats._dtypes import TORCH_DTYPES
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import check_output_size, open_zip, reader, regular_file
@@ -32,7 +37,7 @@ from restorekit.formats._registry import BY_BYTES, Probe, file_and_group, regist
 __all__ = ["FORMAT", "SUFFIXES", "TorchReader", "load", "read", "read_metadata", "read_record", "read_shapes", "recognizes", "to_numpy"]
 
 FORMAT = "torch"
-SUFFIXES = (".pt", ".pth", ".bin")
+SUFFIXES = (".pt", ".pth", ".bin", ".jit")
 
 RECORD_KEY = "__restorekit__"
 # ml_dtypes arrays cross to torch by a same-width int view.
@@ -165,6 +170,9 @@ def _scan(path: str):
         head = f.read(4)
     if head.startswith(b"PK"):
         with open_zip(path, "PyTorch file") as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pickles) == 1 and torchscript.is_script(pickles[0][: -len("data.pkl")], archive.namelist()):
+                return torchscript.scan_script(path, archive), None, False
             scan = torchfile.scan_zip(path, archive)
             prefix = scan.prefix
             crcs = {i.filename[len(prefix + "data/"):]: i.CRC for i in archive.infolist()
@@ -193,6 +201,9 @@ def _load(path: str) -> _Loaded:
         obj = _torch_load(file, _outside_weights(path, scan))
     views = torchfile.flatten(path, scan.obj, _is_view, group).tensors
     sizes = torchfile.check_views(path, scan, views)
+    if crcs is None:  # a TorchScript archive: its tensors built from its records here (zipfile checks their CRC)
+        obj = _script_tensors(file, scan, views)
+        crcs = {}
     if obj is None:
         obj = _torch_load(file)
     tree = torchfile.flatten(path, obj, torch.is_tensor, group)
@@ -202,6 +213,28 @@ def _load(path: str) -> _Loaded:
     if isinstance(meta, dict) and isinstance(meta.get(RECORD_KEY), str):
         record = LayoutRecord.from_json(meta[RECORD_KEY], where=path)
     return _Loaded(collections.OrderedDict(tree.tensors), record, views, sizes, crcs, size, swapped, tree.metadata)
+
+
+def _script_tensors(path: str, scan, views: dict) -> dict:
+    """name -> tensor of a TorchScript archive's parameters and buffers, from its storage records."""
+    torch = _torch()
+    storages: dict = {}
+    state = {}
+    with open_zip(path, "PyTorch file") as archive:
+        order = archive.read(scan.prefix + "byteorder") if scan.prefix + "byteorder" in archive.namelist() else b"little"
+        if order.decode("ascii", "replace") != sys.byteorder:
+            raise InvalidArgumentError(f"{path!r}: a TorchScript archive written {order!r}-endian, which restorekit "
+                                       f"reads only on a machine of that byte order")
+        for name, view in views.items():
+            ref = view.storage
+            dtype = getattr(torch, ref.dtype, None) if ref.dtype else None
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidArgumentError(f"{path!r}: TorchScript tensor {name!r} has a storage of no known dtype")
+            if ref.key not in storages:
+                raw = bytearray(archive.read(scan.prefix + "data/" + ref.key))
+                storages[ref.key] = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            state[name] = storages[ref.key].as_strided(tuple(view.shape), tuple(view.stride), view.offset)
+    return state
 
 
 def _check_loaded(path: str, state, views: dict) -> None:
