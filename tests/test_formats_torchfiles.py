@@ -230,6 +230,7 @@ def test_a_training_checkpoint_reads_by_path_with_every_verb(capsys, tmp_path, l
     report = restorekit.scan(str(path), _model())
     assert sorted(r.checkpoint_name for r in report.skipped) == optimizer_names
     assert all(r.how[0] == "optimizer" for r in report.skipped)
+    assert any(f"prefix={group + '.'!r}" in h and f"'CHECKPOINT:{group}'" in h for h in report.hints), report.hints
     # one group as the source: From(prefix=...) in Python, FILE:GROUP on the command line
     target = _model().requires_grad_(False)
     restorekit.restore(restorekit.scan(restorekit.From(path, prefix=f"{group}."), target), strict=True)
