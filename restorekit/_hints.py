@@ -65,9 +65,36 @@ def restore_hints(missing, shape_mismatched, dtype_mismatched, unused) -> tuple[
                 f"{r.variable_name!r} differs only in dtype (checkpoint {r.checkpoint_dtype}, model {r.dtype}); "
                 f"dtype_policy='cast' restores it cast."
             )
-    scoped = scope_hint(missing, unused)
+    scoped = scope_hint(missing, unused) or group_hint(missing, unused)
     level = level_hint(missing, unused)
     return tuple(hints) + ((scoped,) if scoped else ()) + ((level,) if level else ())
+
+
+def group_hint(missing, unused) -> str | None:
+    """A hint when missing variables sit in a torch training checkpoint under one group (``model_state.0.weight``
+    for ``0.weight``): read that group as the source. Pairs as ``scope_hint`` does, by shape and dtype."""
+    by_rest: dict[str, list] = {}
+    for r in unused:
+        group, dot, rest = (r.checkpoint_name or "").partition(".")
+        if dot and rest:
+            by_rest.setdefault(rest, []).append((group, r))
+    votes: dict[str, list] = {}
+    for r in missing:
+        for g, c in by_rest.get(r.checkpoint_name or r.variable_name or "", ()):
+            if fits(r, c):  # a checkpoint with 'model' and 'ema' groups holds each weight twice: both get a vote
+                votes.setdefault(g, []).append((r, c))
+    if not votes:
+        return None
+    # the group of the most; on a tie the raw weights before a moving average ('model' before 'ema')
+    group, pairs = max(votes.items(), key=lambda item: (len(item[1]), "ema" not in item[0].lower()))
+    others = [g for g, p in votes.items() if g != group and len(p) == len(pairs)]
+    r, c = pairs[0]
+    also = f" (or {', '.join(map(repr, others))}, which holds them too)" if others else ""
+    return (
+        f"{len(pairs)} of the {len(missing)} missing variables are in the checkpoint under its group {group!r}{also} "
+        f"(e.g. {r.variable_name!r} as {c.checkpoint_name!r}); read that group as the source: "
+        f"restorekit.From(checkpoint, prefix={group + '.'!r}), or the path 'CHECKPOINT:{group}'."
+    )
 
 
 def level_hint(missing, unused) -> str | None:

@@ -172,6 +172,12 @@ _SLOT_LEAF = re.compile(r"^(?P<leaf>[A-Za-z_]+?)(?:_\d+)?$")
 # Non-slot optimizer state living beside the variables.
 _OPTIMIZER_STATE = re.compile(r"(^|/)(beta1_power|beta2_power|beta_1_power|beta_2_power)(_\d+)?$")
 _TF2_SLOT = re.compile(r"/\.OPTIMIZER_SLOT/|^optimizer/|/optimizer/")
+# A torch optimizer's state_dict, flattened by path (a training checkpoint's 'optimizer_state.state.0.exp_avg',
+# HF Trainer's optimizer.pt 'state.0.exp_avg'): per-parameter state under 'state.N.', by torch's own slot names,
+# and 'param_groups.N.' (hyper-parameters, a tensor where an optimizer keeps lr as one).
+_TORCH_OPTIMIZER = re.compile(
+    r"(^|\.)(state\.\d+\.(exp_avg|exp_avg_sq|max_exp_avg_sq|momentum_buffer|step|square_avg|acc_delta|grad_avg"
+    r"|sum|exp_inf|mu_product|eta|mu|ax|prev|step_size|exp_avg_sq_row|exp_avg_sq_col)|param_groups\.\d+\.\w+)$")
 
 
 def optimizer_slot_kind(name: str) -> str | None:
@@ -181,10 +187,14 @@ def optimizer_slot_kind(name: str) -> str | None:
     'Momentum'
     >>> optimizer_slot_kind('bert/encoder/dense/kernel/adam_m')
     'Adam (BERT)'
+    >>> optimizer_slot_kind('optimizer_state.state.0.exp_avg')
+    'optimizer (torch)'
     """
     name = strip_partition(strip_output_index(name))
     if _TF2_SLOT.search(name):
         return "optimizer (TF2)"
+    if _TORCH_OPTIMIZER.search(name):
+        return "optimizer (torch)"
     m = _OPTIMIZER_STATE.search(name)
     if m:
         return "Adam" if m.group(2).startswith("beta") else "optimizer"

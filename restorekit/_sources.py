@@ -41,6 +41,10 @@ _ON_PURPOSE = ("not_included", "excluded", "optimizer", "counter", "rng")
 class From:
     """One source of a several-source restore with its own ``scan`` options.
 
+    ``prefix`` picks one group of a torch training checkpoint as the source: its entries
+    under ``prefix`` without it (``From('ckpt.pt', prefix='model_state.')`` is the path
+    ``'ckpt.pt:model_state'``).
+
     Example:
         >>> restorekit.scan({'encoder': restorekit.From('bert/', assignment_map={'bert/': 'encoder/'}),
         ...                  'decoder': 'gpt2.safetensors'}, model)
@@ -48,10 +52,14 @@ class From:
 
     __slots__ = ("checkpoint", "options")
 
-    def __init__(self, checkpoint, **scan_options):
+    def __init__(self, checkpoint, *, prefix: str | None = None, **scan_options):
         if is_several(checkpoint):
             raise InvalidArgumentError(f"From takes one checkpoint, got {type(checkpoint).__name__}: {checkpoint!r}")
         self.checkpoint = os.fspath(checkpoint) if isinstance(checkpoint, os.PathLike) else checkpoint
+        if prefix:
+            if not isinstance(self.checkpoint, str):
+                raise InvalidArgumentError(f"From(prefix=...) takes a path, got {type(checkpoint).__name__}")
+            self.checkpoint = f"{self.checkpoint}:{prefix.rstrip('.')}"
         self.options = dict(scan_options)
 
     def __repr__(self) -> str:

@@ -99,7 +99,9 @@ def _inspect(args) -> int:
     total = sum(r["nbytes"] for r in rows)
     if args.json:
         where = {"format": fmt} if fmt else {}
-        _print_json({"checkpoint": ckpt.prefix, **where, "count": len(rows), "nbytes": total, "entries": rows})
+        metadata = {"metadata": ckpt.metadata} if getattr(ckpt, "metadata", None) else {}
+        _print_json({"checkpoint": ckpt.prefix, **where, "count": len(rows), "nbytes": total, "entries": rows,
+                     **metadata})
         return EXIT_OK
     header = (["PATH"] if readable else []) + ["NAME", "SHAPE", "DTYPE", "SIZE"]
     header += ["MIN", "MAX", "MEAN", "NANS"] if args.stats else []
@@ -113,6 +115,11 @@ def _inspect(args) -> int:
         lines.append(line)
     print(_table(lines, header))
     print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}{_file_note(ckpt)}")
+    metadata = getattr(ckpt, "metadata", None) or {}  # a torch training checkpoint's step, epoch, ...
+    if metadata:
+        print(f"metadata ({len(metadata)} plain values):")
+    for name, value in metadata.items():
+        print(f"  {name} = {value!r}")
     return EXIT_OK
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "Source",
     "described",
     "detect",
+    "file_and_group",
     "formats",
     "open_source",
     "register",
@@ -263,13 +264,22 @@ def formats() -> dict[str, Format]:
     return dict(sorted(_FORMATS.items(), key=lambda kv: (kv[1].order, kv[0])))
 
 
+def file_and_group(path: str) -> tuple[str, str]:
+    """``(FILE, GROUP)`` of ``FILE:GROUP`` (one group of a training checkpoint: ``ckpt.pt:model_state``)
+    when FILE is a file and the whole path is not; else ``(path, '')``."""
+    file, sep, group = path.rpartition(":")
+    if sep and group and os.path.isfile(file) and not os.path.exists(path):
+        return file, group
+    return path, ""
+
+
 def detect(path) -> str:
     """The name of the format ``path`` holds: decided by its bytes, its name only breaking ties.
 
     A path nothing claims is ``'tf'`` (a prefix whose ``.index`` is missing), so
     opening it raises the TF reader's ``CheckpointNotFoundError`` with its hints.
     """
-    probe = Probe.of(os.fspath(path))
+    probe = Probe.of(file_and_group(os.fspath(path))[0])
     best, best_score = "tf", 0
     for fmt in formats().values():
         score = fmt.detect(probe)

@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
-from restorekit.formats._dtypes import STORAGE_DTYPES, STORAGE_ONLY
+from restorekit.formats._dtypes import STORAGE_DTYPES, STORAGE_ONLY, TORCH_DTYPES
 
-__all__ = ["Scan", "ScanError", "StorageRef", "View", "check_views", "scan_legacy", "scan_zip", "state_of", "views_of"]
+__all__ = ["Scan", "ScanError", "StorageRef", "Tree", "View", "check_views", "flatten", "scan_legacy", "scan_zip", "state_of"]
 
 _MAX_RANK = 64  # numpy's limit, and far above any real weight
 _STORAGE_NAME = re.compile(r"[A-Za-z0-9_]+Storage")
@@ -54,6 +54,7 @@ class StorageRef:
     itemsize: int
     numel: int  # in elements of ``itemsize`` bytes
     location: str
+    dtype: str = ""  # torch's name of its element type ('float32'), '' for an untyped storage
 
     @property
     def nbytes(self) -> int:
@@ -105,9 +106,10 @@ class Placeholder:
 
 @dataclass(frozen=True)
 class _Itemsize:
-    """A storage type or dtype global, reduced to its element size."""
+    """A storage type or dtype global, reduced to its element size and torch's dtype name."""
 
     itemsize: int
+    dtype: str = ""
 
 
 def _dense(storage, offset=0, shape=(), stride=(), *rest):
@@ -141,7 +143,7 @@ class _Unpickler(pickle.Unpickler):
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         if module == "torch._utils":
-            if name == "_rebuild_tensor_v2":
+            if name in ("_rebuild_tensor", "_rebuild_tensor_v2"):  # _rebuild_tensor: files of torch < 1.0
                 return _dense
             if name == "_rebuild_tensor_v3":
                 return _dense_v3
@@ -157,7 +159,8 @@ class _Unpickler(pickle.Unpickler):
         if module in ("torch", "torch.storage") and (_STORAGE_NAME.fullmatch(name) or _DTYPE_NAME.fullmatch(name)):
             size = self._itemsizes(name)
             if size:
-                return _Itemsize(size)
+                tf_name = STORAGE_DTYPES.get(name[: -len("Storage")], "") if name.endswith("Storage") else name
+                return _Itemsize(size, TORCH_DTYPES.get(tf_name, tf_name))
         self.unknown.append(f"{module}.{name}")
         return Placeholder
 
@@ -175,7 +178,7 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"malformed storage record {str(pid)[:80]}")
         if view and view[0] is not None:
             raise pickle.UnpicklingError(f"storage {key!r} is a view of another storage (a pre-1.0 file)")
-        ref = StorageRef(key, kind.itemsize, numel, location)
+        ref = StorageRef(key, kind.itemsize, numel, location, kind.dtype)
         if self.storages.setdefault(key, ref) != ref:
             raise pickle.UnpicklingError(f"storage {key!r} is declared twice, differently")
         return ref
@@ -208,7 +211,8 @@ class ScanError(Exception):
         self.unknown = unknown
 
 
-def _load(unpickler: "_Unpickler"):
+def load_pickle(unpickler: "_Unpickler"):
+    """``unpickler.load()``; any failure of the restricted reader as ScanError."""
     try:
         return unpickler.load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
@@ -216,13 +220,112 @@ def _load(unpickler: "_Unpickler"):
         raise ScanError(e, tuple(unpickler.unknown)) from None
 
 
+_STATE_KEYS = ("state_dict", "model", "model_state_dict")
+_SCALARS = (bool, int, float, str, bytes, type(None))
+
+
+@dataclass(frozen=True)
+class Tree:
+    """What a ``.pt`` file holds, flattened: its tensors and its plain values, each named by its path."""
+
+    tensors: dict  # 'model_state.lstm.weight_ih_l0' -> tensor (a View, or torch's tensor)
+    metadata: dict  # 'step', 'optimizer_state.param_groups.0.lr' -> a number, string, or list of them
+    state: object  # the dict the names start from (its ``_metadata`` carries a restorekit record)
+
+
+def _holds_tensor(node, is_tensor) -> bool:
+    if is_tensor(node):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_tensor(v, is_tensor) for v in node.values())
+    return isinstance(node, (list, tuple)) and any(_holds_tensor(v, is_tensor) for v in node)
+
+
 def state_of(obj, is_tensor):
-    """The state_dict inside what a ``.pt`` file holds: itself, or its 'state_dict'/'model' entry."""
+    """The dict a ``.pt`` file's names start from: itself, or its 'state_dict' / 'model' /
+    'model_state_dict' entry when every tensor of the file lies there (the rest is metadata)."""
     if isinstance(obj, dict) and not any(is_tensor(v) for v in obj.values()):
-        for key in ("state_dict", "model", "model_state_dict"):
-            if isinstance(obj.get(key), dict):
+        for key in _STATE_KEYS:
+            if isinstance(obj.get(key), dict) and not any(
+                    _holds_tensor(v, is_tensor) for k, v in obj.items() if k != key):
                 return obj[key]
     return obj
+
+
+def flatten(path: str, obj, is_tensor, group: str = "") -> Tree:
+    """The tensors and plain values of ``obj``, named by their path through dicts and lists.
+
+    A flat state_dict keeps its names; a training checkpoint (``{'step', 'model_state',
+    'optimizer_state'}``) names each tensor by its path (``model_state.lstm.weight_ih_l0``,
+    ``optimizer_state.state.0.exp_avg``); one whose tensors all lie in its 'state_dict' (or
+    'model') entry reads as that state_dict. ``group`` keeps only the entries under that path,
+    without it (``model_state``: ``lstm.weight_ih_l0``). Other objects (the stand-ins of a
+    checkpoint's hyper-parameters) are left out.
+
+    Raises:
+        InvalidArgumentError: no tensors, keys that are not names, a flat state_dict holding
+            objects that are not tensors, two paths spelling one name, a ``group`` holding nothing.
+    """
+    root = state_of(obj, is_tensor)
+    if not isinstance(root, dict):
+        raise InvalidArgumentError(f"{path!r} holds a {_type_name(root)}, not a state_dict of tensors")
+    if not root:
+        raise InvalidArgumentError(f"{path!r} holds an empty state_dict: there are no tensors to import")
+    unnamed = [k for k in root if not isinstance(k, str)]
+    if unnamed:
+        from restorekit.errors import format_names
+
+        raise InvalidArgumentError(
+            f"{path!r} holds tensors under keys that are not names ({format_names(unnamed)}); "
+            f"a state_dict is keyed by parameter names: save model.state_dict(), or rename the keys to strings"
+        )
+    if any(is_tensor(v) for v in root.values()):  # a state_dict: every entry a tensor or a plain value
+        others = [k for k, v in root.items() if not is_tensor(v) and not _plain(v)]
+        if others:
+            from restorekit.errors import format_names
+
+            raise InvalidArgumentError(f"{path!r}: these entries are not tensors: {format_names(others)}")
+    tensors: dict = {}
+    metadata: dict = {}
+    if root is not obj:  # the checkpoint's other entries (epoch, global_step, ...) as metadata
+        for key, value in obj.items():
+            if value is not root:
+                _walk(path, value, str(key), is_tensor, tensors, metadata)
+    for key, value in root.items():
+        _walk(path, value, key, is_tensor, tensors, metadata)
+    if group:
+        tensors, metadata = _under(group, tensors), _under(group, metadata)
+        if not tensors:
+            groups = sorted({name.split(".", 1)[0] for name in flatten(path, obj, is_tensor).tensors})
+            raise InvalidArgumentError(f"{path!r} holds no tensors under {group!r}; its tensors lie under "
+                                       f"{', '.join(map(repr, groups))}")
+    if not tensors:
+        raise InvalidArgumentError(f"{path!r} holds no tensors")
+    return Tree(tensors, metadata, root)
+
+
+def _plain(value) -> bool:
+    return isinstance(value, _SCALARS) or (isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value))
+
+
+def _walk(path: str, node, name: str, is_tensor, tensors: dict, metadata: dict) -> None:
+    if name in tensors or name in metadata:
+        raise InvalidArgumentError(f"{path!r}: two entries are named {name!r} (a key with dots and a nested one)")
+    if is_tensor(node):
+        tensors[name] = node
+    elif _plain(node):
+        metadata[name] = list(node) if isinstance(node, tuple) else node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _walk(path, value, f"{name}.{key}", is_tensor, tensors, metadata)
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _walk(path, value, f"{name}.{i}", is_tensor, tensors, metadata)
+
+
+def _under(group: str, named: dict) -> dict:
+    start = group.rstrip(".") + "."
+    return {name[len(start):]: value for name, value in named.items() if name.startswith(start)}
 
 
 def scan_zip(path: str, archive) -> Scan:
@@ -240,21 +343,39 @@ def scan_zip(path: str, archive) -> Scan:
                 )
             records[info.filename[len(prefix + "data/"):]] = info.file_size
     unpickler = _Unpickler(io.BytesIO(archive.read(pickles[0])), _torch_itemsizes())
-    obj = _load(unpickler)
+    obj = load_pickle(unpickler)
     return Scan(obj, records, tuple(unpickler.unknown), prefix)
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
 
 
 def scan_legacy(path: str, data: bytes) -> Scan:
     """The tensors of torch's legacy (pre-1.6) format: magic, version, sys info, the pickle,
-    the storage keys, then each storage as an 8-byte element count and its bytes."""
+    the storage keys, then each storage as an 8-byte little-endian element count and its bytes.
+
+    The header's ``little_endian`` names the machine that wrote the file, not the bytes: torch
+    writes (and reads) every legacy storage little-endian, swapping on a big-endian machine, so
+    the bytes are kept as stored and torch reads them as they are meant on any machine.
+
+    Raises:
+        CorruptCheckpointError: not the legacy header, a storage list naming an unknown
+            storage, an element count other than the pickle declares, a file shorter or
+            longer than its storages.
+    """
     stream = io.BytesIO(data)
     itemsizes = _torch_itemsizes()
     unknown: list[str] = []
-    for _ in range(3):  # magic number, protocol version, sys_info: plain values
-        _load(_Unpickler(stream, itemsizes, unknown))
+    magic, protocol, sys_info = (load_pickle(_Unpickler(stream, itemsizes, unknown)) for _ in range(3))
+    if magic != _LEGACY_MAGIC or protocol != _LEGACY_PROTOCOL or not isinstance(sys_info, dict):
+        raise CorruptCheckpointError(
+            f"{path!r} is a pickle but not torch.save's legacy format (no magic number {_LEGACY_MAGIC:#x}, "
+            f"protocol {_LEGACY_PROTOCOL} and system info before the data)"
+        )
     unpickler = _Unpickler(stream, itemsizes, unknown)
-    obj = _load(unpickler)
-    keys = _load(_Unpickler(stream, itemsizes, unknown))
+    obj = load_pickle(unpickler)
+    keys = load_pickle(_Unpickler(stream, itemsizes, unknown))
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise CorruptCheckpointError(f"{path!r}: the legacy storage list is not a list of keys")
     storages = unpickler.storages
@@ -264,6 +385,11 @@ def scan_legacy(path: str, data: bytes) -> Scan:
         ref = storages.get(key)
         if ref is None:
             raise CorruptCheckpointError(f"{path!r}: the legacy storage list names {key!r}, which no tensor uses")
+        count = int.from_bytes(data[position:position + 8], "little") if position + 8 <= len(data) else None
+        if count is not None and count != ref.numel:
+            raise CorruptCheckpointError(
+                f"{path!r}: storage {key!r} holds {count} elements where the pickle declares {ref.numel}"
+            )
         records[key] = ref.nbytes if position + 8 + ref.nbytes <= len(data) else max(0, len(data) - position - 8)
         position += 8 + ref.nbytes
     if position != len(data):
@@ -271,33 +397,6 @@ def scan_legacy(path: str, data: bytes) -> Scan:
             f"{path!r}: its storages declare {position} bytes in all, but the file holds {len(data)}"
         )
     return Scan(obj, records, tuple(unpickler.unknown))
-
-
-def views_of(path: str, scan: Scan) -> dict:
-    """Name -> View of every tensor of the state_dict.
-
-    Raises:
-        InvalidArgumentError: no state_dict, an empty one, or entries that are not tensors.
-    """
-    state = state_of(scan.obj, lambda v: isinstance(v, View))
-    if not isinstance(state, dict):
-        raise InvalidArgumentError(f"{path!r} holds a {_type_name(state)}, not a state_dict of tensors")
-    if not state:
-        raise InvalidArgumentError(f"{path!r} holds an empty state_dict: there are no tensors to import")
-    unnamed = [k for k in state if not isinstance(k, str)]
-    if unnamed:
-        from restorekit.errors import format_names
-
-        raise InvalidArgumentError(
-            f"{path!r} holds tensors under keys that are not names ({format_names(unnamed)}); "
-            f"a state_dict is keyed by parameter names: save model.state_dict(), or rename the keys to strings"
-        )
-    others = [k for k, v in state.items() if not isinstance(v, View)]
-    if others:
-        from restorekit.errors import format_names
-
-        raise InvalidArgumentError(f"{path!r}: these entries are not tensors: {format_names([str(k) for k in others])}")
-    return dict(state)
 
 
 def _type_name(obj) -> str:

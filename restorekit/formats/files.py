@@ -97,6 +97,12 @@ class FileView(EntryMapping):
         return self._entries
 
     @property
+    def metadata(self) -> dict:
+        """The file's plain values beside its tensors, by path (a torch training checkpoint's ``step``), else {}."""
+        values = getattr(self._reader, "metadata", None)
+        return values() if values is not None else {}
+
+    @property
     def reader(self) -> "FileReader":
         """The format's reader this view reads through: what a conversion of the file streams from, so
         converting an open view opens nothing again."""

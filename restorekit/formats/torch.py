@@ -6,6 +6,10 @@ pickle claims without running any of it: a file that asks to run code is refused
 ``CorruptCheckpointError`` before anything runs. What an export did (names, axes, dtype
 stand-ins, string tensors) is read back from the state_dict's ``_metadata`` attribute
 under ``'__restorekit__'``. The writer is ``restorekit.export.torch``.
+
+A training checkpoint's tensors are named by their path (``_torchfile.flatten``), and
+``FILE:GROUP`` reads one group of it. A TorchScript archive is never loaded by torch:
+``_torchscript`` reads its parameters and buffers, and their bytes come from its records.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import numpy as np
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
 from restorekit.export._layout import LayoutRecord
 from restorekit.formats import _torchfile as torchfile
+from restorekit.formats import _torchscript as torchscript
 from restorekit.formats._dtypes import TORCH_DTYPES
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import check_output_size, open_zip, reader, regular_file
-from restorekit.formats._registry import BY_BYTES, Probe, register
+from restorekit.formats._registry import BY_BYTES, Probe, file_and_group, register
 
-__all__ = ["FORMAT", "SUFFIXES", "TorchReader", "load", "read", "read_record", "read_shapes", "recognizes", "to_numpy"]
+__all__ = ["FORMAT", "SUFFIXES", "TorchReader", "load", "read", "read_metadata", "read_record", "read_shapes", "recognizes", "to_numpy"]
 
 FORMAT = "torch"
-SUFFIXES = (".pt", ".pth", ".bin")
+SUFFIXES = (".pt", ".pth", ".bin", ".jit")
 
 RECORD_KEY = "__restorekit__"
 # ml_dtypes arrays cross to torch by a same-width int view.
@@ -68,13 +73,20 @@ def to_numpy(tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _outside_weights(scan) -> tuple:
-    """The unknown globals of ``scan`` when none of them builds a weight: the weights sit in a
-    dict of plain tensors under the checkpoint's 'state_dict' (or 'model') entry. Else ()."""
-    state = torchfile.state_of(scan.obj, lambda v: isinstance(v, torchfile.View))
-    if state is scan.obj or not isinstance(state, dict) or not state:
+def _is_view(value) -> bool:
+    return isinstance(value, torchfile.View)
+
+
+def _outside_weights(path: str, scan) -> tuple:
+    """The unknown globals of ``scan`` when none of them builds a weight: the file is a
+    checkpoint dict (no tensor among its own entries) whose tensors are all plain. Else ()."""
+    if not isinstance(scan.obj, dict) or any(_is_view(v) for v in scan.obj.values()):
         return ()
-    if not all(isinstance(v, torchfile.View) and v.kind == "dense" for v in state.values()):
+    try:
+        tree = torchfile.flatten(path, scan.obj, _is_view)
+    except InvalidArgumentError:
+        return ()
+    if not all(v.kind == "dense" for v in tree.tensors.values()):
         return ()
     return tuple(dict.fromkeys(scan.unknown))
 
@@ -149,6 +161,7 @@ class _Loaded:
     crcs: dict  # storage key -> the zip record's CRC-32 (empty for the legacy format)
     size: int  # of the file
     swapped: bool  # the file's byte order is not ours (torch swapped the mapped bytes)
+    metadata: dict  # the plain values of a training checkpoint ('step', 'epoch', ...), by path
 
 
 def _scan(path: str):
@@ -157,6 +170,9 @@ def _scan(path: str):
         head = f.read(4)
     if head.startswith(b"PK"):
         with open_zip(path, "PyTorch file") as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pickles) == 1 and torchscript.is_script(pickles[0][: -len("data.pkl")], archive.namelist()):
+                return torchscript.scan_script(path, archive), None, False
             scan = torchfile.scan_zip(path, archive)
             prefix = scan.prefix
             crcs = {i.filename[len(prefix + "data/"):]: i.CRC for i in archive.infolist()
@@ -169,39 +185,65 @@ def _scan(path: str):
 
 
 def _load(path: str) -> _Loaded:
-    size = regular_file(path, "PyTorch file")
+    file, group = file_and_group(path)
+    size = regular_file(file, "PyTorch file")
     torch = _torch()
     try:
-        scan, crcs, swapped = _scan(path)
+        scan, crcs, swapped = _scan(file)
     except torchfile.ScanError as e:
         if e.unknown:
-            _torch_load(path)  # torch's weights_only loader judges globals; it refuses the unsafe
-        raise _unreadable(path, e.cause) from None
+            _torch_load(file)  # torch's weights_only loader judges globals; it refuses the unsafe
+        raise _unreadable(file, e.cause) from None
     obj = None
     if scan.unknown:
         # Globals torch's weights_only loader must judge first: refused there, nothing ran;
         # those outside the weights (hyper-parameters of a training checkpoint) it builds as stand-ins.
-        obj = _torch_load(path, _outside_weights(scan))
-    views = torchfile.views_of(path, scan)
+        obj = _torch_load(file, _outside_weights(path, scan))
+    views = torchfile.flatten(path, scan.obj, _is_view, group).tensors
     sizes = torchfile.check_views(path, scan, views)
+    if crcs is None:  # a TorchScript archive: its tensors built from its records here (zipfile checks their CRC)
+        obj = _script_tensors(file, scan, views)
+        crcs = {}
     if obj is None:
-        obj = _torch_load(path)
-    state = torchfile.state_of(obj, torch.is_tensor)
-    _check_loaded(path, state, views)
+        obj = _torch_load(file)
+    tree = torchfile.flatten(path, obj, torch.is_tensor, group)
+    _check_loaded(path, tree.tensors, views)
     record = None
-    meta = getattr(state, "_metadata", None)
+    meta = getattr(tree.state, "_metadata", None)
     if isinstance(meta, dict) and isinstance(meta.get(RECORD_KEY), str):
         record = LayoutRecord.from_json(meta[RECORD_KEY], where=path)
-    return _Loaded(collections.OrderedDict(state), record, views, sizes, crcs, size, swapped)
+    return _Loaded(collections.OrderedDict(tree.tensors), record, views, sizes, crcs, size, swapped, tree.metadata)
+
+
+def _script_tensors(path: str, scan, views: dict) -> dict:
+    """name -> tensor of a TorchScript archive's parameters and buffers, from its storage records."""
+    torch = _torch()
+    storages: dict = {}
+    state = {}
+    with open_zip(path, "PyTorch file") as archive:
+        order = archive.read(scan.prefix + "byteorder") if scan.prefix + "byteorder" in archive.namelist() else b"little"
+        if order.decode("ascii", "replace") != sys.byteorder:
+            raise InvalidArgumentError(f"{path!r}: a TorchScript archive written {order!r}-endian, which restorekit "
+                                       f"reads only on a machine of that byte order")
+        for name, view in views.items():
+            ref = view.storage
+            dtype = getattr(torch, ref.dtype, None) if ref.dtype else None
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidArgumentError(f"{path!r}: TorchScript tensor {name!r} has a storage of no known dtype")
+            if ref.key not in storages:
+                raw = bytearray(archive.read(scan.prefix + "data/" + ref.key))
+                storages[ref.key] = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            state[name] = storages[ref.key].as_strided(tuple(view.shape), tuple(view.stride), view.offset)
+    return state
 
 
 def _check_loaded(path: str, state, views: dict) -> None:
     """torch built what the scan read: the same names, and each a dense CPU tensor of the same view."""
     torch = _torch()
-    if not isinstance(state, dict) or [str(k) for k in state] != list(views):
+    if list(state) != list(views):
         raise CorruptCheckpointError(f"{path!r}: torch.load read a different state_dict than its pickle declares")
     for name, tensor in state.items():
-        view = views[str(name)]
+        view = views[name]
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(f"{path!r}: entry {name!r} is not a tensor")
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
@@ -272,7 +314,7 @@ def _check_crc(path: str, name: str, key: str, tensor, loaded: _Loaded) -> None:
     """The CRC-32 of the record behind ``tensor`` (the mapped bytes torch will hand over)."""
     expected = loaded.crcs[key]
     if loaded.swapped:  # torch swapped the mapped copy: check the record as stored instead
-        with open_zip(path, "PyTorch file") as archive:
+        with open_zip(file_and_group(path)[0], "PyTorch file") as archive:
             prefix = next(n for n in archive.namelist() if n.endswith("data.pkl"))[: -len("data.pkl")]
             crc = 0
             with archive.open(prefix + "data/" + key) as record:
@@ -300,6 +342,12 @@ def read_shapes(path) -> dict:
 
 
 @reader("PyTorch file")
+def read_metadata(path) -> dict:
+    """The plain values (numbers, strings, lists of them) of a training checkpoint, by path: ``{'step': 3, ...}``."""
+    return _load(os.fspath(path)).metadata
+
+
+@reader("PyTorch file")
 def read_record(path) -> LayoutRecord | None:
     """The restorekit layout record of a ``.pt`` file, or None (a file from elsewhere)."""
     return load(path)[1]
@@ -311,11 +359,23 @@ def recognizes(head: bytes, suffix: str) -> bool:
 
 
 class TorchReader(FileReader):
-    """A PyTorch ``state_dict`` file: its tensors as stored (names and axes of the file)."""
+    """A PyTorch ``state_dict`` file: its tensors as stored (names and axes of the file).
+
+    ``path`` may name one group of a training checkpoint: ``ckpt.pt:model_state`` reads the
+    tensors under ``model_state.`` without that prefix (``restorekit.From(path, prefix=...)``)."""
 
     fmt = FORMAT
     checks = ("PyTorch files carry no per-tensor checksum: verified means every storage record matches its zip "
               "CRC-32 and every tensor reads back and decodes")
+
+    def __init__(self, path):
+        file, _ = file_and_group(os.fspath(path))
+        super().__init__(file)
+        self.path = os.fspath(path)
+
+    def metadata(self) -> dict:
+        """The plain values of a training checkpoint (``step``, ``epoch``, hyper-parameters), by path."""
+        return read_metadata(self.path)
 
     def read(self, max_output_bytes: int | None = None):
         return read(self.path, max_output_bytes=max_output_bytes)
