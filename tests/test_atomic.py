@@ -1,6 +1,7 @@
 """bundle/staging, sweep and commit: temporary names that carry their pid, sweeping what killed writers left,
 shards before the index, removing a checkpoint by its literal name, one writer per output."""
 
+import ast
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import write_bundle
-from restorekit._bundle import commit, sweep
+from restorekit._bundle import commit, crashpoints, sweep
 from restorekit._bundle.locking import lock_path, output_lock
 from restorekit._bundle.staging import Staging, write_bytes
 from restorekit._bundle.sweep import remove_checkpoint_files, sweep_stale, temp_name
@@ -305,3 +306,40 @@ def test_staging_sync_makes_staged_files_durable_once_and_commit_syncs_what_chan
         staging.commit()
     assert sorted(synced[1:]) == ["m.data-00000-of-00001", "m.index"]  # changed since, and staged since
     assert (out / "m.data-00000-of-00001").read_bytes() == b"shard grown" and (out / "m.index").read_bytes() == b"index"
+
+
+# ------------------------------------------------------------------ crash points (the kill harness's handle)
+
+def test_a_commit_passes_its_crash_points_in_order_through_the_name_the_kill_harness_replaces(tmp_path, monkeypatch):
+    """benchmarks/kill_harness.py lists a writer's points by replacing ``crashpoints.crash_point``: the points of
+    staging.py and commit.py all go through it, in the order of the commit (shards renamed before the index)."""
+    seen: list[str] = []
+    monkeypatch.setattr(crashpoints, "crash_point", seen.append)
+    out = tmp_path / "out"
+    with Staging(str(out), output=str(out / "m")) as staging:
+        for name in ("m.index", "m.data-00000-of-00001"):
+            with open(staging.path(str(out / name)), "wb") as f:
+                f.write(name.encode())
+        staging.commit()
+    assert seen == ["staging-made", "commit-start", "after-remove-before", "rename-m.data-00000-of-00001",
+                    "rename-m.index", "before-index-rename", "after-index-rename"]
+    assert sorted(os.listdir(out)) == ["m.data-00000-of-00001", "m.index"]
+    seen.clear()
+    write_bytes(str(out / "frozen.pb"), b"graph")
+    assert seen == ["output-locked", "before-replace"] and (out / "frozen.pb").read_bytes() == b"graph"
+
+
+def test_every_crash_point_is_called_through_its_module():
+    """A copy of the name (``from restorekit._bundle.crashpoints import crash_point``) would escape the harness."""
+    copies = []
+    for directory, _, names in os.walk(os.path.join(ROOT, "restorekit")):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not name.endswith(".py") or path.endswith(os.path.join("_bundle", "crashpoints.py")):
+                continue
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            for node in ast.walk(tree):
+                imported = isinstance(node, ast.ImportFrom) and any(a.name == "crash_point" for a in node.names)
+                if imported or (isinstance(node, ast.Name) and node.id == "crash_point"):
+                    copies.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert copies == []
