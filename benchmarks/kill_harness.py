@@ -3,7 +3,7 @@
     python benchmarks/kill_harness.py [--width N] [--random K] [--only WRITER] [--signal INT] [--keep]
 
 Each writer runs in a child process (``python -c``, importing TensorFlow only where the
-writer needs it). The child is killed either where ``atomic.crash_point`` pauses it
+writer needs it). The child is killed either where ``crashpoints.crash_point`` pauses it
 (``$RESTOREKIT_CRASH_HOOK``) or after a random delay once it has started writing.
 Then, for every kill:
 
@@ -59,9 +59,9 @@ import json, os, sys
 args = json.loads(sys.argv[1])
 if os.environ.get("KILL_HARNESS_TRACE"):
     import atexit
-    from restorekit._bundle import atomic
+    from restorekit._bundle import crashpoints
     _seen = []
-    atomic.crash_point = _seen.append
+    crashpoints.crash_point = _seen.append
     atexit.register(lambda: open(os.environ["KILL_HARNESS_TRACE"], "w").write("\\n".join(_seen)))
 
 

@@ -1,6 +1,7 @@
-"""bundle/atomic: temporary names that carry their pid, sweeping what killed writers left,
+"""bundle/staging, sweep and commit: temporary names that carry their pid, sweeping what killed writers left,
 shards before the index, removing a checkpoint by its literal name, one writer per output."""
 
+import ast
 import os
 import signal
 import subprocess
@@ -12,7 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import write_bundle
-from restorekit._bundle import atomic
+from restorekit._bundle import commit, crashpoints, sweep
+from restorekit._bundle.locking import lock_path, output_lock
+from restorekit._bundle.staging import Staging, write_bytes
+from restorekit._bundle.sweep import remove_checkpoint_files, sweep_stale, temp_name
 from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CheckpointNotFoundError
 
@@ -48,40 +52,40 @@ def _dead_pid() -> int:
 
 
 def test_temp_name_is_hidden_beside_its_output_and_carries_our_pid(tmp_path):
-    tmp = atomic.temp_name(tmp_path / "model.pb")
+    tmp = temp_name(tmp_path / "model.pb")
     directory, name = os.path.split(tmp)
     assert directory == str(tmp_path)
     assert name.startswith(f".restorekit-tmp-{os.getpid()}-") and name.endswith(".model.pb")
-    assert atomic.temp_name(tmp_path / "model.pb") != tmp
-    assert len(os.path.basename(atomic.temp_name(tmp_path / ("x" * 255)))) <= 255
+    assert temp_name(tmp_path / "model.pb") != tmp
+    assert len(os.path.basename(temp_name(tmp_path / ("x" * 255)))) <= 255
 
 
 def test_a_killed_exporters_temporary_file_is_swept_by_the_next_write(tmp_path):
     child = _run(f"""
         import os
-        from restorekit._bundle import atomic
-        with atomic.atomic_output({str(tmp_path / 'big.safetensors')!r}) as tmp:
+        from restorekit._bundle.staging import atomic_output
+        with atomic_output({str(tmp_path / 'big.safetensors')!r}) as tmp:
             open(tmp, 'wb').write(b'half')
             os._exit(9)  # killed mid-export: no cleanup runs
     """)
     assert child.wait() == 9
     left = [n for n in os.listdir(tmp_path) if n.startswith(".restorekit-tmp-")]
     assert len(left) == 1 and left[0].endswith(".big.safetensors")
-    atomic.write_bytes(str(tmp_path / "other.pb"), b"graph")
+    write_bytes(str(tmp_path / "other.pb"), b"graph")
     assert sorted(os.listdir(tmp_path)) == ["other.pb"]
 
 
 def test_temporaries_of_live_processes_and_other_hosts_are_kept(tmp_path):
-    mine = atomic.temp_name(tmp_path / "a.pb")
-    parent = os.path.join(tmp_path, f".restorekit-tmp-{os.getppid()}-{atomic._host_tag()}-0badf00d.b.pb")
-    dead = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00d.c.pb")
+    mine = temp_name(tmp_path / "a.pb")
+    parent = os.path.join(tmp_path, f".restorekit-tmp-{os.getppid()}-{sweep._host_tag()}-0badf00d.b.pb")
+    dead = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-{sweep._host_tag()}-0badf00d.c.pb")
     other_host = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-{'0' * 8}-0badf00d.d.pb")
-    other_host = other_host if atomic._host_tag() != "0" * 8 else other_host.replace("-00000000-", "-00000001-")
+    other_host = other_host if sweep._host_tag() != "0" * 8 else other_host.replace("-00000000-", "-00000001-")
     legacy_dir = os.path.join(tmp_path, f".restorekit-tmp-{_dead_pid()}-deadbeef")
     for path in (mine, parent, dead, other_host):
         open(path, "w").close()
     os.mkdir(legacy_dir)
-    atomic.sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (mine, parent, other_host))
 
 
@@ -121,31 +125,31 @@ def test_remove_checkpoint_files_matches_the_prefix_literally(tmp_path):
              "m[1]x.index", "checkpoint"]
     for name in names:
         (tmp_path / name).write_bytes(b"")
-    removed = atomic.remove_checkpoint_files(tmp_path / "m[1]")
+    removed = remove_checkpoint_files(tmp_path / "m[1]")
     assert [os.path.basename(p) for p in removed] == ["m[1].index", "m[1].data-00000-of-00002", "m[1].data-00001-of-00002"]
     assert sorted(os.listdir(tmp_path)) == sorted(names[3:])
-    assert atomic.remove_checkpoint_files(tmp_path / "m[1]") == []
-    assert atomic.remove_checkpoint_files(tmp_path / "no-such-dir" / "m") == []
+    assert remove_checkpoint_files(tmp_path / "m[1]") == []
+    assert remove_checkpoint_files(tmp_path / "no-such-dir" / "m") == []
 
 
 # ------------------------------------------------------------------ one writer per output
 
 
 def _hold(prefix, held, release):
-    with atomic.output_lock(prefix):
+    with output_lock(prefix):
         held.set()
         release.wait(60)
 
 
 def _queue(prefix, got):
-    with atomic.output_lock(prefix, wait=True):
+    with output_lock(prefix, wait=True):
         got.set()
 
 
 def _die_holding(prefix, held):
     import os as _os
 
-    with atomic.output_lock(prefix):
+    with output_lock(prefix):
         held.set()
         _os._exit(3)  # killed while holding: no release runs
 
@@ -155,7 +159,7 @@ def test_a_second_writer_of_one_output_is_refused_or_waits(tmp_path):
 
     from restorekit.errors import OutputExistsError
 
-    ctx = multiprocessing.get_context("fork")  # the children use only restorekit._bundle.atomic
+    ctx = multiprocessing.get_context("fork")  # the children use only restorekit._bundle's commit path
     prefix = str(tmp_path / "out" / "model.ckpt")
     held, release, got = ctx.Event(), ctx.Event(), ctx.Event()
     holder = ctx.Process(target=_hold, args=(prefix, held, release))
@@ -164,7 +168,7 @@ def test_a_second_writer_of_one_output_is_refused_or_waits(tmp_path):
         assert held.wait(30)
         assert os.path.exists(tmp_path / "out" / ".model.ckpt.restorekit-lock")
         with pytest.raises(OutputExistsError, match=f"another restorekit process \\(pid {holder.pid}\\) is writing") as info:
-            with atomic.output_lock(prefix):
+            with output_lock(prefix):
                 pytest.fail("two writers hold one output")
         assert info.value.path == prefix
         waiter = ctx.Process(target=_queue, args=(prefix, got))
@@ -178,7 +182,7 @@ def test_a_second_writer_of_one_output_is_refused_or_waits(tmp_path):
         release.set()
         holder.join(30)
     assert os.listdir(tmp_path / "out") == []  # the lock file goes with its last holder
-    with atomic.output_lock(prefix) as lock:
+    with output_lock(prefix) as lock:
         assert open(lock).read() == f"{os.getpid()}\n"
 
 
@@ -193,11 +197,11 @@ def test_a_lock_whose_holder_was_killed_is_free_and_swept(tmp_path):
     dying.join(30)
     assert dying.exitcode == 3 and held.is_set()
     assert os.listdir(tmp_path) == [".model.ckpt.restorekit-lock"]
-    with atomic.output_lock(prefix):  # the kernel released the dead holder's lock
-        atomic.sweep_stale(str(tmp_path))  # a held lock stays
+    with output_lock(prefix):  # the kernel released the dead holder's lock
+        sweep_stale(str(tmp_path))  # a held lock stays
         assert os.listdir(tmp_path) == [".model.ckpt.restorekit-lock"]
-    open(atomic.lock_path(prefix), "w").write("999999999\n")  # left by a killed holder
-    atomic.sweep_stale(str(tmp_path))
+    open(lock_path(prefix), "w").write("999999999\n")  # left by a killed holder
+    sweep_stale(str(tmp_path))
     assert os.listdir(tmp_path) == []
 
 
@@ -206,7 +210,7 @@ def test_the_sweep_removes_hugging_face_shards_a_dead_commit_left_without_their_
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    dead = tmp_path / f".restorekit-tmp-{child.pid}-{atomic._host_tag()}-0badf00d"
+    dead = tmp_path / f".restorekit-tmp-{child.pid}-{sweep._host_tag()}-0badf00d"
     dead.mkdir()
     # 'model' lost its index (killed before renaming it); 'live' has one naming its shard; 'stale' has one that does not.
     names = ["model-00001-of-00002.safetensors", "live-00001-of-00001.safetensors", "stale-00001-of-00002.safetensors"]
@@ -215,7 +219,7 @@ def test_the_sweep_removes_hugging_face_shards_a_dead_commit_left_without_their_
     (tmp_path / "live.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": names[1]}}))
     (tmp_path / "stale.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "other.safetensors"}}))
     (dead / ".restorekit-journal").write_text(json.dumps(names))
-    atomic.sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [names[1], "live.safetensors.index.json", "stale.safetensors.index.json"]
 
 
@@ -230,7 +234,7 @@ def test_a_commit_renames_a_hugging_face_index_last_and_removes_the_old_one_firs
 
     monkeypatch.setattr(os, "remove", lambda p: noted("remove", p) or real_remove(p))
     monkeypatch.setattr(os, "replace", lambda a, b: noted("rename", b) or real_replace(a, b))
-    with atomic.Staging(str(tmp_path), output=str(tmp_path / "model.safetensors")) as staging:
+    with Staging(str(tmp_path), output=str(tmp_path / "model.safetensors")) as staging:
         for name in ("model.safetensors.index.json", "model-00001-of-00001.safetensors"):
             with open(staging.path(str(tmp_path / name)), "w") as f:
                 f.write("new")
@@ -247,10 +251,10 @@ def test_the_sweep_removes_a_dead_commits_config_json_only_when_none_of_its_weig
     (tmp_path / "config.json").write_text("{}")
     if weights_visible:
         (tmp_path / "model.safetensors").write_bytes(b"weights")
-    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00d"
+    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{sweep._host_tag()}-0badf00d"
     dead.mkdir()
     (dead / ".restorekit-journal").write_text(json.dumps(["config.json", "model.safetensors"]))
-    atomic.sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert (tmp_path / "config.json").exists() == weights_visible
     assert not dead.exists()
 
@@ -266,13 +270,13 @@ def test_the_sweep_removes_keras_shards_no_weights_json_names_and_keeps_the_name
         {"metadata": {"total_size": 1.0},
          "weight_map": {"/layers/dense/vars": ["m_00000.weights.h5", "m_00001.weights.h5"]}}))
     (tmp_path / "n_00000.weights.h5").write_bytes(b"h5")  # a set whose index never landed
-    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00e"
+    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{sweep._host_tag()}-0badf00e"
     dead.mkdir()
     (dead / ".restorekit-journal").write_text(json.dumps(
         ["m_00000.weights.h5", "m_00001.weights.h5", "m_00002.weights.h5", "n_00000.weights.h5"]))
-    atomic.sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.json", "m_00000.weights.h5", "m_00001.weights.h5"]
-    assert atomic._is_index(str(tmp_path / "m.weights.json"))
+    assert commit.is_index(str(tmp_path / "m.weights.json"))
 
 
 def test_staging_sync_makes_staged_files_durable_once_and_commit_syncs_what_changed_since(tmp_path, monkeypatch):
@@ -287,7 +291,7 @@ def test_staging_sync_makes_staged_files_durable_once_and_commit_syncs_what_chan
 
     monkeypatch.setattr(os, "fsync", fsync)
     out = tmp_path / "out"
-    with atomic.Staging(str(out), output=str(out / "m.index")) as staging:
+    with Staging(str(out), output=str(out / "m.index")) as staging:
         a, b = staging.path(str(out / "m.data-00000-of-00001")), staging.path(str(out / "m.index"))
         with open(a, "wb") as f:
             f.write(b"shard")
@@ -302,3 +306,40 @@ def test_staging_sync_makes_staged_files_durable_once_and_commit_syncs_what_chan
         staging.commit()
     assert sorted(synced[1:]) == ["m.data-00000-of-00001", "m.index"]  # changed since, and staged since
     assert (out / "m.data-00000-of-00001").read_bytes() == b"shard grown" and (out / "m.index").read_bytes() == b"index"
+
+
+# ------------------------------------------------------------------ crash points (the kill harness's handle)
+
+def test_a_commit_passes_its_crash_points_in_order_through_the_name_the_kill_harness_replaces(tmp_path, monkeypatch):
+    """benchmarks/kill_harness.py lists a writer's points by replacing ``crashpoints.crash_point``: the points of
+    staging.py and commit.py all go through it, in the order of the commit (shards renamed before the index)."""
+    seen: list[str] = []
+    monkeypatch.setattr(crashpoints, "crash_point", seen.append)
+    out = tmp_path / "out"
+    with Staging(str(out), output=str(out / "m")) as staging:
+        for name in ("m.index", "m.data-00000-of-00001"):
+            with open(staging.path(str(out / name)), "wb") as f:
+                f.write(name.encode())
+        staging.commit()
+    assert seen == ["staging-made", "commit-start", "after-remove-before", "rename-m.data-00000-of-00001",
+                    "rename-m.index", "before-index-rename", "after-index-rename"]
+    assert sorted(os.listdir(out)) == ["m.data-00000-of-00001", "m.index"]
+    seen.clear()
+    write_bytes(str(out / "frozen.pb"), b"graph")
+    assert seen == ["output-locked", "before-replace"] and (out / "frozen.pb").read_bytes() == b"graph"
+
+
+def test_every_crash_point_is_called_through_its_module():
+    """A copy of the name (``from restorekit._bundle.crashpoints import crash_point``) would escape the harness."""
+    copies = []
+    for directory, _, names in os.walk(os.path.join(ROOT, "restorekit")):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not name.endswith(".py") or path.endswith(os.path.join("_bundle", "crashpoints.py")):
+                continue
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            for node in ast.walk(tree):
+                imported = isinstance(node, ast.ImportFrom) and any(a.name == "crash_point" for a in node.names)
+                if imported or (isinstance(node, ast.Name) and node.id == "crash_point"):
+                    copies.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert copies == []

@@ -1,4 +1,4 @@
-"""bundle/atomic at the write boundary (issue 22): the lock file is never followed or truncated and has a
+"""bundle/staging and locking at the write boundary (issue 22): the lock file is never followed or truncated and has a
 bounded name; every writer takes its output's lock; a failure while writing (disk full, a library's error)
 is one WriteFailedError naming the output, with nothing left behind; the sweep removes only what
 restorekit's own journal recorded."""
@@ -16,7 +16,10 @@ import pytest
 
 import restorekit
 from conftest import import_torch, write_bundle
-from restorekit._bundle import atomic
+from restorekit._bundle import sweep
+from restorekit._bundle.locking import lock_path, output_lock
+from restorekit._bundle.staging import Staging, atomic_output
+from restorekit._bundle.sweep import sweep_stale
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import OutputError, OutputExistsError, WriteFailedError
@@ -49,14 +52,14 @@ def test_a_lock_name_that_links_to_the_source_never_shrinks_it(tmp_path):
     source = tmp_path / "model.weights.h5"
     keras_file(source)
     before = source.read_bytes()
-    os.symlink(source, atomic.lock_path(source))
+    os.symlink(source, lock_path(source))
     editor = CheckpointEditor(source)
     editor.set("layers/dense/vars/1", np.ones(8, np.float32))
     with pytest.raises(OutputError, match="is a symbolic link"):
         editor.save_in_place()
     assert source.read_bytes() == before
-    os.remove(atomic.lock_path(source))
-    os.link(source, atomic.lock_path(source))  # a hard link is refused too: writing the pid would shrink it
+    os.remove(lock_path(source))
+    os.link(source, lock_path(source))  # a hard link is refused too: writing the pid would shrink it
     with pytest.raises(OutputError, match="hard link"):
         editor.save_in_place()
     assert source.read_bytes() == before
@@ -66,21 +69,21 @@ def test_a_lock_name_that_links_to_the_source_never_shrinks_it(tmp_path):
 def test_a_directory_or_fifo_at_the_lock_name_is_a_restorekit_error_not_a_hang(tmp_path, make):
     out = tmp_path / "out" / "model.safetensors"
     out.parent.mkdir()
-    make(atomic.lock_path(out))
+    make(lock_path(out))
     write_bundle(str(tmp_path / "src" / "model.ckpt"), VALUES)
     with pytest.raises(OutputError, match="restorekit lock"):
         restorekit.convert(str(tmp_path / "src" / "model.ckpt"), str(out))
-    assert listing(out.parent) == [os.path.basename(atomic.lock_path(out))]
-    atomic.sweep_stale(str(out.parent))  # never removed, never followed
-    assert listing(out.parent) == [os.path.basename(atomic.lock_path(out))]
+    assert listing(out.parent) == [os.path.basename(lock_path(out))]
+    sweep_stale(str(out.parent))  # never removed, never followed
+    assert listing(out.parent) == [os.path.basename(lock_path(out))]
 
 
 def test_a_251_byte_file_name_can_be_edited_in_place(tmp_path):
     source = tmp_path / ("k" * (251 - len(".weights.h5")) + ".weights.h5")
     assert len(source.name.encode()) == 251
     keras_file(source)
-    assert len(os.path.basename(atomic.lock_path(source)).encode()) <= 255
-    assert atomic.lock_path(source) != atomic.lock_path(tmp_path / ("k" * 239 + "x.weights.h5"))
+    assert len(os.path.basename(lock_path(source)).encode()) <= 255
+    assert lock_path(source) != lock_path(tmp_path / ("k" * 239 + "x.weights.h5"))
     editor = CheckpointEditor(source)
     editor.set("layers/dense/vars/1", np.ones(8, np.float32))
     editor.save_in_place()
@@ -97,7 +100,7 @@ def held(tmp_path):
     stop, ready = threading.Event(), threading.Event()
 
     def hold(path):
-        with atomic.output_lock(path):
+        with output_lock(path):
             ready.set()
             stop.wait(60)
 
@@ -209,7 +212,7 @@ def test_a_full_disk_is_one_line_exit_3_naming_the_output_and_nothing_is_left(tm
 def test_a_write_failed_error_is_an_os_error_with_the_cause(tmp_path):
     out = tmp_path / "x" / "model.pb"
     with pytest.raises(WriteFailedError) as info:
-        with atomic.atomic_output(str(out)) as tmp:
+        with atomic_output(str(out)) as tmp:
             raise OSError(28, "No space left on device", tmp)
     assert isinstance(info.value, OSError) and info.value.errno == 28
     assert info.value.path == str(out) and info.value.cause == "No space left on device"
@@ -241,7 +244,7 @@ def test_a_directory_that_cannot_be_listed_hides_no_existing_output(tmp_path, mo
 def test_the_sweep_keeps_a_config_json_another_program_wrote_after_a_dead_commit(tmp_path):
     """A commit killed after renaming its config.json (its weights never landed) journalled which file that was;
     another program then writes its own config.json there: the next restorekit write keeps it."""
-    staging = atomic.Staging(str(tmp_path), output=str(tmp_path / "model.safetensors"))
+    staging = Staging(str(tmp_path), output=str(tmp_path / "model.safetensors"))
     for name, text in (("config.json", "{}"), ("model.safetensors", "weights")):
         with open(staging.path(str(tmp_path / name)), "w") as f:
             f.write(text)
@@ -249,26 +252,26 @@ def test_the_sweep_keeps_a_config_json_another_program_wrote_after_a_dead_commit
     os.replace(staging.path(str(tmp_path / "config.json")), tmp_path / "config.json")
     staging._release()
     # As if this process had died here: its staging directory now looks like a dead one's.
-    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00d"
+    dead = tmp_path / f".restorekit-tmp-{_dead_pid()}-{sweep._host_tag()}-0badf00d"
     os.rename(staging.tmpdir, dead)
     theirs = json.dumps({"written": "by another program"})
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(theirs)
-    atomic.sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert (tmp_path / "config.json").read_text() == theirs
     assert listing(tmp_path) == ["config.json"]
 
 
 def test_the_sweep_still_removes_the_config_json_a_dead_commit_left(tmp_path):
-    staging = atomic.Staging(str(tmp_path), output=str(tmp_path / "model.safetensors"))
+    staging = Staging(str(tmp_path), output=str(tmp_path / "model.safetensors"))
     for name in ("config.json", "model.safetensors"):
         with open(staging.path(str(tmp_path / name)), "w") as f:
             f.write("{}")
     staging._write_journal(list(staging._finals), [], [])
     os.replace(staging.path(str(tmp_path / "config.json")), tmp_path / "config.json")
     staging._release()
-    os.rename(staging.tmpdir, tmp_path / f".restorekit-tmp-{_dead_pid()}-{atomic._host_tag()}-0badf00d")
-    atomic.sweep_stale(str(tmp_path))
+    os.rename(staging.tmpdir, tmp_path / f".restorekit-tmp-{_dead_pid()}-{sweep._host_tag()}-0badf00d")
+    sweep_stale(str(tmp_path))
     assert listing(tmp_path) == []
 
 
@@ -281,7 +284,7 @@ def _dead_pid() -> int:
 def test_the_cli_prints_a_lock_refusal_as_one_line(tmp_path, capsys):
     src = write_bundle(str(tmp_path / "src" / "model.ckpt"), VALUES)
     out = tmp_path / "model.safetensors"
-    os.mkdir(atomic.lock_path(out))
+    os.mkdir(lock_path(out))
     assert main(["convert", src, str(out)]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "restorekit lock" in err[0]

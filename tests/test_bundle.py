@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from restorekit._bundle import atomic
+from restorekit._bundle import crashpoints
 from restorekit._bundle.format import (
     decode_slice_key,
     decode_tensor,
@@ -19,6 +19,7 @@ from restorekit._bundle.format import (
     tensor_crc,
 )
 from restorekit._bundle.protos import BundleEntry
+from restorekit._bundle.staging import Staging, atomic_output, write_bytes
 from restorekit._bundle.table import read_table, write_table
 from restorekit._bundle.varint import put_varint, read_varint
 from restorekit._bundle.writer import BundleWriter
@@ -108,7 +109,7 @@ def test_bad_arguments_to_the_format_are_invalid_argument_errors(call, message):
 
 
 def test_staging_refuses_a_path_outside_its_directory(tmp_path):
-    with atomic.Staging(str(tmp_path / "out"), output=str(tmp_path / "out" / "m")) as staging:
+    with Staging(str(tmp_path / "out"), output=str(tmp_path / "out" / "m")) as staging:
         with pytest.raises(InvalidArgumentError, match="not in the staging directory"):
             staging.path(str(tmp_path / "elsewhere" / "m.index"))
     assert files_in(tmp_path / "out") == []
@@ -261,16 +262,16 @@ def test_writer_is_invisible_until_finish(tmp_path):
 def test_atomic_output_gives_normal_permissions_and_refuses_a_directory(tmp_path):
     old_umask = os.umask(0o022)
     try:
-        atomic.write_bytes(str(tmp_path / "frozen.pb"), b"graph")
+        write_bytes(str(tmp_path / "frozen.pb"), b"graph")
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE(os.stat(tmp_path / "frozen.pb").st_mode) == 0o644  # not mkstemp's 0600
     assert (tmp_path / "frozen.pb").read_bytes() == b"graph"
     os.mkdir(tmp_path / "out")
     with pytest.raises(OutputError, match="is a directory"):
-        atomic.write_bytes(str(tmp_path / "out"), b"graph")
+        write_bytes(str(tmp_path / "out"), b"graph")
     with pytest.raises(WriteFailedError, match="half.pb.*killed halfway"):  # a library's RuntimeError, worded
-        with atomic.atomic_output(str(tmp_path / "half.pb")) as tmp:
+        with atomic_output(str(tmp_path / "half.pb")) as tmp:
             open(tmp, "wb").write(b"half")
             raise RuntimeError("killed halfway")
     assert files_in(tmp_path) == ["frozen.pb", "out"]
@@ -283,7 +284,7 @@ def test_stale_temporary_directories_are_swept(tmp_path):
     with BundleWriter(str(tmp_path / "m")) as w:
         w.add("a", np.zeros(1))
     assert files_in(tmp_path) == ["m.data-00000-of-00001", "m.index"]
-    assert atomic.CRASH_HOOK_ENV == "RESTOREKIT_CRASH_HOOK"
+    assert crashpoints.CRASH_HOOK_ENV == "RESTOREKIT_CRASH_HOOK"
 
 
 # ------------------------------------------------------------------ slices (the fuzz corpus is tests/test_fuzz.py)

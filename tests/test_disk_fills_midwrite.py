@@ -1,7 +1,7 @@
 """Another program fills the disk while restorekit writes (issue 22, write failures): a real ENOSPC on a small
 tmpfs, after the room check passed, is one WriteFailedError naming the output, never a crash, with nothing left.
 
-The writer runs in its own process and pauses at a crash point (``restorekit._bundle.atomic.crash_point``);
+The writer runs in its own process and pauses at a crash point (``restorekit._bundle.crashpoints.crash_point``);
 this process then fills the tmpfs to the last byte, as another program would, and lets it go on. HDF5 is
 the case that matters most: h5py crashes the process (SIGSEGV) closing a file whose write failed, so a
 ``.weights.h5`` written straight to disk cannot take a full disk after its room check.
@@ -30,11 +30,11 @@ import json, os, sys, time
 sys.path.insert(0, os.environ["ROOT"])
 op, src, out, point, marker = sys.argv[1:6]
 import restorekit
-from restorekit._bundle import atomic
+from restorekit._bundle import crashpoints
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import WriteFailedError
 
-real, reached = atomic.crash_point, []
+real, reached = crashpoints.crash_point, []
 
 
 def pause(name):  # the first time at `point`: say so, then wait while the other process fills the disk
@@ -51,7 +51,7 @@ def pause(name):  # the first time at `point`: say so, then wait while the other
     real(name)
 
 
-atomic.crash_point = pause
+crashpoints.crash_point = pause
 try:
     if op == "convert":
         restorekit.convert(src, out)

@@ -1004,7 +1004,7 @@ def test_an_entry_whose_metadata_cannot_be_right_is_never_copied(tmp_path, how, 
 # ------------------------------------------------------------------ one writer at a time (issue 11 item 3)
 
 def test_save_waits_for_no_one_a_second_writer_gets_output_exists(small_checkpoint, tmp_path):
-    from restorekit._bundle import atomic
+    from restorekit._bundle.locking import output_lock
 
     import threading
 
@@ -1014,7 +1014,7 @@ def test_save_waits_for_no_one_a_second_writer_gets_output_exists(small_checkpoi
     ready, stop = threading.Event(), threading.Event()
 
     def other_writer():  # between its exists-check and its rename (the thread that holds a lock may retake it)
-        with atomic.output_lock(out):
+        with output_lock(out):
             ready.set()
             stop.wait(60)
 

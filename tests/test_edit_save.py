@@ -133,7 +133,7 @@ def test_save_takes_the_format_its_extension_names_and_refuses_a_contradiction(t
 def test_a_staged_index_that_reads_back_other_entries_than_written_is_not_published(small_checkpoint, tmp_path,
                                                                                      monkeypatch):
     """verify() compares each record read back with the bytes written for its entry: a changed offset fails."""
-    from restorekit._bundle import atomic
+    from restorekit._bundle import crashpoints
     from restorekit._bundle.protos import BundleEntry, decode_entry, encode_entry
     from restorekit._bundle.table import read_table, write_table
     from restorekit.errors import OutputError
@@ -142,7 +142,7 @@ def test_a_staged_index_that_reads_back_other_entries_than_written_is_not_publis
     before = {n: open(p, "rb").read() for n, p in ((n, os.path.join(os.path.dirname(prefix), n))
                                                    for n in os.listdir(os.path.dirname(prefix)))}
     out = tmp_path / "out"
-    real = atomic.crash_point
+    real = crashpoints.crash_point
 
     def tamper(point):
         if point == "before-verify":
@@ -156,7 +156,7 @@ def test_a_staged_index_that_reads_back_other_entries_than_written_is_not_publis
                 f.write(write_table(records))
         real(point)
 
-    monkeypatch.setattr(atomic, "crash_point", tamper)
+    monkeypatch.setattr(crashpoints, "crash_point", tamper)
     editor = CheckpointEditor(prefix)
     editor.rename_all(lambda n: "renamed/" + n)
     with pytest.raises(OutputError, match="reads back other bytes than written"):

@@ -438,13 +438,13 @@ def test_unfreeze_refuses_an_output_another_writer_holds(frozen, tmp_path):
     """One writer per output (issue 22): unfreeze's commit takes the output's lock, as the editor's saves do."""
     import threading
 
-    from restorekit._bundle import atomic
+    from restorekit._bundle.locking import output_lock
 
     prefix = str(tmp_path / "out" / "model.ckpt")
     ready, stop = threading.Event(), threading.Event()
 
     def hold():
-        with atomic.output_lock(prefix):
+        with output_lock(prefix):
             ready.set()
             stop.wait(60)
 

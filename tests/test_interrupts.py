@@ -10,17 +10,18 @@ import threading
 
 import pytest
 
-from restorekit._bundle import atomic
+from restorekit._bundle import crashpoints
 from restorekit._bundle.locking import output_lock
+from restorekit._bundle.staging import write_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import atomic_output
 out = sys.argv[2]
-with atomic.atomic_output(out) as tmp:
+with atomic_output(out) as tmp:
     with open(tmp, "wb") as f:
         f.write(b"half a file")
     os.kill(os.getpid(), signal.SIGTERM)  # as if sent by another process in the middle of the write
@@ -68,7 +69,7 @@ def test_the_handler_is_installed_only_for_the_write_and_only_in_the_main_thread
     def write():
         with output_lock(tmp_path / "c.bin"):
             in_thread.append(signal.getsignal(signal.SIGTERM))
-        atomic.write_bytes(str(tmp_path / "c.bin"), b"x")
+        write_bytes(str(tmp_path / "c.bin"), b"x")
 
     thread = threading.Thread(target=write)
     thread.start()
@@ -82,7 +83,7 @@ def test_the_handler_is_installed_only_for_the_write_and_only_in_the_main_thread
 SECOND = r"""
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import atomic_output
 out, where = sys.argv[2], sys.argv[3]
 sent = []
 
@@ -115,7 +116,7 @@ def in_cleanup(name):
         return None
     return trace
 
-with atomic.atomic_output(out) as tmp:
+with atomic_output(out) as tmp:
     with open(tmp, "wb") as f:
         f.write(b"half a file")
     if where.startswith("handler-line-"):
@@ -150,11 +151,11 @@ def test_a_second_sigterm_neither_hangs_nor_cuts_the_cleanup_short(tmp_path, whe
 PAUSED = r"""
 import signal, sys, threading
 sys.path.insert(0, sys.argv[1])
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import atomic_output
 idle = threading.Event()
 threading.Thread(target=idle.wait, daemon=True).start()  # SIGTERM unblocked: the kernel delivers it here
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-with atomic.atomic_output(sys.argv[2]) as tmp:
+with atomic_output(sys.argv[2]) as tmp:
     with open(tmp, "wb") as f:
         f.write(b"half a file")
 print("not reached", flush=True)
@@ -172,7 +173,7 @@ def _main_thread_sleeping(pid: int) -> bool:
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs pthread_sigmask")
 def test_a_sigterm_the_main_thread_is_told_of_late_still_ends_a_paused_writer(tmp_path):
     out, marker = tmp_path / "d" / "model.pb", tmp_path / "reached"
-    env = dict(os.environ, **{atomic.CRASH_HOOK_ENV: f"before-replace:{marker}"})
+    env = dict(os.environ, **{crashpoints.CRASH_HOOK_ENV: f"before-replace:{marker}"})
     proc = subprocess.Popen([sys.executable, "-c", PAUSED, ROOT, str(out)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

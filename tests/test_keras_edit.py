@@ -211,7 +211,7 @@ def test_a_keras_archive_save_that_fails_midway_leaves_the_old_archive(saved, mo
 
 
 def test_a_keras_archive_save_killed_before_the_rename_leaves_the_old_archive(saved):
-    from restorekit._bundle import atomic
+    from restorekit._bundle import crashpoints
 
     _, tmp = saved
     before = (tmp / "m.keras").read_bytes()
@@ -219,7 +219,7 @@ def test_a_keras_archive_save_killed_before_the_rename_leaves_the_old_archive(sa
     script = ("import sys, numpy as np; from restorekit.edit import CheckpointEditor; "
               "ed = CheckpointEditor(sys.argv[1]); ed.set('head/bias', np.array([5, 6], np.float32)); ed.save_in_place()")
     root = os.path.dirname(os.path.dirname(os.path.abspath(restorekit.__file__)))
-    env = dict(os.environ, PYTHONPATH=root, **{atomic.CRASH_HOOK_ENV: f"before-replace:{marker}"})
+    env = dict(os.environ, PYTHONPATH=root, **{crashpoints.CRASH_HOOK_ENV: f"before-replace:{marker}"})
     child = subprocess.Popen([sys.executable, "-c", script, str(tmp / "m.keras")], env=env)
     try:
         for _ in range(600):

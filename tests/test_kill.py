@@ -1,7 +1,7 @@
 """kill -9 over every writing command (issue 11): the source intact, the output absent or complete, nothing left.
 
 Each case runs one writer in a child process (TF-free except ``unfreeze``), SIGKILLs it
-where ``atomic.crash_point`` pauses it, or after a random delay once it has started
+where ``crashpoints.crash_point`` pauses it, or after a random delay once it has started
 writing, then checks with ``benchmarks/kill_harness.py`` (the same engine sweeps every
 point by hand): the source files byte-identical (an in-place save: the old checkpoint
 or the new one, complete), the output absent or complete with the expected values, the
@@ -150,7 +150,8 @@ def test_the_sweep_removes_only_what_a_dead_commit_left_unnamed(tmp_path):
 
     import numpy as np
 
-    from restorekit._bundle import atomic
+    from restorekit._bundle import sweep
+    from restorekit._bundle.sweep import sweep_stale
     from conftest import write_bundle
 
     write_bundle(tmp_path / "x", {"w": np.zeros(3, np.float32)})  # live: x.index names 1 shard
@@ -160,11 +161,11 @@ def test_the_sweep_removes_only_what_a_dead_commit_left_unnamed(tmp_path):
         (tmp_path / name).write_bytes(b"bytes")
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    dead = tmp_path / f".restorekit-tmp-{child.pid}-{atomic._host_tag()}-0badf00d"
+    dead = tmp_path / f".restorekit-tmp-{child.pid}-{sweep._host_tag()}-0badf00d"
     dead.mkdir()
     (dead / "y.index").write_bytes(b"staged, never renamed")
     touched = stray[:4] + ["x.data-00000-of-00001", "x.index", "model.safetensors"]
     (dead / ".restorekit-journal").write_text(json.dumps(touched))
-    atomic.sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "x.data-00000-of-00001", "x.index",
                                             "z.data-00000-of-00003"]

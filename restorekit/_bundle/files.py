@@ -334,7 +334,7 @@ class RemoteStaging:
     at once (hidden name, then rename: see ``publish``) and deletes the local copy, so
     the local disk holds only the files not yet published. ``commit`` uploads what is
     left, ``.index`` files last; an error before then (``abort``) removes every object
-    already uploaded. Same interface as ``atomic.Staging`` where the save needs it.
+    already uploaded. Same interface as ``staging.Staging`` where the save needs it.
     """
 
     def __init__(self, directory: str):

@@ -1,6 +1,6 @@
 """The one-writer-at-a-time lock of an output, the directories made for it, and the error a failed write becomes.
 
-``output_lock`` is taken by every commit (``atomic.Staging``, ``atomic.atomic_output``) and
+``output_lock`` is taken by every commit (``staging.Staging``, ``staging.atomic_output``) and
 by callers that check an output before writing it (the editor, ``convert``). The lock
 file is opened without following links, never truncated unless it is a lock file, and
 has a bounded name; see ``_open_lock``.

@@ -13,7 +13,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from restorekit._bundle import atomic, files
+from restorekit._bundle import files
+from restorekit._bundle.staging import write_bytes
 
 __all__ = ["STATE_FILE", "State", "is_outside", "parse", "read", "resolve", "write"]
 
@@ -131,7 +132,7 @@ def write(prefix: str) -> None:
     )
     state = files.join(directory, STATE_FILE)
     if not files.is_remote(state):
-        atomic.write_bytes(state, body.encode("ascii"))
+        write_bytes(state, body.encode("ascii"))
         return
     import tempfile
 

@@ -3,7 +3,7 @@
 Our own because TF's writer (``tf.raw_ops.SaveV2``, ``BundleWriter`` in C++) needs every
 tensor as a live TF tensor and gives no way to copy stored bytes verbatim or to reuse
 existing shards; the editor and the importers need both. Files are written under
-temporary names and renamed into place on ``finish`` (see ``atomic.py``).
+temporary names and renamed into place on ``finish`` (see ``staging.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import threading
 
 import numpy as np
 
-from restorekit._bundle import atomic, files
+from restorekit._bundle import crashpoints, files
+from restorekit._bundle.locking import write_failed
+from restorekit._bundle.staging import Staging
 from restorekit._bundle.crc import extend, read_chunks
 from restorekit._bundle.format import DT_STRING, decode_tensor, dtype_enum, dtype_name, encode_string_tensor, numpy_dtype
 from restorekit._bundle.protos import BundleEntry, BundleHeader, encode_entry, encode_header
@@ -171,7 +173,7 @@ class ShardWriter:
         """Copy a stored tensor from the data shard at ``path`` (see ``BundleWriter.add_copy``)."""
         key = self.bundle._key(name)
         self._need_open()
-        atomic.crash_point(f"tensor-{len(self.bundle._entries)}")
+        crashpoints.crash_point(f"tensor-{len(self.bundle._entries)}")
         shown = key.decode("utf-8", "replace")
         try:
             src = files.open_regular(path)
@@ -220,7 +222,7 @@ class ShardWriter:
         """
         key = self.bundle._key(name)
         file = self._need_open()
-        atomic.crash_point(f"tensor-{len(self.bundle._entries)}")
+        crashpoints.crash_point(f"tensor-{len(self.bundle._entries)}")
         code = dtype if isinstance(dtype, int) else dtype_enum(dtype)
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         shown = key.decode("utf-8", "replace")
@@ -250,7 +252,7 @@ class ShardWriter:
 
     def _stream(self, key, code, shape, chunks, *, expected_crc, like=None, expected_size=None) -> BundleEntry:
         self._need_open()
-        atomic.crash_point(f"tensor-{len(self.bundle._entries)}")
+        crashpoints.crash_point(f"tensor-{len(self.bundle._entries)}")
         start = self._offset
         crc = 0
         for chunk in chunks:
@@ -311,7 +313,7 @@ class BundleWriter:
             caller (the editor links existing shards).
         shard_id: the shard ``add`` and its kin fill, or None for none (only an index,
             or ``shard(i)`` for each). Every shard a writer fills is created, even empty.
-        staging: an ``atomic.Staging`` (or ``files.RemoteStaging``) owned by the caller,
+        staging: a ``staging.Staging`` (or ``files.RemoteStaging``) owned by the caller,
             who then commits it; by default the writer makes its own (remote for a
             ``gs://``-like prefix) and commits on ``finish``.
 
@@ -331,7 +333,7 @@ class BundleWriter:
         if staging is None:
             # A remote prefix (gs://...) is staged locally one shard at a time, uploaded as each is closed.
             remote = files.is_remote(prefix)
-            staging = files.RemoteStaging(files.dirname(prefix)) if remote else atomic.Staging(os.path.dirname(self.prefix), output=self.prefix)
+            staging = files.RemoteStaging(files.dirname(prefix)) if remote else Staging(os.path.dirname(self.prefix), output=self.prefix)
         self.staging = staging
         self._entries: dict[bytes, BundleEntry] = {}
         self._lock = threading.Lock()
@@ -440,7 +442,7 @@ class BundleWriter:
         records += [(k, encode_entry(self._entries[k])) for k in sorted(self._entries)]
         with open(self.staging.path(self.index_path), "wb") as f:
             f.write(write_table(records))
-        atomic.crash_point("index-written")
+        crashpoints.crash_point("index-written")
         self.finished = True
         if commit if commit is not None else self._own_staging:
             self.staging.commit()
@@ -459,7 +461,7 @@ class BundleWriter:
         if exc_type is not None:
             self.abort()
             if self._own_staging and not files.is_remote(self.prefix):
-                failed = atomic.write_failed(exc, self.prefix)
+                failed = write_failed(exc, self.prefix)
                 if failed is not exc:
                     raise failed from exc
         elif not self.finished:
@@ -469,7 +471,7 @@ class BundleWriter:
                 if not self._own_staging or files.is_remote(self.prefix):
                     raise
                 self.abort()
-                failed = atomic.write_failed(e, self.prefix)
+                failed = write_failed(e, self.prefix)
                 if failed is not e:
                     raise failed from e
                 raise

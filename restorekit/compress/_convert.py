@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import write_bytes
 from restorekit.compress._models import _Lite, _open_source, _quiet_native, _Spec, _tf
 from restorekit.compress._result import CompressResult
 from restorekit.compress._samples import _concrete_shape, _random_feeds, _sample_feeds
@@ -223,5 +223,5 @@ def compress(source, out, *, outputs=None, inputs=None, precision: str = "fp16",
         raise CompressionError(
             f"the {precision} model moved output {worst!r} by up to {abs_err[worst]:.3g}, over max_error="
             f"{max_error:g} ({len(feeds)} {sample_source} samples), so nothing was written.", result=result)
-    atomic.write_bytes(out, content)
+    write_bytes(out, content)
     return result

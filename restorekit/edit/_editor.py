@@ -9,7 +9,8 @@ import warnings
 
 import numpy as np
 
-from restorekit._bundle import atomic, files
+from restorekit._bundle import files
+from restorekit._bundle.locking import output_lock
 from restorekit._bundle.format import dtype_name
 from restorekit._checkpoint import Checkpoint, Entry, resolve_prefix, state_file_points_outside
 from restorekit.edit import _keras_renames as keras_renames, _renames as renames, _save_keras as save_keras, _values as values
@@ -475,7 +476,7 @@ class CheckpointEditor:
         directory = os.path.dirname(prefix)
         made = _missing_directories(directory)
         try:
-            with atomic.output_lock(prefix):
+            with output_lock(prefix):
                 existing = os.path.exists(prefix + ".index")
                 if existing and not overwrite:
                     raise OutputExistsError(path=prefix)
@@ -549,7 +550,7 @@ class CheckpointEditor:
                 "exact prefix to edit it in place, or save() the copy under a new name"
             )
         reader, plan = self._reader, self._plan
-        with atomic.output_lock(self.prefix):
+        with output_lock(self.prefix):
             if _fingerprint(self.prefix) != self._opened:
                 # Another writer replaced the source since this editor read it: saving now
                 # would silently drop that writer's edit.
@@ -569,7 +570,7 @@ class CheckpointEditor:
         sharded = self.prefix.lower().endswith(save_keras.SHARDED)
         if max_shard_size is not None and not sharded:
             raise InvalidArgumentError(f"{self.prefix!r} is one Keras file; max_shard_size= applies to a sharded set")
-        with atomic.output_lock(self.prefix):
+        with output_lock(self.prefix):
             if _fingerprint(self.prefix) != self._opened:
                 raise OutputError(
                     f"{self.prefix!r} changed since this editor read it (another save_in_place or save?); "

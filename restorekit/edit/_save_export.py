@@ -7,7 +7,7 @@ import functools
 import os
 import warnings
 
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import Staging
 from restorekit._bundle.format import dtype_name
 from restorekit._checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit._plan import Item
@@ -84,7 +84,7 @@ def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *,
     directory = os.path.dirname(out)
     check_space(directory, sum(source.nbytes(it) for it in plan.values()))
     graph_item = plan.get(OBJECT_GRAPH_KEY)
-    with atomic.Staging(directory, output=out) as staging:
+    with Staging(directory, output=out) as staging:
         tmp = staging.path(out)
         if layout == "torch":
             # Layout 'torch' maps whole layers (gates, splits, added tensors): the view of the edited checkpoint.

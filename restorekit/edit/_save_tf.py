@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from restorekit._bundle import atomic, files, statefile
+from restorekit._bundle import crashpoints, files, statefile
+from restorekit._bundle.staging import Staging, link_or_copy
 from restorekit._bundle.files import INDEX_SLACK, check_space  # noqa: F401  (importable from here as before)
 from restorekit._bundle.format import decode_tensor, encode_slice_key
 from restorekit._bundle.objectgraph import rewrite_keys
@@ -90,29 +91,29 @@ def save_tf(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     elif in_place and shards.count != ckpt.header.num_shards:
         remove_after = [ckpt.data_file(i) for i in range(ckpt.header.num_shards)]
 
-    with (files.RemoteStaging(directory) if remote else atomic.Staging(directory, output=prefix)) as staging:
+    with (files.RemoteStaging(directory) if remote else Staging(directory, output=prefix)) as staging:
         writer = BundleWriter(prefix, num_shards=shards.count, shard_id=shards.new, staging=staging)
         try:
             sizes = _stage_shards(ckpt, prefix, shards, staging)
-            atomic.crash_point("shards-staged")
+            crashpoints.crash_point("shards-staged")
             if shards.parts is not None:
                 expected = write_parts(source, writer, plan, shards.parts, progress=progress)
             else:
                 expected = write_plan(source, writer, plan, reuse=shards.reuse, progress=progress)
             writer.finish(commit=False)
             sizes.update(writer.shard_sizes)
-            atomic.crash_point("before-verify")
+            crashpoints.crash_point("before-verify")
             verify(staging.path(prefix + ".index"), sizes, expected, writer.entries)
             staging.sync()  # while the check runs: the commit then only renames
             kept_checked.result()  # a failed check raises here, and nothing is published
-            atomic.crash_point("before-commit")
+            crashpoints.crash_point("before-commit")
         except BaseException:
             _settle(kept_checked)  # its pass has started: let it end (it maps the source) before cleaning up
             writer.abort()
             raise
         staging.commit(remove_before=remove_before, remove_after=remove_after)
     if update_state_file:
-        atomic.crash_point("before-state-file")
+        crashpoints.crash_point("before-state-file")
         statefile.write(prefix)
     return prefix
 
@@ -190,7 +191,7 @@ def _stage_shards(ckpt, prefix: str, shards: _Shards, staging) -> dict[int, int]
         if isinstance(staging, files.RemoteStaging):
             staging.publish(final, local=ckpt.data_file(i))
         else:
-            atomic.link_or_copy(ckpt.data_file(i), staging.path(final))
+            link_or_copy(ckpt.data_file(i), staging.path(final))
     return sizes
 
 

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from restorekit._bundle.atomic import atomic_output  # noqa: F401  (format modules write through it)
+from restorekit._bundle.staging import atomic_output  # noqa: F401  (format modules write through it)
 from restorekit.errors import InvalidArgumentError, format_names
 from restorekit._names import is_weight
 from restorekit._report import format_bytes

@@ -7,7 +7,8 @@ import contextlib
 import dataclasses
 import os
 
-from restorekit._bundle import atomic
+from restorekit._bundle.locking import output_lock
+from restorekit._bundle.sweep import sweep_stale
 from restorekit._bundle import files as bundle_files
 from restorekit.errors import OutputExistsError
 from restorekit.export import _formats as formats, _sharded as sharded
@@ -43,14 +44,14 @@ def _check_sharded_output(out: str, sources: list[str], overwrite: bool) -> None
 
 @contextlib.contextmanager
 def locked_output(out: str, to: str, sources, options: Request, *, overwrite: bool):
-    """Hold the output's lock (``atomic.output_lock``) from the exists-check to the last rename, and check it there.
+    """Hold the output's lock (``locking.output_lock``) from the exists-check to the last rename, and check it there.
 
     The lock is on the name the commit itself locks (a safetensors shard set's single-file
     name), so no other writer lands in between; the check refuses an output that is one of
     ``sources`` (the source's files), or that exists without ``overwrite``.
     """
     shards = to == "safetensors" and options.max_shard_size is not None
-    with atomic.output_lock(sharded.output_files(out, 1)[1][0] if shards else out):
+    with output_lock(sharded.output_files(out, 1)[1][0] if shards else out):
         if shards:
             _check_sharded_output(out, list(sources), overwrite)
         else:
@@ -80,7 +81,7 @@ def config_files(options: Request, plan: OutputPlan, shapes: dict, directory: st
     """{config.json path: its text} to publish with the weights, or None; checked before anything is written."""
     if not options.config:
         return None
-    atomic.sweep_stale(directory)  # a dead conversion's config.json, renamed ahead of weights that never landed
+    sweep_stale(directory)  # a dead conversion's config.json, renamed ahead of weights that never landed
     from restorekit.export._hf import config_text, hf_config
 
     out_shapes = {out: out_shape(plan, out, shapes[src]) for out, src in plan.names.items() if src in shapes}

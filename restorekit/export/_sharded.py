@@ -19,7 +19,8 @@ import json
 import os
 import re
 
-from restorekit._bundle import atomic, files
+from restorekit._bundle import crashpoints, files
+from restorekit._bundle.staging import Staging
 from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit.export import safetensors
 from restorekit.export._base import ExportResult
@@ -125,7 +126,7 @@ def publish_file(out, write, *, texts: dict) -> ExportResult:
     An existing ``out`` is removed first, so a crash never shows old weights beside a new ``config.json``.
     """
     final = os.path.abspath(os.fspath(out))
-    with atomic.Staging(os.path.dirname(final), output=final) as staging:
+    with Staging(os.path.dirname(final), output=final) as staging:
         extra = stage_texts(staging, texts)
         result = write(staging.path(final))
         staging.commit(remove_before=[final] if os.path.exists(final) else [])
@@ -143,19 +144,19 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
             raise OutputExistsError(path=taken[0])
     results = []
     weight_map = {}
-    with atomic.Staging(directory, output=output_files(out, 1)[1][0]) as staging:
+    with Staging(directory, output=output_files(out, 1)[1][0]) as staging:
         extra = stage_texts(staging, texts)
         for k, (path, part) in enumerate(zip(paths, parts), 1):
             result = write_one(staging.path(path), part)
             results.append(result)
             weight_map.update({name: os.path.basename(path) for name in safetensors.read_shapes(staging.path(path))})
-            atomic.crash_point(f"shard-{k}-staged")
+            crashpoints.crash_point(f"shard-{k}-staged")
         if index is not None:
             text = json.dumps({"metadata": {"total_size": sum(r.nbytes for r in results)}, "weight_map": weight_map},
                               indent=2, sort_keys=True)
             with open(staging.path(index), "w", encoding="utf-8") as f:
                 f.write(text + "\n")
-            atomic.crash_point("index-json-written")
+            crashpoints.crash_point("index-json-written")
         if extra:
             # A new config.json must never sit beside old weights: the old output goes first, index first.
             staging.commit(remove_before=old)

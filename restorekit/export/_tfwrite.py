@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import Staging
 from restorekit.export import _formats as formats, _rawimport as rawimport
 from restorekit.export._base import ExportResult, checkpoint_files, progress_bar
 
@@ -26,7 +26,7 @@ def write_tf(out_prefix: str, tensors, *, layout=None, permuted=(), total=None, 
     strings = []
     shard_of = {name: k for k, part in enumerate(parts or ((),)) for name in part}
     old = checkpoint_files(out_prefix)  # the .index first: the old checkpoint stops existing at once
-    with atomic.Staging(os.path.dirname(os.path.abspath(out_prefix)), output=out_prefix) as staging:
+    with Staging(os.path.dirname(os.path.abspath(out_prefix)), output=out_prefix) as staging:
         writer = BundleWriter(out_prefix, num_shards=len(parts or ((),)), staging=staging)
         try:
             with progress_bar(total, progress, "tf") as bar:

@@ -17,7 +17,7 @@ from typing import BinaryIO, Iterable
 
 import numpy as np
 
-from restorekit._bundle import atomic, files
+from restorekit._bundle import crashpoints, files
 from restorekit.errors import InvalidArgumentError, OutputError
 from restorekit.export._base import (
     ExportResult,
@@ -164,7 +164,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
                 entries.append((out, st_dtype, array.shape, offset, offset + array.nbytes))
                 offset += array.nbytes
                 bar.update(array.nbytes)
-                atomic.crash_point(f"tensor-{len(entries) - 1}")
+                crashpoints.crash_point(f"tensor-{len(entries) - 1}")
             check_strings(record, "file metadata")
             header = _encode_header(entries, _metadata(metadata, record))
             if len(header) - 8 <= _RESERVE and offset >= _COMPACT_BELOW:
@@ -243,7 +243,7 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
             write_all(f, header)
             done = 0
             for group in groups:
-                atomic.crash_point(f"tensor-{done}")  # before each run of copied bytes or decoded tensor
+                crashpoints.crash_point(f"tensor-{done}")  # before each run of copied bytes or decoded tensor
                 done += len(group)
                 if isinstance(group[0][5], UncheckedRange):
                     copy_unchecked_run([(step[0], step[5]) for step in group], f, handles, bar)

@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import write_bytes
 from restorekit.errors import (
     GraphError,
     GraphTooLargeError,
@@ -257,7 +257,7 @@ def freeze(checkpoint, graph, outputs, out=None, *, overwrite: bool = False):
     _check_imports(frozen, output_names)
     if out is not None:
         out = os.fspath(out)
-        atomic.write_bytes(out, _serialize(frozen, out))
+        write_bytes(out, _serialize(frozen, out))
     return frozen
 
 

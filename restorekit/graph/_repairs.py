@@ -6,7 +6,7 @@ import os
 import re
 from collections import Counter
 
-from restorekit._bundle import atomic
+from restorekit._bundle.staging import write_bytes
 from restorekit.errors import GraphError, format_names
 from restorekit.graph._common import _all_node_lists, _check_output, _op_def, _protos, _serialize, _tf
 from restorekit.graph._loading import _load, _Loaded
@@ -50,7 +50,7 @@ def repair_graph(source, out=None, *, overwrite: bool = False):
     repaired = loaded.meta_graph if loaded.meta_graph is not None else loaded.graph_def
     if out is not None:
         out = os.fspath(out)
-        atomic.write_bytes(out, _serialize(repaired, out))
+        write_bytes(out, _serialize(repaired, out))
     return repaired
 
 

@@ -7,7 +7,8 @@ import glob
 import os
 import re
 
-from restorekit._bundle import atomic, files
+from restorekit._bundle import files
+from restorekit._bundle.staging import Staging
 from restorekit._bundle.format import dtype_name, encode_slice_key
 from restorekit._bundle.writer import BundleWriter, partitioned_entry
 from restorekit.errors import (
@@ -210,7 +211,7 @@ def _write_outputs(prefix: str, gd, converted: list[ConvertedConstant], layouts:
     # Shards of a checkpoint being replaced that the new index no longer names.
     stale = [f for f in glob.glob(glob.escape(os.path.abspath(prefix)) + ".data-*") if not f.endswith("-of-00001")]
     parts: dict[str, list] = {}
-    with atomic.Staging(directory, output=prefix) as staging:
+    with Staging(directory, output=prefix) as staging:
         with BundleWriter(prefix, staging=staging) as writer:
             for c in sorted(converted, key=lambda c: (c.checkpoint_name, c.offset or ())):
                 layout = layouts[c.node]

@@ -28,8 +28,9 @@ import zipfile
 
 import numpy as np
 
-from restorekit._bundle import atomic
-from restorekit._bundle.atomic import atomic_output, temp_name
+from restorekit._bundle import crashpoints
+from restorekit._bundle.staging import Staging, atomic_output
+from restorekit._bundle.sweep import temp_name
 from restorekit.errors import InvalidArgumentError, format_names
 
 __all__ = ["WEIGHTS_MEMBER", "check_structure", "keras_size", "set_files", "shard_layout", "shard_paths", "write_archive",
@@ -140,7 +141,7 @@ def write_archive(path, source, tensors, *, attrs: dict | None = None) -> str:
         weights = temp_name(path + ".weights.h5")  # the new member, whole, before it goes into the archive
         try:
             _write_h5(weights, tensors, attrs)
-            atomic.crash_point("keras-member-written")
+            crashpoints.crash_point("keras-member-written")
             with zipfile.ZipFile(source) as old, zipfile.ZipFile(tmp, "w") as new:
                 for info in old.infolist():
                     if info.filename == WEIGHTS_MEMBER:
@@ -319,7 +320,7 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
             raise sink.error
 
     h5py = _h5py()
-    atomic.crash_point("h5-room-checked")
+    crashpoints.crash_point("h5-room-checked")
     sink = _H5Sink(path)
     try:
         with h5py.File(sink, "w") as f:
@@ -331,7 +332,7 @@ def _write_h5(path: str, tensors: list, attrs: dict | None) -> None:
                 if bfloat16:
                     ds.attrs["dtype"] = "bfloat16"
                 written()
-                atomic.crash_point(f"tensor-{i}")
+                crashpoints.crash_point(f"tensor-{i}")
             for group, values in (attrs or {}).items():
                 fits(_H5_PER_GROUP * new_groups(f"{group}/x") + sum(_attr_bytes(n, v) for n, v in values.items()))
                 target = f.require_group(group) if group else f
@@ -440,7 +441,7 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
     directory = os.path.dirname(index)
     shards = shard_paths(index, len(parts))
     weight_map: dict = {}
-    with atomic.Staging(directory, output=index) as staging:
+    with Staging(directory, output=index) as staging:
         for i, (path, part) in enumerate(zip(shards, parts)):
             part_attrs = {g: a for g, a in (attrs or {}).items() if starts.get(_vars_owner(g), 0) == i}
             _write_h5(staging.path(path), [(k, tensors[k]) for k in part], part_attrs)
@@ -452,7 +453,7 @@ def write_sharded(index, tensors, *, sizes: dict, max_shard_size: float, attrs: 
                     names = weight_map[group] = weight_map[group] if isinstance(weight_map[group], list) else [
                         weight_map[group]]
                     names.extend([] if name in names else [name])
-            atomic.crash_point(f"keras-shard-{i}-staged")
+            crashpoints.crash_point(f"keras-shard-{i}-staged")
         text = json.dumps({"metadata": {"total_size": float(sum(sizes[k] for k in order))}, "weight_map": weight_map},
                           indent=4)
         with open(staging.path(index), "w", encoding="utf-8") as f:  # staged last: Staging renames in this order
