@@ -2,7 +2,7 @@
 
 Commands::
 
-    restorekit inspect CKPT [--stats] [--filter PATTERN] [--tensor NAME] [--json]
+    restorekit inspect CKPT [--stats] [--filter PATTERN] [--tensor NAME] [--tf-names] [--json]
     restorekit verify CKPT [--json]
     restorekit diff A B [--atol X] [--by key|path] [--json]
     restorekit scan CKPT [CKPT...] | --source PATTERN=PATH... --meta-graph FILE.meta [--json]
