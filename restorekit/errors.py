@@ -104,6 +104,10 @@ class Wording:
         flag = "--" + name.replace("_", "-")
         return flag if value is True else f"{flag} {value}"
 
+    def name(self, option: str) -> str:
+        """An option named without a value: ``option=`` (Python), ``--option`` (shell)."""
+        return "--" + option.replace("_", "-") if self.cli else f"{option}="
+
     def either(self, python: str, shell: str) -> str:
         """``python`` or ``shell``, for advice worded differently as a whole (a call vs a command)."""
         return shell if self.cli else python
@@ -125,7 +129,7 @@ class RestoreKitError(Exception):
         """The same error, its advice worded as the shell's flags and commands (``flags``: the command's)."""
         if self._words is None:
             return self
-        error = BaseException.__new__(type(self))  # the same fields, not re-built from the text
+        error = type(self).__new__(type(self))  # the same fields, not re-built from the text (no __init__)
         error.__dict__.update(self.__dict__)
         error.args = (self._words(Wording(cli=True, flags=flags)),) + tuple(self.args[1:])
         return error
@@ -184,7 +188,7 @@ class OptionNotApplicableError(InvalidArgumentError):
     output format that refuses it (``'npz'``, ``'tf'``, ``'keras'``), ``source`` the source
     format where the option could apply to either side (``layout``), ``applies_to`` the
     formats it does apply to (``restorekit.export._request.OPTIONS``) and ``hint`` what to
-    do instead.
+    do instead (an option in it written ``{option}``, worded for Python or the shell).
     """
 
     def __init__(self, option: str, format: str, applies_to: Iterable[str] = (), *, value: object = None,
@@ -210,7 +214,19 @@ class OptionNotApplicableError(InvalidArgumentError):
             text = f"{given} does not apply to {self.format} outputs"
         if self.applies_to:
             text += f" (it applies to {', '.join(self.applies_to)})"
-        return f"{text}; nothing was written." + (f" {self.hint}" if self.hint else "")
+        hint = self.hint.format_map(_OptionNames(w)) if self.hint else ""
+        return f"{text}; nothing was written." + (f" {hint}" if hint else "")
+
+
+class _OptionNames(dict):
+    """``{option}`` in a hint, worded by a :class:`Wording` (``option=`` or ``--option``)."""
+
+    def __init__(self, wording: Wording):
+        super().__init__()
+        self.wording = wording
+
+    def __missing__(self, option: str) -> str:
+        return self.wording.name(option)
 
 
 class NoMatchError(InvalidArgumentError):

@@ -76,9 +76,11 @@ def test_cast_of_a_torch_file_names_the_convert_command(capsys, tmp_path):
 def test_an_option_that_does_not_apply_is_named_as_a_flag(capsys, small_checkpoint, tmp_path):
     code, _, err = run(capsys, "convert", small_checkpoint[0], tmp_path / "x.npz", "--num-shards", "2")
     assert code == EXIT_ERROR
-    assert error_line(err).startswith("restorekit: error: --num-shards 2 does not apply to npz outputs")
+    text = error_line(err)
+    assert text.startswith("restorekit: error: --num-shards 2 does not apply to npz outputs")
+    assert text.endswith("--max-shard-size splits the other formats that shard.")
     assert not (tmp_path / "x.npz").exists()
-    with pytest.raises(OptionNotApplicableError, match=r"^num_shards=2 does not apply"):
+    with pytest.raises(OptionNotApplicableError, match=r"^num_shards=2 does not apply.* max_shard_size= splits"):
         from restorekit import convert
         convert(small_checkpoint[0], tmp_path / "x.npz", num_shards=2)
 
@@ -101,3 +103,30 @@ def test_average_of_sources_that_differ_names_the_intersection_flag(capsys, tmp_
     from restorekit import average
     with pytest.raises(SourceMismatchError, match=r"Pass intersection=True"):
         average([a, b], tmp_path / "out.npz")
+
+
+def test_exists_errors_name_the_overwrite_flag_only_where_the_command_has_one():
+    from restorekit.errors import OutputExistsError
+
+    error = OutputExistsError(path="out.npz")
+    assert str(error) == "'out.npz' exists; pass overwrite=True to replace it"
+    assert str(error.for_cli({"overwrite"})) == "'out.npz' exists; pass --overwrite to replace it"
+    assert str(error.for_cli(set())) == "'out.npz' exists; remove it first"
+    again = error.for_cli({"overwrite"})
+    assert isinstance(again, OutputExistsError) and again.path == "out.npz" and str(error).endswith("overwrite=True to replace it")
+
+
+def test_unfreeze_onto_an_existing_checkpoint_names_the_overwrite_flag(capsys, small_checkpoint, tmp_path):
+    import tensorflow as tf
+
+    pb = tmp_path / "f.pb"
+    with tf.Graph().as_default() as graph:
+        tf.identity(tf.constant(np.ones([3, 3], np.float32)), name="out")
+    pb.write_bytes(graph.as_graph_def().SerializeToString())
+    prefix = small_checkpoint[0]
+    before = sorted(os.listdir(os.path.dirname(prefix)))
+    code, _, err = run(capsys, "unfreeze", pb, prefix, "--weights", "large")
+    assert code == EXIT_ERROR
+    text = error_line(err)
+    assert "exists" in text and "pass --overwrite to replace it" in text, text
+    assert sorted(os.listdir(os.path.dirname(prefix))) == before
