@@ -130,3 +130,31 @@ def test_unfreeze_onto_an_existing_checkpoint_names_the_overwrite_flag(capsys, s
     text = error_line(err)
     assert "exists" in text and "pass --overwrite to replace it" in text, text
     assert sorted(os.listdir(os.path.dirname(prefix))) == before
+
+
+def test_an_output_another_writer_holds_is_not_reworded_as_exists(capsys, small_checkpoint, tmp_path):
+    # The lock's message stays a lock's (it was reworded "exists; pass --overwrite"), and names no wait=True.
+    import threading
+
+    from restorekit._bundle import atomic
+
+    out = tmp_path / "out.npz"
+    stop, ready = threading.Event(), threading.Event()
+
+    def hold():
+        with atomic.output_lock(str(out)):
+            ready.set()
+            stop.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        code, _, err = run(capsys, "convert", small_checkpoint[0], out)
+    finally:
+        stop.set()
+        thread.join(30)
+    text = error_line(err)
+    assert code == EXIT_ERROR
+    assert "another restorekit process" in text and "is writing" in text and "wait" in text, text
+    assert "--overwrite" not in text and not out.exists()
