@@ -127,7 +127,7 @@ def _compare_entries(srcs: list, intersection: bool) -> tuple[list, list]:
             problems.append((name, f"{name!r}: {seen}"))
     if problems and not intersection:
         raise SourceMismatchError(f"the {len(srcs)} sources do not hold the same tensors alike", problems,
-                                  "Pass intersection=True to average only the entries they share alike.")
+                                  lambda w: f"Pass {w.option('intersection')} to average only the entries they share alike.")
     skipped = [n for n, _ in problems]
     gone = set(skipped)
     return [n for n in srcs[0].names if n not in gone], skipped

@@ -52,10 +52,13 @@ class Record:
 
     ``how`` says the same as a value, words from :data:`HOW` (code reads this, never
     ``reason``). A matched record: how it was paired, one of ``'name'`` (the variable's
-    own name), ``'rule'``, ``'assignment_map'``, ``'object_graph'``, ``'position'`` (the
-    object graph, across names), then ``'readable_path'`` when the name was found as an
-    entry's readable path, ``'ema'`` / ``'ema_fallback'``, ``'policy'`` (a shape policy,
-    vocabulary or cast). A skipped record: why, one of ``'not_included'``,
+    own name), ``'rule'``, ``'assignment_map'``, ``'object_graph'`` (the object graph
+    paired what names did not, or ``match='object_graph'`` asked for it), ``'position'``
+    (the object graph, across names), then ``'readable_path'`` when the name was found as
+    an entry's readable path, ``'ema'`` / ``'ema_fallback'``, ``'policy'`` (a shape policy,
+    vocabulary or cast). A pair the object graph of TensorFlow's live trackables and the
+    names both give is reported as the names give it (``('name', 'readable_path')``), so
+    one checkpoint and one model give the same ``how`` on every Keras backend. A skipped record: why, one of ``'not_included'``,
     ``'excluded'``, ``'not_in_assignment_map'``, ``'optimizer'``, ``'counter'``,
     ``'rng'``, ``'ema_shadow'``, ``'raw_weights'``, ``'other_source'`` (an entry of one of
     several sources whose variable restores from another). A missing record of a

@@ -380,13 +380,24 @@ def _checkpoint_name(state: _Scan, t: Target) -> tuple[str | None, tuple]:
     ckpt_name = state.lookup(name)
     how: tuple = ("name",) if state.pairing == "rule" and ckpt_name == name else (state.pairing,)
     if ckpt_name is not None and state.ckpt.is_object_based:
-        if name in state.graph_keys:
-            ckpt_name = state.graph_keys[name]
-            how = ("position",) if name in state.positional else ("object_graph",)
-        elif state.match != "object_graph" and ckpt_name not in state.ckpt.entries:
+        by_name, name_how = ckpt_name, how
+        if state.match != "object_graph" and ckpt_name not in state.ckpt.entries:
             key = state.by_path(ckpt_name)
             if key is not None:
-                ckpt_name, how = key, how + ("readable_path",)
+                by_name, name_how = key, how + ("readable_path",)
+        if name in state.graph_keys:
+            ckpt_name = state.graph_keys[name]
+            # A pair the names give too is reported as the names give it, so one checkpoint and one model
+            # report alike on every backend (only TensorFlow's live trackables reach the object graph);
+            # 'object_graph' means the object graph paired what the names did not, or match='object_graph'.
+            if name in state.positional:
+                how = ("position",)
+            elif state.match != "object_graph" and by_name == ckpt_name:
+                how = name_how
+            else:
+                how = ("object_graph",)
+        else:
+            ckpt_name, how = by_name, name_how
     return ckpt_name, how
 
 

@@ -38,6 +38,11 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
 Exceptions build their own messages from the facts callers pass: ``NoMatchError``
 computes its near misses from ``name`` and ``candidates``, ``OutputExistsError``
 carries ``path`` and ``is_source`` so the CLI can reword it without reading the text.
+
+An error whose advice names an option or a call (``pass intersection=True``,
+``restorekit.convert(...)``) is built with :meth:`RestoreKitError.worded` from a function
+of a :class:`Wording`; :meth:`RestoreKitError.for_cli` words the same facts for the shell
+(``--intersection``, ``restorekit convert ...``), leaving out options the command lacks.
 """
 
 from __future__ import annotations
@@ -75,12 +80,61 @@ __all__ = [
     "UnknownFormatError",
     "UnknownVariableError",
     "VocabularyError",
+    "Wording",
     "WriteFailedError",
 ]
 
 
+class Wording:
+    """How an error's advice names an option or a call: the Python API's way, or the shell's.
+
+    ``flags`` (shell only) are the options the command at hand has, by keyword
+    (``'intersection'``); :meth:`option` gives ``None`` for one it lacks, so the advice
+    leaves it out rather than name a flag that does not exist.
+    """
+
+    def __init__(self, *, cli: bool = False, flags: Iterable[str] | None = None):
+        self.cli = cli
+        self.flags = None if flags is None else frozenset(flags)
+
+    def option(self, name: str, value: object = True) -> str | None:
+        """``name=value`` (Python), ``--name value`` / ``--name`` for ``True`` (shell), or ``None``."""
+        if not self.cli:
+            return f"{name}={value!r}"
+        if self.flags is not None and name not in self.flags:
+            return None
+        flag = "--" + name.replace("_", "-")
+        return flag if value is True else f"{flag} {value}"
+
+    def name(self, option: str) -> str:
+        """An option named without a value: ``option=`` (Python), ``--option`` (shell)."""
+        return "--" + option.replace("_", "-") if self.cli else f"{option}="
+
+    def either(self, python: str, shell: str) -> str:
+        """``python`` or ``shell``, for advice worded differently as a whole (a call vs a command)."""
+        return shell if self.cli else python
+
+
 class RestoreKitError(Exception):
     """Base class of every error restorekit raises."""
+
+    _words: Callable[[Wording], str] | None = None
+
+    @classmethod
+    def worded(cls, words: Callable[[Wording], str], *args, **fields):
+        """The error with the message ``words(Wording())``, which :meth:`for_cli` re-words for the shell."""
+        error = cls(words(Wording()), *args, **fields)
+        error._words = words
+        return error
+
+    def for_cli(self, flags: Iterable[str] | None = None) -> "RestoreKitError":
+        """The same error, its advice worded as the shell's flags and commands (``flags``: the command's)."""
+        if self._words is None:
+            return self
+        error = type(self).__new__(type(self))  # the same fields, not re-built from the text (no __init__)
+        error.__dict__.update(self.__dict__)
+        error.args = (self._words(Wording(cli=True, flags=flags)),) + tuple(self.args[1:])
+        return error
 
 
 class CheckpointNotFoundError(RestoreKitError, FileNotFoundError):
@@ -135,21 +189,15 @@ class InvalidArgumentError(RestoreKitError, ValueError):
 class OutputNameError(InvalidArgumentError):
     """An output name that contradicts ``to``, or that names a file restorekit does not write.
 
-    ``path`` is the output. ``words`` builds the message given how to write an option
-    (``option(name, value)``): the Python way (``to='tf'``) by default, and
-    :meth:`for_cli` words the same facts for the shell (``--to tf``).
+    ``path`` is the output. ``words`` builds the message from a :class:`Wording`: the
+    Python way (``to='tf'``) by default, and :meth:`for_cli` words the same facts for the
+    shell (``--to tf``, or nothing where the command has no ``--to``).
     """
 
-    def __init__(self, path: str, words: Callable[[Callable[[str, str], str]], str], *, cli: bool = False):
+    def __init__(self, path: str, words: Callable[[Wording], str]):
         self.path = path
-        self.cli = cli
         self._words = words
-        option = (lambda name, value: f"--{name} {value}") if cli else (lambda name, value: f"{name}={value!r}")
-        super().__init__(words(option))
-
-    def for_cli(self) -> "OutputNameError":
-        """The same error, its options worded as command-line flags."""
-        return OutputNameError(self.path, self._words, cli=True)
+        super().__init__(words(Wording()))
 
 
 class OptionNotApplicableError(InvalidArgumentError):
@@ -159,7 +207,7 @@ class OptionNotApplicableError(InvalidArgumentError):
     output format that refuses it (``'npz'``, ``'tf'``, ``'keras'``), ``source`` the source
     format where the option could apply to either side (``layout``), ``applies_to`` the
     formats it does apply to (``restorekit.export._request.OPTIONS``) and ``hint`` what to
-    do instead.
+    do instead (an option in it written ``{option}``, worded for Python or the shell).
     """
 
     def __init__(self, option: str, format: str, applies_to: Iterable[str] = (), *, value: object = None,
@@ -170,14 +218,34 @@ class OptionNotApplicableError(InvalidArgumentError):
         self.value = value
         self.source = source
         self.hint = hint
-        given = f"{option}={value!r}" if value is not None and value is not True else f"{option}="
-        if source is not None:
-            text = f"{given} applies to neither {source} nor {format} files"
+        self._words = self._option_words
+        super().__init__(self._option_words(Wording()))
+
+    def _option_words(self, w: Wording) -> str:
+        option, value = self.option, self.value
+        if w.cli:
+            given = w.option(option, True if value is None else value) or option
         else:
-            text = f"{given} does not apply to {format} outputs"
+            given = f"{option}={value!r}" if value is not None and value is not True else f"{option}="
+        if self.source is not None:
+            text = f"{given} applies to neither {self.source} nor {self.format} files"
+        else:
+            text = f"{given} does not apply to {self.format} outputs"
         if self.applies_to:
             text += f" (it applies to {', '.join(self.applies_to)})"
-        super().__init__(f"{text}; nothing was written." + (f" {hint}" if hint else ""))
+        hint = self.hint.format_map(_OptionNames(w)) if self.hint else ""
+        return f"{text}; nothing was written." + (f" {hint}" if hint else "")
+
+
+class _OptionNames(dict):
+    """``{option}`` in a hint, worded by a :class:`Wording` (``option=`` or ``--option``)."""
+
+    def __init__(self, wording: Wording):
+        super().__init__()
+        self.wording = wording
+
+    def __missing__(self, option: str) -> str:
+        return self.wording.name(option)
 
 
 class NoMatchError(InvalidArgumentError):
@@ -248,14 +316,17 @@ class SourceMismatchError(InvalidArgumentError):
     """Sources that must agree do not: names, shapes or dtypes, or non-float values (``restorekit.average``).
 
     ``problems`` is every ``(entry name, what differs)``, all of them in the message;
-    ``hint`` says which option gets past them. Nothing was written.
+    ``hint`` says which option gets past them (a function of a :class:`Wording` where it
+    names one). Nothing was written.
     """
 
-    def __init__(self, what: str, problems, hint: str = ""):
+    def __init__(self, what: str, problems, hint: "str | Callable[[Wording], str]" = ""):
         self.problems = tuple(problems)
         self.names = tuple(name for name, _ in self.problems)
         lines = "".join(f"\n  {text}" for _, text in self.problems)
-        super().__init__(f"{what} ({len(self.problems)}):{lines}" + (f"\n{hint}" if hint else ""))
+        words = hint if callable(hint) else (lambda w: hint)
+        self._words = lambda w: f"{what} ({len(self.problems)}):{lines}" + (f"\n{words(w)}" if words(w) else "")
+        super().__init__(self._words(Wording()))
 
 
 class IncompleteRestoreError(RestoreKitError, ValueError):
@@ -297,11 +368,16 @@ class OutputExistsError(OutputError, FileExistsError):
         self.path = None if path is None else str(path)
         self.is_source = bool(is_source)
         if message is None:
-            if self.is_source:
-                message = f"{self.path!r} is the source checkpoint; save under a new name or use save_in_place()"
-            else:
-                message = f"{self.path!r} exists; pass overwrite=True to replace it"
+            self._words = self._default_words
+            message = self._default_words(Wording())
         Exception.__init__(self, message)
+
+    def _default_words(self, w: Wording) -> str:
+        if self.is_source:
+            return f"{self.path!r} is the source checkpoint; " + w.either(
+                "save under a new name or use save_in_place()", "name another output")
+        overwrite = w.option("overwrite")
+        return f"{self.path!r} exists; " + (f"pass {overwrite} to replace it" if overwrite else "remove it first")
 
 
 class InsufficientSpaceError(OutputError):

@@ -31,6 +31,8 @@ _ops.Tensor = tf.Tensor
 
 tf1 = tf.compat.v1
 
+pytest_plugins = ["skip_summary"]  # skips summed up by reason at the end of a run
+
 # ---------------------------------------------------------------- the optional torch extra
 
 TORCH_WHEEL = "torch==2.13.0"  # the CPU wheel CI installs (.ci/run)

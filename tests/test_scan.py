@@ -636,7 +636,7 @@ def test_every_record_says_how_it_matched_or_why_it_was_skipped(small_checkpoint
     assert {r["variable_name"]: r["how"] for r in as_json["matched"]}["head/kernel"] == ["rule", "policy"]
 
 
-def test_how_tells_object_graph_readable_path_and_ema_apart(tmp_path):
+def test_how_tells_the_pairing_methods_and_ema_apart(tmp_path):
     import keras
 
     def model(seed):
@@ -647,9 +647,14 @@ def test_how_tells_object_graph_readable_path_and_ema_apart(tmp_path):
     saved = model(0)
     prefix = tf.train.Checkpoint(model=saved).write(str(tmp_path / "tf2" / "ckpt"))
     saved.save_weights(tmp_path / "m.weights.h5")
-    by_graph = scan(prefix, model(1))
+    traced = scan(prefix, model(1))
+    by_graph = scan(prefix, model(1), match="object_graph")
     by_path = scan(prefix, model(1), match="path")
     keras_file = scan(tmp_path / "m.weights.h5", model(1))
+    # The object graph and the readable paths give the same pairs: reported as the names give them, as on
+    # every backend (issue 39); 'object_graph' where it was asked for (or paired what names did not).
+    assert {r.how for r in traced.matched} == {("name", "readable_path")}
+    assert traced.to_dict() == by_path.to_dict()
     assert {r.how for r in by_graph.matched} == {("object_graph",)}
     assert {r.how for r in by_path.matched} == {("name", "readable_path")}
     assert {r.how for r in keras_file.matched} == {("name", "readable_path")}
@@ -698,7 +703,10 @@ def test_nested_blocks_sharing_layer_names_restore_completely_from_their_own_fil
     names = {r.variable_name for r in report.matched}
     assert {"block_a/fc/kernel", "block_b/fc/kernel", "block_a/pre/bias", "block_b/pre/bias"} <= names
     if kind == "tf2":  # the object graph pairs every variable; none is dropped for a path that is not a name
-        assert {r.how for r in report.matched} == {("object_graph",)}
+        how = {r.variable_name: r.how for r in report.matched}
+        # the repeated 'fc' paths only the object graph pairs; a unique path the names pair as well (issue 39)
+        assert how["block_a/fc/kernel"] == how["block_b/fc/kernel"] == ("object_graph",), how
+        assert set(how.values()) == {("object_graph",), ("name", "readable_path")}, how
     restorekit.restore(report, strict=True)
     for saved, restored in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved), err_msg=saved.path)

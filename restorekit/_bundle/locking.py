@@ -167,9 +167,9 @@ def _acquire(path: str, prefix: str, wait: bool) -> int:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise OutputExistsError(
-                f"another restorekit process{holder} is writing {prefix!r}; wait for it to finish "
-                "(or pass wait=True to queue behind it)",
+            raise OutputExistsError.worded(
+                lambda w: f"another restorekit process{holder} is writing {prefix!r}; wait for it to finish"
+                          + (f" (or pass {w.option('wait')} to queue behind it)" if w.option("wait") else ""),
                 path=prefix,
             ) from None
         except BaseException:

@@ -2,7 +2,7 @@
 
 Commands::
 
-    restorekit inspect CKPT [--stats] [--filter PATTERN] [--tensor NAME] [--json]
+    restorekit inspect CKPT [--stats] [--filter PATTERN] [--tensor NAME] [--tf-names] [--json]
     restorekit verify CKPT [--json]
     restorekit diff A B [--atol X] [--by key|path] [--json]
     restorekit scan CKPT [CKPT...] | --source PATTERN=PATH... --meta-graph FILE.meta [--json]
@@ -23,7 +23,8 @@ Exit codes:
     2  usage error (bad arguments)
     3  restorekit error: missing or corrupt checkpoint, unsafe file, output exists, ...
 
-Errors print as one line, ``restorekit: error: ...``, without a traceback. Progress
+Errors print as one line, ``restorekit: error: ...``, without a traceback; advice in them
+names this command's flags and commands (``RestoreKitError.for_cli``), never Python calls. Progress
 bars go to stderr, only when it is a terminal, and never with ``--quiet``.
 
 More commands plug in through :func:`register` (``graph inspect``, ``freeze``, ...).
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         command.configure(p)
         if command.run is not None:
-            p.set_defaults(run=command.run)
+            # The command's options by keyword, so an error's advice names only flags it has.
+            p.set_defaults(run=command.run, cli_flags=frozenset(a.dest for a in p._actions if a.option_strings))
     return parser
 
 
@@ -108,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(parser: argparse.ArgumentParser, argv) -> int:
     from restorekit.errors import RestoreKitError
 
+    args = None
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
@@ -127,6 +130,8 @@ def _run(parser: argparse.ArgumentParser, argv) -> int:
             pass
         return EXIT_OK
     except (RestoreKitError, OSError) as e:
+        if isinstance(e, RestoreKitError):  # advice worded as this command's flags, by the error's own fields
+            e = e.for_cli(getattr(args, "cli_flags", frozenset()))
         message = str(e) or type(e).__name__
         if isinstance(e, OSError) and not isinstance(e, RestoreKitError) and e.filename:
             message = f"{e.strerror or e}: {e.filename!r}"

@@ -100,9 +100,7 @@ def cli_exists_error(e, out):
 
     if e.is_source:
         return OutputExistsError(f"{out!r} is the source checkpoint; name another output", path=out, is_source=True)
-    if e.path is None:
-        return e
-    return OutputExistsError(f"{e.path!r} exists; pass --overwrite to replace it", path=e.path)
+    return e  # words its own advice for the shell (RestoreKitError.for_cli, in main): '--overwrite', or a lock's
 
 
 @contextlib.contextmanager

@@ -31,6 +31,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
                    help="only tensors whose name or readable path matches this pattern (a regex from the start)")
     p.add_argument("--stats", action="store_true", help="read every tensor: min, max, mean, NaN count")
     p.add_argument("--tensor", metavar="NAME", help="print one tensor's values (a name or readable path)")
+    p.add_argument("--tf-names", action="store_true",
+                   help="a file restorekit wrote with a layout (--layout torch): list the TF names and axes it "
+                        "converts back to, not the names and shapes stored in the file")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -82,40 +85,59 @@ def _inspect(args) -> int:
     # a .tflite / .onnx: a model for inference, summarized as one; an ONNX model's values read as a checkpoint's
     if is_model_file(args.checkpoint) and not ((args.stats or args.tensor) and detect(args.checkpoint) == "onnx"):
         return inspect_model_file(args)
-    ckpt = open_checkpoint(args.checkpoint)
+    tf_view = open_checkpoint(args.checkpoint)
+    recorded = getattr(tf_view, "record_layout", None) is not None  # a file restorekit wrote with a layout
+    ckpt = tf_view.stored_view() if recorded and not args.tf_names else tf_view
     if args.tensor:
-        return _print_tensor(ckpt, args.tensor, args.json)
+        return _print_tensor(ckpt if _holds(ckpt, args.tensor) else tf_view, args.tensor, args.json)
     readable = ckpt.is_object_based
     fmt = getattr(ckpt, "format", None)  # a FileView: safetensors, torch or npz
+    # The other view's name of each entry, shown beside it: the TF name of a stored tensor, or the reverse.
+    beside: dict[str, str] = {}
+    key = ""
+    if recorded:
+        stored_of = tf_view.stored_names()
+        beside = stored_of if args.tf_names else {stored: name for name, stored in stored_of.items()}
+        other = tf_view.stored_view() if args.tf_names else tf_view
+        key = "stored" if args.tf_names else "tf"
     rows = []
     for name in _selected(ckpt, args.filter):
         entry = ckpt.entries[name]
         row = {"name": name, "shape": list(entry.shape), "dtype": entry.dtype, "nbytes": entry.nbytes}
         if readable or fmt:  # a file of another format: its path is its name, unless it carries an object graph
             row["path"] = ckpt.readable_name(name)
+        if recorded:
+            twin = beside.get(name)
+            row[f"{key}_name"] = twin
+            row[f"{key}_shape"] = list(other.entries[twin].shape) if twin is not None else None
         if args.stats:
             row["stats"] = tensor_stats(ckpt.read(name))
         rows.append(row)
     total = sum(r["nbytes"] for r in rows)
     if args.json:
         where = {"format": fmt} if fmt else {}
-        metadata = {"metadata": ckpt.metadata} if getattr(ckpt, "metadata", None) else {}
-        _print_json({"checkpoint": ckpt.prefix, **where, "count": len(rows), "nbytes": total, "entries": rows,
-                     **metadata})
+        names = {"names": "tf" if args.tf_names or not recorded else "stored"}
+        metadata = {"metadata": tf_view.metadata} if getattr(tf_view, "metadata", None) else {}
+        _print_json({"checkpoint": ckpt.prefix, **where, **names, "count": len(rows), "nbytes": total,
+                     "entries": rows, **metadata})
         return EXIT_OK
     header = (["PATH"] if readable else []) + ["NAME", "SHAPE", "DTYPE", "SIZE"]
+    header += [f"{key.upper()} NAME", f"{key.upper()} SHAPE"] if recorded else []
     header += ["MIN", "MAX", "MEAN", "NANS"] if args.stats else []
     lines = []
     for r in rows:
         line = ([r["path"]] if readable else []) + [r["name"], format_shape(r["shape"]), r["dtype"],
                                                    format_bytes(r["nbytes"])]
+        if recorded:
+            twin = r[f"{key}_name"]
+            line += [twin, format_shape(r[f"{key}_shape"])] if twin is not None else ["-", "-"]
         if args.stats:
             st = r["stats"]
             line += [_num(st["min"]), _num(st["max"]), _num(st["mean"]), str(st["nans"])]
         lines.append(line)
     print(_table(lines, header))
-    print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}{_file_note(ckpt)}")
-    metadata = getattr(ckpt, "metadata", None) or {}  # a torch training checkpoint's step, epoch, ...
+    print(f"{len(rows)} tensors, {format_bytes(total)} in {ckpt.prefix!r}{_file_note(tf_view, args.tf_names)}")
+    metadata = getattr(tf_view, "metadata", None) or {}  # a torch training checkpoint's step, epoch, ...
     if metadata:
         print(f"metadata ({len(metadata)} plain values):")
     for name, value in metadata.items():
@@ -123,13 +145,19 @@ def _inspect(args) -> int:
     return EXIT_OK
 
 
-def _file_note(ckpt) -> str:
+def _holds(ckpt, name: str) -> bool:
+    return name in ckpt.entries or name in ckpt.object_paths
+
+
+def _file_note(ckpt, tf_names: bool) -> str:
     """What names a non-TF file's listing shows: its own, or the TF ones its restorekit record gives back."""
     fmt = getattr(ckpt, "format", None)
     if fmt is None:
         return ""
     if getattr(ckpt, "record_layout", None):
-        return f" ({fmt}; layout {ckpt.record_layout!r} undone: TF names and axes)"
+        if tf_names:
+            return f" ({fmt}; layout {ckpt.record_layout!r} undone: TF names and axes)"
+        return f" ({fmt}, written with layout {ckpt.record_layout!r}: stored names and shapes; --tf-names for the TF view)"
     return f" ({fmt})"
 
 

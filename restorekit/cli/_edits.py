@@ -176,17 +176,13 @@ def _ema_arg(args):
           configure=_convert_args)
 def _convert(args) -> int:
     from restorekit.export import convert
-    from restorekit.export._targets import OutputNameError
 
     max_shard_size = int(args.max_shard_size) if args.max_shard_size and args.max_shard_size.isdigit() else args.max_shard_size
-    try:
-        with reworded_exists_error(args.out):
-            result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
-                             weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
-                             config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
-                             max_output_bytes=args.max_output_bytes, num_shards=args.num_shards)
-    except OutputNameError as e:
-        raise e.for_cli() from None
+    with reworded_exists_error(args.out):
+        result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
+                         weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
+                         config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
+                         max_output_bytes=args.max_output_bytes, num_shards=args.num_shards)
     if not _quiet(args):
         print(result)
     return EXIT_OK

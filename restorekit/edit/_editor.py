@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import shlex
 import re
 import warnings
 
@@ -81,10 +82,12 @@ class CheckpointEditor:
     def __init__(self, path):
         fmt = detect(path) if isinstance(path, (str, os.PathLike)) else "tf"
         if fmt not in ("tf", "keras") and os.path.exists(path):
-            raise InvalidArgumentError(
-                f"CheckpointEditor edits TF checkpoints and Keras files, and {os.fspath(path)!r} is a {fmt} file; "
-                f"convert it first (restorekit.convert({os.fspath(path)!r}, 'model.ckpt')) and edit the result"
-            )
+            name = os.fspath(path)
+            raise InvalidArgumentError.worded(lambda w: (
+                f"{w.either('CheckpointEditor edits', 'restorekit rename, strip and cast edit')} TF checkpoints and "
+                f"Keras files, and {name!r} is a {fmt} file; convert it first ("
+                + w.either(f"restorekit.convert({name!r}, 'model.ckpt')", f"restorekit convert {shlex.quote(name)} model.ckpt")
+                + ") and edit the result"))
         self._keras = fmt == "keras"
         self._source: Source | None = None
         self._opened: tuple | None = None

@@ -39,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning, format_names
+from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning, Wording, format_names
 from restorekit._names import is_weight
 
 __all__ = ["RULE_SETS", "Rule", "RulePlan", "RuleSet", "hf_config", "rule_set"]
@@ -153,16 +153,17 @@ class RuleSet:
             names[name] = new
             out_shapes[new] = shape
         if uncovered:
-            raise InvalidArgumentError(_uncovered_message(self.name, uncovered))
+            raise InvalidArgumentError.worded(lambda w: _uncovered_message(self.name, uncovered, w))
         if not names:
             raise InvalidArgumentError(f"rule set {self.name!r} covers no tensor of this checkpoint")
         return RulePlan(names, transforms, dropped, out_shapes)
 
 
-def _uncovered_message(name: str, uncovered: list) -> str:
+def _uncovered_message(name: str, uncovered: list, w: Wording) -> str:
     text = f"rule set {name!r} has no rule for {format_names(uncovered)}"
     if any(not is_weight(n) for n in uncovered):
-        text += "; optimizer state and global_step have no place in the target: pass weights_only=True to leave them out"
+        text += (f"; optimizer state and global_step have no place in the target: pass {w.option('weights_only')} "
+                 "to leave them out")
     return text
 
 

@@ -49,7 +49,7 @@ OPTIONS: dict[str, Applies] = {
     "max_shard_size": Applies((TF, "safetensors", KERAS_SHARDED),
                               hint="name a Keras output '*.weights.json' for a sharded set; torch and npz files "
                                    "are written whole"),
-    "num_shards": Applies((TF,), hint="max_shard_size= splits the other formats that shard"),
+    "num_shards": Applies((TF,), hint="{max_shard_size} splits the other formats that shard"),
     "config": Applies(FILES, hint="config.json goes beside a Hugging Face (torch, safetensors) output"),
     # layout='torch' hints (restorekit.export.layouts.torch_view): the layers' names and which Dense reads a Flatten.
     "model": Applies(("torch", "safetensors"), hint="model= tells layout='torch' the layers of a TF checkpoint"),
@@ -58,10 +58,11 @@ OPTIONS: dict[str, Applies] = {
 }
 
 
-# What to say beside the table's own hint for an output that takes almost nothing.
+# What to say beside the table's own hint for an output that takes almost nothing. A hint names an option
+# as ``{option}``: OptionNotApplicableError words it for Python (``option=``) or the shell (``--option``).
 TARGET_HINTS: dict[str, str] = {
-    KERAS: "A .weights.h5 keeps Keras' own names, layout and values: of the options it takes weights_only= "
-           "(and overwrite=) only.",
+    KERAS: "A .weights.h5 keeps Keras' own names, layout and values: of the options it takes {weights_only} "
+           "(and {overwrite}) only.",
 }
 
 # What CheckpointEditor.save takes where it takes less than a conversion: its safetensors
@@ -90,7 +91,8 @@ def check(options: dict, *, target: str, source: str | None = None, save: bool =
         rule = OPTIONS[option]
         if save and option in SAVE_TARGETS:
             rule = dataclasses.replace(rule, targets=SAVE_TARGETS[option],
-                                       hint="restorekit.convert writes safetensors shards; " + rule.hint)
+                                       hint="restorekit.convert (restorekit convert) writes safetensors shards; "
+                                            + rule.hint)
         if target in rule.targets or (source is not None and source in rule.sources):
             continue
         raise OptionNotApplicableError(option, target, rule.applies_to, value=value,

@@ -88,16 +88,20 @@ def target_format(path, to: str | None, *, option: str = "to") -> str:
             formats.module(to)  # InvalidArgumentError for an unknown name
         named = known.get(suffix)
         if named is not None and named != to:
-            raise OutputNameError(path, lambda opt: (
-                f"{path!r} names a {named} file ({suffix}) but {opt(option, to)} asks for {to}; nothing was written. "
-                f"Name the output for {to}, or leave out {opt(option, to)} to write {named}"))
+            def words(w):
+                given = w.option(option, to)
+                return (f"{path!r} names a {named} file ({suffix}) but {given or 'writing ' + to} asks for {to}; "
+                        f"nothing was written. Name the output for {to}"
+                        + (f", or leave out {given} to write {named}" if given else ""))
+            raise OutputNameError(path, words)
         return to
     if suffix in known:
         return known[suffix]
     why = _odd_suffix(suffix)
     if why is not None:
         extensions = ", ".join(sorted(known))
-        raise OutputNameError(path, lambda opt: (
+        raise OutputNameError(path, lambda w: (
             f"restorekit does not write {suffix!r} files ({path!r}). {why + ' ' if why else ''}Nothing was written; "
-            f"name the output with one of {extensions}, or pass {opt('to', 'tf')} to write a TF checkpoint under that name"))
+            f"name the output with one of {extensions}"
+            + (f", or pass {w.option('to', 'tf')} to write a TF checkpoint under that name" if w.option("to", "tf") else "")))
     return formats.TF

@@ -88,6 +88,7 @@ class FileView(EntryMapping):
         # stored: names and axes as in the file; record: a record the file lacks (guessed from its PyTorch names)
         found = record if record is not None else None if stored else reader.read_record()
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
+        self._record = found
         with boundary(self.prefix, f"{fmt} file"):
             self._file = reader.checkpoint(found if found is not None else LayoutRecord())
         self._entries: Mapping = MappingProxyType(dict(sorted(self._file.entries.items())))
@@ -95,6 +96,27 @@ class FileView(EntryMapping):
     @property
     def entries(self) -> Mapping:
         return self._entries
+
+    def stored_view(self) -> "FileView":
+        """The same file read as stored: the file's own names and axes, no layout record undone
+        (``self`` itself when nothing was undone)."""
+        return self if self._record is None else FileView(self.prefix, self._reader, stored=True)
+
+    def stored_names(self) -> dict[str, str]:
+        """TF name -> the stored name it came from, for each entry the layout record maps one to one
+        (a renaming and an axes permutation); an entry stored under its own name maps to itself."""
+        if self._record is None:
+            return {name: name for name in self.entries}
+        out: dict[str, str] = {}
+        for stored, how in self._record.tensors.items():
+            name = how.get("name", stored) if isinstance(how, dict) else stored
+            if name in self.entries and name not in out:
+                out[name] = stored
+        held = set(self.stored_view().entries)
+        for name in self.entries:
+            if name not in out and name in held:
+                out[name] = name
+        return out
 
     @property
     def metadata(self) -> dict:

@@ -270,9 +270,9 @@ def _check_unfreeze_outputs(prefix: str, frozen, trainable_graph: bool, overwrit
     """Refuse an existing checkpoint (its .index) or .meta at ``prefix`` unless ``overwrite``."""
     index = prefix + ".index"
     if os.path.lexists(index) and not overwrite:
-        raise OutputExistsError(
-            f"checkpoint {prefix!r} exists ({index!r}); pass overwrite=True to replace it", path=prefix
-        )
+        raise OutputExistsError.worded(
+            lambda w: f"checkpoint {prefix!r} exists ({index!r}); pass {w.option('overwrite') or 'overwrite'} "
+                      "to replace it", path=prefix)
     if trainable_graph:
         _check_output(prefix + ".meta", overwrite=overwrite, source=frozen, what="frozen graph")
 
