@@ -136,13 +136,13 @@ def test_an_output_another_writer_holds_is_not_reworded_as_exists(capsys, small_
     # The lock's message stays a lock's (it was reworded "exists; pass --overwrite"), and names no wait=True.
     import threading
 
-    from restorekit._bundle import atomic
+    from restorekit._bundle import locking
 
     out = tmp_path / "out.npz"
     stop, ready = threading.Event(), threading.Event()
 
     def hold():
-        with atomic.output_lock(str(out)):
+        with locking.output_lock(str(out)):
             ready.set()
             stop.wait(60)
 

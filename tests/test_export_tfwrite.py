@@ -97,5 +97,5 @@ def test_cli_convert_num_shards(tmp_path, capsys):
     assert Checkpoint(out).header.num_shards == 2
     assert main(["convert", str(tmp_path / "src" / "model.npz"), str(tmp_path / "x.safetensors"),
                  "--num-shards", "2"]) != 0
-    assert "num_shards" in capsys.readouterr().err
+    assert "--num-shards" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()

@@ -91,9 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         command.configure(p)
         if command.run is not None:
-            # The command's options by keyword, so an error's advice names only flags it has.
-            p.set_defaults(run=command.run, cli_flags=frozenset(a.dest for a in p._actions if a.option_strings))
+            p.set_defaults(run=command.run)
+        _set_cli_flags(p)
     return parser
+
+
+def _set_cli_flags(parser: argparse.ArgumentParser, inherited: frozenset = frozenset()) -> None:
+    """Give each (sub)command its options by keyword, so an error's advice names only flags it has.
+
+    A subcommand (``graph repair``) sets its own: argparse copies a subparser's defaults over
+    its parent's, so the flags of the command that actually ran are the ones the error sees.
+    """
+    flags = inherited | frozenset(a.dest for a in parser._actions if a.option_strings)
+    parser.set_defaults(cli_flags=flags)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _set_cli_flags(child, flags)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
