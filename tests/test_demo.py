@@ -281,7 +281,7 @@ def test_the_demo_functions_name_the_extra_they_need(tmp_path, monkeypatch):
 
 
 def test_python_m_restorekit_demo_is_the_cli_command():
-    done = subprocess.run([sys.executable, "-m", "restorekit.demo", "--seeds", "1"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "restorekit", "demo", "--seeds", "1"], capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 3
     assert done.stderr == "restorekit: error: seeds must be an int of at least 2, got 1\n"

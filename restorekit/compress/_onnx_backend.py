@@ -155,6 +155,14 @@ def to_int8(proto, feeds: list[dict], names: dict):
 
     Calibrated (min/max) on ``feeds``. Symmetric int8 on both sides is what TensorRT
     accepts for explicit quantization, and what ONNX Runtime's CPU kernels run fast.
+
+    The weights use 7 of the 8 bits (``reduce_range``: integers in [-64, 64]). On x86 CPUs
+    without VNNI (AVX2 only), ONNX Runtime fuses the Q/DQ pairs into QLinearConv / QGemm with
+    the activations moved to uint8, and its u8 x s8 kernels add products pairwise in int16:
+    255 * 127 * 2 overflows, 255 * 64 * 2 does not. With full-range weights those sums clip
+    there and outputs move by tens of percent. ``quantize_static``'s own guide asks for
+    ``reduce_range`` on such CPUs, above all with per-channel weights; a file may be run on
+    any CPU, so it always gives up that bit.
     """
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
@@ -165,8 +173,9 @@ def to_int8(proto, feeds: list[dict], names: dict):
         source, target = os.path.join(tmp, "fp32.onnx"), os.path.join(tmp, "int8.onnx")
         onnx.save_model(proto, source)
         _step("int8 quantization", lambda: quantize_static(
-            source, target, reader, quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QInt8,
-            weight_type=QuantType.QInt8, extra_options={"ActivationSymmetric": True, "WeightSymmetric": True}))
+            source, target, reader, quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=True,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True}))
         return onnx.load_model(target)
 
 
