@@ -2,7 +2,7 @@
 
     python benchmarks/bench_export.py [--rounds N] [--data DIR] [--keep] [--code DIR]
 
-Each round times `cp` of the data shard and ``restorekit.export.safetensors.
+Each round times `cp` of the data shard and ``restorekit.formats.safetensors.
 write_checkpoint`` of the same checkpoint (order rotating between rounds). Before each
 timed operation both outputs are deleted, then `sync` and a short pause. The export
 runs in a worker process that imported restorekit once, so its time excludes imports.
@@ -34,7 +34,7 @@ _WORKER = """
 import sys, time
 sys.path.insert(0, {root!r})
 import restorekit
-from restorekit.export import safetensors
+from restorekit.formats.safetensors import _writer as safetensors
 ckpt = restorekit.Checkpoint({prefix!r})
 for _ in sys.stdin:
     start = time.perf_counter()

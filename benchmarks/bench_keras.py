@@ -42,7 +42,7 @@ from bench_tf2 import bert_sized_model  # noqa: E402
 from restorekit import _tf2 as tf2  # noqa: E402
 from restorekit._checkpoint import Checkpoint  # noqa: E402
 from restorekit.export import convert  # noqa: E402
-from restorekit.export import safetensors as st  # noqa: E402
+from restorekit.formats import safetensors as st  # noqa: E402
 from restorekit._scan import scan  # noqa: E402
 
 NEEDED = 4 * 440 * 10**6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from restorekit.formats._registry import Source
+from restorekit._registry import Source
 from restorekit.errors import AssignmentMapError, NoMatchError
 from restorekit._targets import Target, is_partitioned, slice_info, variable_name
 

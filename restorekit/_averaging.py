@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError, SourceMismatchError, format_names
-from restorekit.formats._registry import Source
+from restorekit._registry import Source
 from restorekit._names import PatternSet
 from restorekit._report import format_shape, summary_row
 
@@ -69,8 +69,8 @@ class _Source:
 def _open(path: str, weights_only: bool) -> _Source:
     """A source as a checkpoint-like reader under TF names: a TF checkpoint, a Keras file, or any file convert reads."""
     from restorekit._checkpoint import Checkpoint
-    from restorekit.export import _sources as sources
-    from restorekit.export._base import checkpoint_files
+    from restorekit.layouts._planned import keras_source
+    from restorekit.formats._sink import checkpoint_files
     from restorekit.formats.files import FileView
     from restorekit.export._options import OBJECT_GRAPH_KEY, select
     from restorekit.keras_files import KerasCheckpoint
@@ -78,7 +78,7 @@ def _open(path: str, weights_only: bool) -> _Source:
     path = os.fspath(path)
     ckpt: Source = Checkpoint(path)  # the format decided by the file's bytes (restorekit.formats.open)
     if isinstance(ckpt, KerasCheckpoint):
-        files, ckpt = list(ckpt.files), sources.keras_source(ckpt, weights_only=weights_only)
+        files, ckpt = list(ckpt.files), keras_source(ckpt, weights_only=weights_only)
     elif isinstance(ckpt, FileView):  # safetensors (a shard set too), torch, npz, onnx: every file its reader reads
         files = list(ckpt.reader.files)
     else:
@@ -239,10 +239,10 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     Nothing is written when any of these is raised.
     """
     from restorekit._bundle.files import check_parent, check_space, output_prefix
-    from restorekit.export import _formats as formats
+    from restorekit.formats import _sinks as formats
     from restorekit.export._outputs import check_output as _check_output
     from restorekit.export._targets import target_format
-    from restorekit.export._tfwrite import write_tf
+    from restorekit.formats.tf._writer import write_tf
 
     if isinstance(sources, (str, bytes)) or hasattr(sources, "__fspath__"):
         raise InvalidArgumentError("sources is a list of two or more checkpoint paths, got one path")

@@ -18,8 +18,8 @@ import numpy as np
 
 from restorekit import keras_files
 from restorekit._bundle import files, statefile
-from restorekit.formats import _registry as registry
-from restorekit.formats._registry import Entry
+from restorekit import _registry as registry
+from restorekit._registry import Entry
 from restorekit._bundle.checks import check_header, check_shape, check_size, slice_layout
 from restorekit._bundle.objectgraph import OBJECT_GRAPH_KEY, decode_object_graph
 from restorekit._bundle.format import (

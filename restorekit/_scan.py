@@ -20,7 +20,7 @@ from restorekit import keras_files
 from restorekit._ema import KERAS_AVERAGE_SUFFIX, is_shadow_name, keras_averages, scoped_shadows, shadow_suffix
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMatchError, RestoreKitWarning, format_names
 from restorekit.formats import open_source
-from restorekit.formats._registry import Source
+from restorekit._registry import Source
 from restorekit._hints import UNIQUIFIED, restore_hints, shapes_fit
 from restorekit._names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit._report import Record, RestoreReport, with_stored

@@ -1,7 +1,7 @@
 """torch.nn.Module targets: a module's ``state_dict`` (parameters and buffers) as scan Targets, and TF checkpoints seen with torch names.
 
 ``scan(checkpoint, module, layout='torch')`` reads the checkpoint through the same
-per-layer layouts the torch export uses (``restorekit.export.layouts``): TF names and
+per-layer layouts the torch export uses (``restorekit.layouts``): TF names and
 axes become the ``state_dict`` keys and axes of the module's ``torch.nn`` twin, so a
 restore copies what ``export_checkpoint(..., layout='torch')`` would have written.
 torch itself is never imported here: the module and its tensors are only read.
@@ -60,7 +60,7 @@ class LayoutSource:
 
     def __init__(self, checkpoint, layout: str):
         # Imported here: restorekit.export's package imports scan, which imports this module.
-        from restorekit.export.layouts._view import TorchView
+        from restorekit.layouts._view import TorchView
 
         # A torch_view brings its hints (model=, flatten_channels=, layer_kinds=); a checkpoint gets a plain one.
         self.view = checkpoint if isinstance(checkpoint, TorchView) else TorchView(checkpoint)
@@ -206,8 +206,8 @@ def foreign_file_hint(source, unused) -> tuple:
 
 def _as_tf(view, variables):
     """A foreign PyTorch-named file as the TF checkpoint it holds, for TF or Keras ``variables``."""
-    from restorekit.export.layouts._flatten import flatten_inputs, model_config
-    from restorekit.export.layouts._foreign import guess_tf_names
+    from restorekit.layouts._flatten import flatten_inputs, model_config
+    from restorekit.layouts._foreign import guess_tf_names
     from restorekit.formats.files import FileView
 
     config = model_config(variables) if variables is not None else None
@@ -216,7 +216,7 @@ def _as_tf(view, variables):
 
 
 def _is_torch_view(checkpoint) -> bool:
-    from restorekit.export.layouts._view import TorchView
+    from restorekit.layouts._view import TorchView
 
     return isinstance(checkpoint, TorchView)
 

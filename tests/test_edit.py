@@ -614,7 +614,7 @@ def test_unedited_export_takes_the_raw_copy_path_with_the_same_result(small_chec
 
 
 def test_save_with_progress_counts_every_byte(small_checkpoint, tmp_path, monkeypatch):
-    import restorekit.export._base as export_base
+    import restorekit.formats._sink as export_base
 
     totals = []
 

@@ -22,9 +22,11 @@ from restorekit.errors import (
     OutputExistsError,
     RestoreKitWarning,
 )
-from restorekit.export import convert, export_checkpoint, import_checkpoint, safetensors as st_format
-from restorekit.export import npz as npz_format
-from restorekit.export._layout import guess_tf_names
+from restorekit.export import convert, export_checkpoint, import_checkpoint
+from restorekit.formats import safetensors as st_package
+from restorekit.formats.safetensors import _writer as st_format
+from restorekit.formats import npz as npz_format
+from restorekit.layouts import guess_tf_names
 from conftest import requires_torch, write_bundle
 
 FORMATS = ["safetensors", pytest.param("torch", marks=requires_torch)]
@@ -107,7 +109,7 @@ def test_round_trip_through_file_is_bit_exact(rich_checkpoint, tmp_path, fmt, la
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_streaming_write_api_round_trip(rich_checkpoint, tmp_path, fmt, layout):
     """write(path, iterator) (what CheckpointEditor.save uses) round-trips like the fast path."""
-    from restorekit.export import torch as torch_format
+    from restorekit.formats import torch as torch_format
 
     ckpt = Checkpoint(rich_checkpoint)
     module = st_format if fmt == "safetensors" else torch_format
@@ -130,7 +132,7 @@ def test_safetensors_streaming_header_placement(rich_checkpoint, tmp_path, monke
     out = tmp_path / "m.safetensors"
     # Plain arrays cannot say 'qint8' (numpy reads it as int8): leave it out here.
     st_format.write(out, ((n, ckpt.read(n)) for n in ckpt.entries if n != "quantized"))
-    header = st_format.read_header(out)
+    header = st_package.read_header(out)
     assert header.data_start % 8 == 0
     if reserve > 16 and compact_below == 0:
         assert header.data_start == 8 + reserve
@@ -246,7 +248,7 @@ def test_torch_state_dict_loads_into_modules(tmp_path):
 def test_string_tensors_travel_in_metadata(rich_checkpoint, tmp_path):
     out = tmp_path / "m.safetensors"
     export_checkpoint(rich_checkpoint, out)
-    header = st_format.read_header(out)
+    header = st_package.read_header(out)
     assert "vocab" not in header.tensors
     assert json.loads(header.metadata["restorekit"])["strings"]["vocab"]["shape"] == [3]
     assert header.metadata["format"] == "tf"
@@ -439,7 +441,7 @@ def test_existing_output_needs_overwrite(rich_checkpoint, tmp_path):
         export_checkpoint(rich_checkpoint, out)
     assert out.read_bytes() == b"keep me"
     export_checkpoint(rich_checkpoint, out, overwrite=True)
-    assert st_format.read_header(out).tensors
+    assert st_package.read_header(out).tensors
 
 
 def test_bad_metadata_is_refused_before_writing(tmp_path):
@@ -453,7 +455,7 @@ def test_bad_metadata_is_refused_before_writing(tmp_path):
 def test_import_restorekit_loads_neither_torch_nor_safetensors():
     code = (
         "import sys, restorekit, restorekit.export, restorekit.cli;"
-        "import restorekit.export.safetensors, restorekit.export.torch, restorekit.export.npz;"
+        "import restorekit.formats.safetensors, restorekit.formats.torch, restorekit.formats.npz;"
         "bad = [m for m in ('torch', 'safetensors', 'tensorflow') if m in sys.modules];"
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -559,7 +561,7 @@ def test_large_export_starts_its_data_where_the_kernel_copies_fastest(tmp_path, 
     prefix, values = _contiguous_checkpoint(tmp_path)
     out = tmp_path / "model.safetensors"
     st_format.write_checkpoint(Checkpoint(prefix), str(out))
-    header = st_format.read_header(out)
+    header = st_package.read_header(out)
     assert header.data_start == st_format._FOLIO  # source run starts at 0 in its shard
     assert os.path.getsize(out) == st_format._FOLIO + sum(v.nbytes for v in values.values())
     got = load_file(str(out))
@@ -571,7 +573,7 @@ def test_small_export_keeps_the_formats_8_byte_alignment(tmp_path):
     prefix, values = _contiguous_checkpoint(tmp_path)
     out = tmp_path / "model.safetensors"
     st_format.write_checkpoint(Checkpoint(prefix), str(out))
-    header = st_format.read_header(out)
+    header = st_package.read_header(out)
     assert header.data_start % 8 == 0 and header.data_start < 4096
 
 

@@ -9,8 +9,9 @@ import pytest
 from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError
-from restorekit.export import ExportResult, convert, export_checkpoint, _formats as formats, import_checkpoint
-from restorekit.export._base import checkpoint_files
+from restorekit.export import ExportResult, convert, export_checkpoint, import_checkpoint
+from restorekit.formats import _sinks as formats
+from restorekit.formats._sink import checkpoint_files
 from conftest import requires_torch, write_bundle
 
 VERBS = {

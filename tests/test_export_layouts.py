@@ -22,8 +22,8 @@ from restorekit._checkpoint import Checkpoint
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError, RestoreKitWarning
 from restorekit.export import export_checkpoint, import_checkpoint
-from restorekit.export import safetensors as st_format
-from restorekit.export.layouts import LayoutRecord, torch_view
+from restorekit.formats import safetensors as st_format
+from restorekit.layouts import LayoutRecord, torch_view
 
 L = keras.layers
 

@@ -18,8 +18,8 @@ from conftest import import_torch, requires_torch
 from restorekit._checkpoint import Checkpoint
 from restorekit.errors import RestoreKitWarning
 from restorekit.export import export_checkpoint
-from restorekit.export.layouts import torch_view
-from restorekit.export.layouts._live import model_paths
+from restorekit.layouts import torch_view
+from restorekit.layouts._live import model_paths
 
 L = keras.layers
 

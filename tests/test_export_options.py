@@ -11,7 +11,7 @@ from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError, RestoreKitWarning
 from restorekit.export import convert, export_checkpoint, import_checkpoint
-from restorekit.export import safetensors as st
+from restorekit.formats import safetensors as st
 
 tf1 = tf.compat.v1
 

@@ -8,7 +8,8 @@ import tensorflow as tf
 
 from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export import convert, _rawimport as rawimport
+from restorekit.export import convert
+from restorekit.formats.tf import _rawimport as rawimport
 
 
 def _object_checkpoint(tmp_path):

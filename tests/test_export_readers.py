@@ -14,9 +14,9 @@ import tensorflow as tf
 from restorekit._checkpoint import Checkpoint
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputError
 from restorekit.export import convert, export_checkpoint, import_checkpoint
-from restorekit.export import npz as npz_format
-from restorekit.export import safetensors as st_format
-from restorekit.export import torch as torch_format
+from restorekit.formats import npz as npz_format
+from restorekit.formats import safetensors as st_format
+from restorekit.formats import torch as torch_format
 from conftest import import_torch, write_bundle
 
 

@@ -1,4 +1,4 @@
-"""restorekit.export._sharded: Hugging Face-style safetensors shards + index, written and read as one checkpoint."""
+"""restorekit.formats.safetensors._shards: Hugging Face-style safetensors shards + index, written and read as one checkpoint."""
 
 import json
 import os
@@ -12,8 +12,8 @@ from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, OutputExistsError
 from restorekit.export import convert, export_checkpoint, import_checkpoint
-from restorekit.export import safetensors as st
-from restorekit.export._sharded import parse_size
+from restorekit.formats import safetensors as st
+from restorekit.formats.safetensors._shards import parse_size
 
 KERNEL = 64 * 64 * 4  # bytes of one tensor below
 

@@ -21,9 +21,9 @@ from conftest import requires_torch
 from fuzzing import Hang, flip, on_alarm, overwrite, truncate
 from restorekit.errors import RestoreKitError
 from restorekit.export import import_checkpoint
-from restorekit.export import npz as npz_format
-from restorekit.export import safetensors as st_format
-from restorekit.export import torch as torch_format
+from restorekit.formats import npz as npz_format
+from restorekit.formats import safetensors as st_format
+from restorekit.formats import torch as torch_format
 
 SEED = 20240611
 CASE_SECONDS = 30  # a hang guard, not a speed bar: a loaded 2-core machine must not trip it

@@ -19,7 +19,7 @@ import restorekit
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
-from restorekit.export import safetensors as st
+from restorekit.formats import safetensors as st
 
 
 def model(*, compiled=True, head=2):

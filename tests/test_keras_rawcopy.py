@@ -13,9 +13,9 @@ from safetensors.numpy import load_file
 from conftest import requires_torch
 import restorekit
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export import _rawcopy as rawcopy
-from restorekit.export import safetensors as st
-from restorekit.export import _sources as sources
+from restorekit.formats import _rawcopy as rawcopy
+from restorekit.formats import safetensors as st
+from restorekit.layouts import _planned as sources
 from restorekit.keras_files import KerasCheckpoint
 
 

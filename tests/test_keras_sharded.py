@@ -16,8 +16,8 @@ import restorekit
 from restorekit.cli import main
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidArgumentError, OutputExistsError
-from restorekit.export import safetensors as st
-from restorekit.export import _sources as sources
+from restorekit.formats import safetensors as st
+from restorekit.layouts import _planned as sources
 from restorekit.keras_files import KerasCheckpoint, is_keras_path
 from restorekit.keras_files._sharded import ShardedKerasCheckpoint
 

@@ -17,21 +17,25 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS = [
     ["errors"],
     ["_names", "_tensorflow"],
-    ["_bundle", "formats._registry"],  # the Source protocol and the registry know no format: Checkpoint asks them
+    ["_bundle", "_registry"],  # the Source protocol and the registry know no format: Checkpoint asks them
     ["_checkpoint", "keras_files"],
     ["_report", "_ema", "_rundir"],
-    # The formats: one module each behind formats.registry, the reading side (safetensors one file or a shard set,
-    # torch, npz, keras, tf; files holds what the file formats share). What they read back through sits with them:
-    # export.layout(s), the layout record of TF <-> torch names and axes (also what torch_target and the ready rule
-    # sets of export.hf read a checkpoint through), and export.base's dtype and byte helpers.
-    ["formats", "export._base", "export._layout", "export.layouts", "export._hf"],
+    # The views a conversion reads a source through: layout='torch' and its record of TF <-> torch names and
+    # axes (also what torch_target reads a checkpoint through), a checkpoint seen through a plan (layouts._planned).
+    ["layouts"],
+    # The formats: one package or module each, reader and writer side by side (safetensors, torch, npz, tf),
+    # behind the one registry; files holds what the file readers share, _sink what the writers share.
+    ["formats"],
+    # Conversions (open -> view -> write) and the ready rule sets of export._hf.
+    ["export"],
     ["_trackables", "_targets", "_torch_target", "rules", "_policies", "_assignment", "_hints", "_array_values"],
     ["_sources"],  # several sources: scanned one by one (scan passes itself in) and merged
     ["_scan"],
     ["_remap", "_tf1", "_tf2", "_restore_keras", "_restore_torch", "_initializers", "_distribute"],
     ["_scaffold", "finetune", "_resume"],
-    ["_compare", "export", "edit", "graph", "compress", "_averaging"],
-    ["cli", "demo", "__main__", ""],  # "" is the package's own __init__ (the public face)
+    ["_compare", "edit", "graph", "compress", "_averaging"],
+    ["demo"],
+    ["cli", "__main__", ""],  # "" is the package's own __init__ (the public face)
 ]
 
 MAX_LINES = 650

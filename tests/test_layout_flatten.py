@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import restorekit
 from restorekit.errors import InvalidArgumentError, RestoreKitWarning
-from restorekit.export.layouts import torch_view
-from restorekit.export.layouts._flatten import flatten_inputs
+from restorekit.layouts import torch_view
+from restorekit.layouts._flatten import flatten_inputs
 from conftest import import_torch, requires_torch
 
 X = np.random.RandomState(0).randn(2, 6, 6, 3).astype("float32")

@@ -8,7 +8,7 @@ import tensorflow as tf
 from conftest import requires_torch
 from restorekit._checkpoint import Checkpoint
 from restorekit.export import convert, export_checkpoint, import_checkpoint
-from restorekit.export import safetensors as st_format
+from restorekit.formats import safetensors as st_format
 
 FORMATS = ["safetensors", pytest.param("pt", marks=requires_torch)]
 

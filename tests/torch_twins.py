@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from restorekit.export import safetensors as st_format
+from restorekit.formats import safetensors as st_format
 
 
 def stored(path):
@@ -31,7 +31,7 @@ class Twin(nn.Module):
 
 
 class Attention(nn.Module):
-    """The MultiHeadAttention twin documented in restorekit.export.layouts."""
+    """The MultiHeadAttention twin documented in restorekit.layouts."""
 
     def __init__(self, dim, heads, head_dim):
         super().__init__()

@@ -19,7 +19,7 @@ __all__ = ["HF_INDEX", "JOURNAL", "KERAS_INDEX", "fsync_directory", "identity", 
 
 # Inside a staging directory: the names a commit renames or removes, for sweep.sweep_stale.
 JOURNAL = ".restorekit-journal"
-# The index of a Hugging Face shard set (restorekit.export._sharded writes it) and of a Keras 3 sharded weights set.
+# The index of a Hugging Face shard set (restorekit.formats.safetensors._shards writes it) and of a Keras 3 sharded weights set.
 HF_INDEX = ".safetensors.index.json"
 KERAS_INDEX = ".weights.json"
 

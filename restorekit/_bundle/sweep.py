@@ -29,7 +29,7 @@ __all__ = ["remove_checkpoint_files", "remove_orphans", "sweep_stale", "temp_nam
 
 _TMP_PREFIX = ".restorekit-tmp-"
 _SHARD = re.compile(r"(.+)\.data-\d{5}-of-(\d{5})")
-# A Hugging Face shard and the index that names it (restorekit.export._sharded writes both).
+# A Hugging Face shard and the index that names it (restorekit.formats.safetensors._shards writes both).
 _HF_SHARD = re.compile(r"(.+)-\d{5}-of-\d{5}\.safetensors")
 # A Keras 3 sharded weights set: ``NAME_00000.weights.h5``, ... named by ``NAME.weights.json``.
 _KERAS_SHARD = re.compile(r"(.+)_\d{5}\.weights\.h5")

@@ -20,7 +20,7 @@ from restorekit.edit._save_export import save_export, with_options
 from restorekit.edit._save_remote import save_remote
 from restorekit.edit._save_tf import save_tf
 from restorekit.edit._source import Source
-from restorekit.export import _formats as formats
+from restorekit.formats import _sinks as formats
 from restorekit.formats import detect
 from restorekit.export._request import KERAS_SHARDED, check, renamed_keywords, request
 from restorekit.export._targets import target_format
@@ -405,13 +405,13 @@ class CheckpointEditor:
                 source's file name is used there), or a file for other formats. A
                 ``gs://`` (any ``tf.io.gfile``) path is written locally under ``$TMPDIR``
                 first, then uploaded file by file, the ``.index`` last; it must not exist.
-            to: ``'tf'``, or a format of ``restorekit.export._formats`` (``'torch'``,
+            to: ``'tf'``, or a format of ``restorekit.formats._sinks`` (``'torch'``,
                 ``'safetensors'``, ``'npz'``); by default the one ``out``'s extension names
                 (``x.safetensors``, ``x.pt``, ``x.npz``), else a TF checkpoint. Those keep what ``convert`` keeps: string
                 tensors and the TF2 object graph (rewritten to the edits) travel in the
                 file, so importing it back restores with ``tf.train.Checkpoint.read``.
             layout: for ``'torch'`` and ``'safetensors'``: None, or ``'torch'`` (PyTorch
-                names and axes, see ``restorekit.export._layout``).
+                names and axes, see ``restorekit.layouts``).
             weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
             ema: True, a shadow suffix or an ``ExponentialMovingAverage``: save each
                 weight's moving average as the weight (its key stays), the shadows left

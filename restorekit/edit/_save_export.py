@@ -15,8 +15,8 @@ from restorekit.edit._renames import optimizer_state
 from restorekit.edit._save_tf import check_space, final_plan
 from restorekit.edit._source import Source
 from restorekit.errors import OutputError, OutputExistsError, RestoreKitWarning, format_names
-from restorekit.export import _formats as formats
-from restorekit.export._base import PlannedCheckpoint, WithObjectGraph
+from restorekit.formats import _sinks as formats
+from restorekit.layouts._planned import PlannedCheckpoint, WithObjectGraph
 from restorekit._names import is_weight
 
 
@@ -88,7 +88,7 @@ def save_export(source: Source, plan: dict[str, Item], out: str, format: str, *,
         tmp = staging.path(out)
         if layout == "torch":
             # Layout 'torch' maps whole layers (gates, splits, added tensors): the view of the edited checkpoint.
-            from restorekit.export.layouts import torch_view
+            from restorekit.layouts import torch_view
 
             module.write_checkpoint(torch_view(edited_checkpoint(source, plan)), tmp, layout=layout, progress=progress)
         elif all(it.stored for name, it in plan.items() if name != OBJECT_GRAPH_KEY):

@@ -144,7 +144,7 @@ def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, 
     plan = _readable(source, _decoded(source, plan), layer_names or {})
     source.checkpoint.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
     if format == "tf":
-        from restorekit.export._tfwrite import data_parts, write_tf
+        from restorekit.formats.tf._writer import data_parts, write_tf
 
         prefix = out[: -len(".index")] if out.endswith(".index") else out
         if os.path.exists(prefix + ".index") and not overwrite:
@@ -214,6 +214,6 @@ def _shard_limit(ckpt, max_shard_size) -> float:
             f"max_shard_size={max_shard_size!r}: restorekit takes bytes or a size string ('2GiB' is Keras' "
             f"max_shard_size=2), not a float"
         )
-    from restorekit.export._sharded import parse_size
+    from restorekit.formats.safetensors._shards import parse_size
 
     return float(parse_size(max_shard_size))

@@ -23,7 +23,7 @@ from restorekit._bundle.writer import BundleWriter, balance, check_num_shards
 from restorekit._checkpoint import OBJECT_GRAPH_KEY
 from restorekit.edit._plan import ATTRIBUTES, STRING, Concat, Item
 from restorekit.edit._source import Source, check_readable
-from restorekit.export._base import checkpoint_files
+from restorekit.formats._sink import checkpoint_files
 from restorekit.errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -124,7 +124,7 @@ def _shards(source: Source, plan: dict[str, Item], prefix: str, *, compact: bool
     if num_shards is not None:
         return _Shards(num_shards, None, False, False, balanced(source, plan, num_shards))
     if max_shard_size is not None:
-        from restorekit.export._tfwrite import data_parts
+        from restorekit.formats.tf._writer import data_parts
 
         parts = data_parts([(name, source.nbytes(item)) for name, item in plan.items()], max_shard_size=max_shard_size)
         assert parts is not None  # a max_shard_size always gives parts
@@ -372,7 +372,7 @@ def _same_device(a: str, b: str) -> bool:
 def write_plan(source: Source, writer: BundleWriter, plan: dict[str, Item], *, reuse: bool,
                progress: bool = False) -> set[bytes]:
     """Stream every tensor of ``plan`` into ``writer`` (its one shard); return the index keys written."""
-    from restorekit.export._base import progress_bar
+    from restorekit.formats._sink import progress_bar
 
     keys = set()
     if not progress:
@@ -398,7 +398,7 @@ def write_parts(source: Source, writer: BundleWriter, plan: dict[str, Item], par
     import threading
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-    from restorekit.export._base import progress_bar
+    from restorekit.formats._sink import progress_bar
 
     stop = threading.Event()
     lock = threading.Lock()

@@ -5,14 +5,14 @@ One module per format, each with the same verbs (``write``, ``write_checkpoint``
 reading verbs are the readers' of ``restorekit.formats`` (``formats.safetensors``,
 ``formats.torch``, ``formats.npz``), which each format module imports::
 
-    restorekit.export.safetensors   streaming writer of .safetensors
-    restorekit.export.torch         torch.save
-    restorekit.export.npz           streaming numpy .npz writer
-    restorekit.export._layout        TF <-> PyTorch names and axes (layout='torch')
-    restorekit.export._formats       the table of formats every caller dispatches through
-    restorekit.export._base          what the formats share (ExportResult, progress, ...)
-    restorekit.export._rawcopy       crc-checked copies of stored bytes (the fast path)
-    restorekit.export._sharded       Hugging Face-style safetensors shards + index, written
+    restorekit.formats.safetensors   streaming writer of .safetensors
+    restorekit.formats.torch         torch.save
+    restorekit.formats.npz           streaming numpy .npz writer
+    restorekit.layouts        TF <-> PyTorch names and axes (layout='torch')
+    restorekit.formats._sinks       the table of formats every caller dispatches through
+    restorekit.formats._sink          what the formats share (ExportResult, progress, ...)
+    restorekit.formats._rawcopy       crc-checked copies of stored bytes (the fast path)
+    restorekit.formats.safetensors._shards       Hugging Face-style safetensors shards + index, written
     restorekit.export._hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
     restorekit.export._options       weights_only, ema and rules: what an export writes, under which names
     restorekit.export._sources       a conversion's non-TF source (a file, or a set of shards)
@@ -38,17 +38,7 @@ npz stores them as fixed-width bytes.
 
 from __future__ import annotations
 
-from restorekit.export._base import (  # noqa: F401  (the shared helpers, importable from here as before)
-    STRINGS_LIMIT,
-    ExportResult,
-    atomic_output,
-    contiguous,
-    layout_tensors,
-    little_endian,
-    progress_bar,
-    raw_bytes_view,
-    tf_dtype_of,
-)
+from restorekit.formats._sink import ExportResult
 
 __all__ = [
     "FORMATS",
@@ -75,7 +65,7 @@ def __getattr__(name: str):
     # FORMATS lists the format modules found in this package; computed on first use so
     # that importing restorekit does not import them.
     if name == "FORMATS":
-        from restorekit.export import _formats as formats
+        from restorekit.formats import _sinks as formats
 
         return formats.names()
     if name == "RULE_SETS":

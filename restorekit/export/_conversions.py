@@ -15,15 +15,16 @@ import os
 
 from restorekit._bundle.files import check_parent, output_prefix
 from restorekit.errors import InvalidArgumentError
-from restorekit.export import _formats as formats, _from_checkpoint as from_checkpoint, _from_files as from_files, _keras as keras
-from restorekit.export._base import ExportResult
-from restorekit.export.layouts import TorchView
+from restorekit.export import _from_checkpoint as from_checkpoint, _from_files as from_files, _keras as keras
+from restorekit.formats import _sinks as formats
+from restorekit.formats._sink import ExportResult
+from restorekit.layouts import TorchView
 from restorekit.export._outputs import check_output
 from restorekit.export._request import KERAS, Request, given, renamed_keywords, request
 from restorekit.export import _sources as sources
 from restorekit.export._sources import shard_set
 from restorekit.export._targets import target_format
-from restorekit.export._tfwrite import write_tf
+from restorekit.formats.tf._writer import write_tf
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "open_source", "source_format", "target_format",
            "write_tf"]
@@ -67,7 +68,7 @@ def open_source(src):
 
 def _files(source, fmt: str) -> tuple:
     """The files a source consists of: what its output must never be."""
-    from restorekit.export._base import checkpoint_files
+    from restorekit.formats._sink import checkpoint_files
 
     if fmt == formats.TF:
         return tuple(checkpoint_files(source.prefix))
@@ -86,7 +87,7 @@ def _target(out: str, to: str | None, options: Request) -> str:
 
 
 def _by_path(source, fmt: str, options: Request):
-    """A Keras file as the checkpoint it holds under readable paths (``sources.keras_source``, read through h5py,
+    """A Keras file as the checkpoint it holds under readable paths (``layouts._planned.keras_source``, read through h5py,
     its optimizer group left out for ``weights_only``); any other source as it is."""
     if fmt != KERAS:
         return source
@@ -125,7 +126,7 @@ def export_checkpoint(
 
     Args:
         checkpoint: a path (anything ``Checkpoint`` accepts), a ``Checkpoint``, or a
-            ``restorekit.export.layouts.torch_view`` of one to give layout 'torch' hints
+            ``restorekit.layouts.torch_view`` of one to give layout 'torch' hints
             (``forget_bias``, ``layer_kinds``); a view means ``layout='torch'`` and takes
             no ``rules``, ``weights_only`` or ``ema`` (they choose the tensors the view maps).
         out: the output file; with ``max_shard_size``, a directory (or ``DIR/NAME.safetensors``).
@@ -133,7 +134,7 @@ def export_checkpoint(
         to: 'torch', 'safetensors' or 'npz'; by default from the extension (old name: ``format=``).
         layout: None (TF names and axes) or 'torch': each layer as its ``torch.nn``
             counterpart loads it (names, axes, gate order, split and added tensors; see
-            ``restorekit.export.layouts``). Object-based checkpoints are named from their
+            ``restorekit.layouts``). Object-based checkpoints are named from their
             readable paths, and their optimizer state keeps TF axes. What cannot be mapped
             is stored with TF names and axes, warned about and listed in ``ExportResult.unmapped``.
         rules: a rule set of ``restorekit.export._hf`` (``'bert-tf-to-hf'``, ``'gpt2-tf-to-hf'``,
@@ -150,7 +151,7 @@ def export_checkpoint(
         progress: show a progress bar on stderr (when it is a terminal).
         model: with ``layout='torch'``, the live Keras model a TF2 checkpoint was written
             from: layers named by the layers on their way, and Dense layers behind a
-            Flatten reordered (``restorekit.export.layouts.torch_view``).
+            Flatten reordered (``restorekit.layouts.torch_view``).
         flatten_channels: with ``layout='torch'``, ``{Dense layer: channels}`` of the
             flattened feature map each reads (None: none), as ``torch_view`` takes it.
 
@@ -213,7 +214,7 @@ def import_checkpoint(
 
     What a restorekit export recorded in the file is undone exactly (names, axes,
     dtypes, string tensors). For files from elsewhere, ``layout='torch'`` maps PyTorch
-    names and axes to TF ones by rule (``restorekit.export._layout.guess_tf_names``),
+    names and axes to TF ones by rule (``restorekit.layouts.guess_tf_names``),
     and ``rules`` applies a rule set (``'bert-hf-to-tf'``, ``'gpt2-hf-to-tf'``) or a
     rename rule; ``layout=None`` keeps their names. ``weights_only`` and ``ema`` are
     as in ``export_checkpoint``. ``.pt`` files are read with

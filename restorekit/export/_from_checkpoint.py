@@ -12,14 +12,16 @@ import os
 import numpy as np
 
 from restorekit._bundle.files import check_space
-from restorekit.export import _formats as formats, _sharded as sharded
-from restorekit.export._base import ExportResult, PlannedCheckpoint, WithObjectGraph
-from restorekit.export.layouts import TorchView, torch_view
+from restorekit.formats import _sinks as formats
+from restorekit.formats.safetensors import _shards as sharded
+from restorekit.formats._sink import ExportResult
+from restorekit.layouts._planned import PlannedCheckpoint, WithObjectGraph
+from restorekit.layouts import TorchView, torch_view
 from restorekit.export._options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.export._outputs import (config_files, entry_sizes, finish, locked_output, metadata, out_dir,
                                        planned_nbytes, single)
 from restorekit.export._request import Request
-from restorekit.export._tfwrite import data_parts, write_tf
+from restorekit.formats.tf._writer import data_parts, write_tf
 
 __all__ = ["tf_plan", "write_file", "write_tf_checkpoint"]
 

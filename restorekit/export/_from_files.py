@@ -10,13 +10,17 @@ import dataclasses
 import os
 
 from restorekit._bundle.files import check_space
-from restorekit.export import _formats as formats, _rawimport as rawimport, _sharded as sharded, _sources as sources
-from restorekit.export._base import ExportResult, PlannedCheckpoint
-from restorekit.export.layouts import torch_view
+from restorekit.export import _sources as sources
+from restorekit.formats import _sinks as formats
+from restorekit.formats.safetensors import _shards as sharded
+from restorekit.formats.tf import _rawimport as rawimport
+from restorekit.formats._sink import ExportResult
+from restorekit.layouts._planned import PlannedCheckpoint
+from restorekit.layouts import torch_view
 from restorekit.export._outputs import config_files, finish, locked_output, metadata, out_dir, single
 from restorekit.export._request import Request
 from restorekit.export._sources import file_plan, file_sizes, open_source, source_nbytes, tf_shapes, tf_sizes, tf_tensors
-from restorekit.export._tfwrite import data_parts, write_tf
+from restorekit.formats.tf._writer import data_parts, write_tf
 
 __all__ = ["write_file", "write_tf_checkpoint"]
 

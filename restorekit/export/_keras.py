@@ -4,7 +4,7 @@ Not a format module of the registry (it defines no ``FORMAT``): a ``.weights.h5`
 variables by position under layer groups, so it can be written only from a file that
 has those groups (a Keras 3 ``.weights.h5`` or ``.keras``), never from names alone.
 Reading Keras files is ``restorekit.keras_files.KerasCheckpoint``'s job; conversions
-from them name tensors by readable path (``sources.keras_source``).
+from them name tensors by readable path (``layouts._planned.keras_source``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 from restorekit._bundle.files import check_space
 from restorekit.errors import InvalidArgumentError, OutputExistsError
-from restorekit.export._base import ExportResult
+from restorekit.formats._sink import ExportResult
 
 __all__ = ["KERAS", "copy_weights", "is_keras_target"]
 

@@ -11,8 +11,9 @@ from restorekit._bundle.locking import output_lock
 from restorekit._bundle.sweep import sweep_stale
 from restorekit._bundle import files as bundle_files
 from restorekit.errors import OutputExistsError
-from restorekit.export import _formats as formats, _sharded as sharded
-from restorekit.export._base import ExportResult, checkpoint_files
+from restorekit.formats import _sinks as formats
+from restorekit.formats.safetensors import _shards as sharded
+from restorekit.formats._sink import ExportResult, checkpoint_files
 from restorekit.export._options import OutputPlan, out_shape
 from restorekit.export._request import Request
 

@@ -51,7 +51,7 @@ OPTIONS: dict[str, Applies] = {
                                    "are written whole"),
     "num_shards": Applies((TF,), hint="{max_shard_size} splits the other formats that shard"),
     "config": Applies(FILES, hint="config.json goes beside a Hugging Face (torch, safetensors) output"),
-    # layout='torch' hints (restorekit.export.layouts.torch_view): the layers' names and which Dense reads a Flatten.
+    # layout='torch' hints (restorekit.layouts.torch_view): the layers' names and which Dense reads a Flatten.
     "model": Applies(("torch", "safetensors"), hint="model= tells layout='torch' the layers of a TF checkpoint"),
     "flatten_channels": Applies(("torch", "safetensors"), ("torch", "safetensors"),
                                 hint="flatten_channels= reorders Dense inputs for layout='torch'"),
@@ -136,7 +136,7 @@ class Request:
     @property
     def shard_limit(self) -> int | None:
         """``max_shard_size`` in bytes, or None."""
-        from restorekit.export._sharded import parse_size
+        from restorekit.formats.safetensors._shards import parse_size
 
         return None if self.max_shard_size is None else parse_size(self.max_shard_size)
 
@@ -150,8 +150,8 @@ def request(layout=None, rules=None, weights_only=False, ema=None, max_shard_siz
             Hugging Face rule set, a bad ``max_shard_size`` or ``num_shards``, or both of those.
     """
     from restorekit._bundle.writer import check_num_shards
-    from restorekit.export._layout import check_layout
-    from restorekit.export._sharded import parse_size
+    from restorekit.layouts import check_layout
+    from restorekit.formats.safetensors._shards import parse_size
 
     check_layout(layout)
     if num_shards is not None:

@@ -14,16 +14,15 @@ import numpy as np
 from types import ModuleType
 
 from restorekit.errors import InvalidArgumentError
-from restorekit.export import _formats as formats
-from restorekit.export._base import PlannedCheckpoint, _KerasSource, keras_source  # noqa: F401 - re-exported
+from restorekit.formats import _sinks as formats
+
 from restorekit.export._options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.formats import npz, onnx, safetensors, torch
 from restorekit.formats.files import FileCheckpoint, FileReader, _tf_layout, tf_shapes
-from restorekit.formats.safetensors import ShardedSafetensorsReader, shard_set
+from restorekit.formats.safetensors._reader import ShardedSafetensorsReader, shard_set
 
 __all__ = ["FileCheckpoint", "Reader", "ShardedSafetensorsReader", "file_plan", "file_sizes", "of_view", "open_source", "reader",
            "shard_set", "source_nbytes", "tf_shapes", "tf_sizes", "tf_tensors"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Reader:
@@ -62,7 +61,6 @@ class Reader:
     def stored_tensors(self) -> dict:
         return self.source.stored_tensors()
 
-
 def reader(src: str, fmt: str) -> Reader:
     """The reader of the ``fmt`` file (or safetensors shard set) at ``src``.
 
@@ -74,15 +72,12 @@ def reader(src: str, fmt: str) -> Reader:
         formats.module(fmt)  # InvalidArgumentError naming the file formats
     return Reader(_READERS[fmt](src), formats.modules().get(fmt))
 
-
 def of_view(view) -> Reader:
     """The conversion's reader of an open ``FileView``: the reader it opened, nothing opened again."""
     return Reader(view.reader, formats.modules().get(view.format))
 
-
 _READERS = {"safetensors": safetensors.open_reader, "torch": torch.TorchReader, "npz": npz.NpzReader,
             "onnx": onnx.OnnxReader}
-
 
 def source_nbytes(reader: Reader) -> int:
     """About how many tensor bytes a non-TF source holds, from its files' sizes and zip directories
@@ -102,19 +97,17 @@ def source_nbytes(reader: Reader) -> int:
         total += size
     return total
 
-
 def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None = None,
                 flatten_channels: dict | None = None):
     """(iterator of (stored name, array), LayoutRecord) of a non-TF source (``flatten_channels``: as
     ``guess_tf_names`` takes it, for a file without a record)."""
-    from restorekit.export._layout import LayoutRecord, guess_tf_names
+    from restorekit.layouts import LayoutRecord, guess_tf_names
 
     record = reader.read_record()
     if record is None:
         record = (guess_tf_names(reader.read_shapes(), flatten_channels=flatten_channels) if layout == "torch"
                   else LayoutRecord())
     return reader.read(max_output_bytes), record
-
 
 def file_plan(reader: Reader, record, options) -> OutputPlan | None:
     if not options.planned:
@@ -125,7 +118,6 @@ def file_plan(reader: Reader, record, options) -> OutputPlan | None:
     return plan_output(shapes, graph=graph, graph_bytes=lambda: strings[OBJECT_GRAPH_KEY].item(), rules=options.rules,
                        weights_only=options.weights_only, ema=options.ema)
 
-
 def tf_tensors(arrays, record, plan: OutputPlan | None = None):
     """(name, array, TF dtype name or None) for every tensor of a source, strings last; under ``plan``,
     only those it keeps, under their output names and in their output axes.
@@ -133,7 +125,7 @@ def tf_tensors(arrays, record, plan: OutputPlan | None = None):
     The record is undone for the file as a whole (``layouts.tf_tensors``): the parts of a
     split tensor are joined and tensors added for PyTorch left out.
     """
-    from restorekit.export.layouts import tf_tensors as restored
+    from restorekit.layouts import tf_tensors as restored
 
     if plan is None:
         yield from restored(arrays, record)
@@ -147,7 +139,6 @@ def tf_tensors(arrays, record, plan: OutputPlan | None = None):
         elif name == OBJECT_GRAPH_KEY and plan.graph is not None:
             array = np.array(plan.graph, dtype=object)
         yield wanted[name], array, dtype
-
 
 def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     """(output name, shape, bytes) of every numeric tensor of a safetensors source, in the order
@@ -168,7 +159,6 @@ def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
             shape = out_shape(plan, name, shape)
         sizes.append((name, shape, sum(infos[s].end - infos[s].begin for s in stored)))
     return sizes
-
 
 def tf_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     """(output name, bytes) of every tensor of a source (strings count 0), from headers and shapes only:

@@ -13,7 +13,7 @@ import difflib
 import os
 
 from restorekit.errors import OutputNameError
-from restorekit.export import _formats as formats
+from restorekit.formats import _sinks as formats
 
 __all__ = ["OutputNameError", "target_format"]
 

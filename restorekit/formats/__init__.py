@@ -15,7 +15,7 @@ checkpoint it was converted from, a file from elsewhere under its own. The write
 
 from __future__ import annotations
 
-from restorekit.formats._registry import BY_BYTES, BY_NAME, Format, Probe, Source, detect, formats, open_source, register
+from restorekit._registry import BY_BYTES, BY_NAME, Format, Probe, Source, detect, formats, open_source, register
 
 open = open_source  # noqa: A001 - restorekit.formats.open(path), as tarfile.open and zipfile.ZipFile read
 

@@ -35,7 +35,7 @@ _ROWS = {
     "qint32": (None, None, "QInt32"),
 }
 
-# TF dtype name -> safetensors code, and back. Others are stored as a stand-in (export._layout.STORED_AS,
+# TF dtype name -> safetensors code, and back. Others are stored as a stand-in (layouts.STORED_AS,
 # complex128 as float64 pairs) and named in the layout record.
 TO_SAFETENSORS = {name: row[0] for name, row in _ROWS.items() if row[0] is not None}
 FROM_SAFETENSORS = {code: name for name, code in TO_SAFETENSORS.items()}

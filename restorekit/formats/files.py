@@ -23,10 +23,10 @@ import numpy as np
 from restorekit._bundle.verification import Problem, VerifyResult
 from restorekit._checkpoint import OBJECT_GRAPH_KEY, Checkpoint, Entry
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, EntryNotFoundError
-from restorekit.export._base import tf_dtype_of
-from restorekit.export.layouts import LayoutRecord, restore_dtype
+from restorekit.formats._sink import tf_dtype_of
+from restorekit.layouts import LayoutRecord, restore_dtype
 from restorekit.formats._reading import boundary
-from restorekit.formats._registry import BY_NAME, EntryMapping, Probe
+from restorekit._registry import BY_NAME, EntryMapping, Probe
 
 __all__ = ["FileCheckpoint", "FileReader", "FileVerifyResult", "FileView", "by_name", "tf_shapes"]
 
@@ -73,7 +73,7 @@ class FileReader:
 
 
 class FileView(EntryMapping):
-    """A non-TF file read as the TF checkpoint it holds: a ``Source`` (see ``restorekit.formats._registry``).
+    """A non-TF file read as the TF checkpoint it holds: a ``Source`` (see ``restorekit._registry``).
 
     ``entries`` (name -> ``Entry``), ``read(name)``, ``readable_name``, ``object_paths``
     and ``object_graph`` (from the object graph a TF2 checkpoint's conversion carries
@@ -260,7 +260,7 @@ class FileVerifyResult(VerifyResult):
 
 def _tf_piece_shape(note: dict, shape: tuple) -> tuple:
     """The TF shape of one stored tensor (or of the piece of a TF tensor it holds), from its note."""
-    from restorekit.export._layout import invert
+    from restorekit.layouts import invert
 
     ops = note.get("ops", {})
     if "view" in ops:

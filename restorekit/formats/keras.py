@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from restorekit.formats._registry import BY_BYTES, BY_NAME, Probe, register
+from restorekit._registry import BY_BYTES, BY_NAME, Probe, register
 from restorekit.keras_files import KERAS_SUFFIXES, open_keras
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"

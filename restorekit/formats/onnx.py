@@ -37,7 +37,7 @@ import numpy as np
 from restorekit.errors import CheckpointNotFoundError, CorruptCheckpointError, ExternalDataError, MissingDependencyError
 from restorekit.formats.files import FileReader, FileView
 from restorekit.formats._reading import boundary, check_output_size, regular_file
-from restorekit.formats._registry import BY_BYTES, BY_NAME, Probe, register
+from restorekit._registry import BY_BYTES, BY_NAME, Probe, register
 
 __all__ = ["FORMAT", "SUFFIXES", "OnnxReader", "Stored", "import_onnx", "op_counts", "recognizes"]
 

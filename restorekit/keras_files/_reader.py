@@ -78,7 +78,7 @@ from restorekit.errors import (
     format_names,
 )
 from restorekit._bundle.verification import Problem, VerifyResult
-from restorekit.formats._registry import Entry, EntryMapping
+from restorekit._registry import Entry, EntryMapping
 from restorekit.keras_files._archive import MemberFile, check_crc, check_member, json_attr, json_member, member_offset
 from restorekit.keras_files._h5nodes import NODES, check_contained, check_dataset, check_links, root
 from restorekit.keras_files import _layouts as layouts

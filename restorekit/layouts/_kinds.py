@@ -1,6 +1,6 @@
 """Each layer kind's torch.nn counterpart: which tensors it stores, under which names, after which steps.
 
-See the table in ``restorekit.export.layouts``; the steps are those of ``ops``.
+See the table in ``restorekit.layouts``; the steps are those of ``ops``.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 from dataclasses import dataclass, field
 
 from restorekit.errors import InvalidArgumentError
-from restorekit.export.layouts._flatten import reorder_ops
-from restorekit.export.layouts._names import KERNEL_PERMS, dotted
-from restorekit.export.layouts._ops import stored_shape
+from restorekit.layouts._flatten import reorder_ops
+from restorekit.layouts._names import KERNEL_PERMS, dotted
+from restorekit.layouts._ops import stored_shape
 
 ATTENTION_PARTS = ("query", "key", "value", "attention_output")
 _CELL = re.compile(r"(.*_)?cell(_\d+)?")
@@ -376,7 +376,7 @@ def _fallback(scope: str, leaves: dict, why: str | None, whole: bool) -> tuple[l
     """Tensors of no mapped layer: vectors and scalars (and embedding tables) keep their
     layout under dotted names; anything else of rank >= 2 is stored in TF layout and listed.
     ``whole``: the layer's kind is known and cannot be mapped, so every tensor is listed."""
-    from restorekit.export.layouts._names import LEAVES
+    from restorekit.layouts._names import LEAVES
 
     parts, unmapped = [], {}
     module = _module(scope)

@@ -25,19 +25,10 @@ from typing import Iterable
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError
-from restorekit.export._base import ExportResult, atomic_output, checkpoint_entries, progress_bar, refuse, tf_dtype_of
-from restorekit.formats.npz import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
-    FORMAT,
-    SUFFIXES,
-    RECORD,
-    read,
-    read_record,
-    read_shapes,
-    recognizes,
-)
+from restorekit.formats._sink import ExportResult, atomic_output, checkpoint_entries, progress_bar, refuse, tf_dtype_of
+from restorekit.formats.npz._reader import FORMAT, RECORD
 
-__all__ = ["FORMAT", "SUFFIXES", "RECORD", "read", "read_record", "read_shapes", "recognizes", "write",
-           "write_checkpoint"]
+__all__ = ["LAYOUTS", "write", "write_checkpoint"]
 
 LAYOUTS = (None,)  # the layout= values write and write_checkpoint accept
 _MAX_MEMBER_NAME = 0xFFFF  # the zip format's 16-bit name length

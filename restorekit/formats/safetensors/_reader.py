@@ -12,8 +12,8 @@ hold the tensors and how they are checked against each other (as Keras'
 ``ShardedH5IOStore`` subclasses ``H5IOStore``). A shard missing from the set, an index
 naming a file that is not there, shards of two saves mixed in one directory, or a
 tensor the index and the shards disagree about is a ``CorruptCheckpointError`` before
-anything is read. The writers are ``restorekit.export.safetensors`` and
-``restorekit.export._sharded``.
+anything is read. The writers are ``restorekit.formats.safetensors`` and
+``restorekit.formats.safetensors._shards``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import numpy as np
 
 from restorekit._bundle.jsonfile import read_json
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
-from restorekit.export._base import raw_bytes_view
-from restorekit.export._layout import METADATA_KEY, LayoutRecord
+from restorekit.formats._sink import raw_bytes_view
+from restorekit.layouts import METADATA_KEY, LayoutRecord
 from restorekit.formats._dtypes import FROM_SAFETENSORS
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import check_output_size, reader, regular_file
-from restorekit.formats._registry import BY_NAME, BY_BYTES, Probe, register
+from restorekit._registry import BY_NAME, BY_BYTES, Probe, register
 
 __all__ = ["FORMAT", "INDEX_SUFFIX", "SUFFIXES", "Header", "SafetensorsReader", "ShardSet", "ShardedSafetensorsReader",
            "TensorInfo", "find", "open_reader", "open_tensors", "read", "read_header", "read_record", "read_shapes",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning, format_names
-from restorekit.export.layouts._names import KERNEL_PERMS
-from restorekit.export.layouts._record import LayoutRecord
+from restorekit.layouts._names import KERNEL_PERMS
+from restorekit.layouts._record import LayoutRecord
 
 
 def guess_tf_names(shapes: dict, *, flatten_channels: dict | None = None, flatten: dict | None = None):
@@ -28,7 +28,7 @@ def guess_tf_names(shapes: dict, *, flatten_channels: dict | None = None, flatte
     warned about by name.
 
     A Linear that reads a convolution's map through ``nn.Flatten`` holds its columns channel
-    first, a Keras Dense position first (``restorekit.export.layouts._flatten``): given its
+    first, a Keras Dense position first (``restorekit.layouts._flatten``): given its
     map's channels (``flatten_channels``, ``{TF layer path or name: channels or None}``, or
     ``flatten``, ``{layer name: FlattenInput}`` from the Keras model it goes to), its columns
     are reordered; otherwise a Linear whose input size is a multiple of a convolution's
@@ -97,7 +97,7 @@ def guess_tf_names(shapes: dict, *, flatten_channels: dict | None = None, flatte
 
 def _reorders(shapes: dict, bias_of: dict, given: dict, flatten: dict | None) -> dict:
     """{stored Linear weight: the ops of its reorder, None (none), or why it may need one (a str)}."""
-    from restorekit.export.layouts._flatten import reorder_ops
+    from restorekit.layouts._flatten import reorder_ops
 
     given = {k.strip("/").replace("/", "."): v for k, v in given.items()}
     linears = {n: tuple(s) for n, s in shapes.items() if n.rpartition(".")[2] == "weight" and len(s) == 2

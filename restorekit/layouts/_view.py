@@ -7,10 +7,10 @@ from types import MappingProxyType
 
 import numpy as np
 
-from restorekit.export.layouts import _ops as _ops
-from restorekit.export.layouts._kinds import Part
-from restorekit.export.layouts._plan import plan_checkpoint
-from restorekit.export.layouts._record import LayoutRecord, collision
+from restorekit.layouts import _ops as _ops
+from restorekit.layouts._kinds import Part
+from restorekit.layouts._plan import plan_checkpoint
+from restorekit.layouts._record import LayoutRecord, collision
 
 
 def torch_view(checkpoint, layout: str | None = "torch", *, forget_bias: float = 1.0, layer_kinds: dict | None = None,
@@ -63,7 +63,7 @@ class TorchView:
     def __init__(self, checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict | None = None, model=None,
                  flatten_channels: dict | None = None):
         from restorekit._checkpoint import Entry
-        from restorekit.export._base import keras_source
+        from restorekit.layouts._planned import keras_source
         from restorekit.keras_files import KerasCheckpoint
 
         self.checkpoint = checkpoint  # as given (its check_shards, files)

@@ -1,8 +1,8 @@
-"""The one table of export formats: name -> format module, and file suffix -> name.
+"""The one table of the file formats restorekit writes: name -> format package, and file suffix -> name.
 
-A format is one module in this package that defines ``FORMAT`` (its name),
-``SUFFIXES`` and ``LAYOUTS`` (the ``layout=`` values it accepts), and offers the
-same verbs with the same arguments::
+A format that writes is one package of ``restorekit.formats`` (its reader and its writer
+side by side) that defines ``FORMAT`` (its name), ``SUFFIXES`` and ``LAYOUTS`` (the
+``layout=`` values it accepts), and offers the same verbs with the same arguments::
 
     write(path, tensors, *, layout=None, metadata=None, graph=None, progress=False) -> ExportResult
     write_checkpoint(checkpoint, path, *, names=None, layout=None, metadata=None, progress=False) -> ExportResult
@@ -12,7 +12,7 @@ same verbs with the same arguments::
     recognizes(head: bytes, suffix: str) -> bool      (a file's first 16 bytes, its lower-case suffix)
 
 An argument a format cannot honour is refused with ``InvalidArgumentError``. The
-modules are found by listing this package, so adding a format is adding its file;
+packages are found by listing ``restorekit.formats``, so adding a format is adding its package;
 a format module imports no framework (torch, ...) at import time, only in its verbs.
 ``convert``, ``export_checkpoint``, ``import_checkpoint`` and ``CheckpointEditor.save``
 all dispatch through :func:`module`. ``'tf'`` (a checkpoint prefix) is the hub they
@@ -34,14 +34,14 @@ TF = "tf"
 
 @functools.lru_cache(maxsize=None)
 def modules() -> dict[str, ModuleType]:
-    """Format name -> module, for every format module of this package (imported on first use)."""
+    """Format name -> package, for every format of ``restorekit.formats`` that writes (imported on first use)."""
     found = {}
     for info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda i: i.name):
         if info.name.startswith("_"):
             continue
         candidate = importlib.import_module(f"{__package__}.{info.name}")
         name = getattr(candidate, "FORMAT", None)
-        if isinstance(name, str):
+        if isinstance(name, str) and callable(getattr(candidate, "write_checkpoint", None)):
             found[name] = candidate
     return found
 

@@ -77,7 +77,7 @@ path with dots. Name-based (TF1) slots (``dense/kernel/Adam``) keep their leaf a
 
 from __future__ import annotations
 
-from restorekit.export.layouts._names import (
+from restorekit.layouts._names import (
     KERNEL_PERMS,
     LAYOUTS,
     LEAVES,
@@ -90,10 +90,10 @@ from restorekit.export.layouts._names import (
     torch_name,
     torch_permutation,
 )
-from restorekit.export.layouts._foreign import guess_tf_names
-from restorekit.export.layouts._plan import plan_checkpoint, readable_path
-from restorekit.export.layouts._record import LayoutRecord, tf_tensors
-from restorekit.export.layouts._view import TorchView, torch_view
+from restorekit.layouts._foreign import guess_tf_names
+from restorekit.layouts._plan import plan_checkpoint, readable_path
+from restorekit.layouts._record import LayoutRecord, tf_tensors
+from restorekit.layouts._view import TorchView, torch_view
 
 __all__ = [
     "KERNEL_PERMS",

@@ -17,36 +17,13 @@ import numpy as np
 
 from restorekit._bundle import files
 from restorekit.errors import InvalidArgumentError
-from restorekit.export._base import (
-    ExportResult,
-    atomic_output,
-    check_strings,
-    checkpoint_entries,
-    contiguous,
-    layout_tensors,
-    progress_bar,
-    refuse,
-    tf_dtype_of,
-)
-from restorekit.export._layout import STORED_AS, LayoutRecord, check_layout
-from restorekit.export._rawcopy import copy_raw
+from restorekit.formats._sink import ExportResult, atomic_output, check_strings, checkpoint_entries, contiguous, layout_tensors, progress_bar, refuse, tf_dtype_of
+from restorekit.layouts import STORED_AS, LayoutRecord, check_layout
+from restorekit.formats._rawcopy import copy_raw
 from restorekit.formats._dtypes import TORCH_DTYPES
-from restorekit.formats.torch import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the export table lists them)
-    FORMAT,
-    SUFFIXES,
-    _BITS,
-    RECORD_KEY,
-    _torch,
-    load,
-    read,
-    read_record,
-    read_shapes,
-    recognizes,
-    to_numpy,
-)
+from restorekit.formats.torch._reader import FORMAT, _BITS, RECORD_KEY, _torch
 
-__all__ = ["FORMAT", "SUFFIXES", "load", "read", "read_record", "read_shapes", "recognizes", "to_numpy", "write",
-           "write_checkpoint"]
+__all__ = ["LAYOUTS", "from_numpy", "write", "write_checkpoint"]
 
 LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
@@ -88,7 +65,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
         path: the output file (replaced if it exists).
         tensors: an iterable of ``(TF name, ndarray)``; a third item, a TF dtype
             name, keeps dtypes numpy cannot name (``'qint8'``).
-        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export._layout``).
+        layout: None, or 'torch' for PyTorch names and axes (``restorekit.layouts``).
         metadata: refused (a state_dict has no place for free-form metadata).
         graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
             so that layout 'torch' names them from their readable paths.

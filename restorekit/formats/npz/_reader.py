@@ -4,7 +4,7 @@ Shapes come from the ``.npy`` headers without decompressing the arrays, and an a
 whose arrays would expand to more than ``max_output_bytes`` is refused. Where restorekit
 stored a tensor as something a ``.npy`` header can name (bfloat16 as its bits, strings
 with trailing NULs), the member ``__restorekit__.npy`` says how to read it back. The
-writer is ``restorekit.export.npz``.
+writer is ``restorekit.formats.npz``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 
 from restorekit._checkpoint import Entry
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export._base import tf_dtype_of
+from restorekit.formats._sink import tf_dtype_of
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import boundary, check_output_size, open_zip, reader, regular_file
-from restorekit.formats._registry import BY_BYTES, Probe, register
+from restorekit._registry import BY_BYTES, Probe, register
 
 __all__ = ["FORMAT", "RECORD", "SUFFIXES", "NpzReader", "read", "read_record", "read_shapes", "recognizes"]
 

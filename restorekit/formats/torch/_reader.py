@@ -5,7 +5,7 @@ only ever loaded with ``weights_only=True``, after ``torchfile`` has read what t
 pickle claims without running any of it: a file that asks to run code is refused with
 ``CorruptCheckpointError`` before anything runs. What an export did (names, axes, dtype
 stand-ins, string tensors) is read back from the state_dict's ``_metadata`` attribute
-under ``'__restorekit__'``. The writer is ``restorekit.export.torch``.
+under ``'__restorekit__'``. The writer is ``restorekit.formats.torch``.
 
 A training checkpoint's tensors are named by their path (``_torchfile.flatten``), and
 ``FILE:GROUP`` reads one group of it. A TorchScript archive is never loaded by torch:
@@ -26,13 +26,13 @@ from typing import Iterator
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, MissingDependencyError
-from restorekit.export._layout import LayoutRecord
-from restorekit.formats import _torchfile as torchfile
-from restorekit.formats import _torchscript as torchscript
+from restorekit.layouts import LayoutRecord
+from restorekit.formats.torch import _torchfile as torchfile
+from restorekit.formats.torch import _torchscript as torchscript
 from restorekit.formats._dtypes import TORCH_DTYPES
 from restorekit.formats.files import FileReader, FileView, by_name
 from restorekit.formats._reading import check_output_size, open_zip, reader, regular_file
-from restorekit.formats._registry import BY_BYTES, Probe, file_and_group, register
+from restorekit._registry import BY_BYTES, Probe, file_and_group, register
 
 __all__ = ["FORMAT", "SUFFIXES", "TorchReader", "load", "read", "read_metadata", "read_record", "read_shapes", "recognizes", "to_numpy"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 from restorekit._bundle.staging import Staging
-from restorekit.export import _formats as formats, _rawimport as rawimport
-from restorekit.export._base import ExportResult, checkpoint_files, progress_bar
+from restorekit.formats import _sinks as formats
+from restorekit.formats.tf import _rawimport as rawimport
+from restorekit.formats._sink import ExportResult, checkpoint_files, progress_bar
 
 __all__ = ["data_parts", "write_tf"]
 
@@ -56,7 +57,7 @@ def data_parts(sizes, *, num_shards: int | None = None, max_shard_size=None) -> 
     bytes (``bundle.writer.balance``), or runs of at most ``max_shard_size`` bytes each (a larger tensor alone, as
     safetensors shards are cut: ``sharded.partition``); None for one data shard."""
     from restorekit._bundle.writer import balance
-    from restorekit.export._sharded import parse_size, partition
+    from restorekit.formats.safetensors._shards import parse_size, partition
 
     if num_shards is not None:
         return balance(sizes, num_shards)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export import safetensors
-from restorekit.export._layout import STORED_AS
-from restorekit.export._rawcopy import _KernelCopy, write_all  # the export's kernel copy thread, shared
-from restorekit.formats.safetensors import SafetensorsReader
+from restorekit.formats.safetensors import _writer as safetensors
+from restorekit.layouts import STORED_AS
+from restorekit.formats._rawcopy import _KernelCopy, write_all  # the export's kernel copy thread, shared
+from restorekit.formats.safetensors._reader import SafetensorsReader
 
 __all__ = ["RawRuns", "StoredBytes", "source_arrays"]
 

@@ -1,11 +1,11 @@
 """The Source protocol every readable checkpoint format implements, the one registry of formats, and ``open``.
 
-A format is a module of ``restorekit.formats`` that calls :func:`register` when it is
-imported: its name, a ``detect(probe) -> score`` and an ``open(path) -> Source``. The
-modules are found by listing the package (as ``restorekit.export._formats`` finds the
-export formats), so a new format is one new file. This module knows no format itself
-and imports only the layers below ``checkpoint``, so ``Checkpoint(path)`` can hand a
-path it cannot read to whichever format claims it.
+A format is a module (or package) of ``restorekit.formats`` that calls :func:`register`
+when it is imported: its name, a ``detect(probe) -> score`` and an ``open(path) -> Source``.
+The modules are found by listing that package on first use, so a new format is one new
+module. This module sits below every format and knows none of them (it imports only
+``errors``), so ``Checkpoint(path)`` can hand a path it cannot read to whichever format
+claims it, and each format's reader can build on ``Entry`` and ``EntryMapping``.
 
 ``detect`` decides by the file's bytes: a format scores :data:`BY_BYTES` when the
 first bytes (or the member names of a zip archive) are its own, :data:`BY_NAME` when
@@ -48,6 +48,9 @@ __all__ = [
 
 BY_NAME = 1
 BY_BYTES = 2
+# Where the formats are found: by listing this package, imported on first use (not at import: the
+# formats sit above this module, which knows none of them).
+FORMATS_PACKAGE = "restorekit.formats"
 HEAD_BYTES = 16
 
 
@@ -252,10 +255,11 @@ def register(name: str, *, detect: Callable[[Probe], int], open: Callable[[str],
 
 @functools.lru_cache(maxsize=None)
 def _load() -> None:
-    """Import every format module of this package, so each registers itself."""
-    for info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda i: i.name):
+    """Import every format module of ``restorekit.formats``, so each registers itself."""
+    package = importlib.import_module(FORMATS_PACKAGE)
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if not info.name.startswith("_") and info.name != "registry":
-            importlib.import_module(f"{__package__}.{info.name}")
+            importlib.import_module(f"{FORMATS_PACKAGE}.{info.name}")
 
 
 def formats() -> dict[str, Format]:

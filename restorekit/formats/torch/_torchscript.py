@@ -18,7 +18,7 @@ import io
 import re
 
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError
-from restorekit.formats import _torchfile as torchfile
+from restorekit.formats.torch import _torchfile as torchfile
 
 __all__ = ["is_script", "scan_script"]
 

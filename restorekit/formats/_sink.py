@@ -1,7 +1,7 @@
-"""What every export format module shares: ExportResult, progress, dtype and byte helpers, argument checks.
+"""What every format's writer (its Sink side) shares: ExportResult, progress, dtype and byte helpers, argument checks.
 
-The bottom of ``restorekit.export``: format modules import from here and from
-``layout``, never from each other or from the package ``__init__``.
+The bottom of the writing side of ``restorekit.formats``: each format's writer imports
+from here, never from another format's writer or from a layer above the formats.
 """
 
 from __future__ import annotations
@@ -10,19 +10,16 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
 from restorekit._bundle.staging import atomic_output  # noqa: F401  (format modules write through it)
 from restorekit.errors import InvalidArgumentError, format_names
-from restorekit._names import is_weight
 from restorekit._report import format_bytes
 
 __all__ = [
     "STRINGS_LIMIT",
     "ExportResult",
-    "PlannedCheckpoint",
     "atomic_output",
     "check_strings",
     "checkpoint_files",
@@ -44,7 +41,7 @@ class ExportResult:
 
     ``permuted`` and ``kept`` hold TF names: the tensors whose axes ``layout='torch'``
     permuted, and the optimizer state of an object-based checkpoint that it left in TF
-    axes on purpose (see ``restorekit.export._layout``). ``dropped`` holds the source
+    axes on purpose (see ``restorekit.layouts``). ``dropped`` holds the source
     names left out on purpose (``weights_only``, EMA shadows written under their
     weights' names, tied copies a rule set drops), ``fallback`` the weights ``ema=``
     found no shadow for (exported raw), ``renamed`` the rule set applied, ``files``
@@ -200,129 +197,3 @@ def checkpoint_files(prefix: str) -> list[str]:
     shard = re.compile(re.escape(base) + r"\.data-\d{5}-of-\d{5}")
     found = [os.path.join(directory, base + ".index")] if base + ".index" in names else []
     return found + sorted(os.path.join(directory, n) for n in names if shard.fullmatch(n))
-
-
-class WithObjectGraph:
-    """A ``Checkpoint`` whose TF2 object graph entry reads as ``raw`` (a re-encoded graph).
-
-    Lets the raw-copy exporters (``write_checkpoint``) write a subset or renamed set of an
-    object-based checkpoint with its graph rewritten to match, at copy speed.
-    """
-
-    def __init__(self, checkpoint, raw: bytes):
-        self._checkpoint = checkpoint
-        self._raw = raw
-
-    def __getattr__(self, name):
-        return getattr(self._checkpoint, name)
-
-    def read(self, name, *args, **kwargs):
-        from restorekit._checkpoint import OBJECT_GRAPH_KEY
-
-        if name == OBJECT_GRAPH_KEY:
-            return np.array(self._raw, dtype=object)
-        return self._checkpoint.read(name, *args, **kwargs)
-
-    @property
-    def object_graph(self):
-        from restorekit._bundle.objectgraph import decode_object_graph
-
-        return decode_object_graph(self._raw)
-
-
-class PlannedCheckpoint:
-    """A checkpoint seen as the output of a plan: ``names`` ({output name: source entry}, in
-    order), some values computed (``computed``: {output name: (TF dtype, shape, nbytes, read
-    function)}), the TF2 object graph re-encoded as ``graph`` (raw bytes, or None: as stored).
-
-    Duck-types what ``torch_view`` and the writers read of a ``Checkpoint``, so that a
-    renamed, filtered or edited checkpoint is mapped to torch layer by layer as a whole
-    (the view takes no ``names=``), with raw shard bytes still copied for stored tensors.
-    """
-
-    def __init__(self, checkpoint, names: dict, *, graph: bytes | None = None, computed: dict | None = None):
-        from restorekit._checkpoint import OBJECT_GRAPH_KEY, Entry
-
-        self._checkpoint = checkpoint
-        self._names = dict(names)
-        self._graph = graph
-        self._computed = dict(computed or {})
-        self.prefix = checkpoint.prefix
-        entries = {}
-        for out, source in self._names.items():
-            if out in self._computed:
-                dtype, shape, nbytes, _ = self._computed[out]
-                entries[out] = Entry(out, tuple(shape), dtype, nbytes)
-            else:
-                entry = checkpoint.entries[source]
-                entries[out] = Entry(out, tuple(entry.shape), entry.dtype, entry.nbytes)
-        self.entries = entries
-        self.is_object_based = OBJECT_GRAPH_KEY in entries
-
-    @property
-    def config(self):
-        """The source's Keras model config where it has one (a Keras file's): layout 'torch' reads its Flattens."""
-        return getattr(self._checkpoint, "config", None)
-
-    @cached_property
-    def object_graph(self):
-        if not self.is_object_based:
-            return None
-        if self._graph is None:
-            return self._checkpoint.object_graph
-        from restorekit._bundle.objectgraph import decode_object_graph
-
-        return decode_object_graph(self._graph)
-
-    def read(self, name: str) -> np.ndarray:
-        from restorekit._checkpoint import OBJECT_GRAPH_KEY
-
-        if name in self._computed:
-            return self._computed[name][3]()
-        if name == OBJECT_GRAPH_KEY and self._graph is not None:
-            return np.array(self._graph, dtype=object)
-        return self._checkpoint.read(self._names[name])
-
-    def is_partitioned(self, name: str) -> bool:
-        """True when ``name`` must be read (computed, or partitioned in the source), not copied as raw bytes."""
-        return name in self._computed or self._checkpoint.is_partitioned(self._names[name])
-
-    def bundle_entry(self, name: str):
-        return self._checkpoint.bundle_entry(self._names[name])
-
-    def data_file(self, shard_id: int) -> str:
-        return self._checkpoint.data_file(shard_id)
-
-    def readable_name(self, name: str) -> str:
-        return name
-
-
-def keras_source(ckpt, *, weights_only: bool = False):
-    """A Keras file (``KerasCheckpoint``) as the checkpoint it holds under readable paths (``enc1/kernel``),
-    the names scan, TF checkpoints and layout 'torch' use; ``weights_only`` leaves out its optimizer group.
-    Its ``stored_range`` lets the safetensors writer copy the bytes of plain datasets as they lie in the file.
-    A ``.keras`` archive's weights member is checked against its zip CRC-32 first (a conversion reads it whole).
-
-    Raises:
-        ChecksumMismatchError: the ``.keras`` weights member's bytes changed.
-    """
-    ckpt.check_crc()
-    names = {}
-    for key in ckpt.entries:
-        path = ckpt.readable_name(key)
-        if weights_only and not is_weight(key, path=path):
-            continue
-        names[path if path not in names else key] = key
-    return _KerasSource(ckpt, names)
-
-
-class _KerasSource(PlannedCheckpoint):
-    """A Keras file under readable paths, with the byte ranges of its plain datasets (``stored_range``)."""
-
-    def __init__(self, ckpt, names: dict):
-        super().__init__(ckpt, names)
-        self._keras, self._keys = ckpt, dict(names)
-
-    def stored_range(self, name: str):
-        """``KerasCheckpoint.stored_range`` of the entry named ``name`` here: (path, offset, size) or None."""
-        return self._keras.stored_range(self._keys[name])

@@ -19,32 +19,11 @@ import numpy as np
 
 from restorekit._bundle import crashpoints, files
 from restorekit.errors import InvalidArgumentError, OutputError
-from restorekit.export._base import (
-    ExportResult,
-    atomic_output,
-    check_strings,
-    checkpoint_entries,
-    layout_tensors,
-    little_endian,
-    progress_bar,
-    raw_bytes_view,
-)
-from restorekit.export._layout import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
+from restorekit.formats._sink import ExportResult, atomic_output, check_strings, checkpoint_entries, layout_tensors, little_endian, progress_bar, raw_bytes_view
+from restorekit.layouts import METADATA_KEY, STORED_AS, LayoutRecord, check_layout
 from restorekit.formats._dtypes import TO_SAFETENSORS
-from restorekit.formats.safetensors import (  # noqa: F401  (FORMAT, SUFFIXES and the reading verbs, as the table lists them)
-    FORMAT,
-    SUFFIXES,
-    _MAX_HEADER,
-    Header,
-    TensorInfo,
-    open_tensors,
-    read,
-    read_header,
-    read_record,
-    read_shapes,
-    recognizes,
-)
-from restorekit.export._rawcopy import (  # noqa: F401  (tests patch _KernelCopy here)
+from restorekit.formats.safetensors._reader import _MAX_HEADER
+from restorekit.formats._rawcopy import (  # noqa: F401  (tests patch _KernelCopy here)
     UncheckedRange,
     _KernelCopy,
     copy_raw,
@@ -53,8 +32,7 @@ from restorekit.export._rawcopy import (  # noqa: F401  (tests patch _KernelCopy
     write_all,
 )
 
-__all__ = ["FORMAT", "SUFFIXES", "Header", "TensorInfo", "open_tensors", "read", "read_header", "read_record",
-           "read_shapes", "recognizes", "write", "write_checkpoint"]
+__all__ = ["LAYOUTS", "write", "write_checkpoint"]
 
 LAYOUTS = (None, "torch")  # the layout= values write and write_checkpoint accept
 
@@ -132,7 +110,7 @@ def write(path, tensors: Iterable, *, layout: str | None = None, metadata: dict 
         path: the output file (replaced if it exists).
         tensors: an iterable of ``(TF name, ndarray)``, consumed once; a third item,
             a TF dtype name, keeps dtypes numpy cannot name (``'qint8'``).
-        layout: None, or 'torch' for PyTorch names and axes (``restorekit.export._layout``).
+        layout: None, or 'torch' for PyTorch names and axes (``restorekit.layouts``).
         metadata: extra ``__metadata__`` entries, str -> str.
         graph: the object graph of the tensors' checkpoint (``Checkpoint.object_graph``),
             so that layout 'torch' names them from their readable paths.

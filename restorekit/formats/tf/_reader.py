@@ -9,7 +9,7 @@ import struct
 
 from restorekit._bundle.table import MAGIC
 from restorekit._checkpoint import Checkpoint
-from restorekit.formats._registry import BY_BYTES, BY_NAME, Probe, register
+from restorekit._registry import BY_BYTES, BY_NAME, Probe, register
 
 _DATA = re.compile(r"\.data-\d{5}-of-\d{5}$")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError
-from restorekit.export.layouts._names import invert
+from restorekit.layouts._names import invert
 
 
 def forward(ops: dict, array: np.ndarray) -> np.ndarray:

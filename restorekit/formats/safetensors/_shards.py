@@ -22,10 +22,10 @@ import re
 from restorekit._bundle import crashpoints, files
 from restorekit._bundle.staging import Staging
 from restorekit.errors import InvalidArgumentError, OutputExistsError
-from restorekit.export import safetensors
-from restorekit.export._base import ExportResult
-from restorekit.export._layout import LayoutRecord
-from restorekit.formats.safetensors import _SHARD, INDEX_SUFFIX, _shard_name
+from restorekit.formats.safetensors import _writer as safetensors
+from restorekit.formats._sink import ExportResult
+from restorekit.layouts import LayoutRecord
+from restorekit.formats.safetensors._reader import _SHARD, INDEX_SUFFIX, _shard_name
 
 __all__ = ["output_files", "parse_size", "write", "write_checkpoint"]
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from restorekit.export.layouts import _kinds as kinds
+from restorekit.layouts import _kinds as kinds
 from restorekit.errors import InvalidArgumentError, format_names
-from restorekit.export.layouts._flatten import flatten_inputs, model_config, suspects
-from restorekit.export.layouts._kinds import Part
-from restorekit.export.layouts._live import PRIVATE, model_paths
-from restorekit.export.layouts._names import dotted, split_leaf, torch_name
+from restorekit.layouts._flatten import flatten_inputs, model_config, suspects
+from restorekit.layouts._kinds import Part
+from restorekit.layouts._live import PRIVATE, model_paths
+from restorekit.layouts._names import dotted, split_leaf, torch_name
 
 # Segments of an object path that are Keras' own bookkeeping for functional and
 # Sequential models: such paths say nothing about the layer, its Keras path does.
@@ -80,7 +80,7 @@ def plan_checkpoint(checkpoint, *, forget_bias: float = 1.0, layer_kinds: dict |
     """Plan the torch layout of every entry of ``checkpoint`` (see the module docstring).
 
     ``model``: the live Keras model the checkpoint was written from; object-graph
-    variables are then named by the layers on their way (``restorekit.export.layouts._live``),
+    variables are then named by the layers on their way (``restorekit.layouts._live``),
     and its config shows which Dense layers read a flattened feature map (``_flatten``), as a
     Keras file's own config does. ``flatten_channels``: ``{Dense path or name: channels}``
     of the map each flattens (None: it reads no flattened map), where no config shows it.

@@ -11,8 +11,8 @@ import numpy as np
 
 from restorekit._bundle.objectgraph import ObjectGraph
 from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NameCollisionError, RestoreKitWarning
-from restorekit.export.layouts import _ops as _ops
-from restorekit.export.layouts._names import LAYOUTS, dotted, invert, restore_dtype, torch_name, torch_permutation
+from restorekit.layouts import _ops as _ops
+from restorekit.layouts._names import LAYOUTS, dotted, invert, restore_dtype, torch_name, torch_permutation
 
 # Version 1 records know name, perm and dtype; version 2 adds ops, sum, drop and
 # unmapped. A record that uses none of them is still written as version 1.
@@ -27,7 +27,7 @@ class LayoutRecord:
     ``tensors`` maps a stored name to a dict with any of ``name`` (the TF name, when
     it differs), ``dtype`` (the TF dtype, when the stored dtype does not say it, such
     as ``qint8`` stored as int8 or ``complex128`` stored as float64 pairs), ``perm``
-    (the axes permutation applied) and the steps of ``restorekit.export.layouts._ops``
+    (the axes permutation applied) and the steps of ``restorekit.layouts._ops``
     (``ops``, ``sum``, ``drop``). ``strings`` holds string tensors, which neither
     safetensors nor torch can store, as base64. ``unmapped`` maps each TF name that
     layout 'torch' could not map to the reason; those tensors are stored with their TF
@@ -49,7 +49,7 @@ class LayoutRecord:
     def for_checkpoint(cls, checkpoint, layout: str | None, **hints) -> "LayoutRecord":
         """An empty record for exporting ``checkpoint``; with layout 'torch', planned layer by layer.
 
-        A ``restorekit.export.layouts.TorchView`` brings its own record. For a plain
+        A ``restorekit.layouts.TorchView`` brings its own record. For a plain
         ``Checkpoint`` the record maps what a renaming and an axes permutation can
         express; tensors whose mapping needs more (gate reordering, splits, reshapes,
         added tensors) are stored in TF layout and listed in ``unmapped``: export
@@ -63,7 +63,7 @@ class LayoutRecord:
             return record
         if layout != "torch":
             return cls(layout)
-        from restorekit.export.layouts._plan import plan_checkpoint
+        from restorekit.layouts._plan import plan_checkpoint
 
         plan = plan_checkpoint(checkpoint, **hints)
         record = cls(layout, graph=checkpoint.object_graph)
@@ -75,7 +75,7 @@ class LayoutRecord:
             elif parts[0].key is not None and key not in record.unmapped:
                 record.unmapped[key] = (
                     f"{parts[0].kind} needs {'more tensors' if len(parts) > 1 else 'a reshape'} than this writer makes; "
-                    "export through restorekit.export.layouts.torch_view"
+                    "export through restorekit.layouts.torch_view"
                 )
         record.warn_unmapped()
         return record
@@ -116,7 +116,7 @@ class LayoutRecord:
     def _plan_by_name(self, name: str, shape: tuple, layout: str | None) -> tuple[str, tuple | None]:
         """Without a plan of the whole checkpoint (a stream of tensors): by leaf name and rank,
         refusing what only the layer could tell (see ``plan.name_only_refusal``)."""
-        from restorekit.export.layouts._plan import name_only_refusal, readable_path
+        from restorekit.layouts._plan import name_only_refusal, readable_path
 
         tracked = self.graph.by_key.get(name) if layout == "torch" and self.graph is not None else None
         if layout != "torch":
@@ -134,7 +134,7 @@ class LayoutRecord:
         return torch_name(path), torch_permutation(path, len(shape))
 
     def _unmapped_name(self, name: str) -> str:
-        from restorekit.export.layouts._plan import readable_path
+        from restorekit.layouts._plan import readable_path
 
         tracked = self.graph.by_key.get(name) if self.graph is not None else None
         return dotted(readable_path(tracked) if tracked is not None else name.removesuffix("/.ATTRIBUTES/VARIABLE_VALUE"))
