@@ -99,3 +99,48 @@ def test_cli_convert_num_shards(tmp_path, capsys):
                  "--num-shards", "2"]) != 0
     assert "--num-shards" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# ------------------------------------------------------------------ each fact of a source read once (issue 35 item 2)
+
+@requires_torch
+@pytest.mark.parametrize("shards", [dict(num_shards=2), dict(max_shard_size=400, to="tf"), {}], ids=["num-shards", "max-size", "one"])
+def test_a_torch_source_is_loaded_once_per_conversion(tmp_path, monkeypatch, shards):
+    # The sizes that balance the data shards, the record, the shapes and the tensors come from one load
+    # (it was loaded again for the sizes, the record and the stream).
+    from restorekit.formats.torch import _reader as torch_reader
+
+    src = _source(tmp_path, "pt")
+    loads = []
+    real = torch_reader._load
+    monkeypatch.setattr(torch_reader, "_load", lambda path: loads.append(path) or real(path))
+    out = str(tmp_path / "out" / "model.ckpt")
+    convert(src, out, **shards)
+    assert len(loads) == 1, loads
+    reader = tf.train.load_checkpoint(out)
+    for name, value in VALUES.items():
+        np.testing.assert_array_equal(reader.get_tensor(name), value, err_msg=name)
+
+
+def test_a_file_conversion_reads_the_layout_record_once(tmp_path, monkeypatch):
+    # The record opened with the file (formats.open) is the one the conversion undoes: not read again.
+    from restorekit.formats.safetensors import SafetensorsReader
+
+    prefix = str(tmp_path / "tf" / "model.ckpt")
+    with tf.Graph().as_default():
+        tf.compat.v1.get_variable("conv/kernel", initializer=np.arange(54, dtype=np.float32).reshape(3, 3, 2, 3))
+        tf.compat.v1.get_variable("conv/bias", initializer=np.ones(3, np.float32))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            tf.compat.v1.train.Saver().save(sess, prefix)
+    st = str(tmp_path / "model.safetensors")
+    convert(prefix, st, layout="torch")
+    reads = []
+    real = SafetensorsReader.read_record
+    monkeypatch.setattr(SafetensorsReader, "read_record", lambda self: reads.append(self.path) or real(self))
+    out = str(tmp_path / "back.npz")
+    convert(st, out)
+    assert reads == [st]
+    with np.load(out) as back:  # the record was undone: TF names and axes, bit for bit
+        np.testing.assert_array_equal(back["conv/kernel"], np.arange(54, dtype=np.float32).reshape(3, 3, 2, 3))
+        np.testing.assert_array_equal(back["conv/bias"], np.ones(3, np.float32))

@@ -1,27 +1,20 @@
-"""Checkpoints to and from PyTorch ``state_dict`` files, safetensors and npz.
+"""Conversions between checkpoint formats: open a source once, apply a view, write through a format's writer.
 
-One module per format, each with the same verbs (``write``, ``write_checkpoint``,
-``read``, ``read_shapes``, ``read_record``; see ``formats``). The writers live here; the
-reading verbs are the readers' of ``restorekit.formats`` (``formats.safetensors``,
-``formats.torch``, ``formats.npz``), which each format module imports::
+The formats themselves (reader and writer side by side, the same verbs each) are
+``restorekit.formats``; the views a conversion applies are ``restorekit.layouts``
+(``layout='torch'``) and the modules here::
 
-    restorekit.formats.safetensors   streaming writer of .safetensors
-    restorekit.formats.torch         torch.save
-    restorekit.formats.npz           streaming numpy .npz writer
-    restorekit.layouts        TF <-> PyTorch names and axes (layout='torch')
-    restorekit.formats._sinks       the table of formats every caller dispatches through
-    restorekit.formats._sink          what the formats share (ExportResult, progress, ...)
-    restorekit.formats._rawcopy       crc-checked copies of stored bytes (the fast path)
-    restorekit.formats.safetensors._shards       Hugging Face-style safetensors shards + index, written
     restorekit.export._hf            named rule sets (BERT, GPT-2 <-> Hugging Face) and config.json
     restorekit.export._options       weights_only, ema and rules: what an export writes, under which names
     restorekit.export._sources       a conversion's non-TF source (a file, or a set of shards)
     restorekit.export._request       the one table of which option applies to which format
+    restorekit.export._targets       which format an output name asks for
     restorekit.export._outputs       a conversion's output: checks, lock, config.json, result
     restorekit.export._from_checkpoint  writing an open TF checkpoint or Keras file
-    restorekit.export._from_files    writing an open safetensors, PyTorch or npz file
+    restorekit.export._from_files    writing an open safetensors, PyTorch, npz or ONNX file
+    restorekit.export._keras         Keras files in conversions
 
-and three functions over them (``conversions``, each open -> plan -> write):
+and three functions over them (``_conversions``, each open -> plan -> write):
 :func:`export_checkpoint` (TF checkpoint -> file), :func:`import_checkpoint` (file ->
 TF checkpoint) and :func:`convert` (any -> any), each taking ``out`` (the output),
 ``to`` (the target format, where it is not fixed), ``rules=`` (``'bert-tf-to-hf'``,

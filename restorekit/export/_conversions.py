@@ -91,7 +91,7 @@ def _by_path(source, fmt: str, options: Request):
     its optimizer group left out for ``weights_only``); any other source as it is."""
     if fmt != KERAS:
         return source
-    from restorekit.export._sources import keras_source
+    from restorekit.layouts._planned import keras_source
 
     return keras_source(source, weights_only=options.weights_only)
 

@@ -15,7 +15,6 @@ from types import ModuleType
 
 from restorekit.errors import InvalidArgumentError
 from restorekit.formats import _sinks as formats
-
 from restorekit.export._options import OBJECT_GRAPH_KEY, OutputPlan, out_shape, plan_output
 from restorekit.formats import npz, onnx, safetensors, torch
 from restorekit.formats.files import FileCheckpoint, FileReader, _tf_layout, tf_shapes
@@ -24,12 +23,14 @@ from restorekit.formats.safetensors._reader import ShardedSafetensorsReader, sha
 __all__ = ["FileCheckpoint", "Reader", "ShardedSafetensorsReader", "file_plan", "file_sizes", "of_view", "open_source", "reader",
            "shard_set", "source_nbytes", "tf_shapes", "tf_sizes", "tf_tensors"]
 
+
 @dataclasses.dataclass(frozen=True)
 class Reader:
     """A conversion's non-TF source: the format's reader (``restorekit.formats``) and the export module of its format."""
 
     source: FileReader  # one file, or a set of safetensors shards (ShardedSafetensorsReader)
     module: ModuleType | None  # the export format module (None for a format read only, such as onnx)
+    known_record: tuple = ()  # (the file's layout record or None,) when the view that opened it read it already
 
     @property
     def path(self) -> str:
@@ -56,10 +57,11 @@ class Reader:
         return self.source.read_shapes()
 
     def read_record(self):
-        return self.source.read_record()
+        return self.known_record[0] if self.known_record else self.source.read_record()
 
     def stored_tensors(self) -> dict:
         return self.source.stored_tensors()
+
 
 def reader(src: str, fmt: str) -> Reader:
     """The reader of the ``fmt`` file (or safetensors shard set) at ``src``.
@@ -72,12 +74,15 @@ def reader(src: str, fmt: str) -> Reader:
         formats.module(fmt)  # InvalidArgumentError naming the file formats
     return Reader(_READERS[fmt](src), formats.modules().get(fmt))
 
+
 def of_view(view) -> Reader:
     """The conversion's reader of an open ``FileView``: the reader it opened, nothing opened again."""
-    return Reader(view.reader, formats.modules().get(view.format))
+    return Reader(view.reader, formats.modules().get(view.format), view.file_record())
+
 
 _READERS = {"safetensors": safetensors.open_reader, "torch": torch.TorchReader, "npz": npz.NpzReader,
             "onnx": onnx.OnnxReader}
+
 
 def source_nbytes(reader: Reader) -> int:
     """About how many tensor bytes a non-TF source holds, from its files' sizes and zip directories
@@ -97,6 +102,7 @@ def source_nbytes(reader: Reader) -> int:
         total += size
     return total
 
+
 def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None = None,
                 flatten_channels: dict | None = None):
     """(iterator of (stored name, array), LayoutRecord) of a non-TF source (``flatten_channels``: as
@@ -109,6 +115,7 @@ def open_source(reader: Reader, layout: str | None, max_output_bytes: int | None
                   else LayoutRecord())
     return reader.read(max_output_bytes), record
 
+
 def file_plan(reader: Reader, record, options) -> OutputPlan | None:
     if not options.planned:
         return None
@@ -117,6 +124,7 @@ def file_plan(reader: Reader, record, options) -> OutputPlan | None:
     strings = dict(record.string_tensors()) if OBJECT_GRAPH_KEY in record.strings else {}
     return plan_output(shapes, graph=graph, graph_bytes=lambda: strings[OBJECT_GRAPH_KEY].item(), rules=options.rules,
                        weights_only=options.weights_only, ema=options.ema)
+
 
 def tf_tensors(arrays, record, plan: OutputPlan | None = None):
     """(name, array, TF dtype name or None) for every tensor of a source, strings last; under ``plan``,
@@ -140,6 +148,7 @@ def tf_tensors(arrays, record, plan: OutputPlan | None = None):
             array = np.array(plan.graph, dtype=object)
         yield wanted[name], array, dtype
 
+
 def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     """(output name, shape, bytes) of every numeric tensor of a safetensors source, in the order
     ``tf_tensors`` yields them."""
@@ -159,6 +168,7 @@ def file_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
             shape = out_shape(plan, name, shape)
         sizes.append((name, shape, sum(infos[s].end - infos[s].begin for s in stored)))
     return sizes
+
 
 def tf_sizes(reader: Reader, record, plan: OutputPlan | None) -> list:
     """(output name, bytes) of every tensor of a source (strings count 0), from headers and shapes only:

@@ -89,6 +89,8 @@ class FileView(EntryMapping):
         found = record if record is not None else None if stored else reader.read_record()
         self.record_layout = found.layout if found is not None else None  # 'torch': undone, TF names and axes
         self._record = found
+        # the file's own record as read here, for a conversion of this view to reuse (not read: stored or guessed)
+        self._file_record = (found,) if record is None and not stored else ()
         with boundary(self.prefix, f"{fmt} file"):
             self._file = reader.checkpoint(found if found is not None else LayoutRecord())
         self._entries: Mapping = MappingProxyType(dict(sorted(self._file.entries.items())))
@@ -123,6 +125,11 @@ class FileView(EntryMapping):
         """The file's plain values beside its tensors, by path (a torch training checkpoint's ``step``), else {}."""
         values = getattr(self._reader, "metadata", None)
         return values() if values is not None else {}
+
+    def file_record(self) -> tuple:
+        """``(the file's layout record or None,)`` as read when this view opened, or ``()`` when it did not
+        read it (a view as stored, or one given a guessed record): a conversion reads it only then."""
+        return self._file_record
 
     @property
     def reader(self) -> "FileReader":

@@ -22,14 +22,14 @@ import re
 from restorekit._bundle import crashpoints, files
 from restorekit._bundle.staging import Staging
 from restorekit.errors import InvalidArgumentError, OutputExistsError
-from restorekit.formats.safetensors import _writer as safetensors
+from restorekit.formats.safetensors import _reader, _writer
 from restorekit.formats._sink import ExportResult
 from restorekit.layouts import LayoutRecord
 from restorekit.formats.safetensors._reader import _SHARD, INDEX_SUFFIX, _shard_name
 
 __all__ = ["output_files", "parse_size", "write", "write_checkpoint"]
 
-LAYOUTS = safetensors.LAYOUTS  # a set of shards takes the layouts one safetensors file takes
+LAYOUTS = _writer.LAYOUTS  # a set of shards takes the layouts one safetensors file takes
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -149,7 +149,7 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
         for k, (path, part) in enumerate(zip(paths, parts), 1):
             result = write_one(staging.path(path), part)
             results.append(result)
-            weight_map.update({name: os.path.basename(path) for name in safetensors.read_shapes(staging.path(path))})
+            weight_map.update({name: os.path.basename(path) for name in _reader.read_shapes(staging.path(path))})
             crashpoints.crash_point(f"shard-{k}-staged")
         if index is not None:
             text = json.dumps({"metadata": {"total_size": sum(r.nbytes for r in results)}, "weight_map": weight_map},
@@ -174,7 +174,7 @@ def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str 
                      metadata: dict | None = None, max_shard_size, overwrite: bool = False,
                      progress: bool = False, texts: dict | None = None) -> ExportResult:
     """Write a TF checkpoint (or the renamed subset ``names``) as sharded safetensors; each shard
-    is written by ``safetensors.write_checkpoint``, raw shard bytes copied where possible.
+    is written by ``_writer.write_checkpoint``, raw shard bytes copied where possible.
 
     ``texts`` (path -> text, a ``config.json``) are published in the same commit, before the weights.
 
@@ -200,7 +200,7 @@ def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str 
     parts[0] = [n for n, source in names.items() if checkpoint.entries[source].dtype == "string"] + parts[0]
 
     def write_one(tmp, part):
-        return safetensors.write_checkpoint(checkpoint, tmp, names={n: names[n] for n in part}, layout=layout,
+        return _writer.write_checkpoint(checkpoint, tmp, names={n: names[n] for n in part}, layout=layout,
                                             metadata=metadata, progress=progress)
 
     return _publish(out, parts, overwrite, write_one, texts)
@@ -239,7 +239,7 @@ def write(out, tensors, *, sizes: list, layout: str | None = None, metadata: dic
 
     def write_one(tmp, part):
         last = part is parts[-1]
-        return safetensors.write(tmp, part_tensors(part, last), layout=layout, metadata=metadata, graph=graph,
+        return _writer.write(tmp, part_tensors(part, last), layout=layout, metadata=metadata, graph=graph,
                                  progress=progress)
 
     return _publish(out, parts, overwrite, write_one, texts)

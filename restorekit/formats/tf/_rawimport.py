@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from restorekit.errors import CorruptCheckpointError
-from restorekit.formats.safetensors import _writer as safetensors
 from restorekit.layouts import STORED_AS
 from restorekit.formats._rawcopy import _KernelCopy, write_all  # the export's kernel copy thread, shared
-from restorekit.formats.safetensors._reader import SafetensorsReader
+from restorekit.formats.safetensors._reader import SafetensorsReader, open_tensors
 
 __all__ = ["RawRuns", "StoredBytes", "source_arrays"]
 
@@ -71,7 +70,7 @@ def source_arrays(reader, record, max_output_bytes: int | None = None):
 def _arrays(headers: list, record):
     for path, header in headers:
         # the format's own reading verb: decoded tensors come as memory maps, read as they are written
-        arrays = safetensors.open_tensors(path)
+        arrays = open_tensors(path)
         for name, info in header.tensors.items():
             array = arrays.pop(name)
             size = info.end - info.begin

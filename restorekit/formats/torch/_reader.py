@@ -294,7 +294,17 @@ def read(path, *, max_output_bytes: int | None = None) -> Iterator[tuple[str, np
         OutputError: over ``max_output_bytes``.
     """
     path = os.fspath(path)
-    loaded = _load(path)
+    return _read_loaded(path, _load(path), max_output_bytes)
+
+
+@reader("PyTorch file")
+def _load_checked(path: str) -> _Loaded:
+    """``_load`` inside the reader's error boundary (what ``load`` raises, for a reader that keeps the load)."""
+    return _load(os.fspath(path))
+
+
+@reader("PyTorch file")
+def _read_loaded(path: str, loaded: _Loaded, max_output_bytes: int | None):
     check_output_size(path, loaded.size, loaded.sizes, max_output_bytes,
                       why=" (a view repeating its storage, such as expand(), counts every element)")
     return _arrays(path, loaded)
@@ -362,7 +372,11 @@ class TorchReader(FileReader):
     """A PyTorch ``state_dict`` file: its tensors as stored (names and axes of the file).
 
     ``path`` may name one group of a training checkpoint: ``ckpt.pt:model_state`` reads the
-    tensors under ``model_state.`` without that prefix (``restorekit.From(path, prefix=...)``)."""
+    tensors under ``model_state.`` without that prefix (``restorekit.From(path, prefix=...)``).
+
+    The file is loaded once per reader (the restricted scan, then ``torch.load`` memory-mapped)
+    and every verb reads that load: a conversion asks for the record, the shapes, the sizes of
+    its shards and the tensors of one file, and none of them loads it again."""
 
     fmt = FORMAT
     checks = ("PyTorch files carry no per-tensor checksum: verified means every storage record matches its zip "
@@ -372,24 +386,30 @@ class TorchReader(FileReader):
         file, _ = file_and_group(os.fspath(path))
         super().__init__(file)
         self.path = os.fspath(path)
+        self._loaded: _Loaded | None = None
+
+    def loaded(self) -> _Loaded:
+        """The file as loaded once (``load``'s checks and errors), shared by every verb of this reader."""
+        if self._loaded is None:
+            self._loaded = _load_checked(self.path)
+        return self._loaded
 
     def metadata(self) -> dict:
         """The plain values of a training checkpoint (``step``, ``epoch``, hyper-parameters), by path."""
-        return read_metadata(self.path)
+        return self.loaded().metadata
 
     def read(self, max_output_bytes: int | None = None):
-        return read(self.path, max_output_bytes=max_output_bytes)
+        return _read_loaded(self.path, self.loaded(), max_output_bytes)
 
     def read_shapes(self) -> dict:
-        return read_shapes(self.path)
+        return {name: tuple(t.shape) for name, t in self.loaded().state.items()}
 
     def read_record(self) -> LayoutRecord | None:
-        return read_record(self.path)
+        return self.loaded().record
 
     def stored_tensors(self) -> dict:
-        state, _ = load(self.path)
         return {name: (tuple(t.shape), to_numpy(t.reshape(-1)[:0]).dtype, lambda t=t: to_numpy(t))
-                for name, t in state.items()}
+                for name, t in self.loaded().state.items()}
 
 
 def detect(probe: Probe) -> int:
