@@ -426,7 +426,7 @@ def _pattern_parts(pattern: str, why: Callable[[str], Exception]) -> tuple[list,
             if nxt in "AZ" and (i == 0 if nxt == "A" else i + 2 == len(pattern)):
                 start, end = start or nxt == "A", end or nxt == "Z"
             elif nxt.isalnum() or nxt == "_":
-                raise why(f"'\\{nxt}' outside a group matches text the replacement does not keep")
+                raise why(f"{chr(92) + nxt!r} outside a group matches text the replacement does not keep")
             else:
                 parts.append(nxt)
             i += 2
