@@ -418,22 +418,26 @@ def _pattern_parts(pattern: str, why: Callable[[str], Exception]) -> tuple[list,
     that matches literal text and capturing groups only."""
     parts: list = []
     start = end = False
-    number, i = 0, 0
+    number, i, first = 0, 0, 0  # first: where the pattern starts, past leading inline flags
     while i < len(pattern):
         c = pattern[i]
         if c == "\\" and i + 1 < len(pattern):
             nxt = pattern[i + 1]
-            if nxt in "AZ" and (i == 0 if nxt == "A" else i + 2 == len(pattern)):
+            if nxt in "AZ" and (i == first if nxt == "A" else i + 2 == len(pattern)):
                 start, end = start or nxt == "A", end or nxt == "Z"
             elif nxt.isalnum() or nxt == "_":
                 raise why(f"{chr(92) + nxt!r} outside a group matches text the replacement does not keep")
             else:
                 parts.append(nxt)
             i += 2
-        elif c == "^" and i == 0 or c == "$" and i + 1 == len(pattern):
+        elif c == "^" and i == first or c == "$" and i + 1 == len(pattern):
             start, end = start or c == "^", end or c == "$"
             i += 1
         elif c == "(":
+            flags = re.match(r"\(\?[aiLmsux]+\)", pattern[i:]) if i == 0 else None
+            if flags:  # leading inline flags: the compiled pattern's flags say which, and are checked there
+                i = first = flags.end()
+                continue
             close, inner = _group_end(pattern, i, why)
             if pattern.startswith("(?#", i):
                 i = close

@@ -177,6 +177,7 @@ def test_rules_inverse_gives_every_name_back(pairs, names):
     for name in names:
         assert inverse(rules(name)) == name
     rules.check_inverse(names)
+    inverse.check_inverse([rules(name) for name in names])  # and the inverse's own inverse undoes it
 
 
 @pytest.mark.parametrize("pair, why", [
@@ -192,10 +193,11 @@ def test_rules_inverse_gives_every_name_back(pairs, names):
     ((r"((a)b)", r"\2"), "group 2, which lies inside group 1"),
     ((r"(.*)", r"\1"), "match the empty string"),
     ((re.compile("a", re.IGNORECASE), "b"), "flags"),
+    (("(?i)a", "b"), "flags"),
 ], ids=["a dropped group maps two names to one", "a lookahead", "a lookbehind", "groups side by side",
         "a digit class outside a group", "an alternation outside a group", "a repeated group", "the whole match",
         "a function as replacement", "a group inside a group", "an unanchored inverse matching nothing",
-        "ignoring case"])
+        "ignoring case", "ignoring case inline"])
 def test_rules_inverse_refuses_a_pair_that_loses_what_it_matched_naming_it(pair, why):
     rules = Rules([(r"^keep/", "")]) + Rules([pair])
     pattern = pair[0].pattern if isinstance(pair[0], re.Pattern) else pair[0]

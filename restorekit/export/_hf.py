@@ -25,6 +25,13 @@ Four are registered (:func:`rule_set`), usable with ``convert(..., rules=NAME)``
     (tied to ``wte``) and the ``attn.bias``/``attn.masked_bias`` buffers are dropped;
     ``transformer.``-prefixed names are read too.
 
+Each family is written once, as a table (``BERT_TABLE``, ``GPT2_TABLE``) of rows TF name,
+HF name, transform, where ``{part}`` stands for a regex (a layer number, one of a few
+words). :func:`table_rules` makes ``*-tf-to-hf`` of it; ``*-hf-to-tf`` is its
+:meth:`RuleSet.inverse` (transforms undone: transpose <-> transpose, squeeze0 <->
+unsqueeze0) plus the rows that only go one way, each with its reason: the dropped tied
+copies and buffers, and the other spellings read (``aliases``).
+
 Optimizer state (``adam_m``, ``adam_v``) and ``global_step`` are covered by no rule:
 pass ``weights_only=True`` to leave them out.
 """
