@@ -25,6 +25,7 @@ from restorekit.errors import InvalidArgumentError, NameCollisionError, NoMatchE
 
 __all__ = [
     "Kind",
+    "invert_pair",
     "closest_names",
     "counter_kind",
     "entry_kind",
@@ -357,3 +358,209 @@ def apply_renames(names: Sequence[str], rule) -> dict[str, str]:
         owners[new] = name
         result[name] = new
     return result
+
+
+# -- inverting one (regex, replacement) rewrite
+_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+_QUANTIFIERS = "*+?{"
+
+
+class _Group:
+    """A capturing group at the top level of a pattern: its number, its regex, and the groups inside it."""
+
+    def __init__(self, number: int, regex: str, inner: int):
+        self.number, self.regex, self.inner = number, regex, inner
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index just past the character class opening at ``pattern[i] == '['``."""
+    j = i + 1
+    if j < len(pattern) and pattern[j] == "^":
+        j += 1
+    if j < len(pattern) and pattern[j] == "]":
+        j += 1
+    while j < len(pattern) and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
+
+
+def _group_end(pattern: str, i: int, why: Callable[[str], Exception]) -> tuple[int, int]:
+    """(index just past the group opening at ``pattern[i] == '('``, capturing groups inside it)."""
+    depth, inner, j = 0, 0, i
+    while j < len(pattern):
+        c = pattern[j]
+        if c == "\\":
+            if j + 1 < len(pattern) and pattern[j + 1].isdigit():
+                raise why("it refers back to a group (\\" + pattern[j + 1] + ")")
+            j += 2
+            continue
+        if c == "[":
+            j = _class_end(pattern, j)
+            continue
+        if c == "(":
+            if pattern.startswith(_LOOKAROUND, j):
+                raise why("it has a lookahead or lookbehind, which matches text it does not keep")
+            if pattern.startswith(("(?P=", "(?("), j):
+                raise why("it refers back to a group")
+            if j > i and (pattern[j + 1:j + 2] != "?" or pattern.startswith("(?P<", j)):
+                inner += 1
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return j + 1, inner
+        j += 1
+    raise why("its parentheses do not balance")
+
+
+def _pattern_parts(pattern: str, why: Callable[[str], Exception]) -> tuple[list, bool, bool]:
+    """(parts: literal strs and top-level _Groups, anchored at the start, anchored at the end) of a pattern
+    that matches literal text and capturing groups only."""
+    parts: list = []
+    start = end = False
+    number, i, first = 0, 0, 0  # first: where the pattern starts, past leading inline flags
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt in "AZ" and (i == first if nxt == "A" else i + 2 == len(pattern)):
+                start, end = start or nxt == "A", end or nxt == "Z"
+            elif nxt.isalnum() or nxt == "_":
+                raise why(f"{chr(92) + nxt!r} outside a group matches text the replacement does not keep")
+            else:
+                parts.append(nxt)
+            i += 2
+        elif c == "^" and i == first or c == "$" and i + 1 == len(pattern):
+            start, end = start or c == "^", end or c == "$"
+            i += 1
+        elif c == "(":
+            flags = re.match(r"\(\?[aiLmsux]+\)", pattern[i:]) if i == 0 else None
+            if flags:  # leading inline flags: the compiled pattern's flags say which, and are checked there
+                i = first = flags.end()
+                continue
+            close, inner = _group_end(pattern, i, why)
+            if pattern.startswith("(?#", i):
+                i = close
+                continue
+            if pattern[i + 1:i + 2] == "?" and not pattern.startswith("(?P<", i):
+                raise why(f"{pattern[i:close]!r} matches text outside a capturing group, which the replacement "
+                          "cannot keep")
+            number += 1
+            if close < len(pattern) and pattern[close] in _QUANTIFIERS:
+                raise why(f"group {number} is repeated or optional, so what it matched is not all kept")
+            body = i + (pattern.index(">", i) + 1 - i if pattern.startswith("(?P<", i) else 1)
+            parts.append(_Group(number, pattern[body:close - 1], inner))
+            number += inner
+            i = close
+        elif c in ".[|^$)" or c in _QUANTIFIERS:
+            raise why(f"{c!r} outside a group matches text the replacement does not keep")
+        else:
+            parts.append(c)
+            i += 1
+        if i < len(pattern) and pattern[i] in _QUANTIFIERS and parts and isinstance(parts[-1], str):
+            raise why(f"{pattern[i]!r} repeats text outside a group, so what it matched is not kept")
+    return parts, start, end
+
+
+def _template_parts(replacement: str, groups: dict, names: Mapping, why: Callable[[str], Exception]) -> list:
+    """The replacement as literal strs and references (ints) to groups of the pattern."""
+    out: list = []
+    i = 0
+    while i < len(replacement):
+        c = replacement[i]
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        nxt = replacement[i + 1:i + 2]
+        if nxt == "\\":
+            out.append("\\")
+            i += 2
+            continue
+        if nxt == "g" and replacement[i + 2:i + 3] == "<":
+            close = replacement.find(">", i)
+            ref = replacement[i + 3:close]
+            i = close + 1
+        elif nxt.isdigit() and nxt != "0":
+            ref = replacement[i + 1:i + 3] if replacement[i + 2:i + 3].isdigit() else nxt
+            i += 1 + len(ref)
+        else:
+            raise why(f"its replacement has the escape '\\{nxt}'; only group references can be undone")
+        number = int(ref) if ref.isdigit() else names.get(ref, -1)
+        if number == 0:
+            raise why("its replacement writes the whole match (\\g<0>), which the inverse cannot take apart")
+        if number not in groups:
+            outer = next((g for g in groups.values() if g.number < number <= g.number + g.inner), None)
+            raise why(f"its replacement writes group {ref}, which lies inside group {outer.number}" if outer
+                      else f"its replacement refers to a group {ref!r} the pattern lacks")
+        out.append(number)
+    return out
+
+
+def invert_pair(pattern, replacement, *, whole: bool = False) -> tuple[str, str]:
+    """The ``(regex, replacement)`` that undoes one rewrite ``(pattern, replacement)``.
+
+    A rewrite can be undone when its pattern is literal text and capturing groups (each
+    written once or more by the replacement, never two side by side), and its replacement is
+    literal text and group references. The inverse matches what the replacement wrote and
+    writes the pattern's text back around the groups: ``('layer_(\\d+)/kernel', 'layer.\\1.weight')``
+    becomes ``('layer\\.(\\d+)\\.weight', 'layer_\\1/kernel')``. ``whole``: the rewrite matches
+    whole names (``re.fullmatch``), not parts (``re.sub``), so an inverse that could match an
+    empty string is no ambiguity.
+
+    Raises:
+        InvalidArgumentError: the rewrite loses something (a dropped group, text matched outside
+            a group, a lookahead, a function as replacement); the message names the pair and why.
+    """
+    source = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
+
+    def why(reason: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"rule {source!r} -> {replacement!r} cannot be inverted: {reason}")
+
+    if not isinstance(replacement, str):
+        raise why("its replacement is a function")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise InvalidArgumentError(f"rename pattern {source!r} is not a valid regular expression: {e}") from None
+    if compiled.flags & ~(re.UNICODE | re.DOTALL):
+        raise why("it has flags other than DOTALL (ignoring case or spaces loses the text it matched)")
+    parts, start, end = _pattern_parts(source, why)
+    groups = {p.number: p for p in parts if isinstance(p, _Group)}
+    template = _template_parts(replacement, groups, compiled.groupindex, why)
+    for number, group in groups.items():
+        if number not in template:
+            raise why(f"it drops group {number} ({group.regex!r}), so names that differ there become one")
+    for a, b in zip(template, template[1:]):
+        if isinstance(a, int) and isinstance(b, int):
+            both = f"group {a} twice" if a == b else f"groups {a} and {b}"
+            raise why(f"its replacement writes {both} side by side, so the inverse cannot tell where one ends")
+    regex, numbers = _inverse_pattern(template, groups)
+    regex = ("(?s)" if compiled.flags & re.DOTALL else "") + ("^" if start else "") + regex + ("$" if end else "")
+    if not whole and not start and re.compile(regex).fullmatch("") is not None:
+        raise why("its inverse would match the empty string everywhere; anchor the pattern with '^'")
+    back = ""
+    for j, item in enumerate(parts):
+        if isinstance(item, str):
+            back += item.replace("\\", "\\\\")
+        else:
+            following = parts[j + 1] if j + 1 < len(parts) else ""
+            ref = numbers[item.number]
+            back += f"\\g<{ref}>" if isinstance(following, str) and following[:1].isdigit() else f"\\{ref}"
+    return regex, back
+
+
+def _inverse_pattern(template: list, groups: dict) -> tuple[str, dict[int, int]]:
+    """(the regex matching what ``template`` writes, {group of the pattern: its number in that regex})."""
+    regex, count = "", 0
+    numbers: dict[int, int] = {}
+    for item in template:
+        if isinstance(item, str):
+            regex += re.escape(item)
+        elif item in numbers:
+            regex += f"(?:\\{numbers[item]})"  # a back-reference: the forward wrote the group twice
+        else:
+            numbers[item] = count + 1
+            count += 1 + groups[item].inner
+            regex += f"({groups[item].regex})"
+    return regex, numbers

@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 
 from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
 from restorekit._hints import level_index, one_level_away, shapes_fit
-from restorekit._names import compile_pairs, optimizer_slot_kind
+from restorekit._names import compile_pairs, invert_pair, optimizer_slot_kind
 
 __all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
 
@@ -82,6 +82,68 @@ class Rules:
     def __call__(self, name: str) -> str:
         """Rewrite one name without seeing the checkpoint (the pairs only)."""
         return self._rewrite(name)
+
+    def inverse(self) -> "Rules":
+        """The rules that give back the names these rewrite: each pair undone, the last pair first.
+
+        A pair can be undone when its pattern is literal text and capturing groups and its
+        replacement writes every group back: ``(r'^net/(\\w+)/', r'\\1.')`` becomes
+        ``(r'^(\\w+)\\.', r'net/\\1/')``. A pair rewrites wherever it matches (``re.sub``),
+        so a name comes back only if what the pairs left alone does not look like what they
+        wrote; :meth:`check_inverse` checks a list of names.
+
+        Raises:
+            InvalidArgumentError: ``synonyms``, ``renumber`` or ``scope_levels`` (each picks a
+                checkpoint name by what the checkpoint holds, which no rule undoes), or a pair
+                that loses what it matched (a dropped group, a lookahead, text matched outside
+                a group, a function as replacement); the message names the pair and why.
+        """
+        chosen = [option for option, on in (("synonyms", bool(self.synonyms)), ("renumber", self.renumber),
+                                            ("scope_levels", self.scope_levels)) if on]
+        if chosen:
+            raise InvalidArgumentError(
+                f"rules {self!r} cannot be inverted: {' and '.join(chosen)} pick a checkpoint name by what the "
+                f"checkpoint holds, which no rule undoes; invert Rules of (regex, replacement) pairs alone"
+            )
+        pairs = []
+        for pattern, replacement in reversed(self.pairs):
+            try:
+                pairs.append(invert_pair(pattern, replacement))
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"rules {self!r}: {e}") from None
+        return Rules(pairs, name=f"{self.name}.inverse()" if self.name else None)
+
+    def check_inverse(self, names, inverse: "Rules | None" = None) -> None:
+        """Check that every one of ``names`` comes back through these rules and then ``inverse``.
+
+        ``inverse`` is :meth:`inverse` by default; then the pair that lost a name is named.
+
+        Raises:
+            InvalidArgumentError: names that come back as others, each with the pair that lost it.
+        """
+        own = inverse is None
+        inverse = self.inverse() if inverse is None else inverse
+        lost = []
+        for name in names:
+            steps = [name]
+            for pattern, replacement in self.pairs:
+                steps.append(pattern.sub(replacement, steps[-1]))
+            back = inverse(steps[-1])
+            if back == name:
+                continue
+            text = f"{name!r} -> {steps[-1]!r} -> {back!r}"
+            if own:
+                current = steps[-1]
+                for j, (pattern, replacement) in enumerate(inverse.pairs):
+                    current = pattern.sub(replacement, current)
+                    if current != steps[-2 - j]:
+                        lost_by = self.pairs[len(self.pairs) - 1 - j]
+                        text += f" (pair {lost_by[0].pattern!r} -> {lost_by[1]!r})"
+                        break
+            lost.append(text)
+        if lost:
+            shown = "; ".join(lost[:5]) + (f"; ... and {len(lost) - 5} more" if len(lost) > 5 else "")
+            raise InvalidArgumentError(f"rules {inverse!r} do not give back {len(lost)} name(s) of {self!r}: {shown}")
 
     def bind(self, variable_names, checkpoint_names) -> Callable[[str], str | None]:
         """A function variable_name -> checkpoint name or None, for these names.

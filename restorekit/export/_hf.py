@@ -25,6 +25,13 @@ Four are registered (:func:`rule_set`), usable with ``convert(..., rules=NAME)``
     (tied to ``wte``) and the ``attn.bias``/``attn.masked_bias`` buffers are dropped;
     ``transformer.``-prefixed names are read too.
 
+Each family is written once, as a table (``BERT_TABLE``, ``GPT2_TABLE``) of rows TF name,
+HF name, transform, where ``{part}`` stands for a regex (a layer number, one of a few
+words). :func:`table_rules` makes ``*-tf-to-hf`` of it; ``*-hf-to-tf`` is its
+:meth:`RuleSet.inverse` (transforms undone: transpose <-> transpose, squeeze0 <->
+unsqueeze0) plus the rows that only go one way, each with its reason: the dropped tied
+copies and buffers, and the other spellings read (``aliases``).
+
 Optimizer state (``adam_m``, ``adam_v``) and ``global_step`` are covered by no rule:
 pass ``weights_only=True`` to leave them out.
 """
@@ -35,17 +42,17 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError, NameCollisionError, RestoreKitWarning, Wording, format_names
-from restorekit._names import is_weight
+from restorekit._names import invert_pair, is_weight
 
-__all__ = ["RULE_SETS", "Rule", "RulePlan", "RuleSet", "hf_config", "rule_set"]
+__all__ = ["RULE_SETS", "Rule", "RulePlan", "RuleSet", "TRANSFORMS", "Transform", "hf_config", "rule_set", "table_rules"]
 
 
-# -- axis transforms: name -> (shape -> new shape or None when it does not apply, array -> array)
+# -- axis transforms
 def _transpose_shape(shape):
     return tuple(reversed(shape)) if len(shape) == 2 else None
 
@@ -58,10 +65,19 @@ def _unsqueeze_shape(shape):
     return (1, *shape)
 
 
+class Transform(NamedTuple):
+    """An axis transform: ``shape`` -> new shape (None when it does not apply), the array's, and its undoing."""
+
+    shape: Callable
+    array: Callable
+    needs: str  # what a tensor must be for it to apply, for the error
+    inverse: str | None  # the transform that undoes it; None: it loses data and nothing undoes it
+
+
 TRANSFORMS = {
-    "transpose": (_transpose_shape, lambda a: np.ascontiguousarray(a.T), "a rank-2 tensor"),
-    "squeeze0": (_squeeze_shape, lambda a: a.reshape(a.shape[1:]), "a leading axis of 1"),
-    "unsqueeze0": (_unsqueeze_shape, lambda a: a.reshape((1, *a.shape)), ""),
+    "transpose": Transform(_transpose_shape, lambda a: np.ascontiguousarray(a.T), "a rank-2 tensor", "transpose"),
+    "squeeze0": Transform(_squeeze_shape, lambda a: a.reshape(a.shape[1:]), "a leading axis of 1", "unsqueeze0"),
+    "unsqueeze0": Transform(_unsqueeze_shape, lambda a: a.reshape((1, *a.shape)), "", "squeeze0"),
 }
 
 
@@ -86,39 +102,53 @@ class RulePlan:
     def apply(self, name: str, array: np.ndarray) -> np.ndarray:
         """``array`` (the source tensor ``name``) in the target's axes."""
         transform = self.transforms.get(name)
-        return array if transform is None else TRANSFORMS[transform][1](np.asarray(array))
+        return array if transform is None else TRANSFORMS[transform].array(np.asarray(array))
 
 
 @dataclass(frozen=True)
 class RuleSet:
     """Names and axes from one convention to another; see the module docstring.
 
-    ``prepare`` rewrites a source name before the rules are matched (optional prefixes,
-    separators); ``finish`` rewrites what a rule produced (``/`` -> ``.``). The first
-    rule whose pattern matches the whole prepared name wins. ``drop`` lists
-    ``(pattern, why)`` for names the target has no place for.
+    The first rule whose pattern matches the whole name wins. Two kinds of one-directional
+    rows sit beside the rules, each with its reason: ``aliases``, ``(pattern, replacement,
+    why)`` rewrites of other spellings the source may use, applied in order before anything
+    is matched (``BertModel``'s names without ``bert.``); and ``drop``, ``(pattern, why)``
+    for names the target has no place for (a tied copy, a buffer). ``prepare`` and
+    ``finish`` are functions rewriting a name before the rules and what a rule produced;
+    :meth:`inverse` cannot undo a function, so the shipped sets use none.
     """
 
     name: str
     description: str
     rules: tuple
     drop: tuple = ()
-    prepare: Callable = field(default=lambda n: n, repr=False)
-    finish: Callable = field(default=lambda n: n, repr=False)
+    prepare: Callable | None = field(default=None, repr=False)
+    finish: Callable | None = field(default=None, repr=False)
     target: str = "tf"  # the naming of the output: 'tf' or 'hf'
     model: str | None = None  # the Hugging Face model_type written by hf_config
+    aliases: tuple = ()
 
-    def target_of(self, name: str) -> tuple[str | None, str | None, str | None]:
-        """(target name, transform, why dropped) of one source name; (None, None, None) when no rule covers it."""
-        prepared = self.prepare(name)
+    def _match(self, name: str) -> tuple[Rule | None, str | None, str | None]:
+        """(the rule that takes ``name``, its target name, why dropped)."""
+        prepared = self.prepare(name) if self.prepare else name
+        for pattern, replacement, _ in self.aliases:
+            m = re.fullmatch(pattern, prepared)
+            if m:
+                prepared = m.expand(replacement)
         for pattern, why in self.drop:
             if re.fullmatch(pattern, prepared):
                 return None, None, why
         for rule in self.rules:
             m = re.fullmatch(rule.pattern, prepared)
             if m:
-                return self.finish(m.expand(rule.replacement)), rule.transform, None
+                new = m.expand(rule.replacement)
+                return rule, self.finish(new) if self.finish else new, None
         return None, None, None
+
+    def target_of(self, name: str) -> tuple[str | None, str | None, str | None]:
+        """(target name, transform, why dropped) of one source name; (None, None, None) when no rule covers it."""
+        rule, new, why = self._match(name)
+        return new, None if rule is None else rule.transform, why
 
     def plan(self, shapes: dict) -> RulePlan:
         """Apply the rule set to ``{source name: shape}``, checking everything before anything is written.
@@ -139,11 +169,11 @@ class RuleSet:
                 continue
             shape = tuple(shape)
             if transform is not None:
-                reshaped = TRANSFORMS[transform][0](shape)
+                reshaped = TRANSFORMS[transform].shape(shape)
                 if reshaped is None:
                     raise InvalidArgumentError(
                         f"rule set {self.name!r}: {name!r} has shape {list(shape)}; its {transform} needs "
-                        f"{TRANSFORMS[transform][2]}"
+                        f"{TRANSFORMS[transform].needs}"
                     )
                 shape = reshaped
                 transforms[name] = transform
@@ -158,6 +188,83 @@ class RuleSet:
             raise InvalidArgumentError(f"rule set {self.name!r} covers no tensor of this checkpoint")
         return RulePlan(names, transforms, dropped, out_shapes)
 
+    def inverse(self, name: str | None = None, description: str | None = None, *, drop: tuple = (),
+                aliases: tuple = (), target: str = "tf", model: str | None = None) -> "RuleSet":
+        """The rule set that gives back what this one renamed: each rule's rewrite undone, in the same order,
+        with its transform's inverse (transpose <-> transpose, squeeze0 <-> unsqueeze0).
+
+        This set's own ``drop`` and ``aliases`` are one-directional and have no inverse: the
+        target never holds a dropped name, nor the source's other spellings. ``drop`` and
+        ``aliases`` here are the inverse's own (the target's tied copies and buffers, its
+        other spellings). ``target`` and ``model`` are the inverse's output naming, as for any
+        rule set. Whether each name comes back is checked over names by :meth:`check_inverse`.
+
+        Raises:
+            InvalidArgumentError: a rule that cannot be undone (it drops a captured group,
+                matches text outside a group, or has a transform that loses data), or a
+                ``prepare`` / ``finish`` function; the message names the rule and why.
+            NameCollisionError: two rules write the same names, so the inverse cannot tell
+                which to give back.
+        """
+        for option in ("prepare", "finish"):
+            if getattr(self, option) is not None:
+                raise InvalidArgumentError(f"rule set {self.name!r} has a {option} function, which cannot be "
+                                           "inverted; state that rewrite as rules or aliases")
+        rules: list[Rule] = []
+        writers: dict[str, Rule] = {}
+        for rule in self.rules:
+            try:
+                pattern, replacement = invert_pair(rule.pattern, rule.replacement, whole=True)
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"rule set {self.name!r}: {e}") from None
+            transform = None
+            if rule.transform is not None:
+                transform = TRANSFORMS[rule.transform].inverse if rule.transform in TRANSFORMS else None
+                if transform is None:
+                    raise InvalidArgumentError(
+                        f"rule set {self.name!r}: rule {rule.pattern!r} -> {rule.replacement!r} cannot be inverted: "
+                        f"its transform {rule.transform!r} loses data (no transform undoes it)")
+            if pattern in writers:
+                raise NameCollisionError(
+                    f"rule set {self.name!r}: rules {writers[pattern].pattern!r} and {rule.pattern!r} both write "
+                    f"{rule.replacement!r}, so its inverse cannot tell which name to give back")
+            writers[pattern] = rule
+            rules.append(Rule(pattern, replacement, transform))
+        return RuleSet(name or f"{self.name} (inverted)", description or f"the inverse of {self.name!r}",
+                       tuple(rules), drop=drop, target=target, model=model, aliases=aliases)
+
+    def check_inverse(self, shapes, inverse: "RuleSet | None" = None) -> None:
+        """Check that every name of ``shapes`` comes back, with its shape, through this set and then ``inverse``.
+
+        Args:
+            shapes: ``{source name: shape}``, or source names alone (checked with shape
+                ``[1, 2]``, which every transform takes).
+            inverse: the set that should undo this one; by default :meth:`inverse`.
+
+        Raises:
+            InvalidArgumentError: names that come back as others, or not at all, each with the
+                rule that carried it; and whatever :meth:`plan` or :meth:`inverse` raise.
+        """
+        shapes = {n: tuple(s) for n, s in shapes.items()} if isinstance(shapes, dict) else dict.fromkeys(shapes, (1, 2))
+        inverse = self.inverse() if inverse is None else inverse
+        forward = self.plan(shapes)
+        lost = []
+        for source, new in forward.names.items():
+            back, transform, why = inverse.target_of(new)
+            shape = forward.shapes[new]
+            if transform is not None:
+                shape = TRANSFORMS[transform].shape(shape)
+            if back != source or shape != shapes[source]:
+                rule = self._match(source)[0]
+                assert rule is not None  # the forward plan mapped it
+                came = (f"{back!r}" if back else why or "no rule") + (
+                    f" with shape {list(shape) if shape else shape}" if shape != shapes[source] else "")
+                lost.append(f"{source!r} -> {new!r} -> {came} (rule {rule.pattern!r} -> {rule.replacement!r})")
+        if lost:
+            shown = "; ".join(lost[:5]) + (f"; ... and {len(lost) - 5} more" if len(lost) > 5 else "")
+            raise InvalidArgumentError(f"rule set {inverse.name!r} does not give back {len(lost)} name(s) "
+                                       f"of {self.name!r}: {shown}")
+
 
 def _uncovered_message(name: str, uncovered: list, w: Wording) -> str:
     text = f"rule set {name!r} has no rule for {format_names(uncovered)}"
@@ -167,118 +274,108 @@ def _uncovered_message(name: str, uncovered: list, w: Wording) -> str:
     return text
 
 
-# -- BERT
-_BERT_DENSE = (r"bert/encoder/layer_\d+/attention/self/(?:query|key|value)|bert/encoder/layer_\d+/attention/output/dense"
-               r"|bert/encoder/layer_\d+/(?:intermediate|output)/dense|bert/pooler/dense|cls/predictions/transform/dense")
-_BERT_NORM = (r"bert/embeddings/LayerNorm|bert/encoder/layer_\d+/(?:attention/output|output)/LayerNorm"
-              r"|cls/predictions/transform/LayerNorm")
-_BERT_TABLES = r"bert/embeddings/(?:word|position|token_type)_embeddings"
+def table_rules(parts: dict, rows) -> tuple:
+    """The rules TF -> HF of a family's table.
+
+    Each row is ``(TF name, HF name[, transform])``, where ``{part}`` stands for the regex
+    ``parts[part]``: captured on the TF side, written back on the HF side. The reverse
+    direction is :meth:`RuleSet.inverse` of these rules.
+    """
+    rules = []
+    for tf, hf, *transform in rows:
+        tf_bits, hf_bits = re.split(r"\{(\w+)\}", tf), re.split(r"\{(\w+)\}", hf)
+        captured = tf_bits[1::2]
+        if sorted(captured) != sorted(hf_bits[1::2]) or len(set(captured)) != len(captured):
+            raise ValueError(f"table row {tf!r} <-> {hf!r}: each part must appear once on each side")
+        pattern = "".join(re.escape(b) if i % 2 == 0 else f"({parts[b]})" for i, b in enumerate(tf_bits))
+        replacement = "".join(b.replace("\\", "\\\\") if i % 2 == 0 else f"\\g<{captured.index(b) + 1}>"
+                              for i, b in enumerate(hf_bits))
+        rules.append(Rule(pattern, replacement, *transform))
+    return tuple(rules)
 
 
-def _bert_hf(name: str) -> str:
-    """'bert/encoder/layer_3/output/dense/weight' -> 'bert.encoder.layer.3.output.dense.weight'."""
-    return re.sub(r"(^|/)layer_(\d+)(?=/)", r"\1layer/\2", name).replace("/", ".")
-
-
-def _bert_tf(name: str) -> str:
-    """The inverse of ``_bert_hf``; names of ``BertModel`` (no ``bert.``) get the prefix."""
-    if re.match(r"(?:embeddings|encoder|pooler)\.", name):
-        name = "bert." + name
-    return re.sub(r"(^|/)layer/(\d+)(?=/)", r"\1layer_\2", name.replace(".", "/"))
-
+# -- BERT: the one table, TF name <-> HF name, transform (TF -> HF; HF -> TF undoes it)
+BERT_PARTS = {"i": r"\d+", "table": "word|position|token_type", "qkv": "query|key|value", "io": "intermediate|output"}
+BERT_TABLE = (
+    ("bert/embeddings/{table}_embeddings", "bert.embeddings.{table}_embeddings.weight"),
+    ("bert/embeddings/LayerNorm/gamma", "bert.embeddings.LayerNorm.weight"),
+    ("bert/embeddings/LayerNorm/beta", "bert.embeddings.LayerNorm.bias"),
+    ("bert/encoder/layer_{i}/attention/self/{qkv}/kernel", "bert.encoder.layer.{i}.attention.self.{qkv}.weight",
+     "transpose"),
+    ("bert/encoder/layer_{i}/attention/self/{qkv}/bias", "bert.encoder.layer.{i}.attention.self.{qkv}.bias"),
+    ("bert/encoder/layer_{i}/attention/output/dense/kernel", "bert.encoder.layer.{i}.attention.output.dense.weight",
+     "transpose"),
+    ("bert/encoder/layer_{i}/attention/output/dense/bias", "bert.encoder.layer.{i}.attention.output.dense.bias"),
+    ("bert/encoder/layer_{i}/attention/output/LayerNorm/gamma",
+     "bert.encoder.layer.{i}.attention.output.LayerNorm.weight"),
+    ("bert/encoder/layer_{i}/attention/output/LayerNorm/beta", "bert.encoder.layer.{i}.attention.output.LayerNorm.bias"),
+    ("bert/encoder/layer_{i}/{io}/dense/kernel", "bert.encoder.layer.{i}.{io}.dense.weight", "transpose"),
+    ("bert/encoder/layer_{i}/{io}/dense/bias", "bert.encoder.layer.{i}.{io}.dense.bias"),
+    ("bert/encoder/layer_{i}/output/LayerNorm/gamma", "bert.encoder.layer.{i}.output.LayerNorm.weight"),
+    ("bert/encoder/layer_{i}/output/LayerNorm/beta", "bert.encoder.layer.{i}.output.LayerNorm.bias"),
+    ("bert/pooler/dense/kernel", "bert.pooler.dense.weight", "transpose"),
+    ("bert/pooler/dense/bias", "bert.pooler.dense.bias"),
+    ("cls/predictions/transform/dense/kernel", "cls.predictions.transform.dense.weight", "transpose"),
+    ("cls/predictions/transform/dense/bias", "cls.predictions.transform.dense.bias"),
+    ("cls/predictions/transform/LayerNorm/gamma", "cls.predictions.transform.LayerNorm.weight"),
+    ("cls/predictions/transform/LayerNorm/beta", "cls.predictions.transform.LayerNorm.bias"),
+    ("cls/predictions/output_bias", "cls.predictions.bias"),
+    ("cls/seq_relationship/output_weights", "cls.seq_relationship.weight"),  # [2, hidden]: already [out, in]
+    ("cls/seq_relationship/output_bias", "cls.seq_relationship.bias"),
+    ("output_weights", "classifier.weight"),  # run_classifier.py's head: BertForSequenceClassification
+    ("output_bias", "classifier.bias"),
+)
 
 BERT_TF_TO_HF = RuleSet(
     "bert-tf-to-hf",
     "google-research BERT TF1 checkpoint -> Hugging Face BertForPreTraining / BertModel",
-    (
-        Rule(rf"({_BERT_TABLES})", r"\1/weight"),
-        Rule(rf"({_BERT_DENSE})/kernel", r"\1/weight", "transpose"),
-        Rule(rf"({_BERT_DENSE})/bias", r"\1/bias"),
-        Rule(rf"({_BERT_NORM})/gamma", r"\1/weight"),
-        Rule(rf"({_BERT_NORM})/beta", r"\1/bias"),
-        Rule(r"cls/predictions/output_bias", "cls/predictions/bias"),
-        Rule(r"cls/seq_relationship/output_weights", "cls/seq_relationship/weight"),
-        Rule(r"cls/seq_relationship/output_bias", "cls/seq_relationship/bias"),
-        Rule(r"output_weights", "classifier/weight"),
-        Rule(r"output_bias", "classifier/bias"),
-    ),
-    finish=_bert_hf,
+    table_rules(BERT_PARTS, BERT_TABLE),
     target="hf",
     model="bert",
 )
 
-BERT_HF_TO_TF = RuleSet(
+BERT_HF_TO_TF = BERT_TF_TO_HF.inverse(
     "bert-hf-to-tf",
     "Hugging Face BertForPreTraining / BertModel -> google-research BERT TF1 checkpoint names",
-    (
-        Rule(rf"({_BERT_TABLES})/weight", r"\1"),
-        Rule(rf"({_BERT_DENSE})/weight", r"\1/kernel", "transpose"),
-        Rule(rf"({_BERT_DENSE})/bias", r"\1/bias"),
-        Rule(rf"({_BERT_NORM})/weight", r"\1/gamma"),
-        Rule(rf"({_BERT_NORM})/bias", r"\1/beta"),
-        Rule(r"cls/predictions/bias", "cls/predictions/output_bias"),
-        Rule(r"cls/seq_relationship/weight", "cls/seq_relationship/output_weights"),
-        Rule(r"cls/seq_relationship/bias", "cls/seq_relationship/output_bias"),
-        Rule(r"classifier/weight", "output_weights"),
-        Rule(r"classifier/bias", "output_bias"),
-    ),
+    aliases=((r"(?s)((?:embeddings|encoder|pooler)\..*)", r"bert.\1", "BertModel's names, without 'bert.'"),),
     drop=(
-        (r"cls/predictions/decoder/weight", "tied to bert.embeddings.word_embeddings.weight"),
-        (r"cls/predictions/decoder/bias", "tied to cls.predictions.bias"),
-        (r"bert/embeddings/(?:position|token_type)_ids", "a buffer, not a weight"),
+        (r"cls\.predictions\.decoder\.weight", "tied to bert.embeddings.word_embeddings.weight"),
+        (r"cls\.predictions\.decoder\.bias", "tied to cls.predictions.bias"),
+        (r"bert\.embeddings\.(?:position|token_type)_ids", "a buffer, not a weight"),
     ),
-    prepare=_bert_tf,
 )
 
 
-# -- GPT-2
-_GPT2_CONV = r"model/h\d+/(?:attn/c_attn|attn/c_proj|mlp/c_fc|mlp/c_proj)"
-_GPT2_NORM = r"model/h\d+/ln_[12]|model/ln_f"
-
-
-def _gpt2_hf(name: str) -> str:
-    """'model/h3/attn/c_attn/weight' -> 'h.3.attn.c_attn.weight'."""
-    return re.sub(r"^model/h(\d+)/", r"h/\1/", name).removeprefix("model/").replace("/", ".")
-
-
-def _gpt2_tf(name: str) -> str:
-    """The inverse of ``_gpt2_hf``; ``GPT2LMHeadModel`` names (``transformer.``) are read too."""
-    name = name.removeprefix("transformer.")
-    if name == "lm_head.weight":
-        return name
-    return "model/" + re.sub(r"^h\.(\d+)\.", r"h\1.", name).replace(".", "/")
-
+# -- GPT-2: the one table (Conv1D keeps [in, out]: its leading 1 is squeezed, nothing is transposed)
+GPT2_PARTS = {"i": r"\d+", "embedding": "wte|wpe", "attn": "c_attn|c_proj", "mlp": "c_fc|c_proj", "ln": "ln_1|ln_2"}
+GPT2_TABLE = (
+    ("model/{embedding}", "{embedding}.weight"),
+    ("model/h{i}/attn/{attn}/w", "h.{i}.attn.{attn}.weight", "squeeze0"),
+    ("model/h{i}/attn/{attn}/b", "h.{i}.attn.{attn}.bias"),
+    ("model/h{i}/mlp/{mlp}/w", "h.{i}.mlp.{mlp}.weight", "squeeze0"),
+    ("model/h{i}/mlp/{mlp}/b", "h.{i}.mlp.{mlp}.bias"),
+    ("model/h{i}/{ln}/g", "h.{i}.{ln}.weight"),
+    ("model/h{i}/{ln}/b", "h.{i}.{ln}.bias"),
+    ("model/ln_f/g", "ln_f.weight"),
+    ("model/ln_f/b", "ln_f.bias"),
+)
 
 GPT2_TF_TO_HF = RuleSet(
     "gpt2-tf-to-hf",
     "OpenAI GPT-2 TF checkpoint -> Hugging Face GPT2Model / GPT2LMHeadModel",
-    (
-        Rule(r"model/(wte|wpe)", r"model/\1/weight"),
-        Rule(rf"({_GPT2_CONV})/w", r"\1/weight", "squeeze0"),
-        Rule(rf"({_GPT2_CONV})/b", r"\1/bias"),
-        Rule(rf"({_GPT2_NORM})/g", r"\1/weight"),
-        Rule(rf"({_GPT2_NORM})/b", r"\1/bias"),
-    ),
-    finish=_gpt2_hf,
+    table_rules(GPT2_PARTS, GPT2_TABLE),
     target="hf",
     model="gpt2",
 )
 
-GPT2_HF_TO_TF = RuleSet(
+GPT2_HF_TO_TF = GPT2_TF_TO_HF.inverse(
     "gpt2-hf-to-tf",
     "Hugging Face GPT2Model / GPT2LMHeadModel -> OpenAI GPT-2 TF checkpoint names",
-    (
-        Rule(r"model/(wte|wpe)/weight", r"model/\1"),
-        Rule(rf"({_GPT2_CONV})/weight", r"\1/w", "unsqueeze0"),
-        Rule(rf"({_GPT2_CONV})/bias", r"\1/b"),
-        Rule(rf"({_GPT2_NORM})/weight", r"\1/g"),
-        Rule(rf"({_GPT2_NORM})/bias", r"\1/b"),
-    ),
+    aliases=((r"(?s)transformer\.(.*)", r"\1", "GPT2LMHeadModel's names, under 'transformer.'"),),
     drop=(
         (r"lm_head\.weight", "tied to wte.weight"),
-        (r"model/h\d+/attn/(?:masked_)?bias", "a buffer (the causal mask), not a weight"),
+        (r"h\.\d+\.attn\.(?:masked_)?bias", "a buffer (the causal mask), not a weight"),
     ),
-    prepare=_gpt2_tf,
 )
 
 RULE_SETS = {r.name: r for r in (BERT_TF_TO_HF, BERT_HF_TO_TF, GPT2_TF_TO_HF, GPT2_HF_TO_TF)}
