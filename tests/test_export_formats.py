@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/_formats.py and base.py: one set of verbs per format, one dispatch table."""
+"""Tests for restorekit/formats/_sinks.py and _sink.py: one set of verbs per format, one dispatch table."""
 
 import inspect
 import types

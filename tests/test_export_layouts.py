@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/layouts/: every common layer exported with layout='torch' computes the same in torch.nn.
+"""Tests for restorekit/layouts/: every common layer exported with layout='torch' computes the same in torch.nn.
 
 Each case trains a small Keras 3 model a few steps (BatchNorm statistics move), exports
 it, loads the file into a hand-built ``torch.nn`` twin with ``load_state_dict(strict=True)``

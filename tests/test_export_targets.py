@@ -46,11 +46,11 @@ def test_export_checkpoint_names_the_target_option_to_as_every_verb_does(prefix,
 
 @pytest.mark.parametrize(
     "suffix, hint",
-    [(".h5", "'*.weights.h5'"), (".hdf5", "'*.weights.h5'"), (".keras", "'*.weights.h5'"), (".npy", "'.npz'"),
+    [(".keras", "'*.weights.h5'"), (".npy", "'.npz'"),
      (".st", "Did you mean '.safetensors'?"), (".safetensor", "Did you mean '.safetensors'?"),
      (".safetensorss", "Did you mean '.safetensors'?"), (".SafeTensor", "Did you mean '.safetensors'?"),
      (".npzz", "Did you mean '.npz'?"), (".onnx", "Nothing was written")],
-    ids=["h5", "hdf5", "keras", "npy", "st", "safetensor", "safetensorss", "upper-case", "npzz", "onnx"],
+    ids=["keras", "npy", "st", "safetensor", "safetensorss", "upper-case", "npzz", "onnx"],
 )
 def test_an_odd_or_mistyped_extension_is_refused_with_a_hint_and_nothing_written(prefix, tmp_path, suffix, hint):
     out = tmp_path / "out" / f"model{suffix}"
@@ -58,6 +58,19 @@ def test_an_odd_or_mistyped_extension_is_refused_with_a_hint_and_nothing_written
         convert(prefix, out)
     message = str(info.value)
     assert f"does not write {suffix.lower()!r} files" in message and hint in message and "to='tf'" in message
+    assert _listing(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".hdf5", ".H5"], ids=["h5", "hdf5", "upper-case"])
+def test_a_legacy_keras_h5_is_refused_from_a_tf_checkpoint_with_nothing_written(prefix, tmp_path, suffix):
+    out = tmp_path / "out" / f"model{suffix}"
+    with pytest.raises(OutputNameError) as info:
+        convert(prefix, out)
+    message = str(info.value)
+    assert "only from a legacy Keras 2 .h5 file" in message and "is a TF checkpoint" in message
+    assert "'*.weights.h5'" in message and "to='tf'" in message
+    with pytest.raises(OutputNameError, match="only from a legacy Keras 2 .h5 file"):
+        target_format(out, None)
     assert _listing(tmp_path / "out") == []
 
 

@@ -1,4 +1,4 @@
-"""restorekit/export/_tfwrite.py: imports into TF checkpoints over several data shards (num_shards=)."""
+"""restorekit/formats/tf/_writer.py: imports into TF checkpoints over several data shards (num_shards=)."""
 
 import os
 

@@ -331,14 +331,18 @@ def test_a_custom_layer_of_a_keras3_archive_pairs_by_position_inside_its_layer(t
 
 
 
-def test_an_edited_keras2_file_is_not_saved_as_a_tf_checkpoint_named_h5(tmp_path):
+def test_an_edited_keras2_file_saved_as_h5_is_a_legacy_keras_file_not_a_tf_checkpoint(tmp_path):
     from restorekit.edit import CheckpointEditor
-    from restorekit.errors import OutputNameError
 
     _cudnn_file(tmp_path / "legacy.h5", "gru_1", 3, 3)
     editor = CheckpointEditor(str(tmp_path / "legacy.h5"))
-    with pytest.raises(OutputNameError, match=r"'\.h5'"):
-        editor.save(str(tmp_path / "x.h5"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.h5"]
+    editor.save(str(tmp_path / "x.h5"))  # written as tf-keras writes it (tests/test_keras_legacy_write.py)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.h5", "x.h5"]
+    before, after = restorekit.Checkpoint(tmp_path / "legacy.h5"), restorekit.Checkpoint(tmp_path / "x.h5")
+    assert after.kind == before.kind and list(after) == list(before)
+    for key in before:
+        np.testing.assert_array_equal(after.read(key), before.read(key))
+    with h5py.File(tmp_path / "legacy.h5", "r") as a, h5py.File(tmp_path / "x.h5", "r") as b:
+        assert list(b.attrs["layer_names"]) == list(a.attrs["layer_names"])
     editor.save(str(tmp_path / "x.safetensors"))  # a name restorekit writes
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.h5", "x.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy.h5", "x.h5", "x.safetensors"]

@@ -1,5 +1,5 @@
 """Keras files to safetensors by kernel copy of their stored bytes (KerasCheckpoint.stored_range in
-restorekit/keras_files, copy_unchecked_run in restorekit/export/_rawcopy.py, the safetensors writer):
+restorekit/keras_files, copy_unchecked_run in restorekit/formats/_rawcopy.py, the safetensors writer):
 values equal to h5py's, plain datasets copied, the others decoded, bad ranges refused with nothing written."""
 
 import os

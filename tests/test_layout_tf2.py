@@ -1,4 +1,4 @@
-"""Tests for restorekit/export/_layout.py on object-based (TF2, Keras 3) checkpoints: layout='torch'."""
+"""Tests for restorekit/layouts on object-based (TF2, Keras 3) checkpoints: layout='torch'."""
 
 import keras
 import numpy as np

@@ -125,8 +125,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("src", help="TF checkpoint, .pt/.pth/.bin, .safetensors (a file, a directory of shards or its "
                                "index.json), .npz, or Keras .weights.h5, .keras or sharded .weights.json set")
-    p.add_argument("out", help="output file (.pt, .safetensors, .npz, .weights.h5 from a Keras 3 source), "
-                               "or checkpoint prefix for --to tf")
+    p.add_argument("out", help="output file (.pt, .safetensors, .npz, .weights.h5 from a Keras 3 source, .h5 from a "
+                               "legacy Keras 2 .h5), or checkpoint prefix for --to tf")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
     p.add_argument("--layout", choices=["torch"], help="PyTorch names and axes (reversed on the way back)")
     p.add_argument("--rules", metavar="NAME",

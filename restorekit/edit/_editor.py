@@ -22,8 +22,9 @@ from restorekit.edit._save_tf import save_tf
 from restorekit.edit._source import Source
 from restorekit.formats import _sinks as formats
 from restorekit.formats import detect
-from restorekit.export._request import KERAS_SHARDED, check, renamed_keywords, request
+from restorekit.export._request import KERAS_LEGACY, KERAS_SHARDED, check, renamed_keywords, request
 from restorekit.export._targets import target_format
+from restorekit.keras_files._legacy_writer import is_legacy_name
 from restorekit.keras_files._reader import KerasCheckpoint
 from restorekit.errors import (
     CorruptCheckpointError,
@@ -410,6 +411,12 @@ class CheckpointEditor:
                 (``x.safetensors``, ``x.pt``, ``x.npz``), else a TF checkpoint. Those keep what ``convert`` keeps: string
                 tensors and the TF2 object graph (rewritten to the edits) travel in the
                 file, so importing it back restores with ``tf.train.Checkpoint.read``.
+                An edited Keras file saves as ``*.weights.h5`` (from a Keras 3 file) or, from a
+                legacy Keras 2 ``.h5`` (tf-keras ``model.save`` or ``save_weights``), as ``*.h5`` /
+                ``*.hdf5`` in its source's structure, which tf-keras loads: ``layer_names``,
+                ``weight_names``, ``backend``, ``keras_version`` and ``model_config`` kept; without
+                its optimizer (``strip_optimizer_slots``, ``weights_only``) ``optimizer_weights`` and
+                ``training_config`` go, as ``model.save(include_optimizer=False)`` writes it.
             layout: for ``'torch'`` and ``'safetensors'``: None, or ``'torch'`` (PyTorch
                 names and axes, see ``restorekit.layouts``).
             weights_only: leave out optimizer state, ``global_step`` and ``save_counter``.
@@ -443,8 +450,9 @@ class CheckpointEditor:
         Raises:
             OutputExistsError: ``out`` is the source, or exists and ``overwrite`` is False.
             InsufficientSpaceError: the disk cannot hold the output; nothing is written.
-            OutputNameError: ``to`` contradicts ``out``'s extension, or ``out`` has an
-                extension restorekit does not write (``.onnx``, ``.h5``, ``.st``); nothing is written.
+            OutputNameError: ``to`` contradicts ``out``'s extension, ``out`` has an
+                extension restorekit does not write (``.onnx``, ``.st``), or ``out`` is a legacy
+                Keras ``.h5`` and the source is not one; nothing is written.
             OptionNotApplicableError: an option the output format does not take (a layout for
                 ``'tf'``, ``num_shards`` for a file, ``max_shard_size`` for a file; see
                 ``restorekit.export._request.OPTIONS``); nothing is written.
@@ -512,7 +520,10 @@ class CheckpointEditor:
         plan = save_keras.without_optimizer(self._plan) if weights_only else self._plan
         if os.path.realpath(out) in {os.path.realpath(f) for f in self._keras_file.files}:
             raise OutputExistsError(path=out, is_source=True)
-        if format is None:  # by the name, as for a TF source: a '.safetensors' is one, a legacy Keras '.h5' refused
+        if format is None and is_legacy_name(out):  # a legacy Keras '.h5': from a legacy Keras 2 file only
+            _check_options(KERAS_LEGACY, "keras", layout=layout, max_shard_size=max_shard_size)
+            return save_keras.save_legacy_h5(self._reader, plan, os.path.abspath(out), overwrite=overwrite)
+        if format is None:  # by the name, as for a TF source: a '.safetensors' is one
             format = formats.TF if save_keras.is_keras_output(out, formats.TF) else target_format(out, None)
         sharded = out.lower().endswith(save_keras.SHARDED)
         keras_output = save_keras.is_keras_output(out, format)
@@ -534,7 +545,8 @@ class CheckpointEditor:
 
         A Keras 3 ``.weights.h5`` is rewritten whole (temp file beside it, then renamed
         over it), checked first to load with ``model.load_weights``; so is a ``.keras``
-        archive, its ``config.json``, ``metadata.json`` and assets copied as they are. A
+        archive, its ``config.json``, ``metadata.json`` and assets copied as they are, and a
+        legacy Keras 2 ``.h5``, its structure kept (see ``save``). A
         sharded Keras set is replaced whole: new shards (cut at ``max_shard_size``, by default
         the old set's largest shard), the new index last, then the old shards it no longer
         names are removed; a failure before the new index is in place leaves the old set.
@@ -583,6 +595,8 @@ class CheckpointEditor:
             if sharded:
                 save_keras.save_sharded(reader, plan, os.path.abspath(self.prefix), overwrite=True, in_place=True,
                                         max_shard_size=max_shard_size, layer_names=self._layer_names)
+            elif not reader.checkpoint.is_weights_file:  # a legacy Keras 2 .h5
+                save_keras.save_legacy_h5(reader, plan, os.path.abspath(self.prefix), overwrite=True)
             elif reader.checkpoint.is_archive:
                 save_keras.save_archive_in_place(reader, plan, self._layer_names)
             else:

@@ -1,4 +1,5 @@
-"""Saving an edited Keras file: back to a Keras 3 ``.weights.h5`` that ``model.load_weights`` accepts, or to another format.
+"""Saving an edited Keras file: back to a Keras 3 ``.weights.h5`` that ``model.load_weights`` accepts, a legacy Keras 2
+``.h5`` that tf-keras loads (from a legacy ``.h5`` only), or to another format.
 
 A Keras file is read through h5py, so every tensor of the output is decoded (one at a
 time) rather than copied as TF shard bytes. Outputs in Keras' own format keep the file's
@@ -76,6 +77,30 @@ def save_weights_h5(source: Source, plan: dict[str, Item], out: str, *, overwrit
     tensors, attrs = _weights(source, plan, out, layer_names)
     write_weights(out, tensors, attrs=attrs)
     return out
+
+
+def save_legacy_h5(source: Source, plan: dict[str, Item], out: str, *, overwrite: bool) -> str:
+    """Write ``plan`` as a legacy Keras 2 ``.h5`` in its source's structure (see
+    ``restorekit.keras_files._legacy_writer``); see ``CheckpointEditor.save``.
+
+    Raises:
+        OutputNameError: the source is not a legacy Keras 2 ``.h5`` file (nothing is written).
+        InvalidArgumentError: an edit the layout cannot hold (a new tensor, a weight moved to another
+            layer, a layer that lost some of its weights, bfloat16); nothing is written.
+        OutputExistsError: ``out`` exists and ``overwrite`` is False.
+    """
+    from restorekit.export._targets import legacy_h5_refused
+    from restorekit.keras_files._legacy_writer import LegacyLayout, legacy_plan, write_legacy
+
+    ckpt = source.checkpoint
+    if not getattr(ckpt, "kind", "").startswith("legacy Keras"):
+        raise legacy_h5_refused(out, getattr(ckpt, "kind", None))
+    if os.path.exists(out) and not overwrite and os.path.realpath(out) != os.path.realpath(ckpt.prefix):
+        raise OutputExistsError(path=out)
+    items = [(name, it.origin, dtype_name(it.dtype)) for name, it in plan.items()]
+    keys, attrs = legacy_plan(LegacyLayout.of(ckpt), items, where=repr(out))
+    check_space(os.path.dirname(os.path.abspath(out)), sum(source.nbytes(plan[k]) for k in keys))
+    return write_legacy(out, [(k, lambda it=plan[k]: source.value(it)) for k in keys], attrs)
 
 
 def save_archive_in_place(source: Source, plan: dict[str, Item], layer_names: dict | None = None) -> str:

@@ -23,7 +23,7 @@ from restorekit.export._outputs import check_output
 from restorekit.export._request import KERAS, Request, given, renamed_keywords, request
 from restorekit.export import _sources as sources
 from restorekit.export._sources import shard_set
-from restorekit.export._targets import target_format
+from restorekit.export._targets import legacy_h5_refused, target_format
 from restorekit.formats.tf._writer import write_tf
 
 __all__ = ["convert", "export_checkpoint", "import_checkpoint", "open_source", "source_format", "target_format",
@@ -80,6 +80,8 @@ def _target(out: str, to: str | None, options: Request) -> str:
     of safetensors shards (pass ``to='tf'`` for a TF checkpoint in data shards of that size)."""
     if keras.is_keras_target(out, to):
         return KERAS
+    if keras.is_legacy_target(out, to):
+        return keras.KERAS_LEGACY
     fmt = target_format(out, to)
     if to is None and fmt == formats.TF and options.max_shard_size is not None:
         return "safetensors"
@@ -262,7 +264,7 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
             ema=None, max_shard_size=None, config=None, overwrite: bool = False,
             progress: bool = False, max_output_bytes: int | None = None, num_shards: int | None = None,
             model=None, flatten_channels: dict | None = None) -> ExportResult:
-    """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards) and npz.
+    """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards), npz and Keras weights files.
 
     The source is opened once (``restorekit.formats.open``; an open Source is taken as
     it is) and its format read from its bytes; the target is ``to`` or else the output's
@@ -274,7 +276,9 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     :func:`export_checkpoint`). ``max_shard_size`` is the largest shard of the output: safetensors shards, or
     with ``to='tf'`` TF data shards; ``num_shards`` writes a TF checkpoint output as that
     many data shards balanced by bytes. Which option applies to which format is one
-    table, ``restorekit.export._request.OPTIONS``.
+    table, ``restorekit.export._request.OPTIONS``. A Keras 3 ``*.weights.h5`` is written from a
+    Keras 3 file, a legacy Keras 2 ``*.h5`` / ``*.hdf5`` from a legacy one (its structure kept,
+    ``weights_only`` dropping ``optimizer_weights``); any other source named so is refused.
 
         convert('train/model.ckpt-1000', 'model.pt', layout='torch')
         convert('model.safetensors', 'back/model.ckpt')
@@ -296,6 +300,8 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     to = _target(out, to, options)
     if to == KERAS:
         return _keras_weights(source, fmt, out, options, overwrite=overwrite)
+    if to == keras.KERAS_LEGACY:
+        return _keras_legacy(source, fmt, out, options, overwrite=overwrite)
     if to == formats.TF:
         # Like the editor: into an existing directory (or 'OUT/'), under the source's name.
         out = output_prefix(out, _base_name(source, fmt))
@@ -323,6 +329,14 @@ def _keras_weights(source, fmt: str, out: str, options: Request, *, overwrite: b
             "Restore it into the model and call model.save_weights('model.weights.h5')"
         )
     return keras.copy_weights(source, out, weights_only=options.weights_only, overwrite=overwrite)
+
+
+def _keras_legacy(source, fmt: str, out: str, options: Request, *, overwrite: bool) -> ExportResult:
+    """Any source -> a legacy Keras 2 ``.h5``: only from a legacy Keras 2 ``.h5``, whose structure it keeps."""
+    if fmt != KERAS:
+        raise legacy_h5_refused(out, "TF checkpoint" if fmt == formats.TF else f"{fmt} file")
+    options.check(keras.KERAS_LEGACY, fmt)
+    return keras.copy_legacy(source, out, weights_only=options.weights_only, overwrite=overwrite)
 
 
 def _base_name(source, fmt: str) -> str:

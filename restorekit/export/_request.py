@@ -23,6 +23,7 @@ __all__ = ["OPTIONS", "SAVE_TARGETS", "Applies", "Request", "check", "given", "r
 TF = "tf"
 KERAS = "keras"  # a Keras 3 .weights.h5
 KERAS_SHARDED = "keras-sharded"  # a Keras 3 sharded set, NAME.weights.json and its shards
+KERAS_LEGACY = "keras-h5"  # a legacy Keras 2 .h5 (model or weights file), written from one
 FILES = ("torch", "safetensors", "npz")
 
 
@@ -44,7 +45,7 @@ OPTIONS: dict[str, Applies] = {
     "layout": Applies(("torch", "safetensors"), ("torch", "safetensors"),
                       "npz files and TF checkpoints keep TF names and axes; a Keras file keeps Keras' own"),
     "rules": Applies((TF, *FILES), hint="a .weights.h5 keeps Keras' own names"),
-    "weights_only": Applies((TF, *FILES, KERAS, KERAS_SHARDED)),
+    "weights_only": Applies((TF, *FILES, KERAS, KERAS_SHARDED, KERAS_LEGACY)),
     "ema": Applies((TF, *FILES), hint="a .weights.h5 keeps Keras' own values"),
     "max_shard_size": Applies((TF, "safetensors", KERAS_SHARDED),
                               hint="name a Keras output '*.weights.json' for a sharded set; torch and npz files "
@@ -63,6 +64,8 @@ OPTIONS: dict[str, Applies] = {
 TARGET_HINTS: dict[str, str] = {
     KERAS: "A .weights.h5 keeps Keras' own names, layout and values: of the options it takes {weights_only} "
            "(and {overwrite}) only.",
+    KERAS_LEGACY: "A legacy Keras .h5 keeps its source's layers, names, layout and values: of the options it takes "
+                  "{weights_only} (and {overwrite}) only.",
 }
 
 # What CheckpointEditor.save takes where it takes less than a conversion: its safetensors

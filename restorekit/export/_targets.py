@@ -3,8 +3,11 @@
 A TF checkpoint prefix may hold dots (``model.ckpt``, ``model.ckpt-1000``), so a name
 with no known extension is a TF checkpoint. Refused instead of silently written as one:
 another tool's extension (``.onnx``, ``.pb``, ...), one that looks like ours but is not
-(``.h5``, ``.keras``, ``.npy``, ``.st``, ``.safetensor``), and a ``to`` that contradicts a
+(``.keras``, ``.npy``, ``.st``, ``.safetensor``), and a ``to`` that contradicts a
 known extension (a torch file named ``.safetensors`` is unreadable by name).
+A legacy Keras ``.h5`` / ``.hdf5`` is written from a legacy Keras 2 ``.h5`` source only (the
+editor and ``convert`` decide that, knowing the source); named so for any other source it is
+refused by :func:`legacy_h5_refused`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 from restorekit.errors import OutputNameError
 from restorekit.formats import _sinks as formats
 
-__all__ = ["OutputNameError", "target_format"]
+__all__ = ["OutputNameError", "legacy_h5_refused", "target_format"]
 
 KERAS_WEIGHTS = ".weights.h5"
 KERAS_SHARDED = ".weights.json"
@@ -28,9 +31,6 @@ _FOREIGN_SUFFIXES = frozenset({".onnx", ".pb", ".pbtxt", ".tflite", ".json", ".t
 
 # Extensions close to what restorekit writes, each with what to name the file instead.
 _HINTS = {
-    ".h5": f"Keras 3 weights files are named '*{KERAS_WEIGHTS}' (restorekit writes those from a Keras 3 "
-           f"{KERAS_WEIGHTS} or .keras source).",
-    ".hdf5": f"Keras 3 weights files are named '*{KERAS_WEIGHTS}'.",
     ".keras": f"A .keras archive holds a model's config as well; restorekit writes the weights as '*{KERAS_WEIGHTS}'.",
     KERAS_SHARDED: "A Keras sharded set is written from a Keras 3 file by CheckpointEditor(src).save(out, "
                    "max_shard_size='500MB'); convert writes one '*.weights.h5'.",
@@ -69,6 +69,21 @@ def _odd_suffix(suffix: str) -> str | None:
     return f"Did you mean {close[0]!r}?" if close else None
 
 
+def legacy_h5_refused(path, source: str | None = None) -> OutputNameError:
+    """The error for an output named as a legacy Keras ``.h5`` (``path``) whose source (``source``: what it is,
+    in words; None: not a Keras file) is not a legacy Keras 2 ``.h5``."""
+    path = os.fspath(path)
+    suffix = _suffix(path)
+    what = f"{source} " if source else "TF checkpoint or other file "
+    extensions = ", ".join(sorted(_suffixes()))
+    return OutputNameError(path, lambda w: (
+        f"restorekit writes a legacy Keras {suffix!r} file ({path!r}) only from a legacy Keras 2 .h5 file "
+        f"(tf-keras model.save or save_weights), whose layer_names and weight_names it keeps; this source is a "
+        f"{what}with none. Keras 3 weights files are named '*{KERAS_WEIGHTS}' (written from a Keras 3 "
+        f"{KERAS_WEIGHTS} or .keras source). Nothing was written; name the output with one of {extensions}"
+        + (f", or pass {w.option('to', 'tf')} to write a TF checkpoint under that name" if w.option("to", "tf") else "")))
+
+
 def target_format(path, to: str | None, *, option: str = "to") -> str:
     """``to``, checked, or the format ``path``'s extension names ('tf' when none does).
 
@@ -77,8 +92,9 @@ def target_format(path, to: str | None, *, option: str = "to") -> str:
     Raises:
         InvalidArgumentError: an unknown ``to``.
         OutputNameError: ``to`` contradicts the extension (``to='torch'`` for ``x.safetensors``);
-            or, without ``to``, an extension restorekit does not write (``.onnx``, ``.h5``,
-            ``.keras``, ``.npy``) or a near miss of one it does (``.st``, ``.safetensor``).
+            or, without ``to``, an extension restorekit does not write (``.onnx``, ``.keras``,
+            ``.npy``; ``.h5``, written from a legacy Keras source only: ``legacy_h5_refused``) or a
+            near miss of one it does (``.st``, ``.safetensor``).
     """
     path = os.fspath(path)
     suffix = _suffix(path)
@@ -97,6 +113,8 @@ def target_format(path, to: str | None, *, option: str = "to") -> str:
         return to
     if suffix in known:
         return known[suffix]
+    if suffix in (".h5", ".hdf5"):
+        raise legacy_h5_refused(path)
     why = _odd_suffix(suffix)
     if why is not None:
         extensions = ", ".join(sorted(known))

@@ -4,7 +4,9 @@
 ``sharded.ShardedKerasCheckpoint`` subclasses it for a sharded Keras 3 set, as Keras'
 ``ShardedH5IOStore`` subclasses ``H5IOStore``. Which of the two opens a path is the
 format registry's choice (``restorekit.formats.keras``), reached through
-``restorekit.Checkpoint(path)`` or ``restorekit.formats.open(path)``.
+``restorekit.Checkpoint(path)`` or ``restorekit.formats.open(path)``. ``_writer`` writes
+Keras 3 files and ``_legacy_writer`` legacy Keras 2 ``.h5`` files (from a legacy ``.h5``),
+both through the one commit path.
 """
 
 from __future__ import annotations

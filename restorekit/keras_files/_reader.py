@@ -484,6 +484,19 @@ class KerasCheckpoint(EntryMapping):
             f.visititems(visit)
         return out
 
+    def legacy_attrs(self) -> dict:
+        """``{group: {attribute: value}}`` of a legacy Keras 2 file's root (``''``), its ``model_weights`` group,
+        each group directly under the weights' root and ``optimizer_weights``; each value typed as stored
+        (what ``_legacy_writer`` copies)."""
+        h5py = _h5py()
+        with self._h5() as f:
+            root = "model_weights" if "model_weights" in f else ""
+            base = f[root] if root else f
+            paths = ["", root, *(f"{root}/{n}" if root else n for n, g in base.items() if isinstance(g, h5py.Group)),
+                     *(["optimizer_weights"] if isinstance(f.get("optimizer_weights"), h5py.Group) else [])]
+            return {p: {n: np.asarray(f[p or "/"].attrs[n], dtype=f[p or "/"].attrs.get_id(n).dtype)
+                        for n in f[p or "/"].attrs} for p in dict.fromkeys(paths)}
+
     def check_shards(self) -> None:
         """Nothing to do: a Keras file is one file, and its datasets were checked when it was opened."""
 
