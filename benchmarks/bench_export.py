@@ -34,7 +34,9 @@ _WORKER = """
 import sys, time
 sys.path.insert(0, {root!r})
 import restorekit
-from restorekit.formats.safetensors import _writer as safetensors
+from restorekit.formats import safetensors  # reader and writer in one package
+if not hasattr(safetensors, "write_checkpoint"):  # a checkout from before the format packages (--code)
+    from restorekit.export import safetensors
 ckpt = restorekit.Checkpoint({prefix!r})
 for _ in sys.stdin:
     start = time.perf_counter()

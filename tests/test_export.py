@@ -173,7 +173,7 @@ def test_torch_layout_permutes_kernels_and_renames(rich_checkpoint, tmp_path):
     ckpt = Checkpoint(rich_checkpoint)
     out = tmp_path / "m.safetensors"
     result = export_checkpoint(ckpt, out, layout="torch")
-    stored = dict(st_format.read(out))
+    stored = dict(st_package.read(out))
     assert "dense.weight" in stored and "bn.running_var" in stored and "conv.bias" in stored
     assert "model.layer_with_weights-0.weight" in stored
     np.testing.assert_array_equal(stored["dense.weight"], ckpt.read("dense/kernel").T)

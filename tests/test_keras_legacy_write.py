@@ -37,7 +37,7 @@ L2 = k2.layers
 def _model():
     """Conv2D -> BatchNormalization -> Flatten -> Dense, compiled with Adam and trained one step."""
     k2.utils.set_random_seed(0)
-    inp = L2.Input((6, 6, 2))
+    inp = L2.Input((6, 6, 2), name="inp")  # named: an automatic name depends on what ran before
     x = L2.Conv2D(3, 3, name="conv")(inp)
     x = L2.BatchNormalization(name="bn")(x)
     x = L2.Flatten(name="flat")(x)
@@ -98,7 +98,7 @@ def test_strip_of_a_full_model_h5_loads_in_tf_keras_with_the_same_outputs_and_no
     assert {k: root[k] for k in ("backend", "keras_version", "model_config")} == {
         k: source_root[k] for k in ("backend", "keras_version", "model_config")}
     assert _attrs(out, "model_weights") == _attrs(legacy.full, "model_weights")
-    for layer in ("conv", "bn", "flat", "head", "input_1", "top_level_model_weights"):
+    for layer in ("conv", "bn", "flat", "head", "inp", "top_level_model_weights"):
         assert _attrs(out, f"model_weights/{layer}") == _attrs(legacy.full, f"model_weights/{layer}"), layer
     model = _load(out)
     assert model.optimizer is None  # not compiled: no training_config, as tf-keras' own include_optimizer=False
