@@ -91,6 +91,15 @@ def _imports(module: str, path: str, modules: dict = MODULES) -> set[str]:
                 full = f"{base}.{a.name}"
                 out.add(_known(full, modules) if full[len("restorekit."):] in modules else _known(base, modules))
     out.discard(None)
+    # Importing `restorekit.a.b.c` runs `a/__init__` and `a/b/__init__` first: they count as imported too,
+    # except the importing module's own packages (their __init__ is running, or ran, already).
+    own = {".".join(module.split(".")[:i]) for i in range(len(module.split(".")))} if module else set()
+    for name in list(out):
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in modules and parent not in own:
+                out.add(parent)
     return {m for m in out if m != module}
 
 
@@ -163,6 +172,22 @@ def test_a_package_init_and_its_module_importing_each_other_is_a_cycle(tmp_path)
     graph = _graph(_modules(str(tmp_path)))
     assert graph["pkg"] == {"pkg.sub"} and graph["pkg.sub"] == {"pkg", "pkg.other"}
     assert _cycles(graph) == ["pkg -> pkg.sub -> pkg"]
+
+
+def test_importing_a_submodule_counts_its_packages_init(tmp_path):
+    # `from restorekit.pkg.sub import x` runs pkg/__init__ first: an import there above the importer's layer
+    # is an import of the importer's too. The importer's own packages are not counted.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (tmp_path / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from restorekit import top\n")
+    (pkg / "sub.py").write_text("")
+    (pkg / "inner.py").write_text("from restorekit.pkg.sub import x\n")
+    (tmp_path / "top.py").write_text("")
+    (tmp_path / "low.py").write_text("from restorekit.pkg.sub import x\n")
+    graph = _graph(_modules(str(tmp_path)))
+    assert graph["low"] == {"pkg", "pkg.sub"}
+    assert graph["pkg.inner"] == {"pkg.sub"}
 
 
 @pytest.mark.parametrize("module", sorted(MODULES), ids=lambda m: m or "__init__")
