@@ -19,7 +19,8 @@ __all__ = ["MergeResult", "merge"]
 @dataclass(frozen=True)
 class MergeResult:
     """What ``merge`` wrote: ``merged`` float tensors; ``copied`` non-float entries (equal in every source, or
-    ``taken`` from one under ``mismatch``); ``dropped`` optimizer state of the first source left out."""
+    ``taken`` from one under ``mismatch``); ``dropped`` optimizer state of the first source left out; ``skipped``
+    entries not in every source alike (``intersection=True``)."""
 
     path: str
     format: str
@@ -30,6 +31,7 @@ class MergeResult:
     copied: tuple = ()
     taken: tuple = ()
     dropped: tuple = ()
+    skipped: tuple = ()
     nbytes: int = 0
 
     def __str__(self) -> str:
@@ -37,7 +39,7 @@ class MergeResult:
         lines = [f"restorekit: {self.method} merge of {len(self.sources)} models{base} -> {self.path!r} ({self.format})",
                  summary_row("merged", len(self.merged)),
                  summary_row("copied", len(self.copied), format_names(self.copied))]
-        for label, names in (("taken", self.taken), ("dropped", self.dropped)):
+        for label, names in (("taken", self.taken), ("dropped", self.dropped), ("skipped", self.skipped)):
             if names:
                 lines.append(summary_row(label, len(names), format_names(names)))
         return "\n".join(lines)
@@ -89,7 +91,8 @@ def _resolve(recipe: MergeRecipe, names, seed: int) -> dict:
     return params
 
 
-def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, mismatch: str = "error",
+def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, intersection: bool = False,
+          mismatch: str = "error",
           max_shard_size=None, seed: int = 0, overwrite: bool = False, progress: bool = False) -> MergeResult:
     """Merge models as a mergekit recipe says, streamed: each output tensor from one tensor of each source.
 
@@ -112,6 +115,8 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, mis
             shards (with the base's ``config.json``).
         to: the output format ('tf', 'safetensors', 'npz', 'torch').
         include, exclude: patterns over entry names; only the included, not excluded, are written.
+        intersection: merge only the entries every source holds with the same shape and
+            dtype; by default any difference is an error listing them all.
         mismatch: integer, boolean or string entries that differ: 'error' (default), or take
             the 'first' or 'last' source's.
         max_shard_size: the largest safetensors shard (default '5GB' for a directory output).
@@ -143,8 +148,8 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, mis
     base = recipe.base_index
     target = pipeline.output(out, to, srcs, reference=base or 0, max_shard_size=max_shard_size, dtype=recipe.dtype,
                              overwrite=overwrite)
-    plan = pipeline.plan(srcs, target, include=include, exclude=exclude, mismatch=mismatch, dtype=recipe.dtype,
-                         what="merge")
+    plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
+                         mismatch=mismatch, dtype=recipe.dtype, what="merge")
     params = _resolve(recipe, plan.merged, int(seed))
 
     def merged(name: str) -> np.ndarray:
@@ -161,7 +166,7 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, mis
     del result
     return MergeResult(target.path, target.format, recipe.merge_method,
                        recipe.sources, recipe.base_model, plan.merged, tuple(plan.chosen), tuple(plan.taken),
-                       srcs[0].dropped, plan.nbytes)
+                       srcs[0].dropped, tuple(plan.skipped), plan.nbytes)
 
 
 def _as_float64(value) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 __all__ = ["METHODS", "Method", "TensorParams"]
 
 # Elements handled at a time in elementwise steps: their temporaries stay a few MB.
-CHUNK = 1 << 20
+CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ MODEL_KEYS = ("model", "parameters")
 FILTER_KEYS = ("filter", "value")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
-# A layer index in a name: 'model.layers.3.', 'encoder/layer_3/', 'h.3.', 'blocks.3.'
-_LAYER = re.compile(r"(?:^|[./])(?:layers|layer|h|blocks|block)[._](\d+)(?=[./]|$)")
+# A layer index in a name: 'model.layers.3.', 'model/layers/3/', 'encoder/layer_3/', 'h.3.', 'blocks.3.'
+_LAYER = re.compile(r"(?:^|[./])(?:layers|layer|h|blocks|block)[._/](\d+)(?=[./_]|$)")
 
 
 @dataclass(frozen=True)
