@@ -162,7 +162,7 @@ class TaskArithmetic(Method):
                 for p in parts[1:]:
                     mixed += p
                 total = float(sum(params.weight))
-                divisor = np.float64(1.0 if abs(total) < 1e-8 else total)
+                divisor = np.full_like(mixed, 1.0 if abs(total) < 1e-8 else total)
             if params.normalize:
                 mixed /= divisor
             if params.lambda_ != 1:

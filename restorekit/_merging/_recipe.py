@@ -164,7 +164,7 @@ class MergeRecipe:
     @classmethod
     def from_yaml(cls, text: str) -> "MergeRecipe":
         """A recipe from YAML text (PyYAML's safe loader)."""
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         try:
             data = yaml.safe_load(text)
@@ -229,7 +229,8 @@ def _check_setting(name: str, setting, where: str) -> None:
             raise InvalidArgumentError(f"{where}: {name} is a finite number, got {value!r}")
         if name in _RANGES:
             low, high, closed, text = _RANGES[name]
-            if not ((low <= value if closed else low < value) and value <= high):
+            number = float(value)
+            if not ((low <= number if closed else low < number) and number <= high):
                 raise InvalidArgumentError(f"{where}: {name}={value!r} is outside {text}")
 
 
