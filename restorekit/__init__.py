@@ -5,6 +5,7 @@ functions that need them.
 """
 
 from restorekit._averaging import AverageResult, average, interpolate
+from restorekit._merging import MergeRecipe, MergeResult, merge
 from restorekit._checkpoint import Checkpoint, Entry, Problem, VerifyResult
 from restorekit._compare import diff_checkpoints, tensor_stats
 from restorekit.edit import CheckpointEditor
@@ -126,6 +127,8 @@ __all__ = [
     "IncompleteRestoreError",
     "InsufficientSpaceError",
     "InvalidArgumentError",
+    "MergeRecipe",
+    "MergeResult",
     "MissingDependencyError",
     "NameCollisionError",
     "NoMatchError",
@@ -169,6 +172,7 @@ __all__ = [
     "import_meta_graph",
     "inspect_graph",
     "interpolate",
+    "merge",
     "layerwise_decay",
     "param_groups",
     "partial_saver",

@@ -1,9 +1,10 @@
 """Checkpoint averaging and interpolation: a weighted mean of several checkpoints, streamed tensor by tensor.
 
-Everything is decided from the sources' indexes (names, shapes, dtypes) and their
-non-float entries before anything is written; then each float tensor is read from
-every source in turn, accumulated in float64 and handed to the format's writer in its
-source dtype, so memory stays at a few tensors, never the model.
+``average`` is the ``linear`` merge over the pipeline every merge shares
+(``restorekit._merging._pipeline``): everything is decided from the sources' indexes
+and their non-float entries before anything is written; then each float tensor is read
+from every source in turn, accumulated in float64 and handed to the format's writer in
+its source dtype, so memory stays at a few tensors, never the model.
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from restorekit.errors import InvalidArgumentError, SourceMismatchError, format_names
-from restorekit._registry import Source
-from restorekit._names import PatternSet
-from restorekit._report import format_shape, summary_row
+from restorekit.errors import InvalidArgumentError, format_names
+from restorekit._merging import _pipeline as pipeline
+from restorekit._merging._methods import Linear
+from restorekit._report import summary_row
 
 __all__ = ["AverageResult", "average", "interpolate"]
 
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
-MISMATCH = ("error", "first", "last")
-# Elements converted to float64 at a time: the temporaries of a tensor stay a few MB.
-_CHUNK = 1 << 20
+FLOAT_DTYPES = pipeline.FLOAT_DTYPES
+MISMATCH = pipeline.MISMATCH
 
 
 @dataclass(frozen=True)
@@ -57,40 +56,6 @@ class AverageResult:
         return "\n".join(lines)
 
 
-@dataclass
-class _Source:
-    path: str
-    ckpt: Source
-    files: list
-    names: list  # the entries it offers for the average, in order
-    dropped: tuple
-
-
-def _open(path: str, weights_only: bool) -> _Source:
-    """A source as a checkpoint-like reader under TF names: a TF checkpoint, a Keras file, or any file convert reads."""
-    from restorekit._checkpoint import Checkpoint
-    from restorekit.layouts._planned import keras_source
-    from restorekit.formats._sink import checkpoint_files
-    from restorekit.formats.files import FileView
-    from restorekit.export._options import OBJECT_GRAPH_KEY, select
-    from restorekit.keras_files import KerasCheckpoint
-
-    path = os.fspath(path)
-    ckpt: Source = Checkpoint(path)  # the format decided by the file's bytes (restorekit.formats.open)
-    if isinstance(ckpt, KerasCheckpoint):
-        files, ckpt = list(ckpt.files), keras_source(ckpt, weights_only=weights_only)
-    elif isinstance(ckpt, FileView):  # safetensors (a shard set too), torch, npz, onnx: every file its reader reads
-        files = list(ckpt.reader.files)
-    else:
-        files = checkpoint_files(ckpt.prefix)
-    names = list(ckpt.entries)
-    graph = ckpt.object_graph if ckpt.is_object_based and weights_only else None
-    # the one rule for "which entries are weights" (optimizer slots, beta powers, global_step, save_counter)
-    selection = select(names, graph=graph, weights_only=weights_only)
-    kept = [n for n in selection.names.values() if n != OBJECT_GRAPH_KEY]
-    return _Source(path, ckpt, files, kept, tuple(selection.dropped))
-
-
 def _check_weights(weights, count: int) -> tuple:
     if count < 2:
         raise InvalidArgumentError(f"average takes two or more sources, got {count}")
@@ -108,82 +73,6 @@ def _check_weights(weights, count: int) -> tuple:
     if sum(weights) <= 0:
         raise InvalidArgumentError(f"weights {weights} sum to {sum(weights)}; the sum must be positive")
     return tuple(float(w) for w in weights)
-
-
-def _compare_entries(srcs: list, intersection: bool) -> tuple[list, list]:
-    """(names every source holds alike, in the first source's order; names skipped), or SourceMismatchError."""
-    held = [set(s.names) for s in srcs]
-    everywhere = set.intersection(*held)
-    problems, skipped = [], []
-    for name in dict.fromkeys(n for s in srcs for n in s.names):
-        if name not in everywhere:
-            missing = [str(i) for i, h in enumerate(held) if name not in h]
-            problems.append((name, f"{name!r}: not in source {', '.join(missing)}"))
-            continue
-        entries = [s.ckpt.entries[name] for s in srcs]
-        kinds = {(tuple(e.shape), e.dtype) for e in entries}
-        if len(kinds) > 1:
-            seen = ", ".join(f"{format_shape(e.shape)} {e.dtype}" for e in entries)
-            problems.append((name, f"{name!r}: {seen}"))
-    if problems and not intersection:
-        raise SourceMismatchError(f"the {len(srcs)} sources do not hold the same tensors alike", problems,
-                                  lambda w: f"Pass {w.option('intersection')} to average only the entries they share alike.")
-    skipped = [n for n, _ in problems]
-    gone = set(skipped)
-    return [n for n in srcs[0].names if n not in gone], skipped
-
-
-def _values_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and bool(np.array_equal(a, b))
-
-
-def _compare_values(srcs: list, names: list, mismatch: str) -> tuple[dict, list]:
-    """({non-float name: index of the source it is copied from}, names that differed), reading each entry once per source."""
-    chosen, differing = {}, []
-    for name in names:
-        if srcs[0].ckpt.entries[name].dtype in FLOAT_DTYPES:
-            continue
-        first = srcs[0].ckpt.read(name)
-        differs = [i for i, s in enumerate(srcs[1:], 1) if not _values_equal(first, s.ckpt.read(name))]
-        chosen[name] = len(srcs) - 1 if (differs and mismatch == "last") else 0
-        if differs:
-            differing.append((name, differs))
-    if differing and mismatch == "error":
-        problems = [(n, f"{n!r} ({srcs[0].ckpt.entries[n].dtype}): source 0 differs from source {', '.join(map(str, d))}")
-                    for n, d in differing]
-        raise SourceMismatchError("integer, boolean or string entries differ between the sources and cannot be "
-                                  "averaged", problems, "Pass mismatch='last' (or 'first') to take one source's value.")
-    return chosen, [n for n, _ in differing]
-
-
-def _mean(srcs: list, name: str, weights: tuple, total: float) -> np.ndarray:
-    """The weighted mean of ``name`` over the sources, accumulated in float64, in the stored dtype."""
-    acc: np.ndarray | None = None
-    dtype = None
-    for src, w in zip(srcs, weights):
-        value = src.ckpt.read(name)
-        if acc is None:
-            acc, dtype = np.zeros(value.shape, np.float64), value.dtype
-        flat_acc, flat = acc.reshape(-1), value.reshape(-1)
-        for i in range(0, flat.size, _CHUNK):
-            flat_acc[i:i + _CHUNK] += flat[i:i + _CHUNK].astype(np.float64) * w
-        del value, flat
-    assert acc is not None, "average takes two sources or more"
-    acc /= total
-    return acc.astype(dtype)
-
-
-def _object_graph(src: _Source, names: list):
-    """The first source's object graph for the output (keys of entries left out removed), or None."""
-    from restorekit._bundle.objectgraph import rewrite_keys
-    from restorekit.export._options import OBJECT_GRAPH_KEY
-
-    if OBJECT_GRAPH_KEY not in src.ckpt.entries:
-        return None
-    raw = src.ckpt.read(OBJECT_GRAPH_KEY).item()
-    kept = set(names)
-    gone = [n for n in src.ckpt.entries if n != OBJECT_GRAPH_KEY and n not in kept]
-    return rewrite_keys(raw, {n: n for n in names}, gone) if gone else raw
 
 
 def average(sources, out, *, weights=None, include=None, exclude=None, weights_only: bool = True,
@@ -238,73 +127,29 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
 
     Nothing is written when any of these is raised.
     """
-    from restorekit._bundle.files import check_parent, check_space, output_prefix
-    from restorekit.formats import _sinks as formats
-    from restorekit.export._outputs import check_output as _check_output
-    from restorekit.export._targets import target_format
-    from restorekit.formats.tf._writer import write_tf
-
     if isinstance(sources, (str, bytes)) or hasattr(sources, "__fspath__"):
         raise InvalidArgumentError("sources is a list of two or more checkpoint paths, got one path")
     sources = [os.fspath(s) for s in sources]
     weights = _check_weights(weights, len(sources))
-    if mismatch not in MISMATCH:
-        raise InvalidArgumentError(f"mismatch is one of {MISMATCH}, got {mismatch!r}")
-    out = os.fspath(out)
-    fmt = target_format(out, to)
-    srcs = [_open(s, bool(weights_only)) for s in sources]
-    if fmt == formats.TF:
-        # like convert: into an existing directory (or 'OUT/') under the first source's name
-        out = output_prefix(out, _base_name(srcs[0]))
-        check_parent(out)
-    _check_output(out, fmt, [f for s in srcs for f in s.files], overwrite)
-    names, skipped = _compare_entries(srcs, intersection)
-    names = _filtered(names, include, exclude)
-    chosen, taken = _compare_values(srcs, names, mismatch)
-    entries = srcs[0].ckpt.entries
-    nbytes = sum(entries[n].nbytes for n in names)
-    check_space(os.path.dirname(os.path.abspath(out)), nbytes)
-
+    if mismatch not in pipeline.MISMATCH:
+        raise InvalidArgumentError(f"mismatch is one of {pipeline.MISMATCH}, got {mismatch!r}")
+    srcs = [pipeline.open_source(s, bool(weights_only)) for s in sources]
+    target = pipeline.output(out, to, srcs, overwrite=overwrite, hf_directory=False)
+    plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
+                         mismatch=mismatch)
     total = sum(weights)
-    graph = _object_graph(srcs[0], names)
 
-    def tensors():
-        for name in names:
-            entry = entries[name]
-            if name in chosen:
-                yield name, srcs[chosen[name]].ckpt.read(name), entry.dtype
-            else:
-                yield name, _mean(srcs, name, weights, total), entry.dtype
-        if graph is not None:
-            from restorekit.export._options import OBJECT_GRAPH_KEY
+    def mean(name: str) -> np.ndarray:
+        # linear, streamed: one source's tensor at a time into a float64 accumulator
+        acc = np.zeros(srcs[0].ckpt.entries[name].shape, np.float64)
+        for src, w in zip(srcs, weights):
+            Linear.add(acc, src.ckpt.read(name), w)
+        return Linear.finish(acc, weights)
 
-            yield OBJECT_GRAPH_KEY, np.array(graph, dtype=object), "string"
-
-    if fmt == formats.TF:
-        write_tf(out, tensors(), total=nbytes, progress=progress)
-    else:
-        formats.module(fmt).write(out, tensors(), progress=progress)
-    return AverageResult(out, fmt, tuple(s.path for s in srcs), tuple(w / total for w in weights),
-                         tuple(n for n in names if n not in chosen), tuple(chosen), tuple(taken),
-                         srcs[0].dropped, tuple(skipped), nbytes)
-
-
-def _base_name(src: _Source) -> str:
-    """The name an output takes inside a directory: the source prefix's, or the file's without its extension."""
-    prefix = getattr(src.ckpt, "prefix", None)
-    if prefix and os.path.exists(prefix + ".index"):
-        return os.path.basename(prefix)
-    return os.path.splitext(os.path.basename(os.path.normpath(src.path)))[0] or "model"
-
-
-def _filtered(names: list, include, exclude) -> list:
-    includes = PatternSet(include, what="include pattern")
-    excludes = PatternSet(exclude, what="exclude pattern")
-    kept = [n for n in names if (not includes or includes.first_match(n) is not None)
-            and excludes.first_match(n) is None]
-    includes.check_all_used(names)
-    excludes.check_all_used(names)
-    return kept
+    pipeline.write(plan, mean, progress=progress)
+    return AverageResult(target.path, target.format, tuple(s.path for s in srcs), tuple(w / total for w in weights),
+                         plan.merged, tuple(plan.chosen), tuple(plan.taken), srcs[0].dropped, tuple(plan.skipped),
+                         plan.nbytes)
 
 
 def interpolate(a, b, alpha: float, out, **options) -> AverageResult:

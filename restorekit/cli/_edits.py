@@ -1,4 +1,4 @@
-"""``restorekit rename``, ``strip``, ``cast``, ``convert`` and ``average``: write a new checkpoint or another format."""
+"""``restorekit rename``, ``strip``, ``cast``, ``convert``, ``average`` and ``merge``: write a new checkpoint or another format."""
 
 from __future__ import annotations
 
@@ -138,6 +138,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                         "use_ema averages) as the weight; weights without one keep their raw values and are listed")
     p.add_argument("--ema-suffix", metavar="SUFFIX",
                    help="with --ema: the shadows' name suffix, when not ExponentialMovingAverage")
+    p.add_argument("--intersection", action="store_true",
+                   help="merge the entries every source holds alike; leave out the rest")
     p.add_argument("--max-shard-size", metavar="SIZE",
                    help="the largest shard of the output (5GB, 500MiB, bytes): Hugging Face-style safetensors "
                         "shards plus an index (OUT is then a directory), or with --to tf TF data shards")
@@ -223,6 +225,40 @@ def _average(args) -> int:
         result = average(sources, out, weights=args.weights, include=args.include, exclude=args.exclude,
                          weights_only=not args.keep_optimizer, intersection=args.intersection,
                          mismatch=args.mismatch, to=args.to, overwrite=args.overwrite, progress=not _quiet(args))
+    if not _quiet(args):
+        print(result)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ merge
+
+def _merge_args(p: argparse.ArgumentParser) -> None:
+    from restorekit.export import FORMATS
+
+    p.add_argument("recipe", help="a mergekit-style YAML recipe (merge_method, base_model, models, parameters, dtype)")
+    p.add_argument("out", help="the output: a file by its extension, or a directory (Hugging Face shards when the base "
+                               "model is a Hugging Face directory, else a TF checkpoint)")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension)")
+    p.add_argument("--include", action="append", metavar="PATTERN", help="merge only entries matching PATTERN")
+    p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out entries matching PATTERN")
+    p.add_argument("--mismatch", choices=["error", "first", "last"], default="error",
+                   help="integer, boolean or string entries that differ: fail (default) or take one source's")
+    p.add_argument("--intersection", action="store_true",
+                   help="merge the entries every source holds alike; leave out the rest")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="the largest safetensors shard, e.g. 5GB (a directory output)")
+    p.add_argument("--seed", type=int, default=0, help="seed of DARE's drop masks (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+@register("merge", help="merge models as a mergekit recipe says (linear, task_arithmetic, ties, dare_linear, "
+                        "dare_ties, slerp), tensor by tensor", configure=_merge_args)
+def _merge(args) -> int:
+    from restorekit._merging import merge
+
+    with reworded_exists_error(args.out):
+        result = merge(args.recipe, args.out, to=args.to, include=args.include, exclude=args.exclude,
+                       intersection=args.intersection, mismatch=args.mismatch, max_shard_size=args.max_shard_size, seed=args.seed,
+                       overwrite=args.overwrite, progress=not _quiet(args))
     if not _quiet(args):
         print(result)
     return EXIT_OK

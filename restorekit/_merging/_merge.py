@@ -1,0 +1,174 @@
+"""``restorekit.merge``: a recipe's merge method run over any mix of sources, one output tensor at a time."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from restorekit.errors import InvalidArgumentError, format_names
+from restorekit._merging import _pipeline as pipeline
+from restorekit._merging._methods import METHODS, Linear, TensorParams
+from restorekit._merging._recipe import MergeRecipe, layer_position, load_recipe
+from restorekit._report import summary_row
+
+__all__ = ["MergeResult", "merge"]
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What ``merge`` wrote: ``merged`` float tensors; ``copied`` non-float entries (equal in every source, or
+    ``taken`` from one under ``mismatch``); ``dropped`` optimizer state of the first source left out; ``skipped``
+    entries not in every source alike (``intersection=True``)."""
+
+    path: str
+    format: str
+    method: str
+    sources: tuple
+    base: str | None
+    merged: tuple
+    copied: tuple = ()
+    taken: tuple = ()
+    dropped: tuple = ()
+    skipped: tuple = ()
+    nbytes: int = 0
+
+    def __str__(self) -> str:
+        base = f", base {self.base!r}" if self.base else ""
+        lines = [f"restorekit: {self.method} merge of {len(self.sources)} models{base} -> {self.path!r} ({self.format})",
+                 summary_row("merged", len(self.merged)),
+                 summary_row("copied", len(self.copied), format_names(self.copied))]
+        for label, names in (("taken", self.taken), ("dropped", self.dropped), ("skipped", self.skipped)):
+            if names:
+                lines.append(summary_row(label, len(names), format_names(names)))
+        return "\n".join(lines)
+
+
+def _check_required(recipe: MergeRecipe) -> None:
+    """A parameter with no default must be set for every model that takes it (or for all), before reading."""
+    method = METHODS[recipe.merge_method]
+    base = recipe.base_index
+    for name, (default, per_model) in method.parameters.items():
+        if default is not None:
+            continue
+        paths = [p for i, p in enumerate(recipe.sources) if i != base] if per_model else [None]
+        for path in paths:
+            if not recipe.setting(name, path):
+                whose = f" for model {path!r}" if path is not None else ""
+                raise InvalidArgumentError(f"merge_method {recipe.merge_method!r} needs parameter {name!r}{whose}: "
+                                           f"set it under the model's parameters or the recipe's")
+
+
+def _resolve(recipe: MergeRecipe, names, seed: int) -> dict:
+    """{tensor name: TensorParams}, every parameter resolved (filters, layer gradients) before anything is written."""
+    method = METHODS[recipe.merge_method]
+    base = recipe.base_index
+    others = [p for i, p in enumerate(recipe.sources) if i != base or method is METHODS["linear"]]
+    positions = layer_position(names)
+    params = {}
+    for name in names:
+        t = positions[name]
+        values: dict = {}
+        for key, (default, per_model) in method.parameters.items():
+            paths = others if per_model else [None]
+            found = []
+            for path in paths:
+                value = recipe.resolve(key, path, name, t, default)
+                if value is None:
+                    whose = f" of model {path!r}" if path is not None else ""
+                    raise InvalidArgumentError(f"no value of {key!r}{whose} applies to {name!r}: its filters match "
+                                               "other tensors only; add an entry without a filter")
+                found.append(value)
+            values[key] = tuple(found) if per_model else found[0]
+        if "density" in values:
+            bad = [d for d in values["density"] if not 0 < d <= 1]
+            if bad:
+                raise InvalidArgumentError(f"density {bad[0]!r} for {name!r} is outside (0, 1]")
+        params[name] = TensorParams(name, weight=values.get("weight", ()), density=values.get("density", ()),
+                                    t=values.get("t", 0.5), lambda_=values.get("lambda", 1.0),
+                                    normalize=values.get("normalize", False), seed=seed)
+    return params
+
+
+def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, intersection: bool = False,
+          mismatch: str = "error",
+          max_shard_size=None, seed: int = 0, overwrite: bool = False, progress: bool = False) -> MergeResult:
+    """Merge models as a mergekit recipe says, streamed: each output tensor from one tensor of each source.
+
+    Methods: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``, ``slerp``
+    (``restorekit._merging._methods``). Sources are any mix restorekit opens (TF checkpoints, Keras
+    files, safetensors files and Hugging Face directories, ``.pt``, ``.npz``, ONNX), paired by
+    name; optimizer state is left out; float tensors are computed in float64 and written in the
+    recipe's ``dtype`` (default: the stored dtype). Memory holds each tensor of every source once
+    (as float64) plus element chunks, never a model.
+
+        restorekit.merge("ties.yml", "merged/")            # a Hugging Face directory, as mergekit writes
+        restorekit.merge({"merge_method": "slerp", "base_model": "a/", "models": ["a/", "b/"],
+                          "parameters": {"t": [0, 0.5, 1]}}, "slerp.safetensors")
+
+    Args:
+        recipe: a :class:`MergeRecipe`, a mapping of mergekit's keys, or a YAML file's path.
+        out: the output; its format is ``to`` or its extension. A name without one is a TF
+            checkpoint prefix, unless the base model (else the first) is a Hugging Face
+            directory or ``max_shard_size`` is given: then a directory of safetensors
+            shards (with the base's ``config.json``).
+        to: the output format ('tf', 'safetensors', 'npz', 'torch').
+        include, exclude: patterns over entry names; only the included, not excluded, are written.
+        intersection: merge only the entries every source holds with the same shape and
+            dtype; by default any difference is an error listing them all.
+        mismatch: integer, boolean or string entries that differ: 'error' (default), or take
+            the 'first' or 'last' source's.
+        max_shard_size: the largest safetensors shard (default '5GB' for a directory output).
+        seed: seeds DARE's drop masks (with each tensor's name and model index).
+        overwrite: replace an existing output.
+        progress: a progress bar on stderr (when it is a terminal).
+
+    Returns:
+        A MergeResult.
+
+    Raises:
+        InvalidArgumentError: an unknown recipe key, method or parameter; a missing base model
+            or weight; slerp without two models; ``t`` outside [0, 1]; ``density`` outside (0, 1].
+        SourceMismatchError: the sources differ in names, shapes or dtypes, or in non-float values.
+        NoMatchError: an include/exclude pattern matches no entry.
+        CheckpointNotFoundError: a model path or the recipe file is missing.
+        OutputExistsError: the output exists (without ``overwrite``) or is a source.
+
+    Nothing is written when any of these is raised.
+    """
+    recipe = load_recipe(recipe)
+    if mismatch not in pipeline.MISMATCH:
+        raise InvalidArgumentError(f"mismatch is one of {pipeline.MISMATCH}, got {mismatch!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise InvalidArgumentError(f"seed is an integer, got {seed!r}")
+    _check_required(recipe)
+    method = METHODS[recipe.merge_method]
+    srcs = [pipeline.open_source(p) for p in recipe.sources]
+    base = recipe.base_index
+    target = pipeline.output(out, to, srcs, reference=base or 0, max_shard_size=max_shard_size, dtype=recipe.dtype,
+                             overwrite=overwrite)
+    plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
+                         mismatch=mismatch, dtype=recipe.dtype, what="merge")
+    params = _resolve(recipe, plan.merged, int(seed))
+
+    def merged(name: str) -> np.ndarray:
+        p = params[name]
+        if isinstance(method, Linear):
+            acc = np.zeros(srcs[0].ckpt.entries[name].shape, np.float64)
+            for src, w in zip(srcs, p.weight):
+                Linear.add(acc, src.ckpt.read(name), w)  # one source's tensor at a time
+            return Linear.finish(acc, p.weight)
+        tensors = [_as_float64(s.ckpt.read(name)) for i, s in enumerate(srcs) if i != base]
+        return method.merge(tensors, _as_float64(srcs[base].ckpt.read(name)), p)
+
+    result = pipeline.write(plan, merged, progress=progress)
+    del result
+    return MergeResult(target.path, target.format, recipe.merge_method,
+                       recipe.sources, recipe.base_model, plan.merged, tuple(plan.chosen), tuple(plan.taken),
+                       srcs[0].dropped, tuple(plan.skipped), plan.nbytes)
+
+
+def _as_float64(value) -> np.ndarray:
+    """A tensor as a fresh float64 array the method may write into (the stored copy freed at once)."""
+    return np.array(value, dtype=np.float64)
