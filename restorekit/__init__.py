@@ -66,6 +66,7 @@ from restorekit.graph import (
     repair_graph,
     unfreeze,
 )
+from restorekit._lora import LoraExportResult, MergeResult, export_lora_adapter, merge_lora
 from restorekit._initializers import initialize_uninitialized, uninitialized_initializer
 from restorekit._report import Record, RestoreReport
 from restorekit._scaffold import easy_going_scaffold
@@ -124,6 +125,8 @@ __all__ = [
     "GroupError",
     "GroupedOptimizer",
     "IncompleteRestoreError",
+    "LoraExportResult",
+    "MergeResult",
     "InsufficientSpaceError",
     "InvalidArgumentError",
     "MissingDependencyError",
@@ -161,6 +164,7 @@ __all__ = [
     "diff_checkpoints",
     "easy_going_scaffold",
     "export_checkpoint",
+    "export_lora_adapter",
     "freeze",
     "group_variables",
     "grouped_keras_optimizer",
@@ -170,6 +174,7 @@ __all__ = [
     "inspect_graph",
     "interpolate",
     "layerwise_decay",
+    "merge_lora",
     "param_groups",
     "partial_saver",
     "source_savers",

@@ -20,7 +20,7 @@ from restorekit._registry import Source
 from restorekit._names import PatternSet
 from restorekit._report import format_shape, summary_row
 
-__all__ = ["AverageResult", "average", "interpolate"]
+__all__ = ["AverageResult", "WeightsSource", "average", "base_name", "interpolate", "object_graph_kept", "open_weights"]
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 MISMATCH = ("error", "first", "last")
@@ -58,7 +58,7 @@ class AverageResult:
 
 
 @dataclass
-class _Source:
+class WeightsSource:
     path: str
     ckpt: Source
     files: list
@@ -66,7 +66,7 @@ class _Source:
     dropped: tuple
 
 
-def _open(path: str, weights_only: bool) -> _Source:
+def open_weights(path: str, weights_only: bool) -> WeightsSource:
     """A source as a checkpoint-like reader under TF names: a TF checkpoint, a Keras file, or any file convert reads."""
     from restorekit._checkpoint import Checkpoint
     from restorekit.layouts._planned import keras_source
@@ -88,7 +88,7 @@ def _open(path: str, weights_only: bool) -> _Source:
     # the one rule for "which entries are weights" (optimizer slots, beta powers, global_step, save_counter)
     selection = select(names, graph=graph, weights_only=weights_only)
     kept = [n for n in selection.names.values() if n != OBJECT_GRAPH_KEY]
-    return _Source(path, ckpt, files, kept, tuple(selection.dropped))
+    return WeightsSource(path, ckpt, files, kept, tuple(selection.dropped))
 
 
 def _check_weights(weights, count: int) -> tuple:
@@ -173,7 +173,7 @@ def _mean(srcs: list, name: str, weights: tuple, total: float) -> np.ndarray:
     return acc.astype(dtype)
 
 
-def _object_graph(src: _Source, names: list):
+def object_graph_kept(src: WeightsSource, names: list):
     """The first source's object graph for the output (keys of entries left out removed), or None."""
     from restorekit._bundle.objectgraph import rewrite_keys
     from restorekit.export._options import OBJECT_GRAPH_KEY
@@ -252,10 +252,10 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
         raise InvalidArgumentError(f"mismatch is one of {MISMATCH}, got {mismatch!r}")
     out = os.fspath(out)
     fmt = target_format(out, to)
-    srcs = [_open(s, bool(weights_only)) for s in sources]
+    srcs = [open_weights(s, bool(weights_only)) for s in sources]
     if fmt == formats.TF:
         # like convert: into an existing directory (or 'OUT/') under the first source's name
-        out = output_prefix(out, _base_name(srcs[0]))
+        out = output_prefix(out, base_name(srcs[0]))
         check_parent(out)
     _check_output(out, fmt, [f for s in srcs for f in s.files], overwrite)
     names, skipped = _compare_entries(srcs, intersection)
@@ -266,7 +266,7 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     check_space(os.path.dirname(os.path.abspath(out)), nbytes)
 
     total = sum(weights)
-    graph = _object_graph(srcs[0], names)
+    graph = object_graph_kept(srcs[0], names)
 
     def tensors():
         for name in names:
@@ -289,7 +289,7 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
                          srcs[0].dropped, tuple(skipped), nbytes)
 
 
-def _base_name(src: _Source) -> str:
+def base_name(src: WeightsSource) -> str:
     """The name an output takes inside a directory: the source prefix's, or the file's without its extension."""
     prefix = getattr(src.ckpt, "prefix", None)
     if prefix and os.path.exists(prefix + ".index"):
