@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from restorekit.errors import InvalidArgumentError, OptionNotApplicableError, SourceMismatchError, format_names
+from restorekit._registry import Source
 from restorekit._report import summary_row
 
 __all__ = ["AdapterConfig", "LoraExportResult", "MergeResult", "delta", "export_lora_adapter", "merge_lora",
@@ -109,7 +110,7 @@ class Adapter:
 
     path: str
     config: AdapterConfig
-    source: object
+    source: Source
     modules: dict
 
 
