@@ -86,7 +86,7 @@ def test_a_lora_model_restores_its_base_and_reports_the_adapters_as_new(tmp_path
     for name, value in before.items():  # left as Keras initialized (here: as assigned) them
         np.testing.assert_array_equal(model.get_layer(name.split("/")[0]).__getattribute__(name.split("/")[1]).numpy(),
                                       value)
-    np.testing.assert_array_equal(model.get_layer("fc1")._kernel.numpy(), donor.get_layer("fc1").kernel.numpy())
+    np.testing.assert_array_equal(model.get_layer("fc1")._kernel.numpy(), keras.ops.convert_to_numpy(donor.get_layer("fc1").kernel))
     assert model.get_layer("fc1")._kernel.trainable is False
 
 
@@ -104,9 +104,9 @@ def test_keras_lora_in_a_checkpoint_merges_into_the_kernels_as_keras_merges_them
         assert not any("lora_kernel" in k for k in merged)
         layer = model.get_layer(name)
         key = next(k for k in merged if k.endswith(f"_operations/{model.layers.index(layer)}/_kernel"))
-        np.testing.assert_allclose(merged[key], layer.kernel.numpy(), atol=1e-5)  # Keras' own merged kernel
+        np.testing.assert_allclose(merged[key], keras.ops.convert_to_numpy(layer.kernel), atol=1e-5)  # Keras' own merged kernel
         np.testing.assert_allclose(keras_delta(layer.lora_kernel_a.numpy(), layer.lora_kernel_b.numpy(), alpha / layer.lora_rank),
-                                   layer.kernel.numpy() - layer._kernel.numpy(), atol=1e-5)
+                                   keras.ops.convert_to_numpy(layer.kernel) - layer._kernel.numpy(), atol=1e-5)
 
 
 def test_a_merged_keras_lora_checkpoint_restores_into_the_plain_model_with_the_same_outputs(tmp_path):
@@ -138,7 +138,7 @@ def test_a_peft_adapter_merges_into_tf_kernels_transposed_through_layout_torch(t
     assert len(result.merged) == 1
     merged = load_file(tmp_path / "merged.safetensors")
     key = result.merged[0]  # fc1's kernel: 'fc1/kernel' in a Keras file, its object path in a TF checkpoint
-    expected = base.get_layer("fc1").kernel.numpy() + ((B @ A) * 2.0).T
+    expected = keras.ops.convert_to_numpy(base.get_layer("fc1").kernel) + ((B @ A) * 2.0).T
     np.testing.assert_allclose(merged[key], expected, atol=1e-5)
     np.testing.assert_array_equal(merged[key.replace("_kernel", "bias").replace("kernel", "bias")],
                                   base.get_layer("fc1").bias.numpy())
@@ -234,7 +234,7 @@ def test_an_exported_adapter_merged_back_into_the_base_is_keras_merged_kernel(tm
                                    layout="torch")
     got = dict(np.load(tmp_path / "m.npz"))
     for name in ("fc1", "fc2"):
-        np.testing.assert_allclose(got[f"{name}/kernel"], model.get_layer(name).kernel.numpy(), atol=1e-5)
+        np.testing.assert_allclose(got[f"{name}/kernel"], keras.ops.convert_to_numpy(model.get_layer(name).kernel), atol=1e-5)
     assert len(merged.merged) == 2
     with pytest.raises(OutputExistsError):
         restorekit.export_lora_adapter(model, tmp_path / "adapter")
