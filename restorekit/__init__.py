@@ -67,6 +67,7 @@ from restorekit.graph import (
     repair_graph,
     unfreeze,
 )
+from restorekit._lora import LoraExportResult, MergeResult, export_lora_adapter, merge_lora
 from restorekit._initializers import initialize_uninitialized, uninitialized_initializer
 from restorekit._report import Record, RestoreReport
 from restorekit._scaffold import easy_going_scaffold
@@ -125,6 +126,8 @@ __all__ = [
     "GroupError",
     "GroupedOptimizer",
     "IncompleteRestoreError",
+    "LoraExportResult",
+    "MergeResult",
     "InsufficientSpaceError",
     "InvalidArgumentError",
     "MergeRecipe",
@@ -164,6 +167,7 @@ __all__ = [
     "diff_checkpoints",
     "easy_going_scaffold",
     "export_checkpoint",
+    "export_lora_adapter",
     "freeze",
     "group_variables",
     "grouped_keras_optimizer",
@@ -174,6 +178,7 @@ __all__ = [
     "interpolate",
     "merge",
     "layerwise_decay",
+    "merge_lora",
     "param_groups",
     "partial_saver",
     "source_savers",

@@ -61,7 +61,8 @@ class Record:
     one checkpoint and one model give the same ``how`` on every Keras backend. A skipped record: why, one of ``'not_included'``,
     ``'excluded'``, ``'not_in_assignment_map'``, ``'optimizer'``, ``'counter'``,
     ``'rng'``, ``'ema_shadow'``, ``'raw_weights'``, ``'other_source'`` (an entry of one of
-    several sources whose variable restores from another). A missing record of a
+    several sources whose variable restores from another), ``'lora_adapter'`` (a Keras
+    ``lora_kernel_a``/``lora_kernel_b`` the checkpoint has no entry for: new by design). A missing record of a
     several-source restore that no source pattern takes: ``'no_source'``.
 
     ``source`` names the checkpoint a record comes from in a restore from several
@@ -98,7 +99,7 @@ _KINDS = ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped
 HOW_MATCHED = ("name", "rule", "assignment_map", "object_graph", "position", "readable_path", "ema", "ema_fallback",
                "policy")
 HOW_SKIPPED = ("not_included", "excluded", "not_in_assignment_map", "optimizer", "counter", "rng", "ema_shadow",
-               "raw_weights", "other_source", "no_source")
+               "raw_weights", "other_source", "no_source", "lora_adapter")
 HOW = HOW_MATCHED + HOW_SKIPPED
 
 

@@ -26,7 +26,7 @@ from restorekit._names import Kind, PatternSet, counter_kind, entry_kind, optimi
 from restorekit._report import Record, RestoreReport, with_stored
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit._sources import is_several, scan_several
-from restorekit._targets import Target, collect, variable_name
+from restorekit._targets import Target, absent_record, collect, is_lora_adapter, lora_notes, variable_name
 from restorekit._torch_target import foreign_file_hint, is_torch_module, layout_source
 from restorekit._trackables import is_trackable, object_graph_keys
 
@@ -468,8 +468,8 @@ def _plan_target(state: _Scan, t: Target) -> None:
     elif name in state.aliases and state.aliases[name][0] == ckpt_name:
         reason = f"{state.aliases[name][1]}; {reason}" if reason else state.aliases[name][1]
     entry = state.ckpt.entries.get(ckpt_name)
-    if entry is None:
-        state.missing.append(Record(name, ckpt_name, t.shape, t.dtype))
+    if entry is None:  # the adapters enable_lora adds are new by design: skipped, not missing
+        (state.skipped if is_lora_adapter(t) else state.missing).append(absent_record(t, ckpt_name))
         return
     if state.assignment_map is None and state.ckpt.is_object_based and ckpt_name in state.owner:
         # Found automatically for two variables: the first keeps it (an
@@ -633,7 +633,7 @@ def _report(state: _Scan) -> RestoreReport:
         unused=with_stored(state.unused, getattr(ckpt, 'stored_entry', None)),
         hints=_repeated_names_hints(state) + restore_hints(
             [r for r in state.missing if r.variable_name not in repeated], state.shape_mismatched,
-            state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,
+            state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes + lora_notes(state.targets),
         _handles=state.handles,
         _policies=state.applied,
         _source=state.ckpt,

@@ -47,6 +47,7 @@ class Target:
     # Fixed by a Saver-style {checkpoint_name: variable} dict; else derived by scan.
     checkpoint_name: str | None = None
     parts: list = field(default_factory=list)
+    trainable: bool | None = None  # a Keras variable's own flag (enable_lora clears it; its tf.Variable keeps True)
 
     @property
     def partitioned(self) -> bool:
@@ -155,7 +156,7 @@ def _from_object(obj, checkpoint_name=None) -> list[Target]:
         # On TensorFlow the tf.Variable inside is assigned (distributed and sharded ones too);
         # on another backend the Keras variable itself, through its own assign.
         handle = obj.value if keras_backend(obj) == "tensorflow" else obj
-        return [Target(obj.path, _shape(obj), _dtype(obj), handle, checkpoint_name)]
+        return [Target(obj.path, _shape(obj), _dtype(obj), handle, checkpoint_name, trainable=bool(obj.trainable))]
     if not hasattr(obj, "dtype") or not hasattr(obj, "shape") or not hasattr(obj, "name"):
         raise InvalidArgumentError(f"expected a variable, got {type(obj).__name__}: {obj!r}")
     return [Target(variable_name(obj), _shape(obj), _dtype(obj), obj, checkpoint_name)]
@@ -286,3 +287,36 @@ def flat_variables(handles) -> list:
             h = shards(h)
         out.extend(h if isinstance(h, list) else [h])
     return out
+
+
+# ------------------------------------------------------------------ Keras LoRA (layer.enable_lora)
+
+LORA_LEAVES = ("lora_kernel_a", "lora_kernel_b")
+LORA_NEW = "LoRA adapter (new)"
+
+
+def is_lora_adapter(t: Target) -> bool:
+    """True for a Keras ``lora_kernel_a`` / ``lora_kernel_b`` (what ``layer.enable_lora(rank)`` adds)."""
+    return t.variable_name.rsplit("/", 1)[-1] in LORA_LEAVES
+
+
+def absent_record(t: Target, checkpoint_name: str | None):
+    """The record of a variable with no entry: a LoRA adapter skipped as new, anything else missing."""
+    from restorekit._report import Record
+
+    if is_lora_adapter(t):
+        return Record(t.variable_name, None, t.shape, t.dtype, reason=LORA_NEW, how=("lora_adapter",))
+    return Record(t.variable_name, checkpoint_name, t.shape, t.dtype)
+
+
+def lora_notes(targets: list) -> tuple:
+    """One line for a model with LoRA layers: which base kernels ``enable_lora`` froze (restored, trainable=False)."""
+    scopes = {t.variable_name.rsplit("/", 1)[0] for t in targets if is_lora_adapter(t)}
+    frozen = [t.variable_name for t in targets if t.variable_name.rsplit("/", 1)[0] in scopes
+              and not is_lora_adapter(t) and t.trainable is False]
+    if not scopes:
+        return ()
+    shown = ", ".join(frozen[:4]) + (f", ... and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+    return (f"{len(scopes)} LoRA layer(s): base {'kernels' if len(frozen) != 1 else 'kernel'} {shown or '(none)'} "
+            f"frozen (trainable=False); their lora_kernel_a/lora_kernel_b are new, left as Keras initialized them "
+            f"(skipped: {LORA_NEW}).",)

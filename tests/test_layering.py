@@ -33,7 +33,7 @@ LAYERS = [
     ["_scan"],
     ["_remap", "_tf1", "_tf2", "_restore_keras", "_restore_torch", "_initializers", "_distribute"],
     ["_scaffold", "finetune", "_resume"],
-    ["_compare", "edit", "graph", "compress", "_averaging", "_merging"],
+    ["_compare", "edit", "graph", "compress", "_averaging", "_merging", "_lora"],
     ["demo"],
     ["cli", "__main__", ""],  # "" is the package's own __init__ (the public face)
 ]

@@ -159,7 +159,7 @@ def filtered(names: list, include, exclude) -> list:
     return kept
 
 
-def _base_name(src: Input) -> str:
+def base_name(src: Input) -> str:
     """The name an output takes inside a directory: the source prefix's, or the file's without its extension."""
     prefix = getattr(src.ckpt, "prefix", None)
     if prefix and os.path.exists(prefix + ".index"):
@@ -208,7 +208,7 @@ def output(out, to, srcs: list, *, reference: int = 0, max_shard_size=None, dtyp
         return Output(out, "safetensors", shard, text, overwrite)
     if fmt == formats.TF:
         # like convert: into an existing directory (or 'OUT/') under the first source's name
-        out = output_prefix(out, _base_name(srcs[0]))
+        out = output_prefix(out, base_name(srcs[0]))
         check_parent(out)
     check_output(out, fmt, [f for s in srcs for f in s.files], overwrite)
     return Output(out, fmt, overwrite=overwrite)
@@ -236,7 +236,7 @@ def plan(srcs: list, out: Output, *, include=None, exclude=None, intersection: b
     return result
 
 
-def _object_graph(src: Input, names: list):
+def object_graph_kept(src: Input, names: list):
     """The first source's object graph for the output (keys of entries left out removed), or None."""
     from restorekit._bundle.objectgraph import rewrite_keys
     from restorekit.export._options import OBJECT_GRAPH_KEY
@@ -264,7 +264,7 @@ def write(p: Plan, merged, *, progress: bool = False):
     from restorekit.formats.tf._writer import write_tf
     from restorekit.export._options import OBJECT_GRAPH_KEY
 
-    graph = _object_graph(p.srcs[0], p.names) if p.out.format == formats.TF else None
+    graph = object_graph_kept(p.srcs[0], p.names) if p.out.format == formats.TF else None
 
     def tensors():
         for name in p.names:

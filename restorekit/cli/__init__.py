@@ -42,7 +42,7 @@ import warnings
 from typing import Sequence
 
 from restorekit._tensorflow import quiet_logs
-from restorekit.cli import _checkpoints as checkpoints, _compress as compress, _edits as edits, _graphs as graphs  # noqa: F401  (each registers its commands)
+from restorekit.cli import _checkpoints as checkpoints, _compress as compress, _edits as edits, _graphs as graphs, _lora as lora  # noqa: F401  (each registers its commands)
 from restorekit.cli._base import (  # noqa: F401
     COMMANDS,
     EXIT_DIFFERENT,

@@ -155,6 +155,15 @@ class TorchView:
             return None
         return part.key, tuple(self._source.entries[part.key].shape)
 
+    def backward(self, name: str):
+        """(the source key stored tensor ``name`` is computed from, a function taking an array in ``name``'s
+        layout to the key's), or None where ``name`` is not one whole source tensor (a piece, a sum, an addition).
+        The function is linear (axes, gate order, reshapes), so it takes a difference as it takes a value."""
+        part = self._parts.get(name)
+        if part is None or part.key is None or part.extra or "take" in part.ops:
+            return None
+        return part.key, lambda array: _ops.backward(part.ops, array, name)
+
     def readable_name(self, name: str) -> str:
         part = self._parts.get(name)
         return part.key if part is not None and part.key is not None else name

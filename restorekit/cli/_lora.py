@@ -1,0 +1,33 @@
+"""``restorekit merge-lora``: a PEFT LoRA adapter merged into a base checkpoint of any format."""
+
+from __future__ import annotations
+
+import argparse
+
+from restorekit.cli._base import EXIT_OK, _quiet, register, reworded_exists_error
+
+
+def _merge_lora_args(p: argparse.ArgumentParser) -> None:
+    from restorekit.export import FORMATS
+
+    p.add_argument("base", help="the base checkpoint: safetensors (file or shard directory), .pt, .npz, TF, Keras")
+    p.add_argument("adapter", help="the PEFT adapter directory (adapter_model.safetensors, adapter_config.json)")
+    p.add_argument("out", help="the merged output; its format from --to or the extension, as convert")
+    p.add_argument("--layout", choices=["torch"], help="pair PyTorch names with a TF or Keras base's (layout='torch')")
+    p.add_argument("--rules", metavar="RULE_SET", help="pair Hugging Face names with a TF base's by a rule set")
+    p.add_argument("--weights-only", action="store_true", help="leave out optimizer state and global_step")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+@register("merge-lora", help="merge a PEFT LoRA adapter into a base checkpoint, tensor by tensor",
+          configure=_merge_lora_args)
+def _merge_lora(args) -> int:
+    from restorekit._lora import merge_lora
+
+    with reworded_exists_error(args.out):
+        result = merge_lora(args.base, args.adapter, args.out, to=args.to, layout=args.layout, rules=args.rules,
+                            weights_only=args.weights_only, overwrite=args.overwrite, progress=not _quiet(args))
+    if not _quiet(args):
+        print(result)
+    return EXIT_OK
