@@ -67,7 +67,7 @@ from restorekit.graph import (
     repair_graph,
     unfreeze,
 )
-from restorekit._lora import LoraExportResult, MergeResult, export_lora_adapter, merge_lora
+from restorekit._lora import LoraExportResult, LoraMergeResult, export_lora_adapter, merge_lora
 from restorekit._initializers import initialize_uninitialized, uninitialized_initializer
 from restorekit._report import Record, RestoreReport
 from restorekit._scaffold import easy_going_scaffold
@@ -127,7 +127,7 @@ __all__ = [
     "GroupedOptimizer",
     "IncompleteRestoreError",
     "LoraExportResult",
-    "MergeResult",
+    "LoraMergeResult",
     "InsufficientSpaceError",
     "InvalidArgumentError",
     "MergeRecipe",

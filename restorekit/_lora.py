@@ -28,7 +28,7 @@ from restorekit.errors import InvalidArgumentError, OptionNotApplicableError, So
 from restorekit._registry import Source
 from restorekit._report import summary_row
 
-__all__ = ["AdapterConfig", "LoraExportResult", "MergeResult", "delta", "export_lora_adapter", "merge_lora",
+__all__ = ["AdapterConfig", "LoraExportResult", "LoraMergeResult", "delta", "export_lora_adapter", "merge_lora",
            "read_adapter", "scaling"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -263,7 +263,7 @@ def _plan(adapter: Adapter, ckpt, layout, rules) -> dict:
 
 # ------------------------------------------------------------------ merge
 @dataclass(frozen=True)
-class MergeResult:
+class LoraMergeResult:
     """What ``merge_lora`` wrote: ``merged`` base entries (a delta added), ``copied`` ones as they were,
     ``dropped`` entries left out (Keras LoRA factors merged into their kernels, optimizer state)."""
 
@@ -325,7 +325,7 @@ def keras_delta(a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
 
 def merge_lora(base, adapter, out, *, to: str | None = None, layout: str | None = None, rules=None,
                lora_alpha: float | None = None, weights_only: bool = False, overwrite: bool = False,
-               progress: bool = False) -> MergeResult:
+               progress: bool = False) -> LoraMergeResult:
     """Merge a PEFT LoRA adapter into a base checkpoint, tensor by tensor, and write the merged weights.
 
     Each targeted weight becomes ``W + delta(A, B, scaling, fan_in_fan_out)`` (PEFT's
@@ -358,7 +358,7 @@ def merge_lora(base, adapter, out, *, to: str | None = None, layout: str | None 
         progress: a progress bar on stderr (when it is a terminal).
 
     Returns:
-        A MergeResult.
+        A LoraMergeResult.
 
     Raises:
         InvalidArgumentError: a config merge_lora does not merge exactly, named (DoRA ``use_dora``,
@@ -431,7 +431,7 @@ def merge_lora(base, adapter, out, *, to: str | None = None, layout: str | None 
     else:
         formats.module(fmt).write(out, tensors(), progress=progress)
     done = tuple(n for n in names if n in plan)
-    return MergeResult(out, fmt, src.path, peft.path if peft is not None else None, done, len(names) - len(done),
+    return LoraMergeResult(out, fmt, src.path, peft.path if peft is not None else None, done, len(names) - len(done),
                        tuple(factors) + src.dropped, nbytes)
 
 
