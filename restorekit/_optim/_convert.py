@@ -31,35 +31,45 @@ __all__ = ["adam_epsilon", "adam_epsilon_drift", "adam_steps", "rmsprop_epsilon"
            "to_adagrad", "to_adam", "to_rmsprop", "to_sgd"]
 
 
-def adam_steps(beta1_power: float, beta2_power: float | None, beta1: float, beta2: float) -> int:
+_NORMAL = 1.1754944e-38  # the smallest normal float32: a beta power below it has lost its precision
+
+
+def adam_steps(beta1_power: float, beta2_power: float | None, beta1: float, beta2: float,
+               global_step: int | None = None) -> int:
     """The steps a TF1 Adam run took, from its ``beta1_power`` (``beta1^(t+1)``: TF1 multiplies after each step),
     cross-checked with ``beta2_power``.
+
+    Long runs underflow ``beta1_power`` (``0.9^t`` leaves float32 near t = 830); then
+    ``beta2_power`` counts, and where both did, neither correction is distinguishable from 1
+    and ``global_step`` (or the first step where both are) is as good a count.
 
     Raises:
         InvalidArgumentError: the powers are not powers of ``beta1`` and ``beta2`` at one step count: the
             target's betas are not the source run's.
     """
-    if not 0.0 < beta1 < 1.0 or not 0.0 < beta1_power <= 1.0:
-        raise InvalidArgumentError(f"beta1_power {beta1_power!r} is no power of beta1 {beta1!r}")
-    exponent = math.log(beta1_power) / math.log(beta1)
-    steps = round(exponent) - 1
-    # beta1_power is a float32 product of t+1 factors: each rounds by at most 2**-24 relatively.
-    slack = 1e-3 + (steps + 1) * 2.0 ** -23 / abs(math.log(beta1))
-    agree = steps >= 0 and abs(exponent - (steps + 1)) <= slack
-    if agree and beta2_power is not None:
-        agree = abs(beta2_power / beta2 ** (steps + 1) - 1.0) <= 1e-4 + (steps + 1) * 2.0 ** -23
-    if not agree:
-        found = f"beta2_power {beta2_power:.7g}, " if beta2_power is not None else ""
+    powers = [(p, b) for p, b in ((beta1_power, beta1), (beta2_power, beta2)) if p is not None]
+    if not all(0.0 < b < 1.0 for _, b in powers) or not all(0.0 <= p <= 1.0 for p, _ in powers):
+        raise InvalidArgumentError(f"beta powers {beta1_power!r}, {beta2_power!r} are no powers of betas {beta1!r}, "
+                                   f"{beta2!r}")
+    counting = [(p, b) for p, b in powers if p >= _NORMAL]
+    if not counting:
+        floor = max(math.ceil(math.log(_NORMAL) / math.log(b)) for _, b in powers)
+        return max(global_step or 0, floor)
+    power, beta = counting[0]
+    steps = max(round(math.log(power) / math.log(beta)) - 1, 0)
+
+    def fits(p: float, b: float) -> bool:  # a float32 product of t+1 factors, each rounded by up to 2**-24
+        want = b ** (steps + 1)
+        return want < _NORMAL * 2 if p < _NORMAL else abs(p / want - 1.0) <= 1e-4 + (steps + 1) * 2.0 ** -23
+
+    if not all(fits(p, b) for p, b in powers):
+        found = ", ".join(f"{n} {p:.7g}" for n, p in (("beta1_power", beta1_power), ("beta2_power", beta2_power))
+                          if p is not None)
         raise InvalidArgumentError(
-            f"the checkpoint's beta1_power {beta1_power:.7g}, {found}are not beta1^(t+1) and beta2^(t+1) for "
-            f"the optimizer's betas ({beta1!r}, {beta2!r}) at any step count t; give the optimizer the betas the "
-            f"TF run used (beta1 = {_nearest_base(beta1_power, exponent):.6g} would fit beta1_power), or scan "
+            f"the checkpoint's {found} are not beta1^(t+1) and beta2^(t+1) for the optimizer's betas "
+            f"({beta1!r}, {beta2!r}) at any step count t; give the optimizer the betas the TF run used, or scan "
             f"without optimizer= for a warm start")
     return steps
-
-
-def _nearest_base(power: float, exponent: float) -> float:
-    return power ** (1.0 / max(round(exponent), 1))
 
 
 def adam_epsilon(epsilon: float, beta2: float, steps: int) -> float:

@@ -177,7 +177,8 @@ def _steps(state, kind: str, groups, notes: list) -> tuple:
     """The steps the TF run took, and what says so: Adam's beta powers (what its bias correction reads),
     else global_step."""
     if kind in ("Adam", "AdamW") and state.beta1_power is not None:
-        found = {convert.adam_steps(state.beta1_power, state.beta2_power, *map(float, g["betas"])) for g in groups}
+        found = {convert.adam_steps(state.beta1_power, state.beta2_power, *map(float, g["betas"]), state.global_step)
+                 for g in groups}
         steps = found.pop()
         if state.global_step is not None and state.global_step != steps:
             notes.append(OptimizerNote("step", f"global_step is {state.global_step}, beta1_power counts {steps} "
