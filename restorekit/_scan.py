@@ -626,11 +626,12 @@ def _report(state: _Scan) -> RestoreReport:
         f"from it and {name!r} is left to its initializer (an assignment_map can give one entry to both)."
         for name, first, key in state.shared
     )
+    records: dict = {kind: with_stored(getattr(state, kind), getattr(ckpt, 'stored_entry', None)) for kind in
+                     ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")}
     return RestoreReport(
         checkpoint=ckpt.prefix,
         num_variables=len(state.targets),
-        **{kind: with_stored(getattr(state, kind), getattr(ckpt, 'stored_entry', None)) for kind in
-           ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")},
+        **records,
         hints=_repeated_names_hints(state) + restore_hints(
             [r for r in state.missing if r.variable_name not in repeated], state.shape_mismatched,
             state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes,

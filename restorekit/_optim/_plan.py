@@ -35,7 +35,7 @@ class Carry:
     """One parameter whose state is carried: ``read()`` gives its torch state (numpy arrays and floats)."""
 
     param: object
-    name: str
+    name: str | None
     read: Callable[[], dict]
 
 
@@ -142,7 +142,9 @@ def with_optimizer(report, variables, optimizer):
     names = {id(t): key for key, _, _, t in module_items(variables)}
     status = _weight_status(report)
     matched = {r.variable_name: r for r in report.matched}
-    carried, reset, stats = [], [], {}
+    carried: list = []
+    reset: list = []
+    stats: dict = {}
     for g, param in _params(optimizer):
         name = names.get(id(param))
         why = _why_reset(name, status, matched, state)
@@ -177,8 +179,10 @@ def _steps(state, kind: str, groups, notes: list) -> tuple:
     """The steps the TF run took, and what says so: Adam's beta powers (what its bias correction reads),
     else global_step."""
     if kind in ("Adam", "AdamW") and state.beta1_power is not None:
-        found = {convert.adam_steps(state.beta1_power, state.beta2_power, *map(float, g["betas"]), state.global_step)
-                 for g in groups}
+        found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(g["betas"][0]), float(g["betas"][1]),
+                                    state.global_step) for g in groups}
+        if len(found) > 1:
+            raise InvalidArgumentError(f"the param groups' betas count {sorted(found)} steps; give every group the TF run's")
         steps = found.pop()
         if state.global_step is not None and state.global_step != steps:
             notes.append(OptimizerNote("step", f"global_step is {state.global_step}, beta1_power counts {steps} "
