@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError, NoMatchError
 
-__all__ = ["HOW", "Record", "RestoreReport", "format_bytes", "format_shape", "live_handles", "nothing_matched"]
+__all__ = ["HOW", "OptimizerNote", "OptimizerRecord", "OptimizerSection", "Record", "RestoreReport", "format_bytes",
+           "format_shape", "live_handles", "nothing_matched"]
 
 
 def format_shape(shape, unknown_rank: str = "?") -> str:
@@ -94,6 +95,74 @@ class Record:
         return f"{name} {format_shape(shape)}"
 
 
+@dataclass(frozen=True)
+class OptimizerRecord:
+    """One parameter of the optimizer in a restore with ``optimizer=``: its state carried, or reset and why.
+
+    ``parameter`` is the module's name for it (its ``state_dict`` key), ``slots`` the
+    checkpoint entries read as the file stores them (``fc1/kernel/Adam``), ``state`` the
+    target optimizer's state keys written (``exp_avg``, ``exp_avg_sq``, ``step``). A reset
+    record's ``reason`` says why its state starts fresh and ``how`` says it as a word
+    (``'no_slots'``, ``'missing'``, ``'mismatched'``, ``'policy'``, ``'not_restored'``,
+    ``'not_in_module'``, ``'view'``, ``'slot_shape'``); a carried one's ``how`` is ``'carried'``.
+    """
+
+    parameter: str
+    slots: tuple = ()
+    state: tuple = ()
+    reason: str = ""
+    how: str = "carried"
+
+
+@dataclass(frozen=True)
+class OptimizerNote:
+    """A hyper-parameter restorekit set so the next updates equal the source run's (``settings``), or a
+    difference the target optimizer cannot express (``differences``): what, in words, and its size where
+    one number says it (a relative difference of the update, or a factor)."""
+
+    what: str
+    text: str
+    size: float | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """The optimizer part of a report (``scan(..., optimizer=opt)``): what the target optimizer takes over.
+
+    ``optimizer`` names the target (``'torch.optim.Adam'``), ``source`` the checkpoint's
+    optimizer state (``'Adam (TF1)'``), ``step`` the steps the source run had taken as the
+    target's ``step`` now says (``step_from``: what it was read from). ``carried`` and
+    ``reset`` hold an :class:`OptimizerRecord` per parameter of the optimizer;
+    ``settings`` the hyper-parameters set, ``differences`` what stays different and by how much.
+    """
+
+    optimizer: str
+    source: str
+    step: int | None = None
+    step_from: str = ""
+    carried: tuple = ()
+    reset: tuple = ()
+    settings: tuple = ()
+    differences: tuple = ()
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+    def lines(self) -> list:
+        """The rows ``str(report)`` shows for it."""
+        step = f", step {self.step} ({self.step_from})" if self.step is not None else ""
+        out = [f"  optimizer  {self.optimizer} <- {self.source}{step}"]
+
+        def shown(records, text) -> str:
+            return ", ".join(text(r) for r in records[:4]) + (f", ... and {len(records) - 4} more" if len(records) > 4 else "")
+
+        out.append("  " + summary_row("carried", len(self.carried), shown(self.carried, lambda r: r.parameter)))
+        out.append("  " + summary_row("reset", len(self.reset), shown(self.reset, lambda r: f"{r.parameter} ({r.reason})")))
+        out.extend(f"    set {n.what}: {n.text}" for n in self.settings)
+        out.extend(f"    differs {n.what}: {n.text}" for n in self.differences)
+        return out
+
+
 _KINDS = ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")
 # The words of Record.how: how a match was made, or why a record was skipped.
 HOW_MATCHED = ("name", "rule", "assignment_map", "object_graph", "position", "readable_path", "ema", "ema_fallback",
@@ -132,6 +201,7 @@ class RestoreReport:
     unused: tuple = ()
     hints: tuple = ()
     sources: tuple = ()
+    optimizer: OptimizerSection | None = None  # scan(..., optimizer=opt): the optimizer state taken over
     # variable_name -> live variable (or list of partitions). Private: used by
     # partial_saver/warm_start to find the very variables scanned; never compared,
     # pickled or serialized.
@@ -142,6 +212,8 @@ class RestoreReport:
     # The opened source scan read (a Checkpoint, Keras file or layout view), so a restore
     # off TensorFlow reads the very entries planned. Private like _handles.
     _source: object = field(default=None, compare=False, repr=False)
+    # The live plan of the optimizer state (restorekit._optim), for restore. Private like _handles.
+    _optimizer: object = field(default=None, compare=False, repr=False)
 
     # -- values
     def source_of(self, record: Record) -> str:
@@ -210,20 +282,21 @@ class RestoreReport:
             for r in self.by_position
         ]
         out["hints"] = list(self.hints)
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.to_dict()
         return out
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
     def __getstate__(self):
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("_handles", "_policies", "_source")}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _LIVE}
 
     def __setstate__(self, state):
         for name, value in state.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_handles", None)
-        object.__setattr__(self, "_policies", None)
-        object.__setattr__(self, "_source", None)
+        for name in _LIVE:
+            object.__setattr__(self, name, None)
 
     # -- reading
     @property
@@ -284,10 +357,15 @@ class RestoreReport:
         if fallback:
             shown = ", ".join(fallback[:6]) + (f", ... and {len(fallback) - 6} more" if len(fallback) > 6 else "")
             lines.append(f"  ema fallback (no shadow entry, raw weights): {shown}")
+        if self.optimizer is not None:
+            lines.extend(self.optimizer.lines())
         lines.extend(f"  hint: {h}" for h in self.hints[:8])
         if len(self.hints) > 8:
             lines.append(f"  ... and {len(self.hints) - 8} more hints")
         return "\n".join(lines)
+
+
+_LIVE = ("_handles", "_policies", "_source", "_optimizer")
 
 
 def with_stored(records, stored_entry) -> tuple:

@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 from restorekit._array_values import checked_plan, reading_checked
+from restorekit._optim import _torch as optimizer_torch
 from restorekit.errors import IncompleteRestoreError, MissingDependencyError
 from restorekit._report import live_handles, nothing_matched
 from restorekit._torch_target import is_torch_tensor
@@ -44,7 +45,8 @@ def _as_tensor(torch, value: np.ndarray):
 
 
 def restore(report, *, strict: bool = False):
-    """Copy a report's matched values into its torch module's parameters and buffers, under ``torch.no_grad()``.
+    """Copy a report's matched values into its torch module's parameters and buffers, under ``torch.no_grad()``;
+    with ``scan(..., optimizer=opt)``, then the carried optimizer state into ``opt`` (``report.optimizer``).
 
     Raises:
         IncompleteRestoreError: ``strict`` and the report is incomplete.
@@ -62,10 +64,12 @@ def restore(report, *, strict: bool = False):
         raise nothing_matched(report)
     stored, values = checked_plan(report, handles, _current, _in_place)
     values = [(t, _as_tensor(torch, v)) for t, v in values]
+    optimizer_state = optimizer_torch.read(report._optimizer)  # scan(..., optimizer=): read before any copy
     with torch.no_grad():
         _copy_stored(torch, stored)
         for tensor, value in values:
             tensor.copy_(value)
+    optimizer_torch.load(report._optimizer, optimizer_state)
     return report
 
 

@@ -22,6 +22,7 @@ from restorekit.errors import CorruptCheckpointError, InvalidArgumentError, NoMa
 from restorekit.formats import open_source
 from restorekit._registry import Source
 from restorekit._hints import UNIQUIFIED, restore_hints, shapes_fit
+from restorekit._optim._plan import with_optimizer
 from restorekit._names import Kind, PatternSet, counter_kind, entry_kind, optimizer_slot_kind
 from restorekit._report import Record, RestoreReport, with_stored
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
@@ -92,6 +93,7 @@ def scan(
     vocab=None,
     match: str = "auto",
     layout: str | None = None,
+    optimizer=None,
 ) -> RestoreReport:
     """Plan a restore of ``checkpoint`` into ``variables``; build no ops.
 
@@ -146,6 +148,8 @@ def scan(
             raw keys only) or ``'object_graph'``.
         layout: ``'torch'``: see the checkpoint as its ``layout='torch'`` export (TF
             names and axes as a ``torch.nn`` twin's ``state_dict``), for a torch module.
+        optimizer: a ``torch.optim`` optimizer of the module: carry the TF1 optimizer state into it, each
+            slot paired through its weight's record (``report.optimizer``; ``restore`` writes it).
 
     Returns:
         A RestoreReport.
@@ -167,7 +171,7 @@ def scan(
         shared = dict(assignment_map=assignment_map, include=include, exclude=exclude, skip_optimizer_slots=
                       skip_optimizer_slots, include_global_step=include_global_step, ema=ema, rules=rules,
                       shape_policy=shape_policy, dtype_policy=dtype_policy, vocab=vocab, match=match, layout=layout)
-        return scan_several(checkpoint, variables, shared, scan)
+        return with_optimizer(scan_several(checkpoint, variables, shared, scan), variables, optimizer)
     ckpt, rules = layout_source(as_checkpoint(checkpoint), layout, rules, variables)
     ckpt.check_shards()  # a truncated shard is named now, not by TF's OutOfRangeError at restore time
     if match not in ("auto", "path", "object_graph"):
@@ -183,7 +187,7 @@ def scan(
     state.policies.check_all_used(names)
     _sort_leftover_entries(state)
     state.notes += _layout_hints(state, layout, variables)
-    return _report(state)
+    return with_optimizer(_report(state), variables, optimizer)
 
 
 def _layout_hints(state, layout, variables) -> tuple:
@@ -622,15 +626,12 @@ def _report(state: _Scan) -> RestoreReport:
         f"from it and {name!r} is left to its initializer (an assignment_map can give one entry to both)."
         for name, first, key in state.shared
     )
+    records: dict = {kind: with_stored(getattr(state, kind), getattr(ckpt, 'stored_entry', None)) for kind in
+                     ("matched", "missing", "shape_mismatched", "dtype_mismatched", "skipped", "unused")}
     return RestoreReport(
         checkpoint=ckpt.prefix,
         num_variables=len(state.targets),
-        matched=with_stored(state.matched, getattr(ckpt, 'stored_entry', None)),
-        missing=with_stored(state.missing, getattr(ckpt, 'stored_entry', None)),
-        shape_mismatched=with_stored(state.shape_mismatched, getattr(ckpt, 'stored_entry', None)),
-        dtype_mismatched=with_stored(state.dtype_mismatched, getattr(ckpt, 'stored_entry', None)),
-        skipped=with_stored(state.skipped, getattr(ckpt, 'stored_entry', None)),
-        unused=with_stored(state.unused, getattr(ckpt, 'stored_entry', None)),
+        **records,
         hints=_repeated_names_hints(state) + restore_hints(
             [r for r in state.missing if r.variable_name not in repeated], state.shape_mismatched,
             state.dtype_mismatched, state.unused) + shared_hints + _dropped_hints(state) + _ema_hints(state) + state.notes + lora_notes(state.targets),

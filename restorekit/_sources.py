@@ -216,10 +216,11 @@ def merge(reports: list, targets: list, assigned: dict | None) -> RestoreReport:
     for prefix, rep in zip(prefixes, reports):  # a source's own hints (EMA, shared entries, by position), named
         own = set(restore_hints(rep.missing, rep.shape_mismatched, rep.dtype_mismatched, rep.unused))
         hints += tuple(f"{prefix}: {h}" for h in rep.hints if h not in own)
+    records: dict = {kind: tuple(records) for kind, records in out.items()}  # Any: mypy checks ** against every field
     return RestoreReport(
         checkpoint=" + ".join(prefixes),
         num_variables=reports[0].num_variables,
-        **{kind: tuple(records) for kind, records in out.items()},
+        **records,
         hints=tuple(dict.fromkeys(hints)),
         sources=prefixes,
         _handles=handles,

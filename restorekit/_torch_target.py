@@ -86,6 +86,11 @@ class LayoutSource:
     def read(self, name: str):
         return self.view.read(name)
 
+    def like(self, name: str, array):
+        """``array`` (a tensor shaped as the checkpoint's tensor behind ``name``: an optimizer slot of that weight)
+        through the same names-and-axes steps as ``name``; None where the view adds or sums instead."""
+        return self.view.like(name, array)
+
     def __repr__(self) -> str:
         return f"LayoutSource({self.prefix!r}, layout={self.layout!r})"
 
@@ -151,6 +156,11 @@ class RuleSetSource(LayoutSource):
         if transform not in (None, "transpose", "squeeze0", "unsqueeze0"):
             return None
         return self.checkpoint, source, transform == "transpose"
+
+    def like(self, name: str, array):
+        """``array`` (an optimizer slot of the weight behind ``name``) through the rule set's transform of ``name``."""
+        source = self._source_of.get(name)
+        return array if source is None else self.plan.apply(self._base_of.get(source, source), array)
 
     def read(self, name: str):
         source = self._source_of.get(name)

@@ -29,6 +29,7 @@ LAYERS = [
     # Conversions (open -> view -> write) and the ready rule sets of export._hf.
     ["export"],
     ["_trackables", "_targets", "_torch_target", "rules", "_policies", "_assignment", "_hints", "_array_values"],
+    ["_optim"],  # optimizer state paired through the weights' records (issue 36); _optim._torch writes torch.optim
     ["_sources"],  # several sources: scanned one by one (scan passes itself in) and merged
     ["_scan"],
     ["_remap", "_tf1", "_tf2", "_restore_keras", "_restore_torch", "_initializers", "_distribute"],

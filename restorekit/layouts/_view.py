@@ -164,6 +164,14 @@ class TorchView:
             return None
         return part.key, lambda array: _ops.backward(part.ops, array, name)
 
+    def like(self, name: str, array: np.ndarray) -> np.ndarray | None:
+        """``array``, shaped as the TF tensor ``name`` is computed from (an optimizer slot of that weight), through
+        the steps that make ``name`` of it; None where ``name`` is no such plain image (added for PyTorch, or a sum)."""
+        part = self._parts.get(name)
+        if part is None or part.key is None or part.extra:
+            return None
+        return _ops.forward(part.ops, array) if part.ops else array
+
     def readable_name(self, name: str) -> str:
         part = self._parts.get(name)
         return part.key if part is not None and part.key is not None else name

@@ -1,0 +1,314 @@
+"""``scan(..., optimizer=opt)``: each parameter's optimizer state paired through its weight's record, planned.
+
+A slot goes where its weight goes: the record that paired ``fc1/kernel`` with the module's
+``fc1.weight`` (by name, rule set or ``layout='torch'``) is the one that finds
+``fc1/kernel/Adam`` and puts it through the same names-and-axes steps (``source.like``). A
+parameter whose weight is missing, mismatched, restored through a policy or not restored
+keeps fresh state, and the report's optimizer section says why. Hyper-parameters are set
+and differences measured by ``_convert``; ``_torch`` writes the state at restore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from restorekit._optim import _convert as convert
+from restorekit._optim._tf1 import TF1_KINDS, tf1_state
+from restorekit._policies import CAST
+from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape, policy_of
+from restorekit._torch_target import is_torch_module, module_items
+from restorekit.errors import InvalidArgumentError
+
+__all__ = ["OptimizerPlan", "with_optimizer"]
+
+# torch.optim class -> the TF1 optimizer whose slots it takes
+TARGETS = {"Adam": "Adam", "AdamW": "Adam", "SGD": "Momentum", "RMSprop": "RMSProp", "Adagrad": "Adagrad"}
+# How far ahead the Adam epsilon drift is measured.
+AHEAD = 100
+
+
+@dataclass
+class Carry:
+    """One parameter whose state is carried: ``read()`` gives its torch state (numpy arrays and floats)."""
+
+    param: object
+    name: str | None
+    read: Callable[[], dict]
+
+
+@dataclass
+class OptimizerPlan:
+    """The live half of a report's optimizer section: what ``restore`` writes into which optimizer."""
+
+    optimizer: object
+    kind: str  # the torch.optim class name
+    carries: list = field(default_factory=list)
+    resets: list = field(default_factory=list)  # parameters whose state starts fresh
+    groups: dict = field(default_factory=dict)  # param group index -> {hyper-parameter: value} to set
+
+
+def _target_kind(optimizer) -> str:
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in TARGETS:
+            return cls.__name__
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    raise InvalidArgumentError(
+        f"optimizer= takes a torch.optim Adam, AdamW, SGD, RMSprop or Adagrad; {name} is not supported yet "
+        f"(its state would not be carried): scan without optimizer= for a warm start")
+
+
+def _check_kinds(state, wanted: str, kind: str) -> None:
+    """The checkpoint's optimizer state must be TF1 slots of the optimizer ``kind`` takes (or none at all)."""
+    others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
+    if others:
+        raise InvalidArgumentError(
+            f"the checkpoint's optimizer state ({', '.join(f'{k} ({n})' for k, n in others.items())}) is not "
+            f"TF1 slots; carrying it into torch.optim is not supported yet (TF1 Adam, Momentum, RMSProp, Adagrad "
+            f"are): scan without optimizer= for a warm start")
+    held = sorted(k for k in state.kinds if k in TF1_KINDS)
+    if held and wanted not in held:
+        raise InvalidArgumentError(
+            f"the checkpoint holds {' and '.join(held)} slots; torch.optim.{kind} takes {wanted} (TF1) state. "
+            f"Pass the optimizer the TF run used ({', '.join(k for k, v in TARGETS.items() if v in held)}), or "
+            f"scan without optimizer= for a warm start with fresh optimizer state")
+
+
+def _params(optimizer) -> list:
+    """``(group index, parameter)`` for every parameter of ``optimizer``, in its state_dict order."""
+    return [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+
+
+def _weight_status(report) -> dict:
+    """variable name -> (how, reason) for every variable scan did not simply match."""
+    status = {}
+    for r in report.missing:
+        status[r.variable_name] = ("missing", "its weight is not in the checkpoint")
+    for r in report.shape_mismatched:
+        status[r.variable_name] = ("mismatched", f"its weight is mismatched (checkpoint {format_shape(r.checkpoint_shape)}"
+                                                 f", model {format_shape(r.shape)})")
+    for r in report.dtype_mismatched:
+        status[r.variable_name] = ("mismatched", f"its weight is mismatched (checkpoint {r.checkpoint_dtype}, "
+                                                 f"model {r.dtype})")
+    for r in report.skipped:
+        if r.variable_name is not None:
+            status[r.variable_name] = ("not_restored", f"its weight is not restored ({r.reason})")
+    for r in report.matched:
+        policy = policy_of(report, r.variable_name)
+        if policy is not None and policy is not CAST:
+            status[r.variable_name] = ("policy", f"its weight is restored through a policy ({r.reason}); the slots "
+                                                 f"fit the checkpoint's weight, not this one")
+        elif "ema" in r.how:
+            status[r.variable_name] = ("policy", "its weight is restored from its moving average; the slots belong "
+                                                 "to the raw weight")
+    return status
+
+
+def with_optimizer(report, variables, optimizer):
+    """``report`` with its optimizer section, and the live plan ``restore`` writes (``report._optimizer``).
+
+    Raises:
+        InvalidArgumentError: ``optimizer`` is no supported torch.optim optimizer, the target is not a torch
+            module, the checkpoint holds another optimizer's state (SGD given Adam slots), or hyper-parameters
+            contradict the state (betas that do not fit ``beta1_power``, ``centered`` against the slots).
+    """
+    if optimizer is None:
+        return report
+    kind = _target_kind(optimizer)
+    if report.sources or not is_torch_module(variables):
+        raise InvalidArgumentError("optimizer= carries TF1 optimizer state into the torch.optim optimizer of one "
+                                   "torch.nn.Module scanned from one checkpoint; other targets are not supported yet")
+    source = report._source
+    checkpoint = getattr(source, "checkpoint", source)  # a view's own checkpoint: slots are read as stored
+    state = tf1_state(checkpoint)
+    wanted = TARGETS[kind]
+    _check_kinds(state, wanted, kind)
+    plan = OptimizerPlan(optimizer, kind)
+    groups = optimizer.param_groups
+    notes: list = []
+    if not state.kinds:
+        if kind == "SGD" and all(g.get("momentum", 0) == 0 for g in groups):
+            return replace(report, optimizer=OptimizerSection(f"torch.optim.{kind}", "no optimizer state (TF1)"),
+                           _optimizer=plan)
+    if kind == "SGD" and state.kinds and any(g.get("momentum", 0) == 0 for g in groups):
+        raise InvalidArgumentError("the checkpoint holds Momentum slots; torch.optim.SGD(momentum=0) keeps no buffer "
+                                   "to carry them: pass the TF run's momentum")
+    if kind == "RMSprop" and state.kinds and any(bool(g.get("centered")) != state.centered for g in groups):
+        raise InvalidArgumentError(f"the checkpoint's RMSProp slots are {'' if state.centered else 'not '}centered "
+                                   f"(3 slots per variable are); pass RMSprop(centered={state.centered})")
+    steps, step_from = _steps(state, kind, groups, notes)
+    names = {id(t): key for key, _, _, t in module_items(variables)}
+    status = _weight_status(report)
+    matched = {r.variable_name: r for r in report.matched}
+    carried: list = []
+    reset: list = []
+    stats: dict = {}
+    for g, param in _params(optimizer):
+        name = names.get(id(param))
+        why = _why_reset(name, status, matched, state)
+        if why is None:
+            record, read, values, why = _carry(source, checkpoint, matched[name], param, state, wanted, kind, groups[g], steps)
+        if why is not None:
+            plan.resets.append(param)
+            reset.append(OptimizerRecord(name or f"param_groups[{g}] parameter {len(reset)}", reason=why[1], how=why[0]))
+            continue
+        stats.setdefault(g, []).append(values)
+        plan.carries.append(Carry(param, name, read))
+        carried.append(record)
+    settings, differences = _settings(plan, kind, state, groups, stats, steps)
+    section = OptimizerSection(f"torch.optim.{kind}", f"{wanted} (TF1)", steps, step_from, tuple(carried),
+                               tuple(reset), tuple(notes) + settings, differences)
+    return replace(report, optimizer=section, _optimizer=plan)
+
+
+def _why_reset(name, status, matched, state):
+    if name is None:
+        return "not_in_module", "not a parameter or buffer of the scanned module"
+    if name in status:
+        return status[name]
+    if name not in matched:
+        return "not_restored", "its weight is not restored"
+    if not state.kinds:
+        return "no_slots", "the checkpoint holds no optimizer state"
+    return None
+
+
+def _steps(state, kind: str, groups, notes: list) -> tuple:
+    """The steps the TF run took, and what says so: Adam's beta powers (what its bias correction reads),
+    else global_step."""
+    if kind in ("Adam", "AdamW") and state.beta1_power is not None:
+        found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(g["betas"][0]), float(g["betas"][1]),
+                                    state.global_step) for g in groups}
+        if len(found) > 1:
+            raise InvalidArgumentError(f"the param groups' betas count {sorted(found)} steps; give every group the TF run's")
+        steps = found.pop()
+        if state.global_step is not None and state.global_step != steps:
+            notes.append(OptimizerNote("step", f"global_step is {state.global_step}, beta1_power counts {steps} "
+                                               f"steps: bias correction reads the beta powers, so step = {steps}"))
+        return steps, "beta1_power" + (", beta2_power" if state.beta2_power is not None else "")
+    if kind in ("Adam", "AdamW") and state.kinds:
+        if state.global_step is None:
+            raise InvalidArgumentError("the checkpoint holds Adam slots but no beta1_power and no global_step: the "
+                                       "step count that bias correction reads is unknown")
+        notes.append(OptimizerNote("step", "no beta1_power: the step count is global_step's"))
+    if state.global_step is not None:
+        return state.global_step, "global_step"
+    return (0, "no global_step") if state.kinds else (None, "")
+
+
+def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps):
+    """``(OptimizerRecord, read, its values now, None)`` for a parameter whose slots are carried, or
+    ``(None, None, None, (how, why))``."""
+    base = record.stored_name or record.checkpoint_name
+    slots = state.slots_of(base, wanted)
+    if slots is None:
+        return None, None, None, ("no_slots", f"no {wanted} slots under {base!r} in the checkpoint")
+    like = getattr(source, "like", None)
+    shape = tuple(checkpoint.entries[base].shape)
+    for key in slots.values():
+        if tuple(checkpoint.entries[key].shape) != shape:
+            return None, None, None, ("slot_shape", f"slot {key!r} {format_shape(checkpoint.entries[key].shape)} does not have "
+                                        f"its weight's shape {format_shape(shape)}")
+
+    def read() -> dict:
+        arrays = []
+        for key in slots.values():
+            array = checkpoint.read(key)
+            arrays.append(array if like is None else like(record.checkpoint_name, array))
+        if any(a is None for a in arrays):
+            return {}
+        return _convert(kind, arrays, group, steps)
+
+    values = read()
+    if not values:
+        return None, None, None, ("view", f"{record.checkpoint_name!r} is computed by the view, not a plain image of {base!r}")
+    target = tuple(param.shape)
+    arrays = {k: v for k, v in values.items() if isinstance(v, np.ndarray)}
+    if any(tuple(a.shape) != target for a in arrays.values()):
+        return None, None, None, ("slot_shape", f"its slots become {format_shape(next(iter(arrays.values())).shape)} through the "
+                                    f"view, the parameter is {format_shape(target)}")
+    return OptimizerRecord(record.variable_name, tuple(slots.values()), tuple(values)), read, values, None
+
+
+def _convert(kind: str, arrays: list, group, steps: int) -> dict:
+    if kind in ("Adam", "AdamW"):
+        return convert.to_adam(arrays[0], arrays[1], steps)
+    if kind == "SGD":
+        return convert.to_sgd(arrays[0])
+    if kind == "RMSprop":
+        ms, mg, mom = (arrays[0], arrays[1], arrays[2]) if len(arrays) == 3 else (arrays[0], None, arrays[1])
+        return convert.to_rmsprop(ms, mom, mg, lr=float(group["lr"]), momentum=float(group["momentum"]), steps=steps)
+    return convert.to_adagrad(arrays[0], steps)
+
+
+def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:
+    """The hyper-parameters set per group, and the differences left, with their sizes."""
+    settings, differences = [], []
+    for g, group in enumerate(groups):
+        values = stats.get(g, [])
+        where = f" (param group {g})" if len(groups) > 1 else ""
+        if kind in ("Adam", "AdamW") and values:
+            eps, beta2 = float(group["eps"]), float(group["betas"][1])
+            new = convert.adam_epsilon(eps, beta2, steps)
+            plan.groups.setdefault(g, {})["eps"] = new
+            settings.append(OptimizerNote("eps", f"{eps:.4g} -> {new:.4g}{where}: TF1 Adam adds epsilon to sqrt(v) "
+                                                 f"before bias correction ('epsilon hat'); equal at step {steps + 1}"))
+            root = float(np.median([np.median(np.sqrt(v["exp_avg_sq"] / (1 - beta2 ** (steps + 1)))) for v in values]))
+            drift = convert.adam_epsilon_drift(eps, beta2, steps, AHEAD, root)
+            differences.append(OptimizerNote("eps", f"TF's epsilon hat eps/sqrt(1-beta2^k) moves with the step k, "
+                                                    f"torch's eps stays: over the next {AHEAD} steps the update's "
+                                                    f"denominator differs by up to {drift:.2g} (relative, at the median "
+                                                    f"sqrt(v_hat)){where}", drift))
+        if kind == "RMSprop" and values:
+            eps = float(group["eps"])
+            squares = [v["square_avg"] - (v["grad_avg"] ** 2 if "grad_avg" in v else 0) for v in values]
+            new = convert.rmsprop_epsilon(eps, min(float(np.min(s)) for s in squares))
+            error = max(convert.rmsprop_epsilon_error(eps, new, s) for s in squares)
+            plan.groups.setdefault(g, {})["eps"] = new
+            settings.append(OptimizerNote("eps", f"{eps:.4g} -> {new:.4g}{where}: TF1 RMSProp adds epsilon inside the "
+                                                 f"square root, torch outside; equal at the smallest mean square"))
+            differences.append(OptimizerNote("eps", f"the denominators sqrt(ms + eps) and sqrt(ms) + eps' differ by up "
+                                                    f"to {error:.2g} (relative) over the carried state{where}", error))
+            if float(group["momentum"]) == 0 and state.kinds:
+                settings.append(OptimizerNote("momentum", f"0{where}: TF1's momentum slot is not read (with momentum "
+                                                          f"0 TF overwrites it every step)"))
+        if kind == "Adagrad":
+            eps = float(group["eps"])
+            if values and (float(group["initial_accumulator_value"]) > 0 or len(values) == len(group["params"])):
+                plan.groups.setdefault(g, {})["eps"] = 0.0
+                settings.append(OptimizerNote("eps", f"{eps:.4g} -> 0{where}: TF1 Adagrad adds no epsilon (its "
+                                                     f"accumulator starts above 0)"))
+            elif values:
+                smallest = min(float(np.min(v["sum"])) for v in values)
+                size = eps / max(np.sqrt(smallest), 1e-300)
+                differences.append(OptimizerNote("eps", f"torch adds eps {eps:.4g} to sqrt(sum), TF1 nothing: up to "
+                                                        f"{size:.2g} (relative){where}", size))
+            if float(group.get("lr_decay", 0)):
+                differences.append(OptimizerNote("lr_decay", f"{group['lr_decay']}{where}: TF1 Adagrad has no decay "
+                                                             f"of the rate; every update differs"))
+        differences.extend(_terms_tf1_lacks(kind, group, where))
+    return tuple(settings), tuple(differences)
+
+
+def _terms_tf1_lacks(kind: str, group, where: str) -> list:
+    out = []
+    decay = float(group.get("weight_decay", 0) or 0)
+    if decay:
+        how = ("decoupled: p *= 1 - lr*weight_decay" if kind == "AdamW"
+               else "coupled: weight_decay*p added to the gradient")
+        out.append(OptimizerNote("weight_decay", f"{decay:g}{where} ({how}): the TF1 optimizer has no such term; "
+                                                 f"the updates equal TF's only where the TF loss had the same decay",
+                                 decay))
+    if group.get("maximize"):
+        out.append(OptimizerNote("maximize", f"True{where}: TF1 minimizes; every update has the other sign"))
+    if group.get("amsgrad"):
+        out.append(OptimizerNote("amsgrad", f"True{where}: TF1 Adam keeps no maximum of v; max_exp_avg_sq starts "
+                                            f"at exp_avg_sq and the updates differ once v falls"))
+    dampening = float(group.get("dampening", 0) or 0)
+    if dampening:
+        out.append(OptimizerNote("dampening", f"{dampening:g}{where}: TF1 Momentum adds the whole gradient; torch "
+                                              f"adds (1 - dampening) of it, so its buffer and updates shrink towards "
+                                              f"{1 - dampening:g} of TF's", dampening))
+    return out

@@ -1,0 +1,85 @@
+"""The TensorFlow side of tests/test_optimizer_state.py: TF1 runs that stop, save, and continue.
+
+Run as a script in its own process (``python tests/tf1_optimizer_runs.py OUT``), so the torch
+side of the test restores into ``torch.optim`` and compares with TensorFlow's own numbers
+without sharing a process with TensorFlow's graph mode. For every optimizer in ``RUNS``: a tiny
+net (Dense 8 -> 16, relu, Dense 16 -> 3, softmax cross-entropy) trained ``BEFORE`` steps on fixed
+batches, saved with ``tf.compat.v1.train.Saver``, then continued ``AFTER`` steps; the losses of
+the continuation are TensorFlow's own, the oracle the torch run must meet.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+BEFORE, AFTER, BATCH = 5, 20, 16
+# name: (optimizer class in tf.compat.v1.train, its arguments), as the torch side builds its twin
+RUNS = {
+    "adam": ("AdamOptimizer", {"learning_rate": 0.01}),
+    "adam_eps": ("AdamOptimizer", {"learning_rate": 0.01, "beta1": 0.8, "beta2": 0.99, "epsilon": 1e-3}),
+    "momentum": ("MomentumOptimizer", {"learning_rate": 0.05, "momentum": 0.9}),
+    "nesterov": ("MomentumOptimizer", {"learning_rate": 0.05, "momentum": 0.9, "use_nesterov": True}),
+    "rmsprop": ("RMSPropOptimizer", {"learning_rate": 0.01, "decay": 0.9, "momentum": 0.5, "epsilon": 1e-10}),
+    "rmsprop_centered": ("RMSPropOptimizer", {"learning_rate": 0.01, "decay": 0.9, "momentum": 0.5, "epsilon": 1e-6,
+                                              "centered": True}),
+    "rmsprop_plain": ("RMSPropOptimizer", {"learning_rate": 0.01, "decay": 0.9, "epsilon": 1e-10}),
+    "adagrad": ("AdagradOptimizer", {"learning_rate": 0.1, "initial_accumulator_value": 0.1}),
+}
+
+
+def batches(seed: int = 0):
+    """``BEFORE + AFTER`` fixed batches: inputs [BATCH, 8] and class labels [BATCH]."""
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((BEFORE + AFTER, BATCH, 8)).astype(np.float32)
+    ys = rng.integers(0, 3, (BEFORE + AFTER, BATCH)).astype(np.int64)
+    return xs, ys
+
+
+def initial_weights(seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"fc1/kernel": (rng.standard_normal((8, 16)) * 0.4).astype(np.float32),
+            "fc1/bias": (rng.standard_normal(16) * 0.1).astype(np.float32),
+            "fc2/kernel": (rng.standard_normal((16, 3)) * 0.4).astype(np.float32),
+            "fc2/bias": np.zeros(3, np.float32)}
+
+
+def run(name: str, out: str) -> list:
+    """Train run ``name`` ``BEFORE`` steps, save under ``out/name/model.ckpt``, continue; return the losses."""
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    cls, kwargs = RUNS[name]
+    xs, ys = batches()
+    with tf.Graph().as_default():
+        x, y = tf1.placeholder(tf.float32, [None, 8]), tf1.placeholder(tf.int64, [None])
+        weights = {k: tf1.get_variable(k, initializer=tf.constant(v)) for k, v in initial_weights().items()}
+        hidden = tf.nn.relu(x @ weights["fc1/kernel"] + weights["fc1/bias"])
+        logits = hidden @ weights["fc2/kernel"] + weights["fc2/bias"]
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        step = tf1.train.get_or_create_global_step()
+        train = getattr(tf1.train, cls)(**kwargs).minimize(loss, global_step=step)
+        saver = tf1.train.Saver()
+        losses = []
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for i in range(BEFORE):
+                sess.run(train, {x: xs[i], y: ys[i]})
+            os.makedirs(os.path.join(out, name), exist_ok=True)
+            saver.save(sess, os.path.join(out, name, "model.ckpt"), write_meta_graph=False)
+            for i in range(BEFORE, BEFORE + AFTER):
+                value, _ = sess.run([loss, train], {x: xs[i], y: ys[i]})
+                losses.append(float(value))
+    return losses
+
+
+def main(out: str) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    losses = {name: run(name, out) for name in RUNS}
+    with open(os.path.join(out, "losses.json"), "w") as f:
+        json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
