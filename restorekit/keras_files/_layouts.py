@@ -303,7 +303,11 @@ def text(value) -> str | None:
 
 def attr_list(group, name: str) -> list[str] | None:
     """A list attribute as Keras 2 writes it: ``name``, or chunked as ``name0``, ``name1``, ..."""
-    attrs = group.attrs
+    return attrs_list(group.attrs, name)
+
+
+def attrs_list(attrs, name: str) -> list[str] | None:
+    """``attr_list`` over a group's attributes as a mapping (h5py's, or a dict of them read already)."""
     if name in attrs:
         values = list(np.asarray(attrs[name]).ravel())
     elif f"{name}0" in attrs:

@@ -23,6 +23,7 @@ import numpy as np
 
 from restorekit._bundle.staging import atomic_output
 from restorekit.errors import InvalidArgumentError, format_names
+from restorekit.keras_files._layouts import attrs_list
 
 __all__ = ["LEGACY_SUFFIXES", "LegacyLayout", "is_legacy_name", "legacy_plan", "write_legacy"]
 
@@ -37,20 +38,6 @@ def is_legacy_name(path) -> bool:
     """True for an output named as a legacy Keras HDF5 file (``x.h5``, ``x.hdf5``), not a Keras 3 ``x.weights.h5``."""
     lower = os.fspath(path).lower()
     return lower.endswith(LEGACY_SUFFIXES) and not lower.endswith(".weights.h5")
-
-
-def _names(attrs: dict, name: str) -> list[str] | None:
-    """A list attribute as tf-keras stores it (whole, or chunked), as str."""
-    if name in attrs:
-        values = list(np.asarray(attrs[name]).ravel())
-    elif f"{name}0" in attrs:
-        values, i = [], 0
-        while f"{name}{i}" in attrs:
-            values.extend(np.asarray(attrs[f"{name}{i}"]).ravel())
-            i += 1
-    else:
-        return None
-    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -68,8 +55,8 @@ class LegacyLayout:
         """The layout of the legacy Keras file ``ckpt`` (a ``KerasCheckpoint``)."""
         attrs = ckpt.legacy_attrs()
         root = MODEL_WEIGHTS if MODEL_WEIGHTS in attrs else ""
-        layers = tuple(_names(attrs[root], "layer_names") or ())
-        weights = {group: tuple(_names(values, "weight_names") or ())
+        layers = tuple(attrs_list(attrs[root], "layer_names") or ())
+        weights = {group: tuple(attrs_list(values, "weight_names") or ())
                    for group, values in attrs.items() if group not in ("", root)}
         return cls(ckpt.prefix, root, attrs, layers, weights)
 
