@@ -105,7 +105,7 @@ def slot_reader(source, checkpoint, record, state, wanted: str) -> tuple:
     """``(slots, read)`` for the weight of ``record``: ``slots`` the entries ``{leaf: key}``, ``read()`` their values
     by :func:`roles`, each put through the record's view as its weight is (None where the view computes the weight
     instead of showing a stored one); or ``(None, (how, why))`` where the weight has no slots of that shape."""
-    base = record.stored_name or record.checkpoint_name
+    base = entry_key(checkpoint, record.stored_name or record.checkpoint_name)
     slots = state.slots_of(base, wanted)
     if not slots:
         return None, ("no_slots", f"no {wanted} slots under {base!r} in the checkpoint")
@@ -133,8 +133,18 @@ def source_label(state, wanted: str) -> str:
     return state.label if state.label != "TF1" else f"{wanted} (TF1)"
 
 
-def trained_keys(report, names) -> list:
+def trained_keys(report, checkpoint, names) -> list:
     """The checkpoint keys of the weights of ``names`` (the target's trained variables, in the optimizer's order)
     that the checkpoint holds, matched or not: the order a Keras optimizer stored by position pairs with."""
     records = {r.variable_name: r for r in report.matched + report.shape_mismatched + report.dtype_mismatched}
-    return [records[n].stored_name or records[n].checkpoint_name for n in names if n in records]
+    return [entry_key(checkpoint, records[n].stored_name or records[n].checkpoint_name) for n in names if n in records]
+
+
+def entry_key(checkpoint, name: str) -> str:
+    """The checkpoint's key of weight ``name``: ``name`` itself, or the key whose readable name it is (a layout
+    names a Keras file's ``layers/dense/vars/0`` by its path ``fc1/kernel``)."""
+    if name in checkpoint.entries:
+        return name
+    readable = getattr(checkpoint, "readable_name", None)
+    found = [key for key in checkpoint.entries if readable is not None and readable(key) == name]
+    return found[0] if len(found) == 1 else name

@@ -141,7 +141,7 @@ def with_keras_optimizer(report, variables, optimizer):
     checkpoint = getattr(source, "checkpoint", source)
     momentum = bool(getattr(optimizer, "momentum", 0))
     state = source_state(checkpoint, wanted, momentum=momentum, centered=bool(getattr(optimizer, "centered", False)),
-                         order=lambda: trained_keys(report, paths))
+                         order=lambda: trained_keys(report, checkpoint, paths))
     _check(optimizer, kind, wanted, state)
     notes: list = []
     betas = [(optimizer.beta_1, optimizer.beta_2)] if wanted == "Adam" else []

@@ -106,7 +106,7 @@ def with_optimizer(report, variables, optimizer):
     names = {id(t): key for key, _, _, t in module_items(variables)}
     state = source_state(checkpoint, wanted, momentum=any(g.get("momentum", 0) for g in groups),
                          centered=any(g.get("centered") for g in groups),
-                         order=lambda: trained_keys(report, [names.get(id(p)) for _, p in _params(optimizer)]))
+                         order=lambda: trained_keys(report, checkpoint, [names.get(id(p)) for _, p in _params(optimizer)]))
     _check_kinds(state, wanted, kind)
     plan = OptimizerPlan(optimizer, kind)
     notes: list = []
