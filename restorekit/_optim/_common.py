@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from restorekit._optim import _convert as convert
 from restorekit._optim._keras_state import is_keras_optimizer, keras_state
-from restorekit._optim._tf1 import tf1_state
+from restorekit._optim._tf1 import TF1State, tf1_state
 from restorekit._policies import CAST
 from restorekit._report import OptimizerNote, format_shape, policy_of
 from restorekit.errors import InvalidArgumentError
@@ -18,7 +18,7 @@ from restorekit.errors import InvalidArgumentError
 __all__ = ["source_state", "steps_of", "weight_status", "why_reset"]
 
 
-def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> object:
+def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> TF1State:
     """The checkpoint's optimizer state in TF1's terms: its TF1 slots, or a Keras 3 optimizer's variables read as
     the optimizer that takes ``wanted`` (TF1) state; ``order()`` gives the target's trainable weights' keys."""
     if is_keras_optimizer(checkpoint):

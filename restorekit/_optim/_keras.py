@@ -18,6 +18,7 @@ accumulation) is reported as a difference when the source is TF1, never changed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ _TERMS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
 class KerasPlan:
     """The live half of a report's optimizer section for a Keras 3 optimizer: what ``restore`` assigns."""
 
-    optimizer: object
+    optimizer: Any  # a live keras.optimizers.Optimizer
     kind: str  # the Keras class name
     variables: list  # the model's trainable variables: what the optimizer is built on
     carries: list = field(default_factory=list)  # (variable, read): read() gives {slot name: array}
@@ -174,7 +175,7 @@ def with_keras_optimizer(report, variables, optimizer):
             reset.append(OptimizerRecord(name, reason=why[1], how=why[0]))
             continue
         plan.carries.append((variable, lambda found=found: _to_keras(kind, found(), lr, momentum)))
-        carried.append(OptimizerRecord(name, tuple(slots.values()), tuple(written) + ("iterations",)))
+        carried.append(OptimizerRecord(name, tuple((slots or {}).values()), tuple(written) + ("iterations",)))
     settings, differences = _notes(optimizer, kind, state, steps, lr, reset)
     label = f"keras.optimizers.{kind} ({_backend(trainable[0])})"
     section = OptimizerSection(label, source_label(state, wanted), steps, step_from, tuple(carried), tuple(reset),
@@ -202,9 +203,10 @@ def _notes(optimizer, kind: str, state, steps, lr: float, reset: list) -> tuple:
                               f"slots but their bias correction reads iterations = {steps}, so their first update is "
                               f"{factor:.3g} times a fresh Adam's", factor))
     if kind == "SGD" and state.kinds:
-        source = f"the source's learning_rate {state.rate:g}" if getattr(state, "rate", None) else "TF1's a"
-        settings.append(OptimizerNote("momentum", f"momentum = -lr*a with the optimizer's learning_rate {lr:g} "
-                                                  f"(Keras keeps the rate in its momentum; a from {source})"))
+        source = (f"the source's momentum / -{state.rate:g} (its learning_rate)" if getattr(state, "rate", None)
+                  else "TF1's Momentum slot")
+        settings.append(OptimizerNote("momentum", f"-lr*a with the optimizer's learning_rate {lr:g}: Keras keeps the "
+                                                  f"rate inside its momentum; a is {source}"))
     if kind == "RMSprop" and not optimizer.momentum and tf1 and state.kinds:
         settings.append(OptimizerNote("momentum", "0: TF1's momentum slot is not read (with momentum 0 TF "
                                                   "overwrites it every step)"))
