@@ -10,6 +10,7 @@ a time as they are assigned.
 from __future__ import annotations
 
 from restorekit._array_values import checked_plan, reading_checked
+from restorekit._optim import _keras as optimizer_keras
 from restorekit.errors import IncompleteRestoreError
 from restorekit._report import live_handles, nothing_matched
 from restorekit._trackables import is_keras_variable, keras_backend
@@ -43,6 +44,7 @@ def restore(report, *, strict: bool = False):
     if not report.matched:
         raise nothing_matched(report)
     stored, values = checked_plan(report, handles, _current)
+    optimizer_state = optimizer_keras.read(report._optimizer)  # scan(..., optimizer=): read before any assign
     # Each checked tensor is read when it is assigned and dropped after: the peak is one tensor, not the model.
     for s in stored:
         with reading_checked(s):
@@ -50,4 +52,5 @@ def restore(report, *, strict: bool = False):
         s.handle.assign(value.T if s.transposed else value.reshape(s.shape))
     for variable, value in values:
         variable.assign(value)
+    optimizer_keras.load(report._optimizer, optimizer_state)
     return report

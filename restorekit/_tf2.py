@@ -8,6 +8,7 @@ importable from here.
 from __future__ import annotations
 
 from restorekit import _distribute as distribute, keras_files, _remap as remap, _restore_keras as restore_keras, _restore_torch as restore_torch
+from restorekit._optim import _keras as optimizer_keras
 from restorekit._tensorflow import import_tensorflow
 from restorekit._array_values import read_arrays
 from restorekit._bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
@@ -154,8 +155,10 @@ def restore(report, *, strict: bool = False):
         if policy is not None:
             value = remap.eager_value(policy, r, value, handle)
         values.append((handle, value))
+    optimizer_state = optimizer_keras.read(report._optimizer)  # scan(..., optimizer=): read before any assign
     for handle, value in values:
         # mirrored replicas each get the value, ShardedVariable shards their slice
         distribute.assign(handle, value)
+    optimizer_keras.load(report._optimizer, optimizer_state)
     return report
 

@@ -16,9 +16,10 @@ from typing import Callable
 import numpy as np
 
 from restorekit._optim import _convert as convert
-from restorekit._optim._tf1 import TF1_KINDS, tf1_state
-from restorekit._policies import CAST
-from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape, policy_of
+from restorekit._optim._common import slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
+from restorekit._optim._keras import is_keras_optimizer, with_keras_optimizer
+from restorekit._optim._tf1 import TF1_KINDS
+from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit._torch_target import is_torch_module, module_items
 from restorekit.errors import InvalidArgumentError
 
@@ -56,7 +57,8 @@ def _target_kind(optimizer) -> str:
             return cls.__name__
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     raise InvalidArgumentError(
-        f"optimizer= takes a torch.optim Adam, AdamW, SGD, RMSprop or Adagrad; {name} is not supported yet "
+        f"optimizer= takes a torch.optim Adam, AdamW, SGD, RMSprop or Adagrad (or a Keras 3 Adam, AdamW, SGD or "
+        f"RMSprop); {name} is not supported yet "
         f"(its state would not be carried): scan without optimizer= for a warm start")
 
 
@@ -81,31 +83,6 @@ def _params(optimizer) -> list:
     return [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
 
 
-def _weight_status(report) -> dict:
-    """variable name -> (how, reason) for every variable scan did not simply match."""
-    status = {}
-    for r in report.missing:
-        status[r.variable_name] = ("missing", "its weight is not in the checkpoint")
-    for r in report.shape_mismatched:
-        status[r.variable_name] = ("mismatched", f"its weight is mismatched (checkpoint {format_shape(r.checkpoint_shape)}"
-                                                 f", model {format_shape(r.shape)})")
-    for r in report.dtype_mismatched:
-        status[r.variable_name] = ("mismatched", f"its weight is mismatched (checkpoint {r.checkpoint_dtype}, "
-                                                 f"model {r.dtype})")
-    for r in report.skipped:
-        if r.variable_name is not None:
-            status[r.variable_name] = ("not_restored", f"its weight is not restored ({r.reason})")
-    for r in report.matched:
-        policy = policy_of(report, r.variable_name)
-        if policy is not None and policy is not CAST:
-            status[r.variable_name] = ("policy", f"its weight is restored through a policy ({r.reason}); the slots "
-                                                 f"fit the checkpoint's weight, not this one")
-        elif "ema" in r.how:
-            status[r.variable_name] = ("policy", "its weight is restored from its moving average; the slots belong "
-                                                 "to the raw weight")
-    return status
-
-
 def with_optimizer(report, variables, optimizer):
     """``report`` with its optimizer section, and the live plan ``restore`` writes (``report._optimizer``).
 
@@ -116,21 +93,26 @@ def with_optimizer(report, variables, optimizer):
     """
     if optimizer is None:
         return report
+    if is_keras_optimizer(optimizer):
+        return with_keras_optimizer(report, variables, optimizer)
     kind = _target_kind(optimizer)
     if report.sources or not is_torch_module(variables):
         raise InvalidArgumentError("optimizer= carries TF1 optimizer state into the torch.optim optimizer of one "
                                    "torch.nn.Module scanned from one checkpoint; other targets are not supported yet")
     source = report._source
     checkpoint = getattr(source, "checkpoint", source)  # a view's own checkpoint: slots are read as stored
-    state = tf1_state(checkpoint)
     wanted = TARGETS[kind]
+    groups = optimizer.param_groups
+    names = {id(t): key for key, _, _, t in module_items(variables)}
+    state = source_state(checkpoint, wanted, momentum=any(g.get("momentum", 0) for g in groups),
+                         centered=any(g.get("centered") for g in groups),
+                         order=lambda: trained_keys(report, checkpoint, [names.get(id(p)) for _, p in _params(optimizer)]))
     _check_kinds(state, wanted, kind)
     plan = OptimizerPlan(optimizer, kind)
-    groups = optimizer.param_groups
     notes: list = []
     if not state.kinds:
         if kind == "SGD" and all(g.get("momentum", 0) == 0 for g in groups):
-            return replace(report, optimizer=OptimizerSection(f"torch.optim.{kind}", "no optimizer state (TF1)"),
+            return replace(report, optimizer=OptimizerSection(f"torch.optim.{kind}", f"no optimizer state ({state.label})"),
                            _optimizer=plan)
     if kind == "SGD" and state.kinds and any(g.get("momentum", 0) == 0 for g in groups):
         raise InvalidArgumentError("the checkpoint holds Momentum slots; torch.optim.SGD(momentum=0) keeps no buffer "
@@ -138,16 +120,15 @@ def with_optimizer(report, variables, optimizer):
     if kind == "RMSprop" and state.kinds and any(bool(g.get("centered")) != state.centered for g in groups):
         raise InvalidArgumentError(f"the checkpoint's RMSProp slots are {'' if state.centered else 'not '}centered "
                                    f"(3 slots per variable are); pass RMSprop(centered={state.centered})")
-    steps, step_from = _steps(state, kind, groups, notes)
-    names = {id(t): key for key, _, _, t in module_items(variables)}
-    status = _weight_status(report)
+    steps, step_from = steps_of(state, kind in ("Adam", "AdamW"), [g.get("betas", (0.9, 0.999)) for g in groups], notes)
+    status = weight_status(report)
     matched = {r.variable_name: r for r in report.matched}
     carried: list = []
     reset: list = []
     stats: dict = {}
     for g, param in _params(optimizer):
         name = names.get(id(param))
-        why = _why_reset(name, status, matched, state)
+        why = why_reset(name, status, matched, state)
         if why is None:
             record, read, values, why = _carry(source, checkpoint, matched[name], param, state, wanted, kind, groups[g], steps)
         if why is not None:
@@ -158,71 +139,25 @@ def with_optimizer(report, variables, optimizer):
         plan.carries.append(Carry(param, name, read))
         carried.append(record)
     settings, differences = _settings(plan, kind, state, groups, stats, steps)
-    section = OptimizerSection(f"torch.optim.{kind}", f"{wanted} (TF1)", steps, step_from, tuple(carried),
+    section = OptimizerSection(f"torch.optim.{kind}", _source_label(state, wanted), steps, step_from, tuple(carried),
                                tuple(reset), tuple(notes) + settings, differences)
     return replace(report, optimizer=section, _optimizer=plan)
-
-
-def _why_reset(name, status, matched, state):
-    if name is None:
-        return "not_in_module", "not a parameter or buffer of the scanned module"
-    if name in status:
-        return status[name]
-    if name not in matched:
-        return "not_restored", "its weight is not restored"
-    if not state.kinds:
-        return "no_slots", "the checkpoint holds no optimizer state"
-    return None
-
-
-def _steps(state, kind: str, groups, notes: list) -> tuple:
-    """The steps the TF run took, and what says so: Adam's beta powers (what its bias correction reads),
-    else global_step."""
-    if kind in ("Adam", "AdamW") and state.beta1_power is not None:
-        found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(g["betas"][0]), float(g["betas"][1]),
-                                    state.global_step) for g in groups}
-        if len(found) > 1:
-            raise InvalidArgumentError(f"the param groups' betas count {sorted(found)} steps; give every group the TF run's")
-        steps = found.pop()
-        if state.global_step is not None and state.global_step != steps:
-            notes.append(OptimizerNote("step", f"global_step is {state.global_step}, beta1_power counts {steps} "
-                                               f"steps: bias correction reads the beta powers, so step = {steps}"))
-        return steps, "beta1_power" + (", beta2_power" if state.beta2_power is not None else "")
-    if kind in ("Adam", "AdamW") and state.kinds:
-        if state.global_step is None:
-            raise InvalidArgumentError("the checkpoint holds Adam slots but no beta1_power and no global_step: the "
-                                       "step count that bias correction reads is unknown")
-        notes.append(OptimizerNote("step", "no beta1_power: the step count is global_step's"))
-    if state.global_step is not None:
-        return state.global_step, "global_step"
-    return (0, "no global_step") if state.kinds else (None, "")
 
 
 def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps):
     """``(OptimizerRecord, read, its values now, None)`` for a parameter whose slots are carried, or
     ``(None, None, None, (how, why))``."""
-    base = record.stored_name or record.checkpoint_name
-    slots = state.slots_of(base, wanted)
+    slots, read_slots = slot_reader(source, checkpoint, record, state, wanted)
     if slots is None:
-        return None, None, None, ("no_slots", f"no {wanted} slots under {base!r} in the checkpoint")
-    like = getattr(source, "like", None)
-    shape = tuple(checkpoint.entries[base].shape)
-    for key in slots.values():
-        if tuple(checkpoint.entries[key].shape) != shape:
-            return None, None, None, ("slot_shape", f"slot {key!r} {format_shape(checkpoint.entries[key].shape)} does not have "
-                                        f"its weight's shape {format_shape(shape)}")
+        return None, None, None, read_slots
 
     def read() -> dict:
-        arrays = []
-        for key in slots.values():
-            array = checkpoint.read(key)
-            arrays.append(array if like is None else like(record.checkpoint_name, array))
-        if any(a is None for a in arrays):
-            return {}
-        return _convert(kind, arrays, group, steps)
+        found = read_slots()
+        return {} if found is None else _convert(kind, found, group, steps)
 
     values = read()
     if not values:
+        base = record.stored_name or record.checkpoint_name
         return None, None, None, ("view", f"{record.checkpoint_name!r} is computed by the view, not a plain image of {base!r}")
     target = tuple(param.shape)
     arrays = {k: v for k, v in values.items() if isinstance(v, np.ndarray)}
@@ -232,15 +167,15 @@ def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps)
     return OptimizerRecord(record.variable_name, tuple(slots.values()), tuple(values)), read, values, None
 
 
-def _convert(kind: str, arrays: list, group, steps: int) -> dict:
+def _convert(kind: str, slots: dict, group, steps: int) -> dict:
     if kind in ("Adam", "AdamW"):
-        return convert.to_adam(arrays[0], arrays[1], steps)
+        return convert.to_adam(slots["m"], slots["v"], steps)
     if kind == "SGD":
-        return convert.to_sgd(arrays[0])
+        return convert.to_sgd(slots["a"])
     if kind == "RMSprop":
-        ms, mg, mom = (arrays[0], arrays[1], arrays[2]) if len(arrays) == 3 else (arrays[0], None, arrays[1])
-        return convert.to_rmsprop(ms, mom, mg, lr=float(group["lr"]), momentum=float(group["momentum"]), steps=steps)
-    return convert.to_adagrad(arrays[0], steps)
+        return convert.to_rmsprop(slots["ms"], slots["mom"], slots["mg"], lr=float(group["lr"]),
+                                  momentum=float(group["momentum"]), steps=steps)
+    return convert.to_adagrad(slots["acc"], steps)
 
 
 def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:

@@ -35,6 +35,13 @@ class TF1State:
     beta1_power: float | None = None
     beta2_power: float | None = None
     global_step: int | None = None
+    label: str = "TF1"  # what the report calls the source's optimizer state: 'Adam (TF1)'
+    counter: str = "global_step"  # the entry the step count is read from where no beta power says it
+
+    def read(self, checkpoint, leaf: str, key: str):
+        """Slot ``leaf`` (stored at ``key``) as TF1 keeps it: the values the conversions take."""
+        del leaf
+        return checkpoint.read(key)
 
     def slots_of(self, base: str, kind: str) -> dict | None:
         """``{leaf: key}`` of ``kind``'s slots under weight ``base`` (``'RMSProp'`` finds the centered set too);

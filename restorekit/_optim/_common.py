@@ -1,0 +1,150 @@
+"""What every target optimizer asks of a restore: each weight's status, the source's optimizer state, the step count.
+
+``_plan`` (``torch.optim``) and ``_keras`` (Keras 3 optimizers) both pair a parameter's
+state through its weight's record; the answers to "why does this parameter start fresh",
+"which optimizer state does the checkpoint hold" and "how many steps did the source take"
+are given here once.
+"""
+
+from __future__ import annotations
+
+from restorekit._optim import _convert as convert
+from restorekit._optim._keras_state import is_keras_optimizer, keras_state
+from restorekit._optim._tf1 import TF1State, tf1_state
+from restorekit._policies import CAST
+from restorekit._report import OptimizerNote, format_shape, policy_of
+from restorekit.errors import InvalidArgumentError
+
+__all__ = ["source_state", "steps_of", "weight_status", "why_reset"]
+
+
+def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> TF1State:
+    """The checkpoint's optimizer state in TF1's terms: its TF1 slots, or a Keras 3 optimizer's variables read as
+    the optimizer that takes ``wanted`` (TF1) state; ``order()`` gives the target's trainable weights' keys."""
+    if is_keras_optimizer(checkpoint):
+        return keras_state(checkpoint, wanted, momentum=momentum, centered=centered, order=order())
+    return tf1_state(checkpoint)
+
+
+def weight_status(report) -> dict:
+    """variable name -> (how, reason) for every variable scan did not simply match."""
+    status = {}
+    for r in report.missing:
+        status[r.variable_name] = ("missing", "its weight is not in the checkpoint")
+    for r in report.shape_mismatched:
+        status[r.variable_name] = ("mismatched", f"its weight is mismatched (checkpoint {format_shape(r.checkpoint_shape)}"
+                                                 f", model {format_shape(r.shape)})")
+    for r in report.dtype_mismatched:
+        status[r.variable_name] = ("mismatched", f"its weight is mismatched (checkpoint {r.checkpoint_dtype}, "
+                                                 f"model {r.dtype})")
+    for r in report.skipped:
+        if r.variable_name is not None:
+            status[r.variable_name] = ("not_restored", f"its weight is not restored ({r.reason})")
+    for r in report.matched:
+        policy = policy_of(report, r.variable_name)
+        if policy is not None and policy is not CAST:
+            status[r.variable_name] = ("policy", f"its weight is restored through a policy ({r.reason}); the slots "
+                                                 f"fit the checkpoint's weight, not this one")
+        elif "ema" in r.how:
+            status[r.variable_name] = ("policy", "its weight is restored from its moving average; the slots belong "
+                                                 "to the raw weight")
+    return status
+
+
+def why_reset(name, status, matched, state):
+    if name is None:
+        return "not_in_module", "not a parameter or buffer of the scanned module"
+    if name in status:
+        return status[name]
+    if name not in matched:
+        return "not_restored", "its weight is not restored"
+    if not state.kinds:
+        return "no_slots", "the checkpoint holds no optimizer state"
+    return None
+
+
+def steps_of(state, adam: bool, betas: list, notes: list) -> tuple:
+    """The steps the source run took, and what says so: TF1 Adam's beta powers (what its bias correction reads,
+    checked against ``betas``, one ``(beta1, beta2)`` per group), else the step counter (``global_step``, a Keras
+    optimizer's ``iterations``)."""
+    if adam and state.beta1_power is not None:
+        found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(b1), float(b2), state.global_step)
+                 for b1, b2 in betas}
+        if len(found) > 1:
+            raise InvalidArgumentError(f"the param groups' betas count {sorted(found)} steps; give every group the TF run's")
+        steps = found.pop()
+        if state.global_step is not None and state.global_step != steps:
+            notes.append(OptimizerNote("step", f"global_step is {state.global_step}, beta1_power counts {steps} "
+                                               f"steps: bias correction reads the beta powers, so step = {steps}"))
+        return steps, "beta1_power" + (", beta2_power" if state.beta2_power is not None else "")
+    if adam and state.kinds:
+        if state.global_step is None:
+            raise InvalidArgumentError("the checkpoint holds Adam slots but no beta1_power and no global_step: the "
+                                       "step count that bias correction reads is unknown")
+        if state.counter == "global_step":
+            notes.append(OptimizerNote("step", "no beta1_power: the step count is global_step's"))
+    if state.global_step is not None:
+        return state.global_step, state.counter
+    return (0, f"no {state.counter}") if state.kinds else (None, "")
+
+
+def roles(wanted: str, leaves: dict, centered: bool) -> dict:
+    """A weight's slots ``{TF1 leaf: value}`` by what they are: ``m``, ``v`` (Adam), ``a`` (Momentum), ``ms``,
+    ``mg``, ``mom`` (RMSProp; ``mg`` when centered, ``mom`` where the source keeps one), ``acc`` (Adagrad)."""
+    if wanted == "Adam":
+        return {"m": leaves["Adam"], "v": leaves["Adam_1"]}
+    if wanted == "Momentum":
+        return {"a": leaves["Momentum"]}
+    if wanted == "RMSProp":
+        mg, mom = ("RMSProp_1", "RMSProp_2") if centered else (None, "RMSProp_1")
+        return {"ms": leaves["RMSProp"], "mg": leaves.get(mg) if mg else None, "mom": leaves.get(mom)}
+    return {"acc": leaves["Adagrad"]}
+
+
+def slot_reader(source, checkpoint, record, state, wanted: str) -> tuple:
+    """``(slots, read)`` for the weight of ``record``: ``slots`` the entries ``{leaf: key}``, ``read()`` their values
+    by :func:`roles`, each put through the record's view as its weight is (None where the view computes the weight
+    instead of showing a stored one); or ``(None, (how, why))`` where the weight has no slots of that shape."""
+    base = entry_key(checkpoint, record.stored_name or record.checkpoint_name)
+    slots = state.slots_of(base, wanted)
+    if not slots:
+        return None, ("no_slots", f"no {wanted} slots under {base!r} in the checkpoint")
+    like = getattr(source, "like", None)
+    shape = tuple(checkpoint.entries[base].shape)
+    for key in slots.values():
+        if tuple(checkpoint.entries[key].shape) != shape:
+            return None, ("slot_shape", f"slot {key!r} {format_shape(checkpoint.entries[key].shape)} does not have "
+                                        f"its weight's shape {format_shape(shape)}")
+
+    def read() -> dict | None:
+        leaves = {}
+        for leaf, key in slots.items():
+            array = state.read(checkpoint, leaf, key)
+            leaves[leaf] = array if like is None else like(record.checkpoint_name, array)
+        if any(a is None for a in leaves.values()):
+            return None
+        return roles(wanted, leaves, state.centered)
+
+    return slots, read
+
+
+def source_label(state, wanted: str) -> str:
+    """What the report calls the source's optimizer state: ``'Adam (TF1)'``, ``'Keras 3 Adam'``."""
+    return state.label if state.label != "TF1" else f"{wanted} (TF1)"
+
+
+def trained_keys(report, checkpoint, names) -> list:
+    """The checkpoint keys of the weights of ``names`` (the target's trained variables, in the optimizer's order)
+    that the checkpoint holds, matched or not: the order a Keras optimizer stored by position pairs with."""
+    records = {r.variable_name: r for r in report.matched + report.shape_mismatched + report.dtype_mismatched}
+    return [entry_key(checkpoint, records[n].stored_name or records[n].checkpoint_name) for n in names if n in records]
+
+
+def entry_key(checkpoint, name: str) -> str:
+    """The checkpoint's key of weight ``name``: ``name`` itself, or the key whose readable name it is (a layout
+    names a Keras file's ``layers/dense/vars/0`` by its path ``fc1/kernel``)."""
+    if name in checkpoint.entries:
+        return name
+    readable = getattr(checkpoint, "readable_name", None)
+    found = [key for key in checkpoint.entries if readable is not None and readable(key) == name]
+    return found[0] if len(found) == 1 else name
