@@ -131,7 +131,10 @@ def mapped_arrays(reader: Reader):
     memory map read only when used."""
     from restorekit.formats.safetensors import open_tensors
 
-    for path in reader.source.data_files:
+    source = reader.source
+    if not isinstance(source, safetensors.SafetensorsReader):
+        raise InvalidArgumentError(f"only a safetensors source is read mapped; this one is {reader.fmt}")
+    for path in source.data_files:
         yield from open_tensors(path).items()
 
 
