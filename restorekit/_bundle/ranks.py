@@ -121,6 +121,7 @@ class Ranks:
         self._broken = False
         self._finished = False
         self.peers = self.exchange("starting", (os.getpid(), socket.gethostname()))
+        self.stage = "planning"
 
     @classmethod
     def join(cls, *, output) -> "Ranks | None":

@@ -23,6 +23,7 @@ import re
 from restorekit._bundle import crashpoints, files
 from restorekit._bundle.ranks import assign
 from restorekit._bundle.staging import Staging, check_written, written_file
+from restorekit._bundle.sweep import sweep_stale
 from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
 from restorekit.formats.safetensors import _reader, _writer
 from restorekit.formats._sink import ExportResult
@@ -100,11 +101,16 @@ def partition(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[st
 
 
 def check_output(out, *, overwrite: bool) -> list[str]:
-    """Refuse an existing output (unless ``overwrite``); return the old files to replace."""
+    """Refuse an existing output (unless ``overwrite``); return the old files to replace.
+
+    What a killed writer left first goes (``sweep_stale``): the shards its commit renamed before the index
+    are no output, and must not stop the rerun."""
+    directory = output_files(out, 1)[0]
+    if os.path.isdir(directory):
+        sweep_stale(directory)
     old = previous_files(out)
     if old and not overwrite:
         raise OutputExistsError(path=old[0])
-    directory = output_files(out, 1)[0]
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise InvalidArgumentError(f"sharded output {out!r}: {directory!r} is a file, not a directory")
     return old
