@@ -28,6 +28,7 @@ also from a built-in, so ``except FileNotFoundError`` keeps working:
     │   ├── OutputExistsError          (FileExistsError)    output would overwrite the source
     │   ├── InsufficientSpaceError                          not enough free disk
     │   └── WriteFailedError                                writing failed (disk full, read-only, ...); nothing left
+    │       └── RankFailedError                             a rank of a distributed write failed; nothing published
     ├── GraphError                     (ValueError)         not a graph, truncated, unusable
     │   ├── GraphTooLargeError                              over the 2 GB protobuf limit
     │   └── CompressionError                                a converter refuses the model, or it moved too far
@@ -73,6 +74,7 @@ __all__ = [
     "OutputError",
     "OutputExistsError",
     "OutputNameError",
+    "RankFailedError",
     "RestoreKitError",
     "RestoreKitWarning",
     "SourceMismatchError",
@@ -398,6 +400,26 @@ class WriteFailedError(OutputError):
         if message is None:
             message = f"could not write {self.path!r}: {cause or 'the write failed'}; nothing was left behind"
         Exception.__init__(self, message)
+
+
+class RankFailedError(WriteFailedError):
+    """A rank of a distributed write (``convert(..., distributed=True)``) raised, was killed or stopped
+    answering; no rank published anything, and the next run sweeps what was staged.
+
+    ``rank`` is the rank that failed (None when a rank stopped answering and which one cannot be
+    told: it runs on another host), ``stage`` the step the ranks were at (``'staging'``, ``'writing'``,
+    ``'publishing'``), ``cause`` what that rank reported, ``path`` the output.
+    """
+
+    def __init__(self, message: str | None = None, *, path=None, rank: int | None = None, stage: str = "",
+                 cause: str = ""):
+        self.rank = rank
+        self.stage = stage
+        who = f"rank {rank}" if rank is not None else "a rank"
+        if message is None:
+            message = (f"{who} failed while {stage or 'writing'} {str(path)!r}: {cause or 'it stopped answering'}; "
+                       "nothing was published (the next run sweeps what was staged)")
+        super().__init__(message, path=path, cause=cause)
 
 
 class GraphError(RestoreKitError, ValueError):

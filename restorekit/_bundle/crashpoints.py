@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["CRASH_HOOK_ENV", "crash_point"]
+__all__ = ["CRASH_HOOK_ENV", "CRASH_RANK_ENV", "crash_point"]
 
 # Tests set this to a point name; the process then pauses there so it can be killed.
 CRASH_HOOK_ENV = "RESTOREKIT_CRASH_HOOK"
+# With several ranks writing one output (each with the same environment): only the rank whose
+# $RANK this names stops at the point.
+CRASH_RANK_ENV = "RESTOREKIT_CRASH_RANK"
 
 
 def crash_point(point: str) -> None:
@@ -20,7 +23,9 @@ def crash_point(point: str) -> None:
 
     The hook value is ``point:marker_path``; the marker file is created when the point
     is reached, then the process sleeps until it is killed (a signal with a Python handler, such as
-    ``interrupts.terminate_cleanly``'s SIGTERM, is handled within 0.05 s).
+    ``interrupts.terminate_cleanly``'s SIGTERM, is handled within 0.05 s). The marker ``raise``
+    raises a ``RuntimeError`` there instead (a failure, not a kill). ``$RESTOREKIT_CRASH_RANK``
+    limits the hook to the process whose ``$RANK`` it names.
     """
     spec = os.environ.get(CRASH_HOOK_ENV)
     if not spec:
@@ -28,6 +33,11 @@ def crash_point(point: str) -> None:
     name, _, marker = spec.partition(":")
     if name != point:
         return
+    rank = os.environ.get(CRASH_RANK_ENV)
+    if rank is not None and rank != os.environ.get("RANK", "0"):
+        return
+    if marker == "raise":
+        raise RuntimeError(f"failure injected at {point!r} by ${CRASH_HOOK_ENV}")
     with open(marker, "w") as f:
         f.write(str(os.getpid()))
     # Short naps, not one long sleep: a signal that lands just before a sleep's system call (its C

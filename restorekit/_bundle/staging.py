@@ -23,7 +23,7 @@ from restorekit._bundle.locking import make_directories, output_lock, remove_emp
 from restorekit._bundle.sweep import remove_orphans, sweep_stale, temp_name, tmp_base
 from restorekit.errors import InvalidArgumentError, OutputError, WriteFailedError
 
-__all__ = ["Staging", "atomic_output", "link_or_copy", "write_bytes"]
+__all__ = ["Staging", "atomic_output", "check_written", "link_or_copy", "write_bytes", "written_file"]
 
 
 def link_or_copy(src: str, dst: str) -> bool:
@@ -77,6 +77,45 @@ def atomic_output(path):
             if failed is not e:
                 raise failed from e
             raise
+
+
+def written_file(path: str) -> tuple[int, int, list]:
+    """(size, crc32c, identity) of a file this process staged, made durable first: what a rank of a
+    distributed write tells the rank that commits (``check_written``)."""
+    from restorekit._bundle.crc import file_crcs
+
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        size = os.fstat(f.fileno()).st_size
+        crc = file_crcs(f.fileno(), [(0, size)], path=path)[0]
+    found = identity(path)
+    # Without the device number: another host's mount of the same file system numbers it differently.
+    return size, crc if crc is not None else 0, found[1:] if found is not None else []
+
+
+def check_written(path: str, size: int, crc: int, ident: list, rank: int) -> None:
+    """Refuse to commit a file staged by another rank that is not here as that rank wrote it.
+
+    The same inode, size and mtime say it is the file that rank made durable; a file system that shows
+    another identity has the file's crc32c checked against the one the rank sent.
+
+    Raises:
+        OutputError: the file is missing here (the staging directory is not shared) or has other bytes.
+    """
+    from restorekit._bundle.crc import file_crcs
+
+    found = identity(path)
+    if found is None:
+        raise OutputError(f"rank {rank} staged {os.path.basename(path)!r} in {os.path.dirname(path)!r}, which "
+                          "this rank cannot see: every rank must write to one shared file system (docs/cluster.md)")
+    if found[1:] == list(ident):
+        return
+    with open(path, "rb") as f:
+        here = os.fstat(f.fileno()).st_size
+        got = file_crcs(f.fileno(), [(0, here)], path=path)[0] if here == size else None
+    if here != size or got != crc:
+        raise OutputError(f"{path!r} differs from what rank {rank} wrote (size {here} != {size} or crc32c): "
+                          "the shared file system did not show every rank the same bytes")
 
 
 def write_bytes(path, data: bytes) -> None:

@@ -153,6 +153,9 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                    help="refuse a .pt/.npz source whose tensors expand past N bytes "
                         "(default: the larger of 1 GiB and 64x the file)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
+                   help="write the safetensors shards across the ranks of a torch.distributed gloo group "
+                        "(default: on when torchrun or srun started several ranks; docs/cluster.md)")
 
 
 def _config_arg(args):
@@ -184,10 +187,22 @@ def _convert(args) -> int:
         result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
                          weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
                          config=_config_arg(args), overwrite=args.overwrite, progress=not _quiet(args),
-                         max_output_bytes=args.max_output_bytes, num_shards=args.num_shards)
-    if not _quiet(args):
+                         max_output_bytes=args.max_output_bytes, num_shards=args.num_shards,
+                         distributed=_distributed_arg(args))
+    if not _quiet(args) and _first_rank():
         print(result)
     return EXIT_OK
+
+
+def _distributed_arg(args) -> bool:
+    """--distributed, else on when a launcher (torchrun, srun) started this process among several ranks."""
+    from restorekit._bundle.ranks import launched_size
+
+    return args.distributed if args.distributed is not None else launched_size() > 1
+
+
+def _first_rank() -> bool:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 

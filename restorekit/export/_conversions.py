@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from restorekit._bundle.files import check_parent, output_prefix
-from restorekit.errors import InvalidArgumentError
+from restorekit.errors import InvalidArgumentError, OptionNotApplicableError
 from restorekit.export import _from_checkpoint as from_checkpoint, _from_files as from_files, _keras as keras
 from restorekit.formats import _sinks as formats
 from restorekit.formats._sink import ExportResult
@@ -188,11 +188,11 @@ def export_checkpoint(
 
 
 def _export(source, source_fmt: str, out: str, to: str, options: Request, *, overwrite: bool,
-            progress: bool) -> ExportResult:
+            progress: bool, ranks=None) -> ExportResult:
     """An open TF checkpoint or Keras file -> a ``to`` file: options checked, then planned and written."""
     options.check(to, source_fmt)
     return from_checkpoint.write_file(_by_path(source, source_fmt, options), _files(source, source_fmt), out, to,
-                                      options, overwrite=overwrite, progress=progress)
+                                      options, overwrite=overwrite, progress=progress, ranks=ranks)
 
 
 # ------------------------------------------------------------------ file -> TF checkpoint
@@ -263,7 +263,7 @@ def _import(source, fmt: str, out: str, options: Request, *, overwrite: bool, pr
 def convert(src, out, *, to: str | None = None, layout: str | None = None, rules=None, weights_only: bool = False,
             ema=None, max_shard_size=None, config=None, overwrite: bool = False,
             progress: bool = False, max_output_bytes: int | None = None, num_shards: int | None = None,
-            model=None, flatten_channels: dict | None = None) -> ExportResult:
+            model=None, flatten_channels: dict | None = None, distributed: bool = False) -> ExportResult:
     """Convert between TF checkpoints, PyTorch files, safetensors (one file or shards), npz and Keras weights files.
 
     The source is opened once (``restorekit.formats.open``; an open Source is taken as
@@ -273,7 +273,11 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     ``config`` are as in :func:`export_checkpoint`; ``rules`` applies to TF-side names
     (after a restorekit file's record is undone) and ``config`` needs a Hugging Face rule
     set; ``model`` and ``flatten_channels`` are the hints of ``layout='torch'`` (as in
-    :func:`export_checkpoint`). ``max_shard_size`` is the largest shard of the output: safetensors shards, or
+    :func:`export_checkpoint`). ``distributed=True`` writes safetensors shards across the ranks of a
+    torch.distributed process group (the caller's, else one started from torchrun's or SLURM's variables;
+    a group of one writes alone): call it on every rank alike; each rank writes the shards assigned to it,
+    balanced by bytes, and rank 0 publishes them in one commit, byte-identical to one process's output
+    (docs/cluster.md). ``max_shard_size`` is the largest shard of the output: safetensors shards, or
     with ``to='tf'`` TF data shards; ``num_shards`` writes a TF checkpoint output as that
     many data shards balanced by bytes. Which option applies to which format is one
     table, ``restorekit.export._request.OPTIONS``. A Keras 3 ``*.weights.h5`` is written from a
@@ -291,9 +295,27 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
         InvalidArgumentError: an unknown ``to``, layout or rule set, a name the rule set does not
             cover; ``num_shards`` that is not a positive int.
         OutputExistsError: the output is the source, or exists without overwrite.
+        RankFailedError: with ``distributed``, a rank failed or was killed (it is named); nothing was published.
+        MissingDependencyError: ``distributed=True`` without torch.
     """
     options = request(layout, rules, weights_only, ema, max_shard_size, config, num_shards, model, flatten_channels)
     out = os.fspath(out)
+    if distributed:
+        from restorekit._bundle.ranks import Ranks
+
+        to = _target(out, to, options)
+        if to != "safetensors" or options.max_shard_size is None:
+            raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
+                                           ("safetensors with max_shard_size",), value=True)
+        ranks = Ranks.join(output=out)
+        if ranks is not None:
+            return ranks.run(lambda: _convert(src, out, to, options, overwrite=overwrite, progress=progress,
+                                              max_output_bytes=max_output_bytes, ranks=ranks))
+    return _convert(src, out, to, options, overwrite=overwrite, progress=progress, max_output_bytes=max_output_bytes)
+
+
+def _convert(src, out: str, to: str | None, options: Request, *, overwrite: bool, progress: bool,
+             max_output_bytes: int | None, ranks=None) -> ExportResult:
     source, fmt = open_source(src)
     if fmt == KERAS and os.path.exists(out):  # being the source (a shard of a set) outranks a name that contradicts to
         check_output(out, "file", list(source.files), overwrite=True)
@@ -313,10 +335,10 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
         return _import(source, fmt, out, options, overwrite=overwrite, progress=progress,
                        max_output_bytes=max_output_bytes)
     if fmt in (formats.TF, KERAS):
-        return _export(source, fmt, out, to, options, overwrite=overwrite, progress=progress)
+        return _export(source, fmt, out, to, options, overwrite=overwrite, progress=progress, ranks=ranks)
     options.check(to, fmt)
     return from_files.write_file(sources.of_view(source), out, to, options, overwrite=overwrite, progress=progress,
-                                 max_output_bytes=max_output_bytes)
+                                 max_output_bytes=max_output_bytes, ranks=ranks)
 
 
 def _keras_weights(source, fmt: str, out: str, options: Request, *, overwrite: bool) -> ExportResult:

@@ -25,6 +25,9 @@ from restorekit.formats.tf._writer import data_parts, write_tf
 
 __all__ = ["tf_plan", "write_file", "write_tf_checkpoint"]
 
+# What a stream gives for a tensor another rank writes: never read, never written.
+PLACEHOLDER = np.empty(0, dtype=np.uint8)
+
 
 def tf_plan(ckpt, options: Request) -> OutputPlan | None:
     """The plan of a conversion of ``ckpt``, or None when it writes every entry as it is."""
@@ -36,11 +39,14 @@ def tf_plan(ckpt, options: Request) -> OutputPlan | None:
                        rules=options.rules, weights_only=options.weights_only, ema=options.ema)
 
 
-def _tf_stream(ckpt, plan: OutputPlan):
-    """(output name, array, TF dtype) for every tensor of the plan, read one at a time."""
+def _tf_stream(ckpt, plan: OutputPlan, only: set | None = None):
+    """(output name, array, TF dtype) for every tensor of the plan, read one at a time; a numeric tensor not
+    in ``only`` (another rank's) as an unread placeholder."""
     for out, source in plan.names.items():
         dtype = ckpt.entries[source].dtype
-        if source == OBJECT_GRAPH_KEY and plan.graph is not None:
+        if only is not None and dtype != "string" and out not in only:
+            yield out, PLACEHOLDER, dtype
+        elif source == OBJECT_GRAPH_KEY and plan.graph is not None:
             yield out, np.array(plan.graph, dtype=object), dtype
         else:
             yield out, plan.apply(out, ckpt.read(source)), dtype
@@ -79,13 +85,16 @@ def _export_source(ckpt, plan: OutputPlan | None, options: Request):
     return source, None if plan is None or plan.identity else plan.names
 
 
-def write_file(ckpt, files, path: str, fmt: str, options: Request, *, overwrite: bool, progress: bool) -> ExportResult:
-    """Write ``ckpt`` (its files ``files``) as a ``fmt`` file (with ``max_shard_size``: safetensors shards)."""
-    with locked_output(path, fmt, files, options, overwrite=overwrite):
-        return _write_file(ckpt, path, fmt, options, overwrite=overwrite, progress=progress)
+def write_file(ckpt, files, path: str, fmt: str, options: Request, *, overwrite: bool, progress: bool,
+               ranks=None) -> ExportResult:
+    """Write ``ckpt`` (its files ``files``) as a ``fmt`` file (with ``max_shard_size``: safetensors shards;
+    with ``ranks`` as well, each rank its share of them)."""
+    with locked_output(path, fmt, files, options, overwrite=overwrite, ranks=ranks):
+        return _write_file(ckpt, path, fmt, options, overwrite=overwrite, progress=progress, ranks=ranks)
 
 
-def _write_file(ckpt, path: str, fmt: str, options: Request, *, overwrite: bool, progress: bool) -> ExportResult:
+def _write_file(ckpt, path: str, fmt: str, options: Request, *, overwrite: bool, progress: bool,
+                ranks=None) -> ExportResult:
     plan = tf_plan(ckpt, options)
     module = formats.module(fmt)
     layout, meta = options.layout, metadata(options, fmt)  # a layout ``fmt`` cannot take: refused by request.OPTIONS
@@ -96,19 +105,21 @@ def _write_file(ckpt, path: str, fmt: str, options: Request, *, overwrite: bool,
     check_space(directory, planned_nbytes(ckpt, plan))
     if plan is not None and plan.transforms:
         # Only a rule set transforms axes, and a rule set takes no layout (see request.request).
-        tensors = _tf_stream(ckpt, plan)
         if shard is not None:
             sizes = [(out, out_shape(plan, out, ckpt.entries[src].shape), ckpt.entries[src].nbytes)
                      for out, src in plan.names.items() if ckpt.entries[src].dtype != "string"]
+            tensors = _tf_stream(ckpt, plan, sharded.rank_names(sizes, shard, ranks))
             result = sharded.write(path, tensors, sizes=sizes, metadata=meta, max_shard_size=shard,
-                                   overwrite=overwrite, progress=progress, texts=config)
+                                   overwrite=overwrite, progress=progress, texts=config, ranks=ranks)
         else:
+            tensors = _tf_stream(ckpt, plan)
             result = single(lambda p: module.write(p, tensors, metadata=meta, progress=progress), path, config)
         return finish(result, plan)
     source, names = _export_source(ckpt, plan, options)
     if shard is not None:
         result = sharded.write_checkpoint(source, path, names=names, layout=layout, metadata=meta,
-                                          max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)
+                                          max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config,
+                                          ranks=ranks)
     else:
         result = single(lambda p: module.write_checkpoint(source, p, names=names, layout=layout, metadata=meta,
                                                           progress=progress), path, config)

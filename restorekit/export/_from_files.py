@@ -19,7 +19,8 @@ from restorekit.layouts._planned import PlannedCheckpoint
 from restorekit.layouts import torch_view
 from restorekit.export._outputs import config_files, finish, locked_output, metadata, out_dir, single
 from restorekit.export._request import Request
-from restorekit.export._sources import file_plan, file_sizes, open_source, source_nbytes, tf_shapes, tf_sizes, tf_tensors
+from restorekit.export._sources import (file_plan, file_sizes, mapped_arrays, open_source, source_nbytes, tf_shapes,
+                                       tf_sizes, tf_tensors)
 from restorekit.formats.tf._writer import data_parts, write_tf
 
 __all__ = ["write_file", "write_tf_checkpoint"]
@@ -46,15 +47,16 @@ def write_tf_checkpoint(reader, out: str, options: Request, *, overwrite: bool, 
 
 
 def write_file(reader, out: str, to: str, options: Request, *, overwrite: bool, progress: bool,
-               max_output_bytes: int | None = None) -> ExportResult:
-    """File -> file: back to TF names first, then out in the target's conventions."""
-    with locked_output(out, to, reader.files, options, overwrite=overwrite):
+               max_output_bytes: int | None = None, ranks=None) -> ExportResult:
+    """File -> file: back to TF names first, then out in the target's conventions (with ``ranks``: safetensors
+    shards, each rank its share, its source tensors memory-mapped so that it reads only those)."""
+    with locked_output(out, to, reader.files, options, overwrite=overwrite, ranks=ranks):
         return _write_file(reader, out, to, options, overwrite=overwrite, progress=progress,
-                           max_output_bytes=max_output_bytes)
+                           max_output_bytes=max_output_bytes, ranks=ranks)
 
 
 def _write_file(reader, out: str, to: str, options: Request, *, overwrite: bool, progress: bool,
-                max_output_bytes: int | None) -> ExportResult:
+                max_output_bytes: int | None, ranks=None) -> ExportResult:
     target = formats.module(to)
     shard = options.max_shard_size
     # A layout names the conventions of the side that has them: a .pt in PyTorch layout
@@ -77,16 +79,20 @@ def _write_file(reader, out: str, to: str, options: Request, *, overwrite: bool,
         view = torch_view(source)
         if shard is not None:
             result = sharded.write_checkpoint(view, out, layout=write_layout, metadata=meta, max_shard_size=shard,
-                                              overwrite=overwrite, progress=progress, texts=config)
+                                              overwrite=overwrite, progress=progress, texts=config, ranks=ranks)
             result = dataclasses.replace(result, kept=tuple(dict.fromkeys(result.kept)))
         else:
             result = single(lambda p: target.write_checkpoint(view, p, layout=write_layout, metadata=meta,
                                                               progress=progress), out, config)
         return finish(dataclasses.replace(result, unmapped=tuple(view.layout_record.unmapped)), plan)
-    tensors = tf_tensors(arrays, record, plan)
     if shard is not None:
-        result = sharded.write(out, tensors, sizes=file_sizes(reader, record, plan), metadata=meta,
-                               max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config)
+        sizes = file_sizes(reader, record, plan)
+        only = sharded.rank_names(sizes, shard, ranks)
+        if only is not None:
+            arrays = mapped_arrays(reader)  # each rank touches the bytes of its own tensors only
+        result = sharded.write(out, tf_tensors(arrays, record, plan, only), sizes=sizes, metadata=meta,
+                               max_shard_size=shard, overwrite=overwrite, progress=progress, texts=config, ranks=ranks)
     else:
+        tensors = tf_tensors(arrays, record, plan)
         result = single(lambda p: target.write(p, tensors, metadata=meta, progress=progress), out, config)
     return finish(result, plan)

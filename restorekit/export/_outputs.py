@@ -44,14 +44,20 @@ def _check_sharded_output(out: str, sources: list[str], overwrite: bool) -> None
 
 
 @contextlib.contextmanager
-def locked_output(out: str, to: str, sources, options: Request, *, overwrite: bool):
+def locked_output(out: str, to: str, sources, options: Request, *, overwrite: bool, ranks=None):
     """Hold the output's lock (``locking.output_lock``) from the exists-check to the last rename, and check it there.
+
+    Of several ranks writing one output (``ranks``), rank 0 holds the lock and checks; the others write
+    into its staging directory under it.
 
     The lock is on the name the commit itself locks (a safetensors shard set's single-file
     name), so no other writer lands in between; the check refuses an output that is one of
     ``sources`` (the source's files), or that exists without ``overwrite``.
     """
     shards = to == "safetensors" and options.max_shard_size is not None
+    if ranks is not None and ranks.rank != 0:
+        yield
+        return
     with output_lock(sharded.output_files(out, 1)[1][0] if shards else out):
         if shards:
             _check_sharded_output(out, list(sources), overwrite)

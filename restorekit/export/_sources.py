@@ -126,9 +126,26 @@ def file_plan(reader: Reader, record, options) -> OutputPlan | None:
                        weights_only=options.weights_only, ema=options.ema)
 
 
-def tf_tensors(arrays, record, plan: OutputPlan | None = None):
+def mapped_arrays(reader: Reader):
+    """(stored name, array) of every tensor of a safetensors source as ``Reader.read`` gives them, each a private
+    memory map read only when used."""
+    from restorekit.formats.safetensors import open_tensors
+
+    source = reader.source
+    if not isinstance(source, safetensors.SafetensorsReader):
+        raise InvalidArgumentError(f"only a safetensors source is read mapped; this one is {reader.fmt}")
+    for path in source.data_files:
+        yield from open_tensors(path).items()
+
+
+# What tf_tensors gives for a tensor another rank writes: never read, never written.
+_PLACEHOLDER = np.empty(0, dtype=np.uint8)
+
+
+def tf_tensors(arrays, record, plan: OutputPlan | None = None, only: set | None = None):
     """(name, array, TF dtype name or None) for every tensor of a source, strings last; under ``plan``,
-    only those it keeps, under their output names and in their output axes.
+    only those it keeps, under their output names and in their output axes. A numeric tensor whose
+    output name is not in ``only`` (another rank's) comes as an empty placeholder, not transformed.
 
     The record is undone for the file as a whole (``layouts.tf_tensors``): the parts of a
     split tensor are joined and tensors added for PyTorch left out.
@@ -136,11 +153,16 @@ def tf_tensors(arrays, record, plan: OutputPlan | None = None):
     from restorekit.layouts import tf_tensors as restored
 
     if plan is None:
-        yield from restored(arrays, record)
+        for name, array, dtype in restored(arrays, record):
+            skip = only is not None and dtype != "string" and name not in only
+            yield (name, _PLACEHOLDER, dtype) if skip else (name, array, dtype)
         return
     wanted = {source: out for out, source in plan.names.items()}
     for name, array, dtype in restored(arrays, record):
         if name not in wanted:
+            continue
+        if only is not None and dtype != "string" and wanted[name] not in only:
+            yield wanted[name], _PLACEHOLDER, dtype
             continue
         if dtype != "string":
             array = plan.apply(wanted[name], array)

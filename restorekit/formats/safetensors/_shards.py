@@ -14,14 +14,17 @@ it), so the weights never become visible without it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 
 from restorekit._bundle import crashpoints, files
-from restorekit._bundle.staging import Staging
-from restorekit.errors import InvalidArgumentError, OutputExistsError
+from restorekit._bundle.ranks import assign
+from restorekit._bundle.staging import Staging, check_written, written_file
+from restorekit._bundle.sweep import sweep_stale
+from restorekit.errors import InvalidArgumentError, OutputError, OutputExistsError
 from restorekit.formats.safetensors import _reader, _writer
 from restorekit.formats._sink import ExportResult
 from restorekit.layouts import LayoutRecord
@@ -98,11 +101,16 @@ def partition(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[st
 
 
 def check_output(out, *, overwrite: bool) -> list[str]:
-    """Refuse an existing output (unless ``overwrite``); return the old files to replace."""
+    """Refuse an existing output (unless ``overwrite``); return the old files to replace.
+
+    What a killed writer left first goes (``sweep_stale``): the shards its commit renamed before the index
+    are no output, and must not stop the rerun."""
+    directory = output_files(out, 1)[0]
+    if os.path.isdir(directory):
+        sweep_stale(directory)
     old = previous_files(out)
     if old and not overwrite:
         raise OutputExistsError(path=old[0])
-    directory = output_files(out, 1)[0]
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise InvalidArgumentError(f"sharded output {out!r}: {directory!r} is a file, not a directory")
     return old
@@ -133,17 +141,18 @@ def publish_file(out, write, *, texts: dict) -> ExportResult:
     return dataclasses.replace(result, path=os.fspath(out), files=(os.fspath(out),) + extra)
 
 
-def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = None) -> ExportResult:
+def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = None, *, ranks=None,
+             nbytes: list | None = None, skip_one=None) -> ExportResult:
     """Stage ``texts`` and ``write_one(tmp, part)`` for every shard, write the index, then publish texts first,
-    shards next, the index (or the single file) last."""
-    old = check_output(out, overwrite=overwrite)
+    shards next, the index (or the single file) last. With ``ranks``, each rank writes its shards
+    (``_publish_ranks``)."""
+    if ranks is not None:
+        return _publish_ranks(out, parts, overwrite, write_one, texts, ranks, nbytes or [0] * len(parts),
+                              skip_one or (lambda part: None))
+    old = _check_names(out, len(parts), overwrite)
     directory, paths, index = output_files(out, len(parts))
-    if not overwrite:  # each name asked for itself: a directory that cannot be listed hides nothing
-        taken = [p for p in (*paths, index) if p is not None and os.path.lexists(p)]
-        if taken:
-            raise OutputExistsError(path=taken[0])
     results = []
-    weight_map = {}
+    weight_map: dict = {}
     with Staging(directory, output=output_files(out, 1)[1][0]) as staging:
         extra = stage_texts(staging, texts)
         for k, (path, part) in enumerate(zip(paths, parts), 1):
@@ -151,17 +160,39 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
             results.append(result)
             weight_map.update({name: os.path.basename(path) for name in _reader.read_shapes(staging.path(path))})
             crashpoints.crash_point(f"shard-{k}-staged")
-        if index is not None:
-            text = json.dumps({"metadata": {"total_size": sum(r.nbytes for r in results)}, "weight_map": weight_map},
-                              indent=2, sort_keys=True)
-            with open(staging.path(index), "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-            crashpoints.crash_point("index-json-written")
-        if extra:
-            # A new config.json must never sit beside old weights: the old output goes first, index first.
-            staging.commit(remove_before=old)
-        else:
-            staging.commit(remove_before=[p for p in old if p not in paths and p != index])
+        _finish(staging, out, old, results, weight_map, bool(extra))
+    return _result(out, results, extra)
+
+
+def _check_names(out, count: int, overwrite: bool) -> list[str]:
+    """The old files to replace (``check_output``); without ``overwrite``, every new name asked for itself."""
+    old = check_output(out, overwrite=overwrite)
+    _, paths, index = output_files(out, count)
+    if not overwrite:  # each name asked for itself: a directory that cannot be listed hides nothing
+        taken = [p for p in (*paths, index) if p is not None and os.path.lexists(p)]
+        if taken:
+            raise OutputExistsError(path=taken[0])
+    return old
+
+
+def _finish(staging, out, old: list, results: list, weight_map: dict, extra: bool) -> None:
+    """Write the index of the staged shards (when there are several), then commit: texts, shards, index."""
+    _, paths, index = output_files(out, len(results))
+    if index is not None:
+        text = json.dumps({"metadata": {"total_size": sum(r.nbytes for r in results)}, "weight_map": weight_map},
+                          indent=2, sort_keys=True)
+        with open(staging.path(index), "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        crashpoints.crash_point("index-json-written")
+    if extra:
+        # A new config.json must never sit beside old weights: the old output goes first, index first.
+        staging.commit(remove_before=old)
+    else:
+        staging.commit(remove_before=[p for p in old if p not in paths and p != index])
+
+
+def _result(out, results: list, extra: tuple) -> ExportResult:
+    _, paths, index = output_files(out, len(results))
     first = results[0]
     return ExportResult(
         index or paths[0], "safetensors", sum(r.count for r in results), sum(r.nbytes for r in results), first.layout,
@@ -170,13 +201,59 @@ def _publish(out, parts: list, overwrite: bool, write_one, texts: dict | None = 
     )
 
 
+def _publish_ranks(out, parts: list, overwrite: bool, write_one, texts, ranks, nbytes: list, skip_one) -> ExportResult:
+    """``_publish`` across ranks: rank 0 checks the output and opens the staging directory; each rank writes the
+    shards ``ranks.assign`` gives it there; rank 0 gathers every rank's (shard, size, crc32c), checks them,
+    writes the index and commits. An exchange after each step stops every rank when one failed."""
+    directory, paths, index = output_files(out, len(parts))
+    owner = assign(nbytes, ranks.size)
+    ranks.at("staging")
+    with contextlib.ExitStack() as stack:
+        staging, old, extra = None, [], ()
+        if ranks.rank == 0:
+            old = _check_names(out, len(parts), overwrite)
+            staging = stack.enter_context(Staging(directory, output=output_files(out, 1)[1][0]))
+            extra = stage_texts(staging, texts)
+        tmpdir = ranks.exchange("staging", staging.tmpdir if staging is not None else None)[0]
+        ranks.at("writing")
+        mine = []
+        for k, (path, part) in enumerate(zip(paths, parts), 1):
+            if owner[k - 1] != ranks.rank:
+                skip_one(part)
+                continue
+            tmp = os.path.join(tmpdir, os.path.basename(path))
+            result = write_one(tmp, part)
+            mine.append((k, result, list(_reader.read_shapes(tmp)), *written_file(tmp)))
+            crashpoints.crash_point(f"shard-{k}-staged")
+        crashpoints.crash_point("rank-shards-staged")
+        written = sorted((item + (rank,) for rank, items in enumerate(ranks.exchange("writing", mine)) for item in items),
+                         key=lambda item: item[0])
+        if [item[0] for item in written] != list(range(1, len(parts) + 1)):
+            raise OutputError(f"the ranks wrote shards {[item[0] for item in written]} of {len(parts)}: "
+                              "they planned differently (is every rank given the same source and options?)")
+        ranks.at("publishing")
+        results = [item[1] for item in written]
+        if staging is not None:
+            weight_map = {}
+            for k, result, names, size, crc, ident, rank in written:
+                tmp = staging.path(paths[k - 1])
+                check_written(tmp, size, crc, ident, rank)
+                weight_map.update({name: os.path.basename(paths[k - 1]) for name in names})
+            crashpoints.crash_point("ranks-gathered")
+            _finish(staging, out, old, results, weight_map, bool(extra))
+        extra = tuple(ranks.exchange("publishing", extra)[0])
+    return _result(out, results, extra)
+
+
 def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str | None = None,
                      metadata: dict | None = None, max_shard_size, overwrite: bool = False,
-                     progress: bool = False, texts: dict | None = None) -> ExportResult:
+                     progress: bool = False, texts: dict | None = None, ranks=None) -> ExportResult:
     """Write a TF checkpoint (or the renamed subset ``names``) as sharded safetensors; each shard
     is written by ``_writer.write_checkpoint``, raw shard bytes copied where possible.
 
     ``texts`` (path -> text, a ``config.json``) are published in the same commit, before the weights.
+    ``ranks`` (``restorekit._bundle.ranks.Ranks``): every rank of a process group calls this alike and
+    writes the shards assigned to it, byte for byte what one process writes; rank 0 commits.
 
     Raises:
         OutputExistsError: an earlier output is there (without ``overwrite``).
@@ -203,15 +280,18 @@ def write_checkpoint(checkpoint, out, *, names: dict | None = None, layout: str 
         return _writer.write_checkpoint(checkpoint, tmp, names={n: names[n] for n in part}, layout=layout,
                                             metadata=metadata, progress=progress)
 
-    return _publish(out, parts, overwrite, write_one, texts)
+    return _publish(out, parts, overwrite, write_one, texts, ranks=ranks, nbytes=_part_bytes(parts, sizes))
 
 
 def write(out, tensors, *, sizes: list, layout: str | None = None, metadata: dict | None = None, graph=None,
-          max_shard_size, overwrite: bool = False, progress: bool = False, texts: dict | None = None) -> ExportResult:
+          max_shard_size, overwrite: bool = False, progress: bool = False, texts: dict | None = None,
+          ranks=None) -> ExportResult:
     """Write ``(name, ndarray[, TF dtype])`` items as sharded safetensors, one tensor at a time.
 
     ``sizes`` lists ``(name, shape, bytes)`` of the numeric tensors in the order ``tensors``
     yields them (string tensors are not listed: they go with the shard being written).
+    With ``ranks`` (as ``write_checkpoint``), the items of another rank's shards are passed over
+    unwritten: give them as placeholders (``rank_names`` says which are this rank's) so that none is read.
 
     Raises:
         NameCollisionError: the layout maps two names onto one, in any shards (before anything is written).
@@ -242,7 +322,27 @@ def write(out, tensors, *, sizes: list, layout: str | None = None, metadata: dic
         return _writer.write(tmp, part_tensors(part, last), layout=layout, metadata=metadata, graph=graph,
                                  progress=progress)
 
-    return _publish(out, parts, overwrite, write_one, texts)
+    def skip_one(part):
+        for _ in part_tensors(part, part is parts[-1]):
+            pass
+
+    nbytes = _part_bytes(parts, [(name, size) for name, _, size in sizes])
+    return _publish(out, parts, overwrite, write_one, texts, ranks=ranks, nbytes=nbytes, skip_one=skip_one)
+
+
+def _part_bytes(parts: list, sizes: list) -> list[int]:
+    size = dict(sizes)
+    return [sum(size.get(name, 0) for name in part) for part in parts]
+
+
+def rank_names(sizes: list, max_shard_size, ranks) -> set | None:
+    """The names of ``sizes`` (``(name, shape, bytes)``, as ``write`` takes them) in the shards ``ranks``'s rank
+    writes; None without ranks (every name)."""
+    if ranks is None:
+        return None
+    parts = partition([(name, nbytes) for name, _, nbytes in sizes], parse_size(max_shard_size))
+    owner = assign(_part_bytes(parts, [(name, nbytes) for name, _, nbytes in sizes]), ranks.size)
+    return {name for part, rank in zip(parts, owner) if rank == ranks.rank for name in part}
 
 
 def _is_string(item) -> bool:

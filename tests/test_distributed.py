@@ -1,0 +1,152 @@
+"""restorekit._bundle.ranks and convert(..., distributed=True): HF shards written across gloo ranks on localhost,
+byte-identical to one process, with nothing published when a rank raises or is killed."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import requires_torch, write_bundle
+from restorekit._bundle.ranks import assign
+from restorekit.errors import OptionNotApplicableError
+from restorekit.export import convert
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARD = 600_000  # bytes: the checkpoint below makes 11 shards of it
+
+
+@pytest.fixture
+def source(tmp_path):
+    rng = np.random.RandomState(0)
+    values = {f"layer{i}/kernel": rng.randn(256, 256 + 16 * i).astype(np.float32) for i in range(12)}
+    values["global_step"] = np.int64(7)
+    return write_bundle(tmp_path / "src" / "model.ckpt", values)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT, RESTOREKIT_DISTRIBUTED_TIMEOUT="60")
+    for key in ("RESTOREKIT_CRASH_HOOK", "RESTOREKIT_CRASH_RANK", "RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def _ranks(args, n=2, **extra) -> list[subprocess.Popen]:
+    """``python -m restorekit ARGS`` as ``n`` ranks, with the variables torchrun gives each."""
+    port = _port()
+    return [subprocess.Popen([sys.executable, "-m", "restorekit", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port), **extra))
+            for r in range(n)]
+
+
+def _wait(procs, timeout=180) -> list[tuple[int, str]]:
+    return [(p.returncode, p.communicate(timeout=timeout)[1]) for p in procs for _ in [p.wait(timeout=timeout)]]
+
+
+def _files(directory) -> dict:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+def _convert_args(src, out):
+    return ["convert", str(src), str(out), "--max-shard-size", str(SHARD), "-q"]
+
+
+def test_shards_are_assigned_to_ranks_balanced_by_bytes_largest_first():
+    assert assign([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40+10 and 30+20
+    assert assign([5, 5, 5], 4) == [0, 1, 2]
+    assert assign([], 3) == []
+
+
+def test_distributed_refuses_an_output_that_is_not_sharded_safetensors_before_anything_is_written(source, tmp_path):
+    with pytest.raises(OptionNotApplicableError, match="distributed"):
+        convert(source, tmp_path / "model.safetensors", distributed=True)
+    assert not os.path.exists(tmp_path / "model.safetensors")
+
+
+@requires_torch
+def test_distributed_outside_any_group_writes_as_one_process(source, tmp_path):
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    convert(source, tmp_path / "alone", max_shard_size=SHARD, distributed=True)
+    assert _files(tmp_path / "alone") == _files(tmp_path / "one")
+
+
+@requires_torch
+def test_torchrun_two_ranks_write_the_bytes_one_process_writes(source, tmp_path):
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(_port()), "-m", "restorekit",
+                          *_convert_args(source, tmp_path / "two")], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one = _files(tmp_path / "one")
+    assert len(one) == 12 and _files(tmp_path / "two") == one
+
+
+@requires_torch
+def test_two_ranks_convert_a_safetensors_shard_set_to_the_bytes_one_process_writes(source, tmp_path):
+    convert(source, tmp_path / "set", max_shard_size=3 * SHARD)
+    convert(tmp_path / "set", tmp_path / "one", max_shard_size=SHARD)
+    results = _wait(_ranks(_convert_args(tmp_path / "set", tmp_path / "two")))
+    assert [code for code, _ in results] == [0, 0], results
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+
+
+@requires_torch
+@pytest.mark.parametrize("rank, point", [(1, "shard-3-staged"), (0, "index-json-written"),
+                                         pytest.param(1, "rank-shards-staged", marks=pytest.mark.slow)],
+                         ids=["rank 1 raises writing a shard", "rank 0 raises after the index",
+                              "rank 1 raises after its shards"])
+def test_a_rank_that_raises_stops_every_rank_naming_it_and_nothing_is_published(source, tmp_path, rank, point):
+    out = tmp_path / "out"
+    results = _wait(_ranks(_convert_args(source, out), RESTOREKIT_CRASH_HOOK=f"{point}:raise",
+                           RESTOREKIT_CRASH_RANK=str(rank)))
+    for code, err in results:
+        assert code != 0 and f"rank {rank} failed" in err and "nothing was published" in err, err[-2000:]
+    assert not os.path.exists(out) or [n for n in os.listdir(out) if not n.startswith(".")] == []
+    # the rerun completes and leaves nothing else behind
+    results = _wait(_ranks(_convert_args(source, out)))
+    assert [code for code, _ in results] == [0, 0], results
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    assert _files(out) == _files(tmp_path / "one")
+
+
+COMMIT_POINTS = [(1, "shard-2-staged"), (1, "rank-shards-staged"), (0, "ranks-gathered"), (0, "index-json-written"),
+                 (0, "commit-start"), (0, "rename-model-00005-of-00011.safetensors"), (0, "before-index-rename")]
+
+
+@requires_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, point", COMMIT_POINTS, ids=[f"rank {r} killed at {p}" for r, p in COMMIT_POINTS])
+def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leaves_no_leftovers(source, tmp_path,
+                                                                                               rank, point):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    procs = _ranks(_convert_args(source, out), RESTOREKIT_CRASH_HOOK=f"{point}:{marker}", RESTOREKIT_CRASH_RANK=str(rank))
+    deadline = time.monotonic() + 120
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the point was never reached"
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    results = _wait(procs)
+    survivors = [err for r, (code, err) in enumerate(results) if r != rank]
+    assert results[rank][0] == -signal.SIGKILL
+    for err in survivors:
+        assert f"rank {rank} failed" in err, err[-2000:]
+    index = out / "model.safetensors.index.json"
+    assert not index.exists()  # the index is the last rename: without it, no output
+    results = _wait(_ranks(_convert_args(source, out)))
+    assert [code for code, _ in results] == [0, 0], results
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    assert _files(out) == _files(tmp_path / "one")  # every file, no hidden temporaries, locks or orphans
