@@ -46,7 +46,7 @@ def module_variables(module, *, params_only: bool = False) -> list:
     ``nnx.BatchStat`` (a BatchNorm's ``mean`` / ``var``) and other Variables are restored too
     but not trained; RNG state, sown intermediates, caches and perturbations are no weights.
     """
-    from flax import nnx  # type: ignore[import-not-found]
+    from flax import nnx
 
     out = []
     for path, node in nnx.iter_graph(module):

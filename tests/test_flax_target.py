@@ -108,7 +108,7 @@ def flax_run(tmp_path_factory):
     np.savez(os.path.join(directory, "io.npz"), x=x, conv=values["conv/kernel"])
     with open(os.path.join(directory, "spec.json"), "w") as f:
         json.dump({"io": SOURCES}, f)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([BLOCKER, os.path.dirname(HERE)])}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([BLOCKER, os.path.dirname(HERE)])}
     done = subprocess.run([sys.executable, os.path.join(HERE, "flax_cases.py"), directory], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

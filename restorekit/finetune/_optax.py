@@ -46,7 +46,7 @@ def optax_partitions(module, rules, *, default: float = 1.0):
         >>> tx = optax.multi_transform({"'backbone'": optax.set_to_zero(), "'head'": optax.adam(1e-3), ...}, labels)
     """
     import jax
-    from flax import nnx  # type: ignore[import-not-found]
+    from flax import nnx
 
     groups = _groups(module, rules, default)
     label_of = {id(v): groups.group_of(name).label for name, v, _ in module_variables(module, params_only=True)}
@@ -78,7 +78,7 @@ def grouped_optax(optimizer_factory, module, rules, *, default: float = 1.0):
         >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     """
     try:
-        import optax  # type: ignore[import-not-found]
+        import optax
     except ImportError:
         raise MissingDependencyError("grouped_optax needs optax: pip install 'restorekit[flax]'") from None
     groups = _groups(module, rules, default)
