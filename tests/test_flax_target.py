@@ -36,7 +36,8 @@ def _net_values():
         "bn/beta": rng.standard_normal(4).astype("float32"),
         "bn/moving_mean": rng.standard_normal(4).astype("float32"),
         "bn/moving_variance": rng.uniform(0.5, 2.0, 4).astype("float32"),
-        "fc/kernel": rng.standard_normal((100, 7)).astype("float32"),
+        # outputs of a few units, so float32 sums in another order stay well within 1e-5 (at ~100 they move 3e-5)
+        "fc/kernel": (0.05 * rng.standard_normal((100, 7))).astype("float32"),
         "fc/bias": rng.standard_normal(7).astype("float32"),
     }
 
@@ -105,7 +106,7 @@ def flax_run(tmp_path_factory):
     expected = {"tf1": _write_tf1(tf, directory, values, x)}
     expected["tf2"] = expected["h5"] = expected["keras"] = _write_keras(tf, keras, directory, values, x)
     _corrupt(directory)
-    np.savez(os.path.join(directory, "io.npz"), x=x, conv=values["conv/kernel"])
+    np.savez(os.path.join(directory, "io.npz"), x=x, conv=values["conv/kernel"], **{f"y_{k}": y for k, y in expected.items()})
     with open(os.path.join(directory, "spec.json"), "w") as f:
         json.dump({"io": SOURCES}, f)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([BLOCKER, os.path.dirname(HERE)])}
@@ -128,7 +129,8 @@ def test_the_flax_twin_computes_tensorflows_outputs(flax_run, case):
     assert sorted(r["variable_name"] for r in report["matched"]) == sorted(RESTORED + ["fc/bias", "fc/kernel"])
     assert report["missing"] == report["shape_mismatched"] == report["dtype_mismatched"] == report["unused"] == []
     got = np.load(os.path.join(directory, f"flax-{case}.npy"))
-    np.testing.assert_allclose(got, expected[case], rtol=0, atol=1e-5 * max(1.0, float(np.abs(expected[case]).max())))
+    assert 1 < np.abs(expected[case]).max() < 20  # outputs of a few units: 1e-5 is a few float32 steps
+    np.testing.assert_allclose(got, expected[case], rtol=0, atol=1e-5)
 
 
 def test_the_tf1_optimizer_slot_and_global_step_are_skipped(flax_run):

@@ -197,11 +197,12 @@ def test_module_is_small(module):
         assert sum(1 for _ in f) <= MAX_LINES
 
 
-def test_import_restorekit_does_not_import_tensorflow_or_torch():
+def test_import_restorekit_does_not_import_tensorflow_torch_or_jax():
     import subprocess
     import sys
 
-    code = "import restorekit, sys; print(sorted(m for m in ('tensorflow', 'torch', 'safetensors', 'h5py') if m in sys.modules))"
+    code = ("import restorekit, sys; print(sorted(m for m in ('tensorflow', 'torch', 'safetensors', 'h5py', 'jax', 'flax', "
+            "'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(ROOT)).stdout.strip()
     assert out == "[]"
