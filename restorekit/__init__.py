@@ -51,7 +51,9 @@ from restorekit.finetune import (
     VariableGroups,
     group_variables,
     grouped_keras_optimizer,
+    grouped_optax,
     layerwise_decay,
+    optax_partitions,
     param_groups,
     scale_gradients,
 )
@@ -75,7 +77,7 @@ from restorekit._scaffold import easy_going_scaffold
 from restorekit import rules  # noqa: F401  (restorekit.rules.KERAS_FROM_TF1)
 from restorekit._policies import AdaptInputChannels, ResizePositions, VocabRemap
 from restorekit import formats  # noqa: F401  (restorekit.formats.open(path): every readable format, one Source)
-from restorekit.rules import KERAS_FROM_KERAS2, KERAS_FROM_TF1, Rules
+from restorekit.rules import FLAX_FROM_TF, KERAS_FROM_KERAS2, KERAS_FROM_TF1, Rules
 from restorekit._scan import scan
 from restorekit._sources import From
 from restorekit._tf1 import assign_from_checkpoint_fn, partial_saver, source_savers, warm_start
@@ -100,6 +102,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "FLAX_FROM_TF",
     "KERAS_FROM_KERAS2",
     "KERAS_FROM_TF1",
     "AdaptInputChannels",
@@ -173,6 +176,7 @@ __all__ = [
     "freeze",
     "group_variables",
     "grouped_keras_optimizer",
+    "grouped_optax",
     "import_checkpoint",
     "initialize_uninitialized",
     "import_meta_graph",
@@ -181,6 +185,7 @@ __all__ = [
     "merge",
     "layerwise_decay",
     "merge_lora",
+    "optax_partitions",
     "param_groups",
     "partial_saver",
     "source_savers",

@@ -27,8 +27,8 @@ from restorekit._names import Kind, PatternSet, counter_kind, entry_kind, optimi
 from restorekit._report import Record, RestoreReport, with_stored
 from restorekit.rules import KERAS_FROM_KERAS2, Rules, as_rules, keras_layer_pairs
 from restorekit._sources import is_several, scan_several
-from restorekit._targets import Target, absent_record, collect, is_lora_adapter, lora_notes, variable_name
-from restorekit._torch_target import foreign_file_hint, is_torch_module, layout_source
+from restorekit._targets import Target, absent_record, collect, is_lora_adapter, lora_notes, target_hints, variable_name
+from restorekit._torch_target import layout_source
 from restorekit._trackables import is_trackable, object_graph_keys
 
 __all__ = ["as_checkpoint", "scan"]
@@ -186,15 +186,8 @@ def scan(
     state.excludes.check_all_used(names)
     state.policies.check_all_used(names)
     _sort_leftover_entries(state)
-    state.notes += _layout_hints(state, layout, variables)
+    state.notes += target_hints(state, variables, layout, rules)
     return with_optimizer(_report(state), variables, optimizer)
-
-
-def _layout_hints(state, layout, variables) -> tuple:
-    """A PyTorch file scanned by name into TF or Keras variables pairs nothing: point at ``layout='torch'``."""
-    if layout is not None or state.matched or is_torch_module(variables):
-        return ()
-    return foreign_file_hint(state.ckpt, state.unused)
 
 
 @dataclass

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import InvalidArgumentError
 from restorekit._names import strip_output_index, strip_partition
-from restorekit._torch_target import is_torch_module, module_items
+from restorekit import _flax_target as flax_target
+from restorekit._torch_target import foreign_file_hint, is_torch_module, module_items
 from restorekit._trackables import is_keras_variable, keras_backend, layer_paths, live_paths, tf_variable
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "sharded_container",
     "shards",
     "slice_info",
+    "target_hints",
     "tf_variable",
     "variable_name",
 ]
@@ -174,7 +176,8 @@ def collect(variables=None) -> list[Target]:
             (ref, resource, Keras 3, or PartitionedVariable), a dict
             ``{checkpoint_name: variable or list of partitions}`` as a Saver takes,
             or an object with a ``variables`` attribute (Keras model, tf.Module),
-            or a ``torch.nn.Module`` (its ``state_dict`` keys, parameters and buffers).
+            or a ``torch.nn.Module`` (its ``state_dict`` keys, parameters and buffers),
+            or a Flax ``nnx.Module`` (its Variables' paths joined with '/', ``layers/0/kernel``).
 
     Raises:
         InvalidArgumentError: an element that is not a variable, or no variables at all
@@ -182,6 +185,9 @@ def collect(variables=None) -> list[Target]:
     """
     if is_torch_module(variables):
         return [Target(key, shape, dtype, tensor) for key, shape, dtype, tensor in module_items(variables)]
+    if flax_target.is_flax_module(variables):
+        return [Target(name, shape, dtype, variable, trainable=trainable)
+                for name, shape, dtype, variable, trainable in flax_target.module_items(variables)]
     if variables is None:
         tf = import_tensorflow()
 
@@ -275,6 +281,17 @@ def _unique_names(targets: list[Target], root) -> None:
     for t in targets:
         if counts[t.variable_name] > 1 and id(t.handle) in paths:
             t.variable_name = paths[id(t.handle)]
+
+
+def target_hints(found, variables, layout, rules) -> tuple:
+    """Hints that depend on what the targets are, from what a scan ``found`` (its ``ckpt``, ``matched``,
+    ``missing``, ``unused``): TF leaf names for a Flax module (``rules=FLAX_FROM_TF``); a PyTorch file
+    scanned by name into TF or Keras variables pairs nothing (``layout='torch'``)."""
+    if flax_target.is_flax_module(variables):
+        return flax_target.flax_hints(rules, found.missing, found.unused)
+    if layout is not None or found.matched or is_torch_module(variables):
+        return ()
+    return foreign_file_hint(found.ckpt, found.unused)
 
 
 def flat_variables(handles) -> list:

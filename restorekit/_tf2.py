@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from restorekit import _distribute as distribute, keras_files, _remap as remap, _restore_keras as restore_keras, _restore_torch as restore_torch
 from restorekit._optim import _keras as optimizer_keras
+from restorekit import _restore_flax as restore_flax
 from restorekit._tensorflow import import_tensorflow
 from restorekit._array_values import read_arrays
 from restorekit._bundle.objectgraph import ObjectGraph, TrackedVariable, decode_object_graph
@@ -124,12 +125,14 @@ def restore(report, *, strict: bool = False):
         >>> report = restorekit.scan('ckpt/', model, shape_policy='slice_or_pad')
         >>> restorekit.restore(report)
 
-    Keras 3 models on the JAX or PyTorch backend and ``torch.nn.Module``s restore the
-    same way without TensorFlow (``restorekit._restore_keras``, ``restorekit._restore_torch``).
+    Keras 3 models on the JAX or PyTorch backend, ``torch.nn.Module``s and Flax NNX modules restore
+    the same way without TensorFlow (``restorekit._restore_keras``, ``_restore_torch``, ``_restore_flax``).
     """
     handles = live_handles(report)
     if restore_torch.is_torch_report(handles):
         return restore_torch.restore(report, strict=strict)
+    if restore_flax.is_flax_report(handles):
+        return restore_flax.restore(report, strict=strict)
     if restore_keras.is_off_tensorflow(handles):
         return restore_keras.restore(report, strict=strict)
     tf = import_tensorflow()

@@ -12,7 +12,7 @@ from restorekit.errors import InvalidArgumentError, NoMatchError, format_names
 from restorekit._hints import level_index, one_level_away, shapes_fit
 from restorekit._names import compile_pairs, invert_pair, optimizer_slot_kind
 
-__all__ = ["KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
+__all__ = ["FLAX_FROM_TF", "KERAS_FROM_KERAS2", "KERAS_FROM_TF1", "Rules", "as_rules", "keras_layer_pairs"]
 
 _SUFFIX = re.compile(r"(?P<base>.*?)(?:_(?P<n>\d+))?", re.DOTALL)
 
@@ -359,3 +359,19 @@ KERAS_FROM_TF1 = Rules(
 )
 """Keras 3 variable paths onto TF1 / tf-slim checkpoint names: ``kernel`` -> ``weights``,
 ``bias`` -> ``biases``, and layer uniquification suffixes paired in order."""
+
+FLAX_FROM_TF = Rules(
+    synonyms={
+        "kernel": ("weights", "W", "w"),
+        "bias": ("biases", "b", "beta"),
+        "scale": ("gamma",),
+        "mean": ("moving_mean",),
+        "var": ("moving_variance",),
+        "embedding": ("embeddings", "weights"),
+    },
+    name="FLAX_FROM_TF",
+)
+"""Flax NNX variable paths (``bn/scale``, ``layers/0/kernel``) onto TF1 / tf-slim / Keras checkpoint names:
+``scale`` -> ``gamma``, a norm's ``bias`` -> ``beta``, ``mean`` / ``var`` -> ``moving_mean`` / ``moving_variance``,
+``kernel`` -> ``weights``; each alternative only where the name itself is not in the checkpoint. Flax keeps TF's
+kernel layouts (Dense [in, out], Conv HWIO), so names are all that differ."""

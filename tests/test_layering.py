@@ -28,11 +28,11 @@ LAYERS = [
     ["formats"],
     # Conversions (open -> view -> write) and the ready rule sets of export._hf.
     ["export"],
-    ["_trackables", "_targets", "_torch_target", "rules", "_policies", "_assignment", "_hints", "_array_values"],
+    ["_trackables", "_targets", "_torch_target", "_flax_target", "rules", "_policies", "_assignment", "_hints", "_array_values"],
     ["_optim"],  # optimizer state paired through the weights' records (issue 36); _optim._torch writes torch.optim
     ["_sources"],  # several sources: scanned one by one (scan passes itself in) and merged
     ["_scan"],
-    ["_remap", "_tf1", "_tf2", "_restore_keras", "_restore_torch", "_initializers", "_distribute"],
+    ["_remap", "_tf1", "_tf2", "_restore_keras", "_restore_torch", "_restore_flax", "_initializers", "_distribute"],
     ["_scaffold", "finetune", "_resume"],
     ["_compare", "edit", "graph", "compress", "_averaging", "_merging", "_lora"],
     ["demo"],
@@ -197,11 +197,12 @@ def test_module_is_small(module):
         assert sum(1 for _ in f) <= MAX_LINES
 
 
-def test_import_restorekit_does_not_import_tensorflow_or_torch():
+def test_import_restorekit_does_not_import_tensorflow_torch_or_jax():
     import subprocess
     import sys
 
-    code = "import restorekit, sys; print(sorted(m for m in ('tensorflow', 'torch', 'safetensors', 'h5py') if m in sys.modules))"
+    code = ("import restorekit, sys; print(sorted(m for m in ('tensorflow', 'torch', 'safetensors', 'h5py', 'jax', 'flax', "
+            "'optax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(ROOT)).stdout.strip()
     assert out == "[]"

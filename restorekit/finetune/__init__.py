@@ -15,6 +15,10 @@ first rule whose pattern takes its name, else the default group); a multiplier o
 * Keras 3 (``model.fit`` or a custom train step): ``grouped_keras_optimizer(factory,
   groups)``, the same idea as a Keras optimizer whose state saves and restores with
   ``tf.train.Checkpoint``.
+* ``torch.optim``: ``param_groups(module, rules, lr=...)``, frozen groups ``requires_grad=False``.
+* optax with a Flax NNX module: ``optax_partitions(module, rules)`` labels every ``nnx.Param``
+  by its group for ``optax.multi_transform``; ``grouped_optax(factory, module, rules)`` is that
+  composition, a frozen group's transform ``optax.set_to_zero()``.
 
 Modules: ``groups`` (the groups, ``layerwise_decay``), ``gradients``
 (``scale_gradients``), ``optimizers`` (what both grouped optimizers share),
@@ -36,6 +40,7 @@ from restorekit.finetune._groups import (
     group_variables,
     layerwise_decay,
 )
+from restorekit.finetune._optax import grouped_optax, optax_partitions
 from restorekit.finetune._torch_groups import param_groups
 
 if TYPE_CHECKING:
@@ -50,7 +55,9 @@ __all__ = [
     "VariableGroups",
     "group_variables",
     "grouped_keras_optimizer",
+    "grouped_optax",
     "layerwise_decay",
+    "optax_partitions",
     "param_groups",
     "scale_gradients",
 ]

@@ -20,6 +20,7 @@ from restorekit._tensorflow import import_tensorflow
 from restorekit.errors import GroupError, InvalidArgumentError, NoMatchError, UnknownVariableError, format_names
 from restorekit._names import PatternSet, matches, pattern_hint, strip_output_index, strip_partition
 from restorekit._targets import is_keras_variable, is_partitioned, tf_variable, variable_name
+from restorekit._flax_target import is_flax_module, is_flax_variable, module_variables
 from restorekit._torch_target import is_torch_module, is_torch_tensor
 from restorekit._trackables import is_trackable, keras_backend, layer_paths
 
@@ -305,8 +306,9 @@ def _variable_name(variable) -> tuple[str, object, object]:
     """(name, tf.Variable, Keras variable or None) of a TF1, TF2 or Keras 3 variable."""
     if is_keras_variable(variable) and keras_backend(variable) != "tensorflow":
         return variable_name(variable), variable, variable  # JAX, torch backends: the Keras variable is the variable
-    if is_torch_tensor(variable):
-        raise GroupError("torch tensors are grouped by name: pass the torch.nn.Module (its named_parameters)")
+    if is_torch_tensor(variable) or is_flax_variable(variable):
+        raise GroupError(f"{type(variable).__name__} variables are grouped by name: pass the torch.nn.Module or Flax "
+                         "nnx.Module that holds them (or the variable's name)")
     tf = import_tensorflow()
 
     if isinstance(variable, tf.Variable):
@@ -323,6 +325,8 @@ def _collect(variables) -> list[tuple[str, str, object, object]]:
     """(name, name to match, tf.Variable, Keras variable) for every variable given."""
     if is_torch_module(variables):  # a torch module's parameters, by their state_dict names (tied ones once)
         return _unique([(name, name, p, None) for name, p in variables.named_parameters()])
+    if is_flax_module(variables):  # a Flax module's nnx.Params, by their paths ('layers/0/kernel'), shared ones once
+        return _unique([(name, name, p, None) for name, p, _ in module_variables(variables, params_only=True)])
     if variables is None:
         variables = import_tensorflow().compat.v1.trainable_variables()
         if not variables:
@@ -473,7 +477,9 @@ def group_variables(rules, variables=None, *, default: float = 1.0) -> VariableG
             a tf.Module (their ``trainable_variables``). Keras variables are named by
             ``variable.path``; given a model or module, a rule also matches each
             variable's path through its layers (``backbone/d1/kernel`` for a nested
-            model ``backbone``) or attributes (``encoder/w``).
+            model ``backbone``) or attributes (``encoder/w``). A torch.nn.Module's
+            parameters are named as in its ``state_dict``, a Flax ``nnx.Module``'s
+            ``nnx.Param``s by their paths (``layers/0/kernel``).
         default: the multiplier of variables no rule takes.
 
     Returns:
