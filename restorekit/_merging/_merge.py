@@ -114,7 +114,8 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
             directory or ``max_shard_size`` is given: then a directory of safetensors
             shards (with the base's ``config.json``).
         to: the output format ('tf', 'safetensors', 'npz', 'torch').
-        include, exclude: patterns over entry names; only the included, not excluded, are written.
+        include: patterns over entry names; only those are written (default every entry).
+        exclude: patterns over entry names left out.
         intersection: merge only the entries every source holds with the same shape and
             dtype; by default any difference is an error listing them all.
         mismatch: integer, boolean or string entries that differ: 'error' (default), or take
