@@ -97,9 +97,9 @@ def test_a_251_byte_file_name_can_be_edited_in_place(tmp_path):
 @pytest.fixture
 def held(tmp_path):
     """Hold an output's lock in another thread (its own open file: the lock conflicts as another process's does)."""
-    stop, ready = threading.Event(), threading.Event()
+    stop = threading.Event()
 
-    def hold(path):
+    def hold(path, ready):
         with output_lock(path):
             ready.set()
             stop.wait(60)
@@ -107,7 +107,8 @@ def held(tmp_path):
     threads = []
 
     def start(path):
-        thread = threading.Thread(target=hold, args=(str(path),))
+        ready = threading.Event()  # one per lock: the next call waits for its own thread, not the last one's
+        thread = threading.Thread(target=hold, args=(str(path), ready))
         thread.start()
         threads.append(thread)
         assert ready.wait(30)
