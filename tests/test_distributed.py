@@ -263,3 +263,32 @@ def test_two_ranks_average_and_ties_merge_to_the_bytes_one_process_writes_and_a_
         assert "injected while merging" in failure["message"] and "nothing was published" in failure["message"]
         assert [n for n in failure["published"] if not n.startswith(".")] == []
     assert _files(tmp_path / "failed") == _files(tmp_path / "ties-one")  # the rerun: no leftovers
+
+
+def test_the_cli_refuses_distributed_average_and_merge_of_an_unsharded_output(models, tmp_path, capsys):
+    from restorekit.cli import main
+
+    paths, recipe = models
+    (tmp_path / "ties.yml").write_text(json.dumps(recipe))  # JSON is YAML
+    assert main(["average", *paths, str(tmp_path / "mean.npz"), "--distributed"]) != 0
+    assert main(["merge", str(tmp_path / "ties.yml"), str(tmp_path / "merged.safetensors"), "--distributed"]) != 0
+    assert capsys.readouterr().err.count("distributed") >= 2
+    assert not os.path.exists(tmp_path / "mean.npz") and not os.path.exists(tmp_path / "merged.safetensors")
+
+
+@requires_torch
+@pytest.mark.slow
+def test_the_cli_under_a_launcher_averages_and_dare_ties_merges_across_two_ranks_as_one_process(models, tmp_path):
+    paths, recipe = models
+    recipe = {**recipe, "merge_method": "dare_ties"}  # random drop masks: seeded per (seed, name, model)
+    (tmp_path / "dare.yml").write_text(json.dumps(recipe))
+    average(paths, tmp_path / "avg-one", weights=[1, 2, 3], max_shard_size=MERGE_SHARD)
+    merge(recipe, tmp_path / "dare-one", max_shard_size=MERGE_SHARD, seed=5)
+    args = ["average", *paths, str(tmp_path / "avg-two"), "--weights", "1", "2", "3", "--max-shard-size",
+            str(MERGE_SHARD), "-q"]
+    assert [code for code, _ in _wait(_ranks(args))] == [0, 0]
+    args = ["merge", str(tmp_path / "dare.yml"), str(tmp_path / "dare-two"), "--max-shard-size", str(MERGE_SHARD),
+            "--seed", "5", "-q"]
+    assert [code for code, _ in _wait(_ranks(args))] == [0, 0]
+    assert _files(tmp_path / "avg-two") == _files(tmp_path / "avg-one")
+    assert _files(tmp_path / "dare-two") == _files(tmp_path / "dare-one")
