@@ -176,6 +176,7 @@ def _merge(recipe: MergeRecipe, out, ranks, *, to, include, exclude, intersectio
             for src, w in zip(srcs, p.weight):
                 Linear.add(acc, src.ckpt.read(name), w)  # one source's tensor at a time
             return Linear.finish(acc, p.weight)
+        assert base is not None  # every method but linear needs a base model: load_recipe refused a recipe without
         tensors = [_as_float64(s.ckpt.read(name)) for i, s in enumerate(srcs) if i != base]
         return method.merge(tensors, _as_float64(srcs[base].ckpt.read(name)), p)
 
