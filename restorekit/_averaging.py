@@ -76,8 +76,8 @@ def _check_weights(weights, count: int) -> tuple:
 
 
 def average(sources, out, *, weights=None, include=None, exclude=None, weights_only: bool = True,
-            intersection: bool = False, mismatch: str = "error", to: str | None = None, overwrite: bool = False,
-            progress: bool = False) -> AverageResult:
+            intersection: bool = False, mismatch: str = "error", to: str | None = None, max_shard_size=None,
+            overwrite: bool = False, progress: bool = False, distributed: bool = False) -> AverageResult:
     """Write the weighted mean of several checkpoints, tensor by tensor.
 
     Float tensors (float16, bfloat16, float32, float64) are accumulated in float64 and
@@ -96,7 +96,7 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
             under their TF names; they may be of different formats.
         out: the output; its format is ``to`` or else its extension (no known
             extension: a TF checkpoint prefix, or inside an existing directory under
-            the first source's name).
+            the first source's name); with ``max_shard_size``, a directory of safetensors shards.
         weights: one number per source (default: equal); normalized by their sum,
             which must be positive (a negative weight extrapolates).
         include: patterns over entry names (``restorekit._names``): only matching
@@ -110,8 +110,13 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
         mismatch: for non-float entries that differ: 'error' (default), 'first' or
             'last' (that source's value).
         to: the output format ('tf', 'safetensors', 'npz', 'torch').
+        max_shard_size: the largest safetensors shard (``'2GB'``, bytes): Hugging Face-style shards plus an index.
         overwrite: replace an existing output.
         progress: a progress bar on stderr (when it is a terminal).
+        distributed: average across the ranks of a torch.distributed process group, as
+            ``convert(distributed=True)``: a safetensors shard set only; each rank computes the tensors of
+            its own shards, rank 0 publishes them in one commit, byte-identical to one process's output
+            (docs/cluster.md).
 
     Returns:
         An AverageResult.
@@ -124,6 +129,8 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
         NoMatchError: an include/exclude pattern matches no entry.
         CheckpointNotFoundError, CorruptCheckpointError: a source.
         OutputExistsError: the output exists (without ``overwrite``) or is a source.
+        OptionNotApplicableError: ``distributed`` for an output that is not a safetensors shard set.
+        RankFailedError: with ``distributed``, a rank failed or was killed (it is named); nothing was published.
 
     Nothing is written when any of these is raised.
     """
@@ -133,8 +140,16 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     weights = _check_weights(weights, len(sources))
     if mismatch not in pipeline.MISMATCH:
         raise InvalidArgumentError(f"mismatch is one of {pipeline.MISMATCH}, got {mismatch!r}")
+    options = dict(include=include, exclude=exclude, weights_only=weights_only, intersection=intersection,
+                   mismatch=mismatch, to=to, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
+    return pipeline.across_ranks(out, to, sources[0], lambda ranks: _average(sources, out, weights, ranks, **options),
+                                 max_shard_size=max_shard_size, hf_directory=False, distributed=distributed)
+
+
+def _average(sources: list, out, weights: tuple, ranks, *, include, exclude, weights_only, intersection, mismatch, to,
+             max_shard_size, overwrite: bool, progress: bool) -> AverageResult:
     srcs = [pipeline.open_source(s, bool(weights_only)) for s in sources]
-    target = pipeline.output(out, to, srcs, overwrite=overwrite, hf_directory=False)
+    target = pipeline.output(out, to, srcs, max_shard_size=max_shard_size, overwrite=overwrite, hf_directory=False)
     plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
                          mismatch=mismatch)
     total = sum(weights)
@@ -146,7 +161,7 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
             Linear.add(acc, src.ckpt.read(name), w)
         return Linear.finish(acc, weights)
 
-    pipeline.write(plan, mean, progress=progress)
+    pipeline.write(plan, mean, progress=progress, ranks=ranks)
     return AverageResult(target.path, target.format, tuple(s.path for s in srcs), tuple(w / total for w in weights),
                          plan.merged, tuple(plan.chosen), tuple(plan.taken), srcs[0].dropped, tuple(plan.skipped),
                          plan.nbytes)

@@ -1,6 +1,7 @@
-"""restorekit._bundle.ranks and convert(..., distributed=True): HF shards written across gloo ranks on localhost,
-byte-identical to one process, with nothing published when a rank raises or is killed."""
+"""restorekit._bundle.ranks and convert / average / merge(..., distributed=True): HF shards written across gloo ranks
+on localhost, byte-identical to one process, with nothing published when a rank raises or is killed."""
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ import pytest
 
 from conftest import requires_torch, write_bundle
 from restorekit._bundle.ranks import assign
+from restorekit import average, interpolate
+from restorekit._merging import merge
 from restorekit.errors import OptionNotApplicableError
 from restorekit.export import convert
 
@@ -150,3 +153,142 @@ def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leav
     assert [code for code, _ in results] == [0, 0], results
     convert(source, tmp_path / "one", max_shard_size=SHARD)
     assert _files(out) == _files(tmp_path / "one")  # every file, no hidden temporaries, locks or orphans
+
+
+# ------------------------------------------------------------------ average / interpolate / merge
+def load_names(path) -> list:
+    from restorekit import Checkpoint
+
+    return list(Checkpoint(path).entries)
+
+
+MERGE_SHARD = 40_000  # bytes: the models below make 4 shards of it
+
+
+@pytest.fixture
+def models(tmp_path):
+    """Three small safetensors shard sets (a base and two fine-tunes) and a TIES recipe over them."""
+    rng = np.random.RandomState(1)
+    base = {f"layer{i}/kernel": rng.randn(48, 48 + 8 * i).astype(np.float32) for i in range(8)}
+    base["global_step"] = np.int64(7)
+    paths = []
+    for k in range(3):
+        values = {n: (v + 0.1 * k * rng.randn(*v.shape).astype(np.float32)) if v.dtype == np.float32 else v
+                  for n, v in base.items()}
+        prefix = write_bundle(tmp_path / f"tf{k}" / "model.ckpt", values)
+        convert(prefix, tmp_path / f"m{k}", max_shard_size=3 * MERGE_SHARD)
+        paths.append(str(tmp_path / f"m{k}"))
+    recipe = {"merge_method": "ties", "base_model": paths[0], "dtype": "float32",
+              "models": [{"model": paths[1], "parameters": {"weight": 0.6, "density": 0.5}},
+                         {"model": paths[2], "parameters": {"weight": [0.2, 0.8], "density": 0.7}}]}
+    return paths, recipe
+
+
+# Every rank of one torchrun launch runs this with the caller's own gloo group: the average, the TIES merge, then
+# the merge again with rank 1's TIES raising (every rank must name it, nothing published), then its rerun.
+DRIVER = """
+import json, os, sys
+import torch.distributed as dist
+from restorekit import average
+from restorekit._merging import METHODS, merge
+from restorekit.errors import RankFailedError
+
+work, shard, recipe = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+average(recipe["sources"], os.path.join(work, "avg-two"), max_shard_size=shard, distributed=True)
+del recipe["sources"]
+ties = type(METHODS["ties"])
+original, merged = ties.merge, []
+
+def counted(self, tensors, base, params):
+    merged.append(params.name)
+    return original(self, tensors, base, params)
+
+ties.merge = counted
+merge(recipe, os.path.join(work, "ties-two"), max_shard_size=shard, distributed=True)
+mine = list(merged)
+if rank == 1:
+    def failing(self, tensors, base, params):
+        raise RuntimeError("injected while merging " + params.name)
+    ties.merge = failing
+try:
+    merge(recipe, os.path.join(work, "failed"), max_shard_size=shard, distributed=True)
+    failure = None
+except RankFailedError as e:
+    failure = {"rank": e.rank, "message": str(e), "published": sorted(os.listdir(os.path.join(work, "failed")))
+               if os.path.isdir(os.path.join(work, "failed")) else []}
+ties.merge = original
+dist.barrier()
+with open(os.path.join(work, f"rank{rank}.json"), "w") as f:
+    json.dump({"merged": mine, "failure": failure}, f)
+merge(recipe, os.path.join(work, "failed"), max_shard_size=shard, distributed=True)
+dist.destroy_process_group()
+"""
+
+
+def test_distributed_average_and_merge_refuse_an_output_that_is_not_sharded_safetensors(models, tmp_path):
+    paths, recipe = models
+    with pytest.raises(OptionNotApplicableError, match="distributed"):
+        average(paths, tmp_path / "mean.safetensors", distributed=True)
+    with pytest.raises(OptionNotApplicableError, match="distributed"):
+        interpolate(paths[0], paths[1], 0.5, tmp_path / "tf" / "model.ckpt", distributed=True)
+    with pytest.raises(OptionNotApplicableError, match="distributed"):
+        merge(recipe, tmp_path / "merged.npz", distributed=True)
+    assert sorted(os.listdir(tmp_path)) == ["m0", "m1", "m2", "tf0", "tf1", "tf2"]
+
+
+@requires_torch
+def test_two_ranks_average_and_ties_merge_to_the_bytes_one_process_writes_and_a_raising_rank_is_named(models,
+                                                                                                      tmp_path):
+    paths, recipe = models
+    average(paths, tmp_path / "avg-one", max_shard_size=MERGE_SHARD)
+    merge(recipe, tmp_path / "ties-one", max_shard_size=MERGE_SHARD)
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(_port()), str(driver), str(tmp_path), str(MERGE_SHARD),
+                          json.dumps({**recipe, "sources": paths})], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one = _files(tmp_path / "avg-one")
+    assert len(one) == 5 and _files(tmp_path / "avg-two") == one
+    assert _files(tmp_path / "ties-two") == _files(tmp_path / "ties-one")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    merged = [report["merged"] for report in reports]
+    assert all(merged)  # the work is split: each rank merges its own shards' tensors
+    assert sorted(merged[0] + merged[1]) == sorted(n for n in load_names(paths[0]) if n != "global_step")
+    for failure in (report["failure"] for report in reports):
+        assert failure["rank"] == 1 and "rank 1 failed" in failure["message"], failure
+        assert "injected while merging" in failure["message"] and "nothing was published" in failure["message"]
+        assert [n for n in failure["published"] if not n.startswith(".")] == []
+    assert _files(tmp_path / "failed") == _files(tmp_path / "ties-one")  # the rerun: no leftovers
+
+
+def test_the_cli_refuses_distributed_average_and_merge_of_an_unsharded_output(models, tmp_path, capsys):
+    from restorekit.cli import main
+
+    paths, recipe = models
+    (tmp_path / "ties.yml").write_text(json.dumps(recipe))  # JSON is YAML
+    assert main(["average", *paths, str(tmp_path / "mean.npz"), "--distributed"]) != 0
+    assert main(["merge", str(tmp_path / "ties.yml"), str(tmp_path / "merged.safetensors"), "--distributed"]) != 0
+    assert capsys.readouterr().err.count("distributed") >= 2
+    assert not os.path.exists(tmp_path / "mean.npz") and not os.path.exists(tmp_path / "merged.safetensors")
+
+
+@requires_torch
+@pytest.mark.slow
+def test_the_cli_under_a_launcher_averages_and_dare_ties_merges_across_two_ranks_as_one_process(models, tmp_path):
+    paths, recipe = models
+    recipe = {**recipe, "merge_method": "dare_ties"}  # random drop masks: seeded per (seed, name, model)
+    (tmp_path / "dare.yml").write_text(json.dumps(recipe))
+    average(paths, tmp_path / "avg-one", weights=[1, 2, 3], max_shard_size=MERGE_SHARD)
+    merge(recipe, tmp_path / "dare-one", max_shard_size=MERGE_SHARD, seed=5)
+    args = ["average", *paths, str(tmp_path / "avg-two"), "--weights", "1", "2", "3", "--max-shard-size",
+            str(MERGE_SHARD), "-q"]
+    assert [code for code, _ in _wait(_ranks(args))] == [0, 0]
+    args = ["merge", str(tmp_path / "dare.yml"), str(tmp_path / "dare-two"), "--max-shard-size", str(MERGE_SHARD),
+            "--seed", "5", "-q"]
+    assert [code for code, _ in _wait(_ranks(args))] == [0, 0]
+    assert _files(tmp_path / "avg-two") == _files(tmp_path / "avg-one")
+    assert _files(tmp_path / "dare-two") == _files(tmp_path / "dare-one")

@@ -19,9 +19,9 @@ import os
 import socket
 import time
 
-from restorekit.errors import MissingDependencyError, RankFailedError, RestoreKitError
+from restorekit.errors import MissingDependencyError, OptionNotApplicableError, RankFailedError, RestoreKitError
 
-__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "launched_size"]
+__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "launched_size"]
 
 # Seconds a collective waits for the other ranks when restorekit starts the group itself (the
 # CLI under torchrun or srun); a group the caller started keeps the timeout it was given.
@@ -39,6 +39,27 @@ def assign(nbytes: list[int], size: int) -> list[int]:
         owner[i] = rank
         load[rank] += nbytes[i]
     return owner
+
+
+def distribute(out, work, *, to: str, sharded: bool):
+    """``work(ranks)`` across the ranks of the process group (``Ranks.join``), else ``work(None)`` in a group of one:
+    what ``distributed=True`` means for every command that takes it (``convert``, ``average``, ``merge``).
+
+    Only a safetensors shard set can be split: for any other output (``to``, ``sharded`` False) the option is
+    refused before the group is joined or anything is written.
+
+    Raises:
+        OptionNotApplicableError: the output is not a safetensors shard set.
+        MissingDependencyError: torch is not installed.
+        RankFailedError: a rank failed or was killed (it is named); nothing was published.
+    """
+    if to != "safetensors" or not sharded:
+        raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
+                                       ("safetensors with max_shard_size",), value=True)
+    ranks = Ranks.join(output=out)
+    if ranks is None:
+        return work(None)
+    return ranks.run(lambda: work(ranks))
 
 
 def _launch_env() -> tuple[int, int] | None:

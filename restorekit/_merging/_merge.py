@@ -93,7 +93,8 @@ def _resolve(recipe: MergeRecipe, names, seed: int) -> dict:
 
 def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, intersection: bool = False,
           mismatch: str = "error",
-          max_shard_size=None, seed: int = 0, overwrite: bool = False, progress: bool = False) -> MergeResult:
+          max_shard_size=None, seed: int = 0, overwrite: bool = False, progress: bool = False,
+          distributed: bool = False) -> MergeResult:
     """Merge models as a mergekit recipe says, streamed: each output tensor from one tensor of each source.
 
     Methods: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``, ``slerp``
@@ -124,6 +125,10 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
         seed: seeds DARE's drop masks (with each tensor's name and model index).
         overwrite: replace an existing output.
         progress: a progress bar on stderr (when it is a terminal).
+        distributed: merge across the ranks of a torch.distributed process group, as
+            ``convert(distributed=True)``: a safetensors shard set only; each rank merges the tensors of
+            its own shards (DARE's masks depend on the seed, the name and the model only, so the ranks
+            agree), rank 0 publishes them in one commit, byte-identical to one process's output.
 
     Returns:
         A MergeResult.
@@ -135,6 +140,8 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
         NoMatchError: an include/exclude pattern matches no entry.
         CheckpointNotFoundError: a model path or the recipe file is missing.
         OutputExistsError: the output exists (without ``overwrite``) or is a source.
+        OptionNotApplicableError: ``distributed`` for an output that is not a safetensors shard set.
+        RankFailedError: with ``distributed``, a rank failed or was killed (it is named); nothing was published.
 
     Nothing is written when any of these is raised.
     """
@@ -144,6 +151,15 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise InvalidArgumentError(f"seed is an integer, got {seed!r}")
     _check_required(recipe)
+    options = dict(to=to, include=include, exclude=exclude, intersection=intersection, mismatch=mismatch,
+                   max_shard_size=max_shard_size, seed=int(seed), overwrite=overwrite, progress=progress)
+    return pipeline.across_ranks(out, to, recipe.sources[recipe.base_index or 0],
+                                 lambda ranks: _merge(recipe, out, ranks, **options),
+                                 max_shard_size=max_shard_size, distributed=distributed)
+
+
+def _merge(recipe: MergeRecipe, out, ranks, *, to, include, exclude, intersection: bool, mismatch: str,
+           max_shard_size, seed: int, overwrite: bool, progress: bool) -> MergeResult:
     method = METHODS[recipe.merge_method]
     srcs = [pipeline.open_source(p) for p in recipe.sources]
     base = recipe.base_index
@@ -151,7 +167,7 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
                              overwrite=overwrite)
     plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
                          mismatch=mismatch, dtype=recipe.dtype, what="merge")
-    params = _resolve(recipe, plan.merged, int(seed))
+    params = _resolve(recipe, plan.merged, seed)
 
     def merged(name: str) -> np.ndarray:
         p = params[name]
@@ -160,11 +176,11 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
             for src, w in zip(srcs, p.weight):
                 Linear.add(acc, src.ckpt.read(name), w)  # one source's tensor at a time
             return Linear.finish(acc, p.weight)
+        assert base is not None  # every method but linear needs a base model: load_recipe refused a recipe without
         tensors = [_as_float64(s.ckpt.read(name)) for i, s in enumerate(srcs) if i != base]
         return method.merge(tensors, _as_float64(srcs[base].ckpt.read(name)), p)
 
-    result = pipeline.write(plan, merged, progress=progress)
-    del result
+    pipeline.write(plan, merged, progress=progress, ranks=ranks)
     return MergeResult(target.path, target.format, recipe.merge_method,
                        recipe.sources, recipe.base_model, plan.merged, tuple(plan.chosen), tuple(plan.taken),
                        srcs[0].dropped, tuple(plan.skipped), plan.nbytes)

@@ -21,11 +21,12 @@ from restorekit._registry import Source
 from restorekit._names import PatternSet
 from restorekit._report import format_shape
 
-__all__ = ["FLOAT_DTYPES", "MISMATCH", "Output", "Plan", "open_source", "plan", "write"]
+__all__ = ["FLOAT_DTYPES", "MISMATCH", "Output", "Plan", "across_ranks", "open_source", "plan", "write"]
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 MISMATCH = ("error", "first", "last")
 HF_CONFIG = "config.json"
+_PLACEHOLDER = np.empty(0, dtype=np.uint8)  # a tensor of another rank's shard (``_shards.write`` passes it over)
 
 
 @dataclass
@@ -167,10 +168,36 @@ def base_name(src: Input) -> str:
     return os.path.splitext(os.path.basename(os.path.normpath(src.path)))[0] or "model"
 
 
-def _hf_config(src: Input) -> str | None:
+def _hf_config(source) -> str | None:
     """The path of a Hugging Face directory's config.json, or None."""
-    path = os.path.join(src.path, HF_CONFIG)
-    return path if os.path.isdir(src.path) and os.path.isfile(path) else None
+    path = os.path.join(os.fspath(source), HF_CONFIG)
+    return path if os.path.isdir(source) and os.path.isfile(path) else None
+
+
+def output_format(out, to, reference, *, max_shard_size=None, hf_directory: bool = True) -> tuple[str, bool]:
+    """(format, whether it is a safetensors shard set) of the output, from the names alone (``reference`` is the
+    path of the source whose config.json an extension-less output takes): decided before any source is opened."""
+    from restorekit.formats import _sinks as formats
+    from restorekit.export._targets import target_format
+
+    fmt = target_format(os.fspath(out), to)
+    config = _hf_config(reference) if hf_directory else None
+    sharded_dir = to is None and fmt == formats.TF and (max_shard_size is not None or config is not None)
+    if sharded_dir or (fmt == "safetensors" and max_shard_size is not None):
+        return "safetensors", True
+    return fmt, False
+
+
+def across_ranks(out, to, reference, work, *, max_shard_size=None, hf_directory: bool = True,
+                 distributed: bool = False):
+    """``work(ranks)``: with ``distributed``, across the ranks of the process group as ``convert(distributed=True)``
+    runs (``_bundle.ranks.distribute``: a safetensors shard set only); else ``work(None)``."""
+    if not distributed:
+        return work(None)
+    from restorekit._bundle.ranks import distribute
+
+    fmt, sharded = output_format(out, to, reference, max_shard_size=max_shard_size, hf_directory=hf_directory)
+    return distribute(os.fspath(out), work, to=fmt, sharded=sharded)
 
 
 def output(out, to, srcs: list, *, reference: int = 0, max_shard_size=None, dtype: str | None = None,
@@ -181,16 +208,15 @@ def output(out, to, srcs: list, *, reference: int = 0, max_shard_size=None, dtyp
     from restorekit._bundle.files import check_parent, output_prefix
     from restorekit.formats import _sinks as formats
     from restorekit.export._outputs import check_output
-    from restorekit.export._targets import target_format
     from restorekit.formats.safetensors import _shards as sharded
 
     out = os.fspath(out)
-    fmt = target_format(out, to)
-    config = _hf_config(srcs[reference]) if hf_directory else None
-    sharded_dir = to is None and fmt == formats.TF and (max_shard_size is not None or config is not None)
+    fmt, shards = output_format(out, to, srcs[reference].path, max_shard_size=max_shard_size,
+                                hf_directory=hf_directory)
+    config = _hf_config(srcs[reference].path) if hf_directory else None
     if max_shard_size is not None and fmt not in (formats.TF, "safetensors"):
         raise InvalidArgumentError(f"max_shard_size applies to safetensors output, not {fmt}")
-    if sharded_dir or (fmt == "safetensors" and max_shard_size is not None):
+    if shards:
         shard = sharded.parse_size(max_shard_size if max_shard_size is not None else "5GB")
         directory = os.path.realpath(sharded.output_files(out, 1)[0])
         if any(os.path.realpath(os.path.dirname(f)) == directory for s in srcs for f in s.files):
@@ -257,19 +283,29 @@ def numpy_dtype(dtype: str):
     return np.dtype(dtype)
 
 
-def write(p: Plan, merged, *, progress: bool = False):
+def write(p: Plan, merged, *, progress: bool = False, ranks=None):
     """Write the plan: ``merged(name)`` gives each float tensor (float64 or stored dtype), cast to its output dtype;
-    non-float entries are copied from their chosen source. One commit through the format's writer."""
+    non-float entries are copied from their chosen source. One commit through the format's writer.
+
+    With ``ranks`` (a safetensors shard set), ``merged`` is asked only for the tensors of this rank's shards: the
+    others pass as unread placeholders, and the shard set's writer publishes every rank's shards in one commit."""
     from restorekit.formats import _sinks as formats
+    from restorekit.formats.safetensors import _shards as sharded
     from restorekit.formats.tf._writer import write_tf
     from restorekit.export._options import OBJECT_GRAPH_KEY
 
     graph = object_graph_kept(p.srcs[0], p.names) if p.out.format == formats.TF else None
+    entries = p.srcs[0].ckpt.entries
+    sizes = [(n, tuple(entries[n].shape), entries[n].nbytes * _itemsize(p.dtypes[n])
+              // max(1, _itemsize(entries[n].dtype))) for n in p.names if entries[n].dtype != "string"]
+    only = sharded.rank_names(sizes, p.out.max_shard_size, ranks) if p.out.max_shard_size is not None else None
 
     def tensors():
         for name in p.names:
             dtype = p.dtypes[name]
-            if name in p.chosen:
+            if only is not None and name not in only and entries[name].dtype != "string":
+                yield name, _PLACEHOLDER, dtype  # another rank's shard: neither read nor merged here
+            elif name in p.chosen:
                 yield name, p.srcs[p.chosen[name]].ckpt.read(name), dtype
             else:
                 value = merged(name)
@@ -281,15 +317,10 @@ def write(p: Plan, merged, *, progress: bool = False):
     if p.out.format == formats.TF:
         return write_tf(p.out.path, tensors(), total=p.nbytes, progress=progress)
     if p.out.max_shard_size is not None:
-        from restorekit.formats.safetensors import _shards as sharded
-
-        entries = p.srcs[0].ckpt.entries
-        sizes = [(n, tuple(entries[n].shape), entries[n].nbytes * _itemsize(p.dtypes[n])
-                  // max(1, _itemsize(entries[n].dtype))) for n in p.names if entries[n].dtype != "string"]
         texts = None
         if p.out.config is not None:
             directory = sharded.output_files(p.out.path, 1)[0]
             texts = {os.path.join(directory, HF_CONFIG): p.out.config}
         return sharded.write(p.out.path, tensors(), sizes=sizes, max_shard_size=p.out.max_shard_size,
-                             overwrite=p.out.overwrite, progress=progress, texts=texts)
+                             overwrite=p.out.overwrite, progress=progress, texts=texts, ranks=ranks)
     return formats.module(p.out.format).write(p.out.path, tensors(), progress=progress)

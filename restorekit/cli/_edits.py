@@ -153,6 +153,10 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
                    help="refuse a .pt/.npz source whose tensors expand past N bytes "
                         "(default: the larger of 1 GiB and 64x the file)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _distributed_option(p)
+
+
+def _distributed_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
                    help="write the safetensors shards across the ranks of a torch.distributed gloo group "
                         "(default: on when torchrun or srun started several ranks; docs/cluster.md)")
@@ -182,7 +186,7 @@ def _ema_arg(args):
 def _convert(args) -> int:
     from restorekit.export import convert
 
-    max_shard_size = int(args.max_shard_size) if args.max_shard_size and args.max_shard_size.isdigit() else args.max_shard_size
+    max_shard_size = _size_arg(args.max_shard_size)
     with reworded_exists_error(args.out):
         result = convert(args.src, args.out, to=args.to, layout=args.layout, rules=args.rules,
                          weights_only=args.weights_only, ema=_ema_arg(args), max_shard_size=max_shard_size,
@@ -192,6 +196,11 @@ def _convert(args) -> int:
     if not _quiet(args) and _first_rank():
         print(result)
     return EXIT_OK
+
+
+def _size_arg(value):
+    """--max-shard-size: bytes as an int, else the string ('5GB') for parse_size."""
+    return int(value) if value and value.isdigit() else value
 
 
 def _distributed_arg(args) -> bool:
@@ -225,7 +234,11 @@ def _average_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mismatch", choices=["error", "first", "last"], default="error",
                    help="integer, boolean or string entries that differ: fail (default) or take one source's")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="the largest shard (5GB, 500MiB, bytes): Hugging Face-style safetensors shards plus an index "
+                        "(OUT is then a directory)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _distributed_option(p)
 
 
 @register("average", help="write the (weighted) mean of several checkpoints, tensor by tensor",
@@ -239,8 +252,9 @@ def _average(args) -> int:
     with reworded_exists_error(out):
         result = average(sources, out, weights=args.weights, include=args.include, exclude=args.exclude,
                          weights_only=not args.keep_optimizer, intersection=args.intersection,
-                         mismatch=args.mismatch, to=args.to, overwrite=args.overwrite, progress=not _quiet(args))
-    if not _quiet(args):
+                         mismatch=args.mismatch, to=args.to, max_shard_size=_size_arg(args.max_shard_size),
+                         overwrite=args.overwrite, progress=not _quiet(args), distributed=_distributed_arg(args))
+    if not _quiet(args) and _first_rank():
         print(result)
     return EXIT_OK
 
@@ -263,6 +277,7 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", metavar="SIZE", help="the largest safetensors shard, e.g. 5GB (a directory output)")
     p.add_argument("--seed", type=int, default=0, help="seed of DARE's drop masks (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _distributed_option(p)
 
 
 @register("merge", help="merge models as a mergekit recipe says (linear, task_arithmetic, ties, dare_linear, "
@@ -272,8 +287,9 @@ def _merge(args) -> int:
 
     with reworded_exists_error(args.out):
         result = merge(args.recipe, args.out, to=args.to, include=args.include, exclude=args.exclude,
-                       intersection=args.intersection, mismatch=args.mismatch, max_shard_size=args.max_shard_size, seed=args.seed,
-                       overwrite=args.overwrite, progress=not _quiet(args))
-    if not _quiet(args):
+                       intersection=args.intersection, mismatch=args.mismatch,
+                       max_shard_size=_size_arg(args.max_shard_size), seed=args.seed, overwrite=args.overwrite,
+                       progress=not _quiet(args), distributed=_distributed_arg(args))
+    if not _quiet(args) and _first_rank():
         print(result)
     return EXIT_OK

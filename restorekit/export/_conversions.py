@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from restorekit._bundle.files import check_parent, output_prefix
-from restorekit.errors import InvalidArgumentError, OptionNotApplicableError
+from restorekit.errors import InvalidArgumentError
 from restorekit.export import _from_checkpoint as from_checkpoint, _from_files as from_files, _keras as keras
 from restorekit.formats import _sinks as formats
 from restorekit.formats._sink import ExportResult
@@ -301,16 +301,12 @@ def convert(src, out, *, to: str | None = None, layout: str | None = None, rules
     options = request(layout, rules, weights_only, ema, max_shard_size, config, num_shards, model, flatten_channels)
     out = os.fspath(out)
     if distributed:
-        from restorekit._bundle.ranks import Ranks
+        from restorekit._bundle.ranks import distribute
 
         to = _target(out, to, options)
-        if to != "safetensors" or options.max_shard_size is None:
-            raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
-                                           ("safetensors with max_shard_size",), value=True)
-        ranks = Ranks.join(output=out)
-        if ranks is not None:
-            return ranks.run(lambda: _convert(src, out, to, options, overwrite=overwrite, progress=progress,
-                                              max_output_bytes=max_output_bytes, ranks=ranks))
+        return distribute(out, lambda ranks: _convert(src, out, to, options, overwrite=overwrite, progress=progress,
+                                                      max_output_bytes=max_output_bytes, ranks=ranks),
+                          to=to, sharded=options.max_shard_size is not None)
     return _convert(src, out, to, options, overwrite=overwrite, progress=progress, max_output_bytes=max_output_bytes)
 
 
