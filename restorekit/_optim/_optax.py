@@ -35,7 +35,7 @@ __all__ = ["OptaxPlan", "is_optax_optimizer", "load", "read", "with_optax_optimi
 # How far ahead the Adam epsilon drift is measured (as for torch.optim).
 AHEAD = 100
 _RATE = ("scale", "scale_by_learning_rate", "scale_by_schedule")
-_STATES = {"adam": {"mu": ("ScaleByAdamState", "mu"), "nu": ("ScaleByAdamState", "nu")},
+_STATES: dict[str, dict[str, tuple]] = {"adam": {"mu": ("ScaleByAdamState", "mu"), "nu": ("ScaleByAdamState", "nu")},
            "sgd": {"trace": ("TraceState", "trace")},
            "rmsprop": {"nu": (("ScaleByRmsState", "ScaleByRStdDevState"), "nu"), "mu": ("ScaleByRStdDevState", "mu"),
                        "trace": ("TraceState", "trace")}}
@@ -111,7 +111,8 @@ def _state_leaves(optimizer, kind: str) -> dict:
         by_type.setdefault(type(s).__name__, s)
     leaves: dict = {}
     for what, (types, attr) in _STATES[kind].items():
-        state = next((by_type[t] for t in ((types,) if isinstance(types, str) else types) if t in by_type), None)
+        names = (types,) if isinstance(types, str) else types
+        state = next((by_type[t] for t in names if t in by_type), None)
         if state is None:
             continue
         for path, leaf in nnx.to_flat_state(getattr(state, attr)):
@@ -160,6 +161,8 @@ def with_optax_optimizer(report, variables, optimizer):
     for name in order:
         why = why_reset(name, status, matched, state)
         found: Any = None
+        slots: dict | None = None
+        written: dict | None = None
         if why is None:
             slots, found = slot_reader(source, checkpoint, matched[name], state, wanted)
             why = found if slots is None else None
@@ -178,7 +181,7 @@ def with_optax_optimizer(report, variables, optimizer):
         if kind == "adam" and steps is not None:
             roots.append(float(np.median(np.sqrt(values["v"] / (1 - adam.get("b2", 0.999) ** (steps + 1))))))
         plan.carries.append((name, lambda found=found, have=set(leaves[name]): _to_optax(kind, found(), have)))
-        carried.append(OptimizerRecord(name, tuple(slots.values()), tuple(written) + (("count",) if kind == "adam" else ())))
+        carried.append(OptimizerRecord(name, tuple((slots or {}).values()), tuple(written or {}) + (("count",) if kind == "adam" else ())))
     settings, differences = _notes(kind, params, state, steps, roots, reset, lr)
     label = f"nnx.Optimizer(optax.{'adamw' if 'add_decayed_weights' in params else kind})"
     section = OptimizerSection(label, source_label(state, wanted), steps, step_from, tuple(carried), tuple(reset),
