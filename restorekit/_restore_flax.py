@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from restorekit._array_values import matched_values
+from restorekit._optim import _optax as optimizer_optax
 from restorekit.errors import IncompleteRestoreError, InvalidArgumentError, MissingDependencyError
 from restorekit._flax_target import is_flax_variable
 from restorekit._report import live_handles, nothing_matched
@@ -65,9 +66,11 @@ def restore(report, *, strict: bool = False):
         raise nothing_matched(report)
     names = {id(h): name for name, h in handles.items()}
     arrays = [(v, _placed(jax, v, value, names[id(v)])) for v, value in matched_values(report, handles, _current)]
+    optimizer_state = optimizer_optax.read(report._optimizer)  # scan(..., optimizer=): read before any set
     for variable, array in arrays:  # nothing above wrote; from here nothing can fail on a value
         if hasattr(variable, "set_value"):
             variable.set_value(array)
         else:
             variable.value = array
+    optimizer_optax.load(report._optimizer, optimizer_state)
     return report

@@ -1,6 +1,6 @@
 """The TensorFlow side of tests/test_optimizer_state.py: TF1 runs that stop, save, and continue.
 
-Run as a script in its own process (``python tests/tf1_optimizer_runs.py OUT``), so the torch
+Run as a script in its own process (``python tests/tf1_optimizer_runs.py OUT [RUN ...]``, every run by default), so the torch
 side of the test restores into ``torch.optim`` and compares with TensorFlow's own numbers
 without sharing a process with TensorFlow's graph mode. For every optimizer in ``RUNS``: a tiny
 net (Dense 8 -> 16, relu, Dense 16 -> 3, softmax cross-entropy) trained ``BEFORE`` steps on fixed
@@ -74,12 +74,12 @@ def run(name: str, out: str) -> list:
     return losses
 
 
-def main(out: str) -> None:
+def main(out: str, names: list) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    losses = {name: run(name, out) for name in RUNS}
+    losses = {name: run(name, out) for name in names}
     with open(os.path.join(out, "losses.json"), "w") as f:
         json.dump(losses, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] or list(RUNS))

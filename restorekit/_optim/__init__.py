@@ -5,5 +5,6 @@ saved variables, in TF1's terms; ``_common`` answers what every target asks (eac
 status, the step count, a weight's slots through its record's view); ``_convert`` turns them
 into ``torch.optim`` state (pure numpy; the table of semantics is its docstring); ``_plan``
 builds the report's optimizer section for ``torch.optim`` (``_torch`` writes it at restore)
-and hands a Keras 3 optimizer to ``_keras``, which plans and assigns on any backend.
+hands a Keras 3 optimizer to ``_keras``, which plans and assigns on any backend, and an ``nnx.Optimizer``
+to ``_optax``, which reads its optax chain by name and sets its state after the weights.
 """

@@ -18,6 +18,7 @@ import numpy as np
 from restorekit._optim import _convert as convert
 from restorekit._optim._common import slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
 from restorekit._optim._keras import is_keras_optimizer, with_keras_optimizer
+from restorekit._optim._optax import is_optax_optimizer, with_optax_optimizer
 from restorekit._optim._tf1 import TF1_KINDS
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit._torch_target import is_torch_module, module_items
@@ -58,7 +59,7 @@ def _target_kind(optimizer) -> str:
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     raise InvalidArgumentError(
         f"optimizer= takes a torch.optim Adam, AdamW, SGD, RMSprop or Adagrad (or a Keras 3 Adam, AdamW, SGD or "
-        f"RMSprop); {name} is not supported yet "
+        f"RMSprop, or an nnx.Optimizer wrapping optax.adam, adamw, sgd or rmsprop); {name} is not supported yet "
         f"(its state would not be carried): scan without optimizer= for a warm start")
 
 
@@ -95,6 +96,8 @@ def with_optimizer(report, variables, optimizer):
         return report
     if is_keras_optimizer(optimizer):
         return with_keras_optimizer(report, variables, optimizer)
+    if is_optax_optimizer(optimizer):
+        return with_optax_optimizer(report, variables, optimizer)
     kind = _target_kind(optimizer)
     if report.sources or not is_torch_module(variables):
         raise InvalidArgumentError("optimizer= carries TF1 optimizer state into the torch.optim optimizer of one "
