@@ -99,6 +99,7 @@ def test_torchrun_two_ranks_write_the_bytes_one_process_writes(source, tmp_path)
 
 
 @requires_torch
+@pytest.mark.slow  # the torchrun case above keeps two ranks in the fast set
 def test_two_ranks_convert_a_safetensors_shard_set_to_the_bytes_one_process_writes(source, tmp_path):
     convert(source, tmp_path / "set", max_shard_size=3 * SHARD)
     convert(tmp_path / "set", tmp_path / "one", max_shard_size=SHARD)
@@ -108,7 +109,7 @@ def test_two_ranks_convert_a_safetensors_shard_set_to_the_bytes_one_process_writ
 
 
 @requires_torch
-@pytest.mark.parametrize("rank, point", [(1, "shard-3-staged"), (0, "index-json-written"),
+@pytest.mark.parametrize("rank, point", [(1, "shard-3-staged"), pytest.param(0, "index-json-written", marks=pytest.mark.slow),
                                          pytest.param(1, "rank-shards-staged", marks=pytest.mark.slow)],
                          ids=["rank 1 raises writing a shard", "rank 0 raises after the index",
                               "rank 1 raises after its shards"])

@@ -20,7 +20,6 @@ from keras_optimizer_runs import CASES, CONTROLS, ORACLE, resume
 from test_backends import BLOCKER, _missing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BACKENDS = ["jax", "torch"]
 
 
 def _relative(got, want) -> float:
@@ -46,7 +45,8 @@ def runs(tmp_path_factory):
 _RESUMED: dict = {}
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+# Keras on torch runs in the slow set (CI runs both): one backend process in the fast set keeps it under 10 minutes.
+@pytest.fixture(scope="module", params=["jax", pytest.param("torch", marks=pytest.mark.slow)])
 def resumed(request, runs):
     """Every case resumed by Keras 3 on one backend, in its own process with TensorFlow blocked."""
     backend = request.param
