@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from restorekit._optim import _convert as convert
 from restorekit._optim._keras_state import is_keras_optimizer, keras_state
-from restorekit._optim._tf1 import TF1State, tf1_state
+from restorekit._optim._tf1 import TF1_KINDS, TF1State, tf1_state
 from restorekit._policies import CAST
 from restorekit._report import OptimizerNote, format_shape, policy_of
 from restorekit.errors import InvalidArgumentError
 
-__all__ = ["source_state", "steps_of", "weight_status", "why_reset"]
+__all__ = ["held_kinds", "source_state", "steps_of", "weight_status", "why_reset"]
 
 
 def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> TF1State:
@@ -148,3 +148,26 @@ def entry_key(checkpoint, name: str) -> str:
     readable = getattr(checkpoint, "readable_name", None)
     found = [key for key in checkpoint.entries if readable is not None and readable(key) == name]
     return found[0] if len(found) == 1 else name
+
+
+def held_kinds(state, wanted: str, *, into: str, target: str, choices: dict) -> list:
+    """The TF1 slot kinds the checkpoint holds, after refusing state no target can take: optimizer
+    state that is not TF1 slots (nor a Keras 3 optimizer's variables read as them), or slots of
+    another optimizer than ``target`` (``'torch.optim.SGD'``) takes (``wanted``: 'Momentum').
+
+    ``into`` names the target family in the message ('torch.optim', 'Keras', 'optax');
+    ``choices`` maps each optimizer of that family to the TF1 kind it takes.
+    """
+    others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
+    if others:
+        raise InvalidArgumentError(
+            f"the checkpoint's optimizer state ({', '.join(f'{k} ({n})' for k, n in others.items())}) is neither TF1 "
+            f"slots nor a Keras 3 optimizer's variables; carrying it into {into} is not supported yet: scan without "
+            f"optimizer= for a warm start")
+    held = sorted(k for k in state.kinds if k in TF1_KINDS)
+    if held and wanted not in held:
+        takes = ", ".join(k for k, v in choices.items() if v in held) or f"no optimizer of {into}"
+        raise InvalidArgumentError(
+            f"the checkpoint holds {' and '.join(held)} slots; {target} takes {wanted} state. Pass the optimizer the "
+            f"source run used ({takes}), or scan without optimizer= for a warm start with fresh optimizer state")
+    return held

@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from restorekit._optim._common import slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
-from restorekit._optim._tf1 import TF1_KINDS
+from restorekit._optim._common import held_kinds, slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit.errors import InvalidArgumentError
 
@@ -86,18 +85,7 @@ def _trainable(variables, optimizer) -> list:
 
 
 def _check(optimizer, kind: str, wanted: str, state) -> None:
-    others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
-    if others:
-        raise InvalidArgumentError(
-            f"the checkpoint's optimizer state ({', '.join(f'{k} ({n})' for k, n in others.items())}) is neither TF1 "
-            f"slots nor a Keras 3 optimizer's variables; carrying it into Keras is not supported yet: scan without "
-            f"optimizer= for a warm start")
-    held = sorted(k for k in state.kinds if k in TF1_KINDS)
-    if held and wanted not in held:
-        raise InvalidArgumentError(
-            f"the checkpoint holds {' and '.join(held)} slots; keras.optimizers.{kind} takes {wanted} state. Pass the "
-            f"optimizer the source run used ({', '.join(k for k, v in TARGETS.items() if v in held)}), or scan "
-            f"without optimizer= for a warm start with fresh optimizer state")
+    held = held_kinds(state, wanted, into="Keras", target=f"keras.optimizers.{kind}", choices=TARGETS)
     if kind == "SGD" and held and not optimizer.momentum:
         raise InvalidArgumentError("the checkpoint holds Momentum slots; keras.optimizers.SGD(momentum=0) keeps no "
                                    "momentum to carry them: pass the source run's momentum")

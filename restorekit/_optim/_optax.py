@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 
 from restorekit._flax_target import module_variables, variable_name
-from restorekit._optim._common import slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
-from restorekit._optim._tf1 import TF1_KINDS
+from restorekit._optim._common import held_kinds, slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit.errors import InvalidArgumentError
 
@@ -190,18 +189,8 @@ def with_optax_optimizer(report, variables, optimizer):
 
 
 def _check(kind: str, wanted: str, state, momentum: bool, centered: bool) -> None:
-    others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
-    if others:
-        raise InvalidArgumentError(
-            f"the checkpoint's optimizer state ({', '.join(f'{k} ({n})' for k, n in others.items())}) is neither TF1 "
-            f"slots nor a Keras 3 optimizer's variables; carrying it into optax is not supported yet: scan without "
-            f"optimizer= for a warm start")
-    held = sorted(k for k in state.kinds if k in TF1_KINDS)
-    if held and wanted not in held:
-        takes = ", ".join(f"optax.{k}" for k, v in WANTED.items() if v in held) or "none of optax.adam, sgd, rmsprop"
-        raise InvalidArgumentError(
-            f"the checkpoint holds {' and '.join(held)} slots; optax.{kind} takes {wanted} state. Pass the optimizer "
-            f"the source run used ({takes}), or scan without optimizer= for a warm start with fresh optimizer state")
+    held = held_kinds(state, wanted, into="optax", target=f"optax.{kind}",
+                      choices={f"optax.{k}": v for k, v in WANTED.items()})
     if kind == "sgd" and held and not momentum:
         raise InvalidArgumentError("the checkpoint holds Momentum slots; optax.sgd(momentum=None) keeps no trace to "
                                    "carry them: pass the source run's momentum")

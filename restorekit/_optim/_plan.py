@@ -16,10 +16,9 @@ from typing import Callable
 import numpy as np
 
 from restorekit._optim import _convert as convert
-from restorekit._optim._common import slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
+from restorekit._optim._common import held_kinds, slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
 from restorekit._optim._keras import is_keras_optimizer, with_keras_optimizer
 from restorekit._optim._optax import is_optax_optimizer, with_optax_optimizer
-from restorekit._optim._tf1 import TF1_KINDS
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit._torch_target import is_torch_module, module_items
 from restorekit.errors import InvalidArgumentError
@@ -63,22 +62,6 @@ def _target_kind(optimizer) -> str:
         f"(its state would not be carried): scan without optimizer= for a warm start")
 
 
-def _check_kinds(state, wanted: str, kind: str) -> None:
-    """The checkpoint's optimizer state must be TF1 slots of the optimizer ``kind`` takes (or none at all)."""
-    others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
-    if others:
-        raise InvalidArgumentError(
-            f"the checkpoint's optimizer state ({', '.join(f'{k} ({n})' for k, n in others.items())}) is not "
-            f"TF1 slots; carrying it into torch.optim is not supported yet (TF1 Adam, Momentum, RMSProp, Adagrad "
-            f"are): scan without optimizer= for a warm start")
-    held = sorted(k for k in state.kinds if k in TF1_KINDS)
-    if held and wanted not in held:
-        raise InvalidArgumentError(
-            f"the checkpoint holds {' and '.join(held)} slots; torch.optim.{kind} takes {wanted} (TF1) state. "
-            f"Pass the optimizer the TF run used ({', '.join(k for k, v in TARGETS.items() if v in held)}), or "
-            f"scan without optimizer= for a warm start with fresh optimizer state")
-
-
 def _params(optimizer) -> list:
     """``(group index, parameter)`` for every parameter of ``optimizer``, in its state_dict order."""
     return [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
@@ -110,7 +93,7 @@ def with_optimizer(report, variables, optimizer):
     state = source_state(checkpoint, wanted, momentum=any(g.get("momentum", 0) for g in groups),
                          centered=any(g.get("centered") for g in groups),
                          order=lambda: trained_keys(report, checkpoint, [names.get(id(p)) for _, p in _params(optimizer)]))
-    _check_kinds(state, wanted, kind)
+    held_kinds(state, wanted, into="torch.optim", target=f"torch.optim.{kind}", choices=TARGETS)
     plan = OptimizerPlan(optimizer, kind)
     notes: list = []
     if not state.kinds:
