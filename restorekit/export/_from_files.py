@@ -36,7 +36,7 @@ def write_tf_checkpoint(reader, out: str, options: Request, *, overwrite: bool, 
         if plan is None:
             # tensors whose stored bytes are their TF bytes are copied as they lie (rawimport)
             arrays = rawimport.source_arrays(reader, record, max_output_bytes) or arrays
-        permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
+        permuted = record.permuted()
         parts = None
         if options.num_shards is not None or options.max_shard_size is not None:
             parts = data_parts(tf_sizes(reader, record, plan), num_shards=options.num_shards,

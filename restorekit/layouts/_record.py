@@ -205,6 +205,10 @@ class LayoutRecord:
     def tf_name(self, stored: str) -> str:
         return self.tensors.get(stored, {}).get("name", stored)
 
+    def permuted(self) -> tuple:
+        """The TF names of the tensors whose axes this record permutes (what an export's result lists)."""
+        return tuple(self.tf_name(n) for n, note in self.tensors.items() if "perm" in note)
+
     def restore(self, stored: str, array: np.ndarray) -> tuple[str, np.ndarray, str | None]:
         """Undo the export of one tensor: (TF name, array in TF layout, TF dtype or None).
 

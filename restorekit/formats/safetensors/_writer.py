@@ -240,7 +240,7 @@ def write_checkpoint(checkpoint, path, *, names: dict | None = None, layout: str
     finally:
         for handle in handles.values():
             handle.close()
-    permuted = tuple(record.tf_name(n) for n, note in record.tensors.items() if "perm" in note)
+    permuted = record.permuted()
     return ExportResult(path, "safetensors", len(plan), offset, layout, permuted, tuple(record.strings), record.kept,
                         unmapped=tuple(record.unmapped))
 
