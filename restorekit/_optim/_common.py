@@ -9,6 +9,7 @@ are given here once.
 from __future__ import annotations
 
 from restorekit._optim import _convert as convert
+from restorekit._optim._keras2_state import is_keras2_optimizer, keras2_state
 from restorekit._optim._keras_state import is_keras_optimizer, keras_state
 from restorekit._optim._tf1 import TF1_KINDS, TF1State, tf1_state
 from restorekit._policies import CAST
@@ -19,8 +20,11 @@ __all__ = ["held_kinds", "source_state", "steps_of", "weight_status", "why_reset
 
 
 def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> TF1State:
-    """The checkpoint's optimizer state in TF1's terms: its TF1 slots, or a Keras 3 optimizer's variables read as
-    the optimizer that takes ``wanted`` (TF1) state; ``order()`` gives the target's trainable weights' keys."""
+    """The checkpoint's optimizer state in TF1's terms: its TF1 slots, a Keras 2 optimizer's slots (a TF2 checkpoint),
+    or a Keras 3 optimizer's variables read as the optimizer that takes ``wanted`` (TF1) state; ``order()`` gives
+    the target's trainable weights' keys."""
+    if is_keras2_optimizer(checkpoint):
+        return keras2_state(checkpoint)
     if is_keras_optimizer(checkpoint):
         return keras_state(checkpoint, wanted, momentum=momentum, centered=centered, order=order())
     return tf1_state(checkpoint)

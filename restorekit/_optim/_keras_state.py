@@ -4,8 +4,10 @@ Keras 3 saves its optimizer's variables as a list: ``iterations``, ``learning_ra
 the rate is a schedule), then the slots. A ``.keras`` archive or ``.weights.h5`` keeps them
 by position only (``optimizer/vars/N``); a ``tf.train.Checkpoint`` of the optimizer keeps
 the same list (``optimizer/_variables/N/...``) and, beside it, the weights the slots belong
-to (``optimizer/_trainable_variables/i/...``). The slots are laid out by the optimizer's
-``build``:
+to (``optimizer/_trainable_variables/i/...``). tf-keras' own optimizers since TF 2.11 (Keras 2's
+``tf_keras.optimizers.Adam``, not ``.legacy``, which ``_keras2_state`` reads) save the same list
+in a TF2 checkpoint, without the rate in it or the weights beside it, built and updating as
+Keras 3's do. The slots are laid out by the optimizer's ``build``:
 
 | Keras 3 | slots, in ``optimizer.variables`` order | the same state in TF1's terms |
 | --- | --- | --- |
@@ -114,16 +116,19 @@ def keras_state(checkpoint, kind: str, *, momentum: bool, centered: bool, order:
         rate = float(_scalar(checkpoint, listed[1])) if head == 2 else None
         slots = listed[head:]
     else:
-        head = 2 if _TF2_RATE in checkpoint.entries else 1
+        # iterations (variable 0) and learning_rate are saved under their own names, never as _variables/N; Keras
+        # 3 lists the rate second, tf-keras' optimizers (TF 2.11+, the same build and updates) do not list it
         iterations = _scalar(checkpoint, _TF2_ITERATIONS)
-        rate = float(_scalar(checkpoint, _TF2_RATE)) if head == 2 else None
-        slots = [variables[i] for i in sorted(variables) if i >= head]
+        rate = float(_scalar(checkpoint, _TF2_RATE)) if _TF2_RATE in checkpoint.entries else None
+        slots = [variables[i] for i in sorted(variables) if i >= 1]
         if len(slots) != per_weight * len(weights):
             raise InvalidArgumentError(
                 f"the checkpoint's Keras optimizer has {len(slots)} slot variables for {len(weights)} trainable "
                 f"weights; a Keras {name}{' centered' if centered else ''} keeps {per_weight} per weight. Pass the "
                 f"optimizer the source run used, or scan without optimizer=")
-    state = KerasState(global_step=int(iterations), label=f"Keras 3 {name}", counter="iterations",
+    # Keras 3 tracks the weights it was built on (_trainable_variables); tf-keras' optimizers do not
+    keras = "3" if file_vars or _numbered(checkpoint, _TF2_WEIGHT) else "2"
+    state = KerasState(global_step=int(iterations), label=f"Keras {keras} {name}", counter="iterations",
                        is_centered=centered, rate=rate)
     n = len(weights)
     for i, base in enumerate(weights):

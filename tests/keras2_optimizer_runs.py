@@ -1,0 +1,98 @@
+"""The TensorFlow side of tests/test_optimizer_state_keras2.py: tf-keras (Keras 2) runs that stop, save, and continue.
+
+``python keras2_optimizer_runs.py OUT`` (tf-keras, in its own process so Keras 2 never shares one with
+Keras 3): for every run in ``RUNS`` the net of ``tf1_optimizer_runs`` (Dense 8 -> 16, relu,
+Dense 16 -> 3, the same initial weights and batches) trained ``BEFORE`` steps with a Keras 2
+optimizer, saved as a TF2 checkpoint (``tf.train.Checkpoint(model=, optimizer=)``, or
+``model.save_weights`` in the TF format), then continued ``AFTER`` steps by tf-keras itself;
+the losses of the continuation go to ``OUT/losses.json``. The runs in ``REFUSED`` are trained
+one step and saved only: optimizers whose state restorekit refuses by name.
+"""
+
+import json
+import os
+import sys
+
+from tf1_optimizer_runs import AFTER, BEFORE, batches, initial_weights
+
+# name: (tf_keras.optimizers class path, its arguments, how it is saved); 'legacy.' is OptimizerV2
+RUNS = {
+    "adam": ("legacy.Adam", {"learning_rate": 0.01}, "checkpoint"),
+    "sgd": ("legacy.SGD", {"learning_rate": 0.05, "momentum": 0.9}, "save_weights"),
+    "nesterov": ("legacy.SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}, "checkpoint"),
+    "rmsprop": ("legacy.RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10}, "checkpoint"),
+    "rmsprop_centered": ("legacy.RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10,
+                                            "centered": True}, "checkpoint"),
+    # tf-keras' default optimizers since TF 2.11 save their variables as Keras 3 does (optimizer/_variables/N)
+    "adam_new": ("Adam", {"learning_rate": 0.01}, "checkpoint"),
+}
+REFUSED = {
+    "amsgrad": ("legacy.Adam", {"learning_rate": 0.01, "amsgrad": True}),
+    "adagrad": ("legacy.Adagrad", {"learning_rate": 0.1}),
+    "rmsprop_plain": ("legacy.RMSprop", {"learning_rate": 0.01}),
+    "decay": ("legacy.Adam", {"learning_rate": 0.01, "decay": 0.01}),
+}
+
+
+def path(name: str) -> str:
+    """Where run ``name`` is saved, under OUT."""
+    return os.path.join(name, "weights" if RUNS.get(name, ("", {}, ""))[2] == "save_weights" else "ckpt-1")
+
+
+def _model(tf_keras, cls: str, kwargs: dict):
+    inputs = tf_keras.Input((8,))
+    hidden = tf_keras.layers.Dense(16, activation="relu", name="fc1")(inputs)
+    net = tf_keras.Model(inputs, tf_keras.layers.Dense(3, name="fc2")(hidden))
+    for layer in ("fc1", "fc2"):
+        weights = initial_weights()
+        net.get_layer(layer).set_weights([weights[f"{layer}/kernel"], weights[f"{layer}/bias"]])
+    make = tf_keras.optimizers
+    for part in cls.split("."):
+        make = getattr(make, part)
+    # eager: 25 tiny steps run faster than they trace
+    net.compile(optimizer=make(**kwargs), loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                run_eagerly=True)
+    return net
+
+
+def _save(tf, net, out: str, name: str, how: str) -> None:
+    target = os.path.join(out, path(name))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if how == "save_weights":
+        net.save_weights(target, save_format="tf")
+    else:
+        tf.train.Checkpoint(model=net, optimizer=net.optimizer).write(target)
+
+
+def run(name: str, out: str) -> list:
+    """Train run ``name`` ``BEFORE`` steps, save it, continue ``AFTER``; return the continuation's losses."""
+    import tensorflow as tf
+    import tf_keras
+
+    cls, kwargs, how = RUNS[name]
+    net = _model(tf_keras, cls, kwargs)
+    xs, ys = batches()
+    for i in range(BEFORE):
+        net.train_on_batch(xs[i], ys[i])
+    _save(tf, net, out, name, how)
+    return [float(net.train_on_batch(xs[i], ys[i])) for i in range(BEFORE, BEFORE + AFTER)]
+
+
+def main(out: str) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    import tf_keras
+
+    losses = {name: run(name, out) for name in RUNS}
+    xs, ys = batches()
+    for name, (cls, kwargs) in REFUSED.items():
+        net = _model(tf_keras, cls, kwargs)
+        net.train_on_batch(xs[0], ys[0])
+        _save(tf, net, out, name, "checkpoint")
+    with open(os.path.join(out, "losses.json"), "w") as f:
+        json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main(sys.argv[1])
