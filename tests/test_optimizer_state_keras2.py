@@ -126,6 +126,37 @@ def test_torch_optim_follows_tf_keras_own_continuation(runs, name):
     assert _relative(fresh, losses[name]) > 1e-3
 
 
+# run: the optax optimizer of its hyper-parameters (rms starts at 0 in Keras 2: optax's default initial_scale)
+OPTAX = {"adam": lambda optax: optax.adam(0.01, eps=1e-7), "sgd": lambda optax: optax.sgd(0.05, momentum=0.9),
+         "rmsprop": lambda optax: optax.rmsprop(0.01, decay=0.9, eps=1e-10, momentum=0.5)}
+
+
+def _optax(name: str, directory: str, carry: bool):
+    """Run ``name`` restored into the Flax NNX twin and its nnx.Optimizer (carried, or fresh): 20 steps' losses."""
+    optax = pytest.importorskip("optax")
+    nnx = pytest.importorskip("flax.nnx")
+    from flax_optimizer_cases import continue_run, twin
+
+    model = twin()
+    opt = nnx.Optimizer(model, OPTAX[name](optax), wrt=nnx.Param)
+    report = restorekit.scan(os.path.join(directory, path(name)), model, rules=restorekit.FLAX_FROM_TF,
+                             optimizer=opt if carry else None)
+    restorekit.restore(report)
+    return continue_run(model, opt), report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OPTAX), ids=[f"Keras 2 {n} resumes in optax as tf-keras continues" for n in OPTAX])
+def test_optax_follows_tf_keras_own_continuation(runs, name):
+    out, losses = runs
+    got, report = _optax(name, out, carry=True)
+    assert _relative(got, losses[name]) < 1e-5, str(report)
+    assert report.optimizer.source == LABELS[name] and report.optimizer.step == BEFORE
+    assert len(report.optimizer.carried) == 4 and report.optimizer.reset == ()
+    fresh, _ = _optax(name, out, carry=False)
+    assert _relative(fresh, losses[name]) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, match", [
     ("amsgrad", r"Adam\(amsgrad=True\)"), ("adagrad", r"Keras 2 optimizer is Adagrad"),
