@@ -18,6 +18,7 @@ from tf1_optimizer_runs import AFTER, BEFORE, batches, initial_weights
 # name: (tf_keras.optimizers class path, its arguments, how it is saved); 'legacy.' is OptimizerV2
 RUNS = {
     "adam": ("legacy.Adam", {"learning_rate": 0.01}, "checkpoint"),
+    "amsgrad": ("legacy.Adam", {"learning_rate": 0.01, "amsgrad": True}, "checkpoint"),
     "sgd": ("legacy.SGD", {"learning_rate": 0.05, "momentum": 0.9}, "save_weights"),
     "nesterov": ("legacy.SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}, "checkpoint"),
     "rmsprop": ("legacy.RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10}, "checkpoint"),
@@ -27,7 +28,6 @@ RUNS = {
     "adam_new": ("Adam", {"learning_rate": 0.01}, "checkpoint"),
 }
 REFUSED = {
-    "amsgrad": ("legacy.Adam", {"learning_rate": 0.01, "amsgrad": True}),
     "adagrad": ("legacy.Adagrad", {"learning_rate": 0.1}),
     "rmsprop_plain": ("legacy.RMSprop", {"learning_rate": 0.01}),
     "decay": ("legacy.Adam", {"learning_rate": 0.01, "decay": 0.01}),

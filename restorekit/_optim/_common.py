@@ -93,10 +93,11 @@ def steps_of(state, adam: bool, betas: list, notes: list) -> tuple:
 
 
 def roles(wanted: str, leaves: dict, centered: bool) -> dict:
-    """A weight's slots ``{TF1 leaf: value}`` by what they are: ``m``, ``v`` (Adam), ``a`` (Momentum), ``ms``,
-    ``mg``, ``mom`` (RMSProp; ``mg`` when centered, ``mom`` where the source keeps one), ``acc`` (Adagrad)."""
+    """A weight's slots ``{TF1 leaf: value}`` by what they are: ``m``, ``v`` (Adam; ``vhat``, the maximum of ``v``,
+    where the source kept one), ``a`` (Momentum), ``ms``, ``mg``, ``mom`` (RMSProp; ``mg`` when centered, ``mom``
+    where the source keeps one), ``acc`` (Adagrad)."""
     if wanted == "Adam":
-        return {"m": leaves["Adam"], "v": leaves["Adam_1"]}
+        return {"m": leaves["Adam"], "v": leaves["Adam_1"], **({"vhat": leaves["vhat"]} if "vhat" in leaves else {})}
     if wanted == "Momentum":
         return {"a": leaves["Momentum"]}
     if wanted == "RMSProp":
@@ -154,13 +155,14 @@ def entry_key(checkpoint, name: str) -> str:
     return found[0] if len(found) == 1 else name
 
 
-def held_kinds(state, wanted: str, *, into: str, target: str, choices: dict) -> list:
+def held_kinds(state, wanted: str, *, into: str, target: str, choices: dict, amsgrad: bool = False) -> list:
     """The TF1 slot kinds the checkpoint holds, after refusing state no target can take: optimizer
     state that is not TF1 slots (nor a Keras 3 optimizer's variables read as them), or slots of
     another optimizer than ``target`` (``'torch.optim.SGD'``) takes (``wanted``: 'Momentum').
 
     ``into`` names the target family in the message ('torch.optim', 'Keras', 'optax');
-    ``choices`` maps each optimizer of that family to the TF1 kind it takes.
+    ``choices`` maps each optimizer of that family to the TF1 kind it takes; ``amsgrad`` says whether the
+    target keeps the maximum of ``v`` (an amsgrad source's ``vhat`` goes nowhere else).
     """
     others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
     if others:
@@ -174,4 +176,8 @@ def held_kinds(state, wanted: str, *, into: str, target: str, choices: dict) -> 
         raise InvalidArgumentError(
             f"the checkpoint holds {' and '.join(held)} slots; {target} takes {wanted} state. Pass the optimizer the "
             f"source run used ({takes}), or scan without optimizer= for a warm start with fresh optimizer state")
+    if state.amsgrad and not amsgrad:
+        raise InvalidArgumentError(
+            f"the checkpoint's Adam keeps vhat, the maximum of v (amsgrad=True); {target} as given keeps none, so "
+            f"its updates would differ: pass amsgrad=True (where {into} has it), or scan without optimizer=")
     return held

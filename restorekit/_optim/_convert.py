@@ -89,9 +89,13 @@ def adam_epsilon_drift(epsilon: float, beta2: float, steps: int, ahead: int, roo
     return worst
 
 
-def to_adam(m: np.ndarray, v: np.ndarray, steps: int) -> dict:
-    """TF1 ``var/Adam``, ``var/Adam_1`` -> torch ``Adam`` state (bias correction reads ``step``)."""
-    return {"step": float(steps), "exp_avg": m, "exp_avg_sq": v}
+def to_adam(m: np.ndarray, v: np.ndarray, steps: int, vhat: np.ndarray | None = None) -> dict:
+    """TF1 ``var/Adam``, ``var/Adam_1`` -> torch ``Adam`` state (bias correction reads ``step``); an amsgrad source's
+    ``vhat`` (``max(vhat, v)``, read where TF reads ``v``) is torch's ``max_exp_avg_sq``."""
+    state = {"step": float(steps), "exp_avg": m, "exp_avg_sq": v}
+    if vhat is not None:
+        state["max_exp_avg_sq"] = vhat
+    return state
 
 
 def to_sgd(accumulation: np.ndarray) -> dict:

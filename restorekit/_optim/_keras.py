@@ -8,6 +8,7 @@ keeps the learning rate:
 | TF1 / Keras 3 source (in TF1's terms) | Keras 3 target | state written | exact? |
 | --- | --- | --- | --- |
 | Adam ``m``, ``v``, ``t`` steps | ``Adam``: ``var -= lr sqrt(1-b2^k)/(1-b1^k) m / (sqrt(v) + eps)``: TF1's update, epsilon hat included | ``momentum = m``, ``velocity = v``, ``iterations = t`` | exact |
+| Keras 2 Adam(amsgrad) ``vhat`` | ``Adam(amsgrad=True)``: ``v_hat = max(v_hat, v)`` read for ``v`` | ``velocity_hat = vhat`` | exact |
 | Momentum ``a`` (``a = mu a + g``, ``var -= lr a``) | ``SGD(momentum=mu)``: ``m = mu m - lr g``, ``var += m`` (nesterov: ``var += mu m - lr g``) | ``momentum = -lr a`` | exact while ``lr`` stays |
 | RMSProp ``ms``, ``mg``, ``mom`` | ``RMSprop(rho, momentum, centered)``: ``sqrt(ms - mg^2 + eps)`` inside the root, the rate inside ``mom``, as TF1 | ``velocity = ms``, ``average_gradient = mg``, ``momentum = mom`` | exact |
 
@@ -32,7 +33,7 @@ __all__ = ["KerasPlan", "is_keras_optimizer", "load", "read", "with_keras_optimi
 TARGETS = {"Adam": "Adam", "AdamW": "Adam", "SGD": "Momentum", "RMSprop": "RMSProp"}
 # Keras 3 slot name -> the optimizer's own list of it. Keras has no public map from a model variable to its
 # slots; each optimizer keeps one list per slot name, indexed by _get_variable_index (base_optimizer.py).
-_LISTS = {"Adam": {"momentum": "_momentums", "velocity": "_velocities"},
+_LISTS = {"Adam": {"momentum": "_momentums", "velocity": "_velocities", "velocity_hat": "_velocity_hats"},
           "SGD": {"momentum": "momentums"},
           "RMSprop": {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"}}
 _TERMS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "gradient_accumulation_steps")
@@ -85,22 +86,25 @@ def _trainable(variables, optimizer) -> list:
 
 
 def _check(optimizer, kind: str, wanted: str, state) -> None:
-    held = held_kinds(state, wanted, into="Keras", target=f"keras.optimizers.{kind}", choices=TARGETS)
+    held = held_kinds(state, wanted, into="Keras", target=f"keras.optimizers.{kind}", choices=TARGETS,
+                      amsgrad=bool(getattr(optimizer, "amsgrad", False)))
     if kind == "SGD" and held and not optimizer.momentum:
         raise InvalidArgumentError("the checkpoint holds Momentum slots; keras.optimizers.SGD(momentum=0) keeps no "
                                    "momentum to carry them: pass the source run's momentum")
     if kind == "RMSprop" and held and bool(optimizer.centered) != state.centered:
         raise InvalidArgumentError(f"the checkpoint's RMSProp slots are {'' if state.centered else 'not '}centered; "
                                    f"pass RMSprop(centered={state.centered})")
-    if getattr(optimizer, "amsgrad", False):
-        raise InvalidArgumentError("keras.optimizers.Adam(amsgrad=True) is not supported yet as a target: its "
-                                   "velocity_hat has no source; pass amsgrad=False or scan without optimizer=")
+    if getattr(optimizer, "amsgrad", False) and not state.amsgrad:
+        raise InvalidArgumentError("keras.optimizers.Adam(amsgrad=True) takes the maximum of v (velocity_hat), which "
+                                   "only a Keras 2 Adam(amsgrad=True) source keeps: pass amsgrad=False or scan "
+                                   "without optimizer=")
 
 
 def _to_keras(kind: str, slots: dict, lr: float, momentum: bool) -> dict:
     """Slots in TF1's terms (``_common.roles``) -> the Keras 3 optimizer's slot values."""
     if kind in ("Adam", "AdamW"):
-        return {"momentum": slots["m"], "velocity": slots["v"]}
+        return {"momentum": slots["m"], "velocity": slots["v"], **({"velocity_hat": slots["vhat"]} if "vhat" in slots
+                                                                    else {})}
     if kind == "SGD":
         a = slots["a"]
         return {"momentum": (a * np.asarray(-lr, a.dtype)).astype(a.dtype)}

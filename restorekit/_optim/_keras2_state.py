@@ -13,13 +13,13 @@ which optimizer made them. For a gradient ``g`` at step ``k = iter + 1`` (tf-ker
 | Keras 2 | update | the same state in TF1's terms |
 | --- | --- | --- |
 | ``Adam``: ``m``, ``v`` | ``ResourceApplyAdam`` with ``beta1_power = b1^k``: TF1's update, epsilon hat included | ``Adam`` = m, ``Adam_1`` = v, ``t = iter`` |
+| ``Adam(amsgrad=True)``: also ``vhat`` | ``ResourceApplyAdamWithAmsgrad``: ``vhat = max(vhat, v)`` read where TF1 reads ``v`` | also ``vhat`` (TF1 has none: only an amsgrad target takes it) |
 | ``SGD(momentum > 0)``: ``momentum`` | ``ResourceApplyKerasMomentum``: ``m = mu m - lr g``, ``var += m`` (nesterov ``var += mu m - lr g``) | ``Momentum`` = ``-m / lr`` (TF1's ``a = mu a + g``, ``var -= lr a``) |
 | ``RMSprop(momentum > 0)``: ``rms``, ``mg`` (centered), ``momentum`` | ``ResourceApply(Centered)RMSProp``: TF1's op, epsilon inside the root and the rate inside ``momentum`` | ``RMSProp`` = rms, ``RMSProp_1`` = mg when centered, the last = momentum |
 
 What is refused by name, before anything is written: ``RMSprop(momentum=0)`` (it adds
 epsilon outside the root, ``lr g / (sqrt(rms) + eps)``, unlike TF1 and Keras 3),
-``Adagrad`` (epsilon outside the root, where TF1 has none), ``Adam(amsgrad=True)``
-(``vhat``), a ``decay`` (the rate falls as ``lr / (1 + decay iter)``, which no target
+``Adagrad`` (epsilon outside the root, where TF1 has none), a ``decay`` (the rate falls as ``lr / (1 + decay iter)``, which no target
 optimizer keeps), SGD momentum under a rate schedule (no ``learning_rate`` variable to
 divide by), and optimizers whose slots are none of these (``Nadam``, ``Adamax``, ``Ftrl``,
 ``Adadelta``).
@@ -40,13 +40,13 @@ _VALUE = "VARIABLE_VALUE"
 # the slot names of a Keras 2 optimizer -> (the TF1 optimizer whose terms they are read in, the Keras class)
 _KINDS = {
     frozenset({"m", "v"}): ("Adam", "Adam"),
+    frozenset({"m", "v", "vhat"}): ("Adam", "Adam"),  # amsgrad=True
     frozenset({"momentum"}): ("Momentum", "SGD"),
     frozenset({"rms", "momentum"}): ("RMSProp", "RMSprop"),
     frozenset({"rms", "mg", "momentum"}): ("RMSProp", "RMSprop"),
 }
 # Why the other slot sets are not carried (yet).
 _REFUSED = {
-    frozenset({"m", "v", "vhat"}): "Adam(amsgrad=True) (its vhat slot)",
     frozenset({"rms"}): "RMSprop(momentum=0) (it adds epsilon outside the root, lr g / (sqrt(rms) + eps), unlike "
                         "TF1 and Keras 3)",
     frozenset({"rms", "mg"}): "RMSprop(momentum=0, centered=True) (it adds epsilon outside the root, unlike TF1 and "
@@ -95,7 +95,7 @@ def keras2_state(checkpoint) -> KerasState:
     """The Keras 2 optimizer state of ``checkpoint`` (a TF2 checkpoint, as stored: no view), in TF1's terms.
 
     Raises:
-        InvalidArgumentError: several optimizers, or one whose state is not carried yet (named: amsgrad, Adagrad,
+        InvalidArgumentError: several optimizers, or one whose state is not carried yet (named: Adagrad,
             RMSprop without momentum, a ``decay``, SGD momentum under a rate schedule, Nadam, Adamax, ...).
     """
     graph = _graph(checkpoint)
@@ -127,7 +127,7 @@ def keras2_state(checkpoint) -> KerasState:
                                    f"scan without optimizer= for a warm start")
     rate = float(hyper["learning_rate"][0]) if "learning_rate" in hyper else None
     centered = "mg" in names
-    leaves_of = {"Adam": (("m", "Adam"), ("v", "Adam_1")), "Momentum": (("momentum", "Momentum"),),
+    leaves_of = {"Adam": (("m", "Adam"), ("v", "Adam_1")) + ((("vhat", "vhat"),) if "vhat" in names else ()), "Momentum": (("momentum", "Momentum"),),
                  "RMSProp": (("rms", "RMSProp"), ("mg", "RMSProp_1"), ("momentum", "RMSProp_2")) if centered
                  else (("rms", "RMSProp"), ("momentum", "RMSProp_1"))}[kind]
     state = KerasState(global_step=int(hyper["iter"][0]) if "iter" in hyper else None, label=f"Keras 2 {cls}",

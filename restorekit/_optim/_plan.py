@@ -93,7 +93,8 @@ def with_optimizer(report, variables, optimizer):
     state = source_state(checkpoint, wanted, momentum=any(g.get("momentum", 0) for g in groups),
                          centered=any(g.get("centered") for g in groups),
                          order=lambda: trained_keys(report, checkpoint, [names.get(id(p)) for _, p in _params(optimizer)]))
-    held_kinds(state, wanted, into="torch.optim", target=f"torch.optim.{kind}", choices=TARGETS)
+    held_kinds(state, wanted, into="torch.optim", target=f"torch.optim.{kind}", choices=TARGETS,
+               amsgrad=any(g.get("amsgrad") for g in groups))
     plan = OptimizerPlan(optimizer, kind)
     notes: list = []
     if not state.kinds:
@@ -155,7 +156,7 @@ def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps)
 
 def _convert(kind: str, slots: dict, group, steps: int) -> dict:
     if kind in ("Adam", "AdamW"):
-        return convert.to_adam(slots["m"], slots["v"], steps)
+        return convert.to_adam(slots["m"], slots["v"], steps, slots.get("vhat"))
     if kind == "SGD":
         return convert.to_sgd(slots["a"])
     if kind == "RMSprop":
@@ -209,11 +210,11 @@ def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:
             if float(group.get("lr_decay", 0)):
                 differences.append(OptimizerNote("lr_decay", f"{group['lr_decay']}{where}: TF1 Adagrad has no decay "
                                                              f"of the rate; every update differs"))
-        differences.extend(_terms_tf1_lacks(kind, group, where))
+        differences.extend(_terms_tf1_lacks(kind, group, where, state.amsgrad))
     return tuple(settings), tuple(differences)
 
 
-def _terms_tf1_lacks(kind: str, group, where: str) -> list:
+def _terms_tf1_lacks(kind: str, group, where: str, kept_vhat: bool = False) -> list:
     out = []
     decay = float(group.get("weight_decay", 0) or 0)
     if decay:
@@ -224,7 +225,7 @@ def _terms_tf1_lacks(kind: str, group, where: str) -> list:
                                  decay))
     if group.get("maximize"):
         out.append(OptimizerNote("maximize", f"True{where}: TF1 minimizes; every update has the other sign"))
-    if group.get("amsgrad"):
+    if group.get("amsgrad") and not kept_vhat:
         out.append(OptimizerNote("amsgrad", f"True{where}: TF1 Adam keeps no maximum of v; max_exp_avg_sq starts "
                                             f"at exp_avg_sq and the updates differ once v falls"))
     dampening = float(group.get("dampening", 0) or 0)

@@ -59,6 +59,11 @@ class TF1State:
         """True when the RMSProp slots come in threes (ms, mg, momentum): ``centered=True``."""
         return any("RMSProp_2" in leaves for leaves in self.slots.values())
 
+    @property
+    def amsgrad(self) -> bool:
+        """True when the Adam slots keep the maximum of ``v`` (a Keras 2 ``Adam(amsgrad=True)``'s ``vhat``; TF1 has none)."""
+        return any("vhat" in leaves for leaves in self.slots.values())
+
 
 def _scalar(checkpoint, key: str):
     return np.asarray(checkpoint.read(key)).reshape(()).item()

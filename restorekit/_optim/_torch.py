@@ -39,7 +39,7 @@ def load(plan, values: list) -> None:
         group = optimizer.param_groups[g]
         tensors = {k: (_step(torch, v, param, group) if k == "step" else torch.from_numpy(np.array(v)))
                    for k, v in state.items()}
-        if group.get("amsgrad") and "exp_avg_sq" in tensors:
+        if group.get("amsgrad") and "exp_avg_sq" in tensors and "max_exp_avg_sq" not in tensors:
             tensors["max_exp_avg_sq"] = tensors["exp_avg_sq"].clone()
         state_dict["state"][i] = tensors
     for param in plan.resets:
