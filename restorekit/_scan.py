@@ -149,7 +149,8 @@ def scan(
         layout: ``'torch'``: see the checkpoint as its ``layout='torch'`` export (TF
             names and axes as a ``torch.nn`` twin's ``state_dict``), for a torch module.
         optimizer: the ``torch.optim``, Keras 3 or ``nnx.Optimizer`` (optax) optimizer of the module or model:
-            carry the TF1 or Keras 3 optimizer state into it, each slot paired through its weight's record (``report.optimizer``).
+            carry the TF1, Keras 2 (tf-keras, in a TF2 checkpoint) or Keras 3 optimizer state into it, each slot
+            paired through its weight's record (``report.optimizer``).
 
     Returns:
         A RestoreReport.

@@ -5,7 +5,8 @@ Keras 3): for every run in ``RUNS`` the net of ``tf1_optimizer_runs`` (Dense 8 -
 Dense 16 -> 3, the same initial weights and batches) trained ``BEFORE`` steps with a Keras 2
 optimizer, saved as a TF2 checkpoint (``tf.train.Checkpoint(model=, optimizer=)``, or
 ``model.save_weights`` in the TF format), then continued ``AFTER`` steps by tf-keras itself;
-the losses of the continuation go to ``OUT/losses.json``. The runs in ``REFUSED`` are trained
+the losses of the continuation go to ``OUT/losses.json``, with those of TF1's Adagrad run
+(``tf1_optimizer_runs``, saved under ``OUT/tf1``) as ``tf1_adagrad``. The runs in ``REFUSED`` are trained
 one step and saved only: optimizers whose state restorekit refuses by name.
 """
 
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-from tf1_optimizer_runs import AFTER, BEFORE, batches, initial_weights
+from tf1_optimizer_runs import AFTER, BEFORE, batches, initial_weights, run as tf1_run
 
 # name: (tf_keras.optimizers class path, its arguments, how it is saved); 'legacy.' is OptimizerV2
 RUNS = {
@@ -24,11 +25,11 @@ RUNS = {
     "rmsprop": ("legacy.RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10}, "checkpoint"),
     "rmsprop_centered": ("legacy.RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10,
                                             "centered": True}, "checkpoint"),
+    "adagrad": ("legacy.Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.1}, "checkpoint"),
     # tf-keras' default optimizers since TF 2.11 save their variables as Keras 3 does (optimizer/_variables/N)
     "adam_new": ("Adam", {"learning_rate": 0.01}, "checkpoint"),
 }
 REFUSED = {
-    "adagrad": ("legacy.Adagrad", {"learning_rate": 0.1}),
     "rmsprop_plain": ("legacy.RMSprop", {"learning_rate": 0.01}),
     "decay": ("legacy.Adam", {"learning_rate": 0.01, "decay": 0.01}),
 }
@@ -84,6 +85,7 @@ def main(out: str) -> None:
     import tf_keras
 
     losses = {name: run(name, out) for name in RUNS}
+    losses["tf1_adagrad"] = tf1_run("adagrad", os.path.join(out, "tf1"))  # TF1's Adagrad, for Keras 3's
     xs, ys = batches()
     for name, (cls, kwargs) in REFUSED.items():
         net = _model(tf_keras, cls, kwargs)

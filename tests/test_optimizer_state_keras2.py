@@ -35,10 +35,12 @@ TWINS = {
     "rmsprop_centered": (("RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10,
                                       "centered": True}),
                          ("RMSprop", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5, "eps": 1e-10, "centered": True})),
+    "adagrad": (("Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.1, "epsilon": 1e-7}),
+                ("Adagrad", {"lr": 0.1, "initial_accumulator_value": 0.1, "eps": 1e-7})),
     "adam_new": (("Adam", {"learning_rate": 0.01}), ("Adam", {"lr": 0.01, "eps": 1e-7})),
 }
 LABELS = {"adam": "Keras 2 Adam", "amsgrad": "Keras 2 Adam", "sgd": "Keras 2 SGD", "nesterov": "Keras 2 SGD", "rmsprop": "Keras 2 RMSprop",
-          "rmsprop_centered": "Keras 2 RMSprop", "adam_new": "Keras 2 Adam"}
+          "rmsprop_centered": "Keras 2 RMSprop", "adagrad": "Keras 2 Adagrad", "adam_new": "Keras 2 Adam"}
 
 
 def _relative(got, want) -> float:
@@ -124,6 +126,8 @@ def test_torch_optim_follows_tf_keras_own_continuation(runs, name):
         stored = "layer_with_weights-0/kernel" if name == "sgd" else "model/layer_with_weights-0/kernel"
         first = {"adam": "m", "sgd": "momentum", "rmsprop": "rms"}[name]
         assert section.carried[0].slots[0] == stored + SLOT.format(first)
+    if name == "adagrad":  # Keras 2 adds its epsilon outside the root, as torch: kept, not TF1's 0
+        assert [n.text.split(":")[0] for n in section.settings if n.what == "eps"] == ["kept 1e-07"]
     fresh, _ = _torch(name, out, carry=False)
     assert _relative(fresh, losses[name]) > 1e-3
 
@@ -161,7 +165,6 @@ def test_optax_follows_tf_keras_own_continuation(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, match", [
-    ("adagrad", r"Keras 2 optimizer is Adagrad"),
     ("rmsprop_plain", r"RMSprop\(momentum=0\) \(it adds epsilon outside the root"),
     ("decay", r"decays its learning rate \(decay=0\.01"),
 ], ids=[f"a Keras 2 {n} checkpoint is refused by name" for n in REFUSED])
@@ -217,6 +220,36 @@ def test_amsgrads_vhat_is_carried_where_the_target_keeps_one_and_refused_where_n
     with pytest.raises(restorekit.InvalidArgumentError, match=r"keeps vhat.*optax\.adam as given"):
         restorekit.scan(prefix, model, rules=restorekit.FLAX_FROM_TF,
                         optimizer=nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param))
+
+
+@pytest.mark.slow
+def test_tf1_adagrad_resumes_in_keras3_adagrad_and_a_new_head_starts_at_the_initial_accumulator(runs):
+    keras = pytest.importorskip("keras")
+    from keras_optimizer_runs import compiled, continue_run
+
+    out, losses = runs
+    prefix = os.path.join(out, "tf1", "adagrad", "model.ckpt")
+
+    def resume(carry: bool, classes: int = 3):
+        keras.utils.set_random_seed(1)
+        opt = keras.optimizers.Adagrad(0.1, initial_accumulator_value=0.1)
+        net = compiled(keras, opt, classes)
+        report = restorekit.scan(prefix, net, optimizer=opt if carry else None)
+        restorekit.restore(report)
+        return net, opt, report
+
+    net, _, report = resume(True)
+    assert _relative(continue_run(net), losses["tf1_adagrad"]) < 1e-5, str(report)
+    assert report.optimizer.source == "Adagrad (TF1)" and report.optimizer.step == BEFORE
+    (epsilon,) = [d for d in report.optimizer.differences if d.what == "epsilon"]
+    assert 0 < epsilon.size < 1e-5 and "TF1 adds none" in epsilon.text  # named, with its size
+    assert _relative(continue_run(resume(False)[0]), losses["tf1_adagrad"]) > 1e-3
+    _, opt, report = resume(True, classes=5)
+    assert [r.parameter for r in report.optimizer.reset] == ["fc2/kernel", "fc2/bias"]
+    accumulators = {v.name: v.numpy() for v in opt.variables}
+    np.testing.assert_array_equal(accumulators["fc2_kernel_accumulator"], np.full((16, 5), 0.1, np.float32))
+    np.testing.assert_array_equal(accumulators["fc1_kernel_accumulator"],
+                                  restorekit.Checkpoint(prefix).read("fc1/kernel/Adagrad"))
 
 
 # ------------------------------------------------------------------ the fast set: one tf-keras checkpoint, in-process

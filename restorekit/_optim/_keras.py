@@ -11,6 +11,7 @@ keeps the learning rate:
 | Keras 2 Adam(amsgrad) ``vhat`` | ``Adam(amsgrad=True)``: ``v_hat = max(v_hat, v)`` read for ``v`` | ``velocity_hat = vhat`` | exact |
 | Momentum ``a`` (``a = mu a + g``, ``var -= lr a``) | ``SGD(momentum=mu)``: ``m = mu m - lr g``, ``var += m`` (nesterov: ``var += mu m - lr g``) | ``momentum = -lr a`` | exact while ``lr`` stays |
 | RMSProp ``ms``, ``mg``, ``mom`` | ``RMSprop(rho, momentum, centered)``: ``sqrt(ms - mg^2 + eps)`` inside the root, the rate inside ``mom``, as TF1 | ``velocity = ms``, ``average_gradient = mg``, ``momentum = mom`` | exact |
+| Adagrad ``acc`` | ``Adagrad``: ``acc += g^2``, ``var -= lr g / sqrt(acc + eps)`` (TF1: no eps; Keras 2: ``sqrt(acc) + eps``) | ``accumulator = acc`` | exact with ``epsilon=0`` from TF1; else the difference is reported with its size |
 
 A Keras term no TF1 optimizer has (``weight_decay``, clipping, ``use_ema``, gradient
 accumulation) is reported as a difference when the source is TF1, never changed.
@@ -30,12 +31,13 @@ from restorekit.errors import InvalidArgumentError
 __all__ = ["KerasPlan", "is_keras_optimizer", "load", "read", "with_keras_optimizer"]
 
 # Keras 3 optimizer class -> the TF1 optimizer whose state it takes
-TARGETS = {"Adam": "Adam", "AdamW": "Adam", "SGD": "Momentum", "RMSprop": "RMSProp"}
+TARGETS = {"Adam": "Adam", "AdamW": "Adam", "SGD": "Momentum", "RMSprop": "RMSProp", "Adagrad": "Adagrad"}
 # Keras 3 slot name -> the optimizer's own list of it. Keras has no public map from a model variable to its
 # slots; each optimizer keeps one list per slot name, indexed by _get_variable_index (base_optimizer.py).
 _LISTS = {"Adam": {"momentum": "_momentums", "velocity": "_velocities", "velocity_hat": "_velocity_hats"},
           "SGD": {"momentum": "momentums"},
-          "RMSprop": {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"}}
+          "RMSprop": {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"},
+          "Adagrad": {"accumulator": "_accumulators"}}
 _TERMS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "gradient_accumulation_steps")
 
 
@@ -62,7 +64,7 @@ def _kind(optimizer) -> str:
             return cls.__name__
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     raise InvalidArgumentError(
-        f"optimizer= takes a Keras 3 Adam, AdamW, SGD or RMSprop; {name} is not supported yet (its state would not "
+        f"optimizer= takes a Keras 3 Adam, AdamW, SGD, RMSprop or Adagrad; {name} is not supported yet (its state would not "
         f"be carried): scan without optimizer= for a warm start")
 
 
@@ -108,6 +110,8 @@ def _to_keras(kind: str, slots: dict, lr: float, momentum: bool) -> dict:
     if kind == "SGD":
         a = slots["a"]
         return {"momentum": (a * np.asarray(-lr, a.dtype)).astype(a.dtype)}
+    if kind == "Adagrad":
+        return {"accumulator": slots["acc"]}
     out = {"velocity": slots["ms"]}
     if slots.get("mg") is not None:
         out["average_gradient"] = slots["mg"]
@@ -145,6 +149,7 @@ def with_keras_optimizer(report, variables, optimizer):
     matched = {r.variable_name: r for r in report.matched}
     carried: list = []
     reset: list = []
+    smallest: list = []  # Adagrad: each carried accumulator's smallest value, where the epsilon matters most
     for variable in trainable:
         name = variable.path
         why = why_reset(name, status, matched, state)
@@ -158,6 +163,8 @@ def with_keras_optimizer(report, variables, optimizer):
                 why = ("view", f"{matched[name].checkpoint_name!r} is computed by the view, not a stored weight")
             else:
                 written = _to_keras(kind, values, lr, momentum)
+                if kind == "Adagrad":
+                    smallest.append(float(np.min(written["accumulator"])))
                 shapes = {tuple(a.shape) for a in written.values()}
                 if shapes != {tuple(variable.shape)}:
                     why = ("slot_shape", f"its slots are {format_shape(next(iter(shapes)))}, the variable is "
@@ -169,6 +176,8 @@ def with_keras_optimizer(report, variables, optimizer):
         plan.carries.append((variable, lambda found=found: _to_keras(kind, found(), lr, momentum)))
         carried.append(OptimizerRecord(name, tuple((slots or {}).values()), tuple(written) + ("iterations",)))
     settings, differences = _notes(optimizer, kind, state, steps, lr, reset)
+    if kind == "Adagrad" and smallest:
+        differences += (_adagrad_epsilon(float(optimizer.epsilon), min(smallest), state),)
     label = f"keras.optimizers.{kind} ({_backend(trainable[0])})"
     section = OptimizerSection(label, source_label(state, wanted), steps, step_from, tuple(carried), tuple(reset),
                                tuple(notes) + settings, differences)
@@ -211,6 +220,17 @@ def _notes(optimizer, kind: str, state, steps, lr: float, reset: list) -> tuple:
     return tuple(settings), tuple(differences)
 
 
+def _adagrad_epsilon(epsilon: float, smallest: float, state) -> OptimizerNote:
+    """Keras 3 Adagrad divides by ``sqrt(acc + epsilon)``; TF1 by ``sqrt(acc)``, Keras 2 by ``sqrt(acc) + epsilon``
+    (its own, taken as this one): how far apart, at the smallest accumulator carried (where they differ most)."""
+    inside = np.sqrt(np.float64(smallest) + epsilon)
+    source = np.sqrt(np.float64(smallest)) + (epsilon if state.epsilon_outside else 0.0)
+    size = float(abs(inside - source) / inside)
+    how = "Keras 2 adds it outside the root" if state.epsilon_outside else "TF1 adds none (epsilon=0 makes it exact)"
+    return OptimizerNote("epsilon", f"Keras 3 Adagrad adds epsilon {epsilon:g} inside the root, {how}: the "
+                                    f"denominators differ by up to {size:.2g} (relative) over the carried state", size)
+
+
 def read(plan) -> list:
     """Every carried variable's slot values (numpy), read and checked before anything is assigned."""
     if not isinstance(plan, KerasPlan):
@@ -242,6 +262,7 @@ def load(plan, values: list) -> None:
         for name in lists:
             target = slot(name, variable)
             if target is not None:
-                target.assign(np.zeros(tuple(target.shape), np.dtype(str(getattr(target, "dtype", "float32")))))
+                fresh = float(optimizer.initial_accumulator_value) if plan.kind == "Adagrad" else 0.0  # as build
+                target.assign(np.full(tuple(target.shape), fresh, np.dtype(str(getattr(target, "dtype", "float32")))))
     if plan.steps is not None:
         optimizer.iterations.assign(plan.steps)

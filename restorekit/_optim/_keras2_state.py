@@ -16,10 +16,10 @@ which optimizer made them. For a gradient ``g`` at step ``k = iter + 1`` (tf-ker
 | ``Adam(amsgrad=True)``: also ``vhat`` | ``ResourceApplyAdamWithAmsgrad``: ``vhat = max(vhat, v)`` read where TF1 reads ``v`` | also ``vhat`` (TF1 has none: only an amsgrad target takes it) |
 | ``SGD(momentum > 0)``: ``momentum`` | ``ResourceApplyKerasMomentum``: ``m = mu m - lr g``, ``var += m`` (nesterov ``var += mu m - lr g``) | ``Momentum`` = ``-m / lr`` (TF1's ``a = mu a + g``, ``var -= lr a``) |
 | ``RMSprop(momentum > 0)``: ``rms``, ``mg`` (centered), ``momentum`` | ``ResourceApply(Centered)RMSProp``: TF1's op, epsilon inside the root and the rate inside ``momentum`` | ``RMSProp`` = rms, ``RMSProp_1`` = mg when centered, the last = momentum |
+| ``Adagrad``: ``accumulator`` | ``ResourceApplyAdagradV2``: ``acc += g^2``, ``var -= lr g / (sqrt(acc) + eps)`` | ``Adagrad`` = accumulator, and ``epsilon_outside``: TF1 adds no epsilon, this one adds its own (not saved) outside the root, as torch does |
 
 What is refused by name, before anything is written: ``RMSprop(momentum=0)`` (it adds
-epsilon outside the root, ``lr g / (sqrt(rms) + eps)``, unlike TF1 and Keras 3),
-``Adagrad`` (epsilon outside the root, where TF1 has none), a ``decay`` (the rate falls as ``lr / (1 + decay iter)``, which no target
+epsilon outside the root, ``lr g / (sqrt(rms) + eps)``, unlike TF1 and Keras 3), a ``decay`` (the rate falls as ``lr / (1 + decay iter)``, which no target
 optimizer keeps), SGD momentum under a rate schedule (no ``learning_rate`` variable to
 divide by), and optimizers whose slots are none of these (``Nadam``, ``Adamax``, ``Ftrl``,
 ``Adadelta``).
@@ -44,6 +44,7 @@ _KINDS = {
     frozenset({"momentum"}): ("Momentum", "SGD"),
     frozenset({"rms", "momentum"}): ("RMSProp", "RMSprop"),
     frozenset({"rms", "mg", "momentum"}): ("RMSProp", "RMSprop"),
+    frozenset({"accumulator"}): ("Adagrad", "Adagrad"),
 }
 # Why the other slot sets are not carried (yet).
 _REFUSED = {
@@ -51,7 +52,6 @@ _REFUSED = {
                         "TF1 and Keras 3)",
     frozenset({"rms", "mg"}): "RMSprop(momentum=0, centered=True) (it adds epsilon outside the root, unlike TF1 and "
                               "Keras 3)",
-    frozenset({"accumulator"}): "Adagrad (it adds epsilon outside the root, where TF1 adds none)",
 }
 # Keras 2 optimizers whose slots look like a supported one's: told apart by the name their variables are saved under.
 _LOOKALIKES = ("Adamax", "Nadam")
@@ -95,8 +95,8 @@ def keras2_state(checkpoint) -> KerasState:
     """The Keras 2 optimizer state of ``checkpoint`` (a TF2 checkpoint, as stored: no view), in TF1's terms.
 
     Raises:
-        InvalidArgumentError: several optimizers, or one whose state is not carried yet (named: Adagrad,
-            RMSprop without momentum, a ``decay``, SGD momentum under a rate schedule, Nadam, Adamax, ...).
+        InvalidArgumentError: several optimizers, or one whose state is not carried yet (named: RMSprop without
+            momentum, a ``decay``, SGD momentum under a rate schedule, Nadam, Adamax, ...).
     """
     graph = _graph(checkpoint)
     nodes = _optimizer_nodes(graph)
@@ -129,9 +129,10 @@ def keras2_state(checkpoint) -> KerasState:
     centered = "mg" in names
     leaves_of = {"Adam": (("m", "Adam"), ("v", "Adam_1")) + ((("vhat", "vhat"),) if "vhat" in names else ()), "Momentum": (("momentum", "Momentum"),),
                  "RMSProp": (("rms", "RMSProp"), ("mg", "RMSProp_1"), ("momentum", "RMSProp_2")) if centered
-                 else (("rms", "RMSProp"), ("momentum", "RMSProp_1"))}[kind]
+                 else (("rms", "RMSProp"), ("momentum", "RMSProp_1")),
+                 "Adagrad": (("accumulator", "Adagrad"),)}[kind]
     state = KerasState(global_step=int(hyper["iter"][0]) if "iter" in hyper else None, label=f"Keras 2 {cls}",
-                       counter="iter", is_centered=centered, rate=rate)
+                       counter="iter", is_centered=centered, rate=rate, epsilon_outside=kind == "Adagrad")
     for weight, found in slots.items():
         if all(name in found for name, _ in leaves_of):  # a weight with part of the set has none (no_slots)
             state.slots[weight] = {leaf: found[name] for name, leaf in leaves_of}

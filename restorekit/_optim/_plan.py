@@ -57,8 +57,8 @@ def _target_kind(optimizer) -> str:
             return cls.__name__
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     raise InvalidArgumentError(
-        f"optimizer= takes a torch.optim Adam, AdamW, SGD, RMSprop or Adagrad (or a Keras 3 Adam, AdamW, SGD or "
-        f"RMSprop, or an nnx.Optimizer wrapping optax.adam, adamw, sgd or rmsprop); {name} is not supported yet "
+        f"optimizer= takes a torch.optim Adam, AdamW, SGD, RMSprop or Adagrad (or a Keras 3 Adam, AdamW, SGD, "
+        f"RMSprop or Adagrad, or an nnx.Optimizer wrapping optax.adam, adamw, sgd or rmsprop); {name} is not supported yet "
         f"(its state would not be carried): scan without optimizer= for a warm start")
 
 
@@ -198,7 +198,10 @@ def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:
                                                           f"0 TF overwrites it every step)"))
         if kind == "Adagrad":
             eps = float(group["eps"])
-            if values and (float(group["initial_accumulator_value"]) > 0 or len(values) == len(group["params"])):
+            if values and state.epsilon_outside:
+                settings.append(OptimizerNote("eps", f"kept {eps:.4g}{where}: Keras 2 Adagrad adds its epsilon outside "
+                                                     f"the root, as torch does (give the run's; tf-keras' default is 1e-07)"))
+            elif values and (float(group["initial_accumulator_value"]) > 0 or len(values) == len(group["params"])):
                 plan.groups.setdefault(g, {})["eps"] = 0.0
                 settings.append(OptimizerNote("eps", f"{eps:.4g} -> 0{where}: TF1 Adagrad adds no epsilon (its "
                                                      f"accumulator starts above 0)"))

@@ -37,6 +37,8 @@ class TF1State:
     global_step: int | None = None
     label: str = "TF1"  # what the report calls the source's optimizer state: 'Adam (TF1)'
     counter: str = "global_step"  # the entry the step count is read from where no beta power says it
+    # Adagrad's epsilon: TF1 adds none; Keras 2 adds its own (not saved) outside the root, as torch does
+    epsilon_outside: bool = False
 
     def read(self, checkpoint, leaf: str, key: str):
         """Slot ``leaf`` (stored at ``key``) as TF1 keeps it: the values the conversions take."""
