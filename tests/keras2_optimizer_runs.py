@@ -8,6 +8,10 @@ optimizer, saved as a TF2 checkpoint (``tf.train.Checkpoint(model=, optimizer=)`
 the losses of the continuation go to ``OUT/losses.json``, with those of TF1's Adagrad run
 (``tf1_optimizer_runs``, saved under ``OUT/tf1``) as ``tf1_adagrad``. The runs in ``REFUSED`` are trained
 one step and saved only: optimizers whose state restorekit refuses by name.
+
+``python keras2_optimizer_runs.py resume OUT`` (``KERAS_BACKEND`` jax or torch, TensorFlow
+blocked): every run restored into a Keras 3 twin with ``optimizer=`` (and, the control,
+without), continued 20 steps; the losses to ``OUT/<backend>.json``.
 """
 
 import json
@@ -28,6 +32,18 @@ RUNS = {
     "adagrad": ("legacy.Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.1}, "checkpoint"),
     # tf-keras' default optimizers since TF 2.11 save their variables as Keras 3 does (optimizer/_variables/N)
     "adam_new": ("Adam", {"learning_rate": 0.01}, "checkpoint"),
+}
+# run: the Keras 3 optimizer that resumes it, with the tf-keras run's hyper-parameters
+KERAS3 = {
+    "adam": ("Adam", {"learning_rate": 0.01, "epsilon": 1e-7}),
+    "amsgrad": ("Adam", {"learning_rate": 0.01, "epsilon": 1e-7, "amsgrad": True}),
+    "sgd": ("SGD", {"learning_rate": 0.05, "momentum": 0.9}),
+    "nesterov": ("SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}),
+    "rmsprop": ("RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10}),
+    "rmsprop_centered": ("RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10,
+                                     "centered": True}),
+    "adagrad": ("Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.1, "epsilon": 1e-7}),
+    "adam_new": ("Adam", {"learning_rate": 0.01}),
 }
 REFUSED = {
     "rmsprop_plain": ("legacy.RMSprop", {"learning_rate": 0.01}),
@@ -79,6 +95,36 @@ def run(name: str, out: str) -> list:
     return [float(net.train_on_batch(xs[i], ys[i])) for i in range(BEFORE, BEFORE + AFTER)]
 
 
+def keras3(name: str, directory: str, carry: bool, classes: int = 3):
+    """Run ``name`` restored into a Keras 3 twin (optimizer state carried, or fresh): the optimizer and report,
+    and the losses of 20 steps (None for a head of other ``classes``)."""
+    import keras
+
+    import restorekit
+    from keras_optimizer_runs import compiled, continue_run, optimizer
+
+    keras.utils.set_random_seed(1)
+    opt = optimizer(keras, KERAS3[name])
+    net = compiled(keras, opt, classes, eager=keras.config.backend() != "tensorflow")
+    report = restorekit.scan(os.path.join(directory, path(name)), net, optimizer=opt if carry else None)
+    restorekit.restore(report)
+    return (continue_run(net) if classes == 3 else None), report, opt
+
+
+def resume_all(out: str) -> None:
+    """Every run resumed by Keras 3 on ``KERAS_BACKEND`` (TensorFlow blocked), carried and fresh, to OUT/<backend>.json."""
+    import keras
+
+    found: dict = {"losses": {}, "fresh": {}, "sources": {}}
+    for name in RUNS:
+        found["losses"][name], report, _ = keras3(name, out, True)
+        found["sources"][name] = [report.optimizer.source, report.optimizer.step, len(report.optimizer.carried)]
+        found["fresh"][name], _, _ = keras3(name, out, False)
+    found["tensorflow_imported"] = "tensorflow" in sys.modules
+    with open(os.path.join(out, f"{keras.config.backend()}.json"), "w") as f:
+        json.dump(found, f)
+
+
 def main(out: str) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
@@ -97,4 +143,7 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(sys.argv[1])
+    if sys.argv[1] == "resume":
+        resume_all(sys.argv[2])
+    else:
+        main(sys.argv[1])

@@ -17,27 +17,21 @@ import pytest
 
 import restorekit
 from conftest import requires_torch
-from keras2_optimizer_runs import REFUSED, RUNS, path
+from keras2_optimizer_runs import REFUSED, RUNS, keras3, path
 from tf1_optimizer_runs import AFTER, BEFORE, batches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SLOT = "/.OPTIMIZER_SLOT/optimizer/{}/.ATTRIBUTES/VARIABLE_VALUE"
-# run: the Keras 3 optimizer that resumes it, and its torch.optim twin (the tf-keras run's hyper-parameters)
-TWINS = {
-    "adam": (("Adam", {"learning_rate": 0.01, "epsilon": 1e-7}), ("Adam", {"lr": 0.01, "eps": 1e-7})),
-    "amsgrad": (("Adam", {"learning_rate": 0.01, "epsilon": 1e-7, "amsgrad": True}),
-                ("Adam", {"lr": 0.01, "eps": 1e-7, "amsgrad": True})),
-    "sgd": (("SGD", {"learning_rate": 0.05, "momentum": 0.9}), ("SGD", {"lr": 0.05, "momentum": 0.9})),
-    "nesterov": (("SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}),
-                 ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True})),
-    "rmsprop": (("RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10}),
-                ("RMSprop", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5, "eps": 1e-10})),
-    "rmsprop_centered": (("RMSprop", {"learning_rate": 0.01, "rho": 0.9, "momentum": 0.5, "epsilon": 1e-10,
-                                      "centered": True}),
-                         ("RMSprop", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5, "eps": 1e-10, "centered": True})),
-    "adagrad": (("Adagrad", {"learning_rate": 0.1, "initial_accumulator_value": 0.1, "epsilon": 1e-7}),
-                ("Adagrad", {"lr": 0.1, "initial_accumulator_value": 0.1, "eps": 1e-7})),
-    "adam_new": (("Adam", {"learning_rate": 0.01}), ("Adam", {"lr": 0.01, "eps": 1e-7})),
+# run: the torch.optim twin of its optimizer (the tf-keras run's hyper-parameters); its Keras 3 one is KERAS3's
+TORCH = {
+    "adam": ("Adam", {"lr": 0.01, "eps": 1e-7}),
+    "amsgrad": ("Adam", {"lr": 0.01, "eps": 1e-7, "amsgrad": True}),
+    "sgd": ("SGD", {"lr": 0.05, "momentum": 0.9}),
+    "nesterov": ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    "rmsprop": ("RMSprop", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5, "eps": 1e-10}),
+    "rmsprop_centered": ("RMSprop", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5, "eps": 1e-10, "centered": True}),
+    "adagrad": ("Adagrad", {"lr": 0.1, "initial_accumulator_value": 0.1, "eps": 1e-7}),
+    "adam_new": ("Adam", {"lr": 0.01, "eps": 1e-7}),
 }
 LABELS = {"adam": "Keras 2 Adam", "amsgrad": "Keras 2 Adam", "sgd": "Keras 2 SGD", "nesterov": "Keras 2 SGD", "rmsprop": "Keras 2 RMSprop",
           "rmsprop_centered": "Keras 2 RMSprop", "adagrad": "Keras 2 Adagrad", "adam_new": "Keras 2 Adam"}
@@ -60,18 +54,11 @@ def runs(tmp_path_factory):
 
 
 def _keras3(name: str, directory: str, carry: bool, classes: int = 3):
-    """Run ``name`` restored into a Keras 3 twin (TensorFlow backend; optimizer state carried, or fresh): 20 steps."""
+    """Run ``name`` restored into a Keras 3 twin on the TensorFlow backend (carried, or fresh): 20 steps."""
     keras = pytest.importorskip("keras")
     if keras.config.backend() != "tensorflow":
         pytest.skip("the Keras 3 twin runs on the TensorFlow backend here")
-    from keras_optimizer_runs import compiled, continue_run, optimizer
-
-    keras.utils.set_random_seed(1)
-    opt = optimizer(keras, TWINS[name][0])
-    net = compiled(keras, opt, classes)
-    report = restorekit.scan(os.path.join(directory, path(name)), net, optimizer=opt if carry else None)
-    restorekit.restore(report)
-    return (continue_run(net) if classes == 3 else None), report, opt
+    return keras3(name, directory, carry, classes)
 
 
 def _torch(name: str, directory: str, carry: bool):
@@ -81,7 +68,7 @@ def _torch(name: str, directory: str, carry: bool):
     from test_optimizer_state import _twin
 
     net = _twin(torch)
-    cls, kwargs = TWINS[name][1]
+    cls, kwargs = TORCH[name]
     opt = getattr(torch.optim, cls)(net.parameters(), **kwargs)
     report = restorekit.scan(os.path.join(directory, path(name)), net, layout="torch",
                              optimizer=opt if carry else None)
@@ -109,6 +96,28 @@ def test_keras3_follows_tf_keras_own_continuation(runs, name):
     assert section.reset == ()
     fresh, _, _ = _keras3(name, out, carry=False)  # the control: a warm start with fresh optimizer state
     assert _relative(fresh, losses[name]) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_keras3_on_jax_and_torch_follows_tf_keras_own_continuation_without_tensorflow(runs, backend):
+    from test_backends import BLOCKER, _missing
+
+    why = _missing(backend)
+    if why:
+        pytest.skip(f"the {backend} backend {why}")
+    out, losses = runs
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": os.pathsep.join([BLOCKER, os.path.dirname(HERE)])}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "keras2_optimizer_runs.py"), "resume", out],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(os.path.join(out, f"{backend}.json")) as f:
+        got = json.load(f)
+    assert not got["tensorflow_imported"]
+    for name in RUNS:
+        assert _relative(got["losses"][name], losses[name]) < 1e-5, f"{backend} {name}"
+        assert _relative(got["fresh"][name], losses[name]) > 1e-3, f"{backend} {name}: the control"
+        assert got["sources"][name] == [LABELS[name], BEFORE, 4]
 
 
 @pytest.mark.slow
