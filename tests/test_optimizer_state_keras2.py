@@ -303,14 +303,18 @@ def test_a_slot_whose_weight_changed_shape_is_reported_reset_and_the_rest_are_th
     assert "optimizer  keras.optimizers.Adam (tensorflow) <- Keras 2 Adam, step 2 (iter)" in str(report)
 
 
-def test_an_optimizer_of_another_kind_is_refused_before_anything_is_written(adam_checkpoint):
+@pytest.mark.parametrize("make, match", [
+    (lambda k: k.optimizers.SGD(0.05, momentum=0.9), r"holds Adam slots; keras\.optimizers\.SGD takes Momentum"),
+    (lambda k: k.optimizers.Adam(0.01, beta_2=0.99), r"Keras 2 Adam ran with betas \(0\.9, 0\.999\).*\(0\.9, 0\.99\)"),
+], ids=["an optimizer of another kind is refused", "betas other than the run's saved ones are refused"])
+def test_an_optimizer_that_cannot_take_the_state_is_refused_before_anything_is_written(adam_checkpoint, make, match):
     keras = pytest.importorskip("keras")
     from keras_optimizer_runs import compiled
 
-    opt = keras.optimizers.SGD(0.05, momentum=0.9)
+    opt = make(keras)
     net = compiled(keras, opt)
     before = [v.numpy() for v in net.variables]
-    with pytest.raises(restorekit.InvalidArgumentError, match=r"holds Adam slots; keras\.optimizers\.SGD takes Momentum"):
+    with pytest.raises(restorekit.InvalidArgumentError, match=match):
         restorekit.scan(adam_checkpoint, net, optimizer=opt)
     assert not opt.built and all(np.array_equal(v.numpy(), b) for v, b in zip(net.variables, before))
 
@@ -327,6 +331,10 @@ def test_torch_optim_of_another_kind_is_refused_and_a_changed_head_is_reset(adam
     with pytest.raises(restorekit.InvalidArgumentError, match=r"holds Adam slots; torch\.optim\.SGD takes Momentum"):
         restorekit.scan(adam_checkpoint, net, layout="torch", optimizer=sgd)
     assert torch.equal(net.fc1.weight, before) and not sgd.state
+    other = torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.95, 0.999))  # the run's were Keras' (0.9, 0.999)
+    with pytest.raises(restorekit.InvalidArgumentError, match=r"Keras 2 Adam ran with betas \(0\.9, 0\.999\)"):
+        restorekit.scan(adam_checkpoint, net, layout="torch", optimizer=other)
+    assert torch.equal(net.fc1.weight, before) and not other.state
     net = _twin(torch, classes=5)
     adam = torch.optim.Adam(net.parameters(), lr=0.01, eps=1e-7)
     report = restorekit.scan(adam_checkpoint, net, layout="torch", optimizer=adam)

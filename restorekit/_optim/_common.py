@@ -70,7 +70,7 @@ def why_reset(name, status, matched, state):
 def steps_of(state, adam: bool, betas: list, notes: list) -> tuple:
     """The steps the source run took, and what says so: TF1 Adam's beta powers (what its bias correction reads,
     checked against ``betas``, one ``(beta1, beta2)`` per group), else the step counter (``global_step``, a Keras
-    optimizer's ``iterations``)."""
+    optimizer's ``iterations``). Betas a source saved (Keras 2's ``beta_1``, ``beta_2``) are checked too."""
     if adam and state.beta1_power is not None:
         found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(b1), float(b2), state.global_step)
                  for b1, b2 in betas}
@@ -81,6 +81,14 @@ def steps_of(state, adam: bool, betas: list, notes: list) -> tuple:
             notes.append(OptimizerNote("step", f"global_step is {state.global_step}, beta1_power counts {steps} "
                                                f"steps: bias correction reads the beta powers, so step = {steps}"))
         return steps, "beta1_power" + (", beta2_power" if state.beta2_power is not None else "")
+    if adam and state.kinds and state.betas is not None:
+        saved = tuple(float(b) for b in state.betas)
+        for b1, b2 in betas:  # the saved betas are float32 variables
+            if any(abs(float(b) - s) > 1e-6 * max(abs(s), 1.0) for b, s in zip((b1, b2), saved)):
+                raise InvalidArgumentError(
+                    f"the checkpoint's {state.label} ran with betas ({saved[0]:.6g}, {saved[1]:.6g}); the optimizer's "
+                    f"are ({float(b1):.6g}, {float(b2):.6g}): give it the run's, or scan without optimizer= for a warm "
+                    f"start")
     if adam and state.kinds:
         if state.global_step is None:
             raise InvalidArgumentError("the checkpoint holds Adam slots but no beta1_power and no global_step: the "

@@ -132,7 +132,9 @@ def keras2_state(checkpoint) -> KerasState:
                  else (("rms", "RMSProp"), ("momentum", "RMSProp_1")),
                  "Adagrad": (("accumulator", "Adagrad"),)}[kind]
     state = KerasState(global_step=int(hyper["iter"][0]) if "iter" in hyper else None, label=f"Keras 2 {cls}",
-                       counter="iter", is_centered=centered, rate=rate, epsilon_outside=kind == "Adagrad")
+                       counter="iter", is_centered=centered, rate=rate, epsilon_outside=kind == "Adagrad",
+                       betas=(float(hyper["beta_1"][0]), float(hyper["beta_2"][0]))
+                       if kind == "Adam" and "beta_1" in hyper and "beta_2" in hyper else None)
     for weight, found in slots.items():
         if all(name in found for name, _ in leaves_of):  # a weight with part of the set has none (no_slots)
             state.slots[weight] = {leaf: found[name] for name, leaf in leaves_of}

@@ -39,6 +39,7 @@ class TF1State:
     counter: str = "global_step"  # the entry the step count is read from where no beta power says it
     # Adagrad's epsilon: TF1 adds none; Keras 2 adds its own (not saved) outside the root, as torch does
     epsilon_outside: bool = False
+    betas: tuple | None = None  # Adam's (beta_1, beta_2) where the source saved them (Keras 2)
 
     def read(self, checkpoint, leaf: str, key: str):
         """Slot ``leaf`` (stored at ``key``) as TF1 keeps it: the values the conversions take."""
