@@ -64,8 +64,8 @@ def _kind(optimizer) -> str:
             return cls.__name__
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     raise InvalidArgumentError(
-        f"optimizer= takes a Keras 3 Adam, AdamW, SGD, RMSprop or Adagrad; {name} is not supported yet (its state would not "
-        f"be carried): scan without optimizer= for a warm start")
+        f"optimizer= takes a Keras 3 Adam, AdamW, SGD, RMSprop or Adagrad; {name} is not supported yet (its state "
+        f"would not be carried): scan without optimizer= for a warm start")
 
 
 def _number(value) -> float:

@@ -68,7 +68,7 @@ def _graph(checkpoint):
 
 
 def is_keras2_optimizer(checkpoint) -> bool:
-    """True when ``checkpoint`` is a TF2 object-based checkpoint holding a Keras 2 (``OptimizerV2``) optimizer's slots."""
+    """True when ``checkpoint`` is a TF2 checkpoint holding a Keras 2 (``OptimizerV2``) optimizer's slots."""
     graph = _graph(checkpoint)
     return graph is not None and bool(_optimizer_nodes(graph))
 
@@ -89,6 +89,17 @@ def _hyper(checkpoint, graph, optimizer: int) -> dict:
         if key is not None and key in checkpoint.entries and tuple(checkpoint.entries[key].shape) == ():
             found[name] = (np.asarray(checkpoint.read(key)).reshape(()).item(), full_name)
     return found
+
+
+def _leaves(kind: str, names: frozenset) -> tuple:
+    """``(Keras 2 slot, TF1 leaf)`` for each slot of ``kind``, numbered as TF1 numbers its own."""
+    if kind == "Adam":
+        return (("m", "Adam"), ("v", "Adam_1")) + ((("vhat", "vhat"),) if "vhat" in names else ())
+    if kind == "RMSProp":  # TF1's centered RMSProp numbers mg before the momentum
+        if "mg" in names:
+            return ("rms", "RMSProp"), ("mg", "RMSProp_1"), ("momentum", "RMSProp_2")
+        return ("rms", "RMSProp"), ("momentum", "RMSProp_1")
+    return (("momentum", "Momentum"),) if kind == "Momentum" else (("accumulator", "Adagrad"),)
 
 
 def keras2_state(checkpoint) -> KerasState:
@@ -127,10 +138,7 @@ def keras2_state(checkpoint) -> KerasState:
                                    f"scan without optimizer= for a warm start")
     rate = float(hyper["learning_rate"][0]) if "learning_rate" in hyper else None
     centered = "mg" in names
-    leaves_of = {"Adam": (("m", "Adam"), ("v", "Adam_1")) + ((("vhat", "vhat"),) if "vhat" in names else ()), "Momentum": (("momentum", "Momentum"),),
-                 "RMSProp": (("rms", "RMSProp"), ("mg", "RMSProp_1"), ("momentum", "RMSProp_2")) if centered
-                 else (("rms", "RMSProp"), ("momentum", "RMSProp_1")),
-                 "Adagrad": (("accumulator", "Adagrad"),)}[kind]
+    leaves_of = _leaves(kind, names)
     state = KerasState(global_step=int(hyper["iter"][0]) if "iter" in hyper else None, label=f"Keras 2 {cls}",
                        counter="iter", is_centered=centered, rate=rate, epsilon_outside=kind == "Adagrad",
                        betas=(float(hyper["beta_1"][0]), float(hyper["beta_2"][0]))

@@ -199,8 +199,9 @@ def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:
         if kind == "Adagrad":
             eps = float(group["eps"])
             if values and state.epsilon_outside:
-                settings.append(OptimizerNote("eps", f"kept {eps:.4g}{where}: Keras 2 Adagrad adds its epsilon outside "
-                                                     f"the root, as torch does (give the run's; tf-keras' default is 1e-07)"))
+                settings.append(OptimizerNote("eps", f"kept {eps:.4g}{where}: Keras 2 Adagrad adds its epsilon "
+                                                     f"outside the root, as torch does (give the run's; tf-keras' "
+                                                     f"default is 1e-07)"))
             elif values and (float(group["initial_accumulator_value"]) > 0 or len(values) == len(group["params"])):
                 plan.groups.setdefault(g, {})["eps"] = 0.0
                 settings.append(OptimizerNote("eps", f"{eps:.4g} -> 0{where}: TF1 Adagrad adds no epsilon (its "
