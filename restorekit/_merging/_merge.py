@@ -9,7 +9,8 @@ import numpy as np
 
 from restorekit.errors import InvalidArgumentError, format_names
 from restorekit._merging import _pipeline as pipeline
-from restorekit._merging._methods import METHODS, Linear, TensorParams
+from restorekit._merging._methods import METHODS, Linear, TensorParams, run
+from restorekit._merging._stream import Stream
 from restorekit._merging._recipe import MergeRecipe, layer_position, load_recipe
 from restorekit._report import summary_row
 
@@ -100,9 +101,11 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
     Methods: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``, ``slerp``
     (``restorekit._merging._methods``). Sources are any mix restorekit opens (TF checkpoints, Keras
     files, safetensors files and Hugging Face directories, ``.pt``, ``.npz``, ONNX), paired by
-    name; optimizer state is left out; float tensors are computed in float64 and written in the
-    recipe's ``dtype`` (default: the stored dtype). Memory holds each tensor of every source once
-    (as float64) plus element chunks, never a model.
+    name; optimizer state is left out; float tensors are computed in float64, a chunk of elements
+    at a time, and written in the recipe's ``dtype`` (default: the stored dtype). Memory holds the
+    output tensor, a few chunks and, while TIES finds a model's magnitude cut, one float32 array of
+    the tensor's size: sources whose bytes lie in a file as stored (TF checkpoints, safetensors) are
+    read by ranges, never whole; others (``.pt``, ``.npz``) one tensor at a time in their stored dtype.
 
         restorekit.merge("ties.yml", "merged/")            # a Hugging Face directory, as mergekit writes
         restorekit.merge({"merge_method": "slerp", "base_model": "a/", "models": ["a/", "b/"],
@@ -170,22 +173,14 @@ def _merge(recipe: MergeRecipe, out, ranks, *, to, include, exclude, intersectio
     params = _resolve(recipe, plan.merged, seed)
 
     def merged(name: str) -> np.ndarray:
+        # each source's tensor streamed in chunks (stored dtype, read by element ranges), the output filled in place
         p = params[name]
-        if isinstance(method, Linear):
-            acc = np.zeros(srcs[0].ckpt.entries[name].shape, np.float64)
-            for src, w in zip(srcs, p.weight):
-                Linear.add(acc, src.ckpt.read(name), w)  # one source's tensor at a time
-            return Linear.finish(acc, p.weight)
-        assert base is not None  # every method but linear needs a base model: load_recipe refused a recipe without
-        tensors = [_as_float64(s.ckpt.read(name)) for i, s in enumerate(srcs) if i != base]
-        return method.merge(tensors, _as_float64(srcs[base].ckpt.read(name)), p)
+        streams = [Stream(s.ckpt, name) for i, s in enumerate(srcs) if i != base or isinstance(method, Linear)]
+        base_stream = None if isinstance(method, Linear) or base is None else Stream(srcs[base].ckpt, name)
+        out = np.empty(streams[0].shape, pipeline.numpy_dtype(plan.dtypes[name]))
+        return run(method, streams, base_stream, p, out)
 
     pipeline.write(plan, merged, progress=progress, ranks=ranks)
     return MergeResult(target.path, target.format, recipe.merge_method,
                        recipe.sources, recipe.base_model, plan.merged, tuple(plan.chosen), tuple(plan.taken),
                        srcs[0].dropped, tuple(plan.skipped), plan.nbytes)
-
-
-def _as_float64(value) -> np.ndarray:
-    """A tensor as a fresh float64 array the method may write into (the stored copy freed at once)."""
-    return np.array(value, dtype=np.float64)
