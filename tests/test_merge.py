@@ -242,6 +242,78 @@ def test_keras_weights_files_merge_like_numpy(tmp_path):
                                rtol=0, atol=1e-7)
 
 
+# ------------------------------------------------------------------ sources of different naming
+
+
+def _bert(seed):
+    """A few variables of a google-research BERT TF checkpoint, and its step counter."""
+    rng = np.random.RandomState(seed)
+    layer = "bert/encoder/layer_0/"
+    return {"bert/embeddings/word_embeddings": rng.randn(30, 8).astype(np.float32),
+            "bert/embeddings/LayerNorm/gamma": rng.randn(8).astype(np.float32),
+            layer + "attention/self/query/kernel": rng.randn(8, 8).astype(np.float32),
+            layer + "attention/self/query/bias": rng.randn(8).astype(np.float32),
+            layer + "intermediate/dense/kernel": rng.randn(8, 16).astype(np.float32),
+            "global_step": np.int64(10 + seed)}
+
+
+def test_a_tf_bert_checkpoint_and_a_hugging_face_file_pair_through_the_bert_rule_set(tmp_path):
+    """rules='bert-tf-to-hf' is the rule set convert and restore take: the TF checkpoint is seen under the Hugging
+    Face names and axes (kernels transposed), the Hugging Face file as it is, and the merge is written under the
+    Hugging Face names. Without it the names differ and nothing is written."""
+    from restorekit.export import convert
+
+    a, b, c = _bert(0), _bert(1), _bert(2)
+    tf_a = save_variables(tmp_path / "a" / "bert_model.ckpt", a)
+    tf_b = save_variables(tmp_path / "b" / "bert_model.ckpt", b)
+    tf_c = save_variables(tmp_path / "c" / "bert_model.ckpt", c)
+    hf_b = str(tmp_path / "hf_b.safetensors")
+    convert(tf_b, hf_b, rules="bert-tf-to-hf", weights_only=True)
+    recipe = {"merge_method": "task_arithmetic", "base_model": tf_a, "parameters": {"lambda": 0.5},
+              "models": [{"model": hf_b, "parameters": {"weight": 1.0}}, {"model": tf_c, "parameters": {"weight": 0.4}}]}
+    out = str(tmp_path / "merged.safetensors")
+    with pytest.raises(SourceMismatchError, match="do not hold the same tensors"):
+        merge(recipe, out)
+    with pytest.raises(InvalidArgumentError, match="unknown rule set 'bert-tf-to-gpt'"):
+        merge(recipe, out, rules="bert-tf-to-gpt")
+    with pytest.raises(InvalidArgumentError, match="leave layout=None"):
+        merge(recipe, out, rules="bert-tf-to-hf", layout="torch")
+    assert _nothing_at(out)
+    result = merge(recipe, out, rules="bert-tf-to-hf")
+    got = load_file(out)
+    assert len(result.merged) == 5
+    hf = {"bert.embeddings.word_embeddings.weight": ("bert/embeddings/word_embeddings", False),
+          "bert.embeddings.LayerNorm.weight": ("bert/embeddings/LayerNorm/gamma", False),
+          "bert.encoder.layer.0.attention.self.query.weight": ("bert/encoder/layer_0/attention/self/query/kernel", True),
+          "bert.encoder.layer.0.attention.self.query.bias": ("bert/encoder/layer_0/attention/self/query/bias", False),
+          "bert.encoder.layer.0.intermediate.dense.weight": ("bert/encoder/layer_0/intermediate/dense/kernel", True)}
+    assert set(got) == set(hf)
+    for name, (tf_name, transposed) in hf.items():
+        base, ft0, ft1 = (np.asarray(v[tf_name], np.float64) for v in (a, b, c))
+        expected = base + 0.5 * (1.0 * (ft0 - base) + 0.4 * (ft1 - base))
+        np.testing.assert_array_equal(got[name], (expected.T if transposed else expected).astype(np.float32), name)
+
+
+def test_layout_torch_pairs_a_tf_checkpoint_with_a_pytorch_state_dict(tmp_path):
+    """layout='torch' sees the TF checkpoint with PyTorch names and axes (a Dense kernel [in, out] is nn.Linear's
+    weight [out, in]), as a restore into a torch module does; a PyTorch file from elsewhere is read as it is."""
+    rng = np.random.RandomState(0)
+    tf_values = {"dense/kernel": rng.randn(6, 4).astype(np.float32), "dense/bias": rng.randn(4).astype(np.float32)}
+    torch_values = {"dense.weight": rng.randn(4, 6).astype(np.float32), "dense.bias": rng.randn(4).astype(np.float32)}
+    tf_path = save_variables(tmp_path / "tf" / "model.ckpt", tf_values)
+    st_path = str(tmp_path / "torch.safetensors")
+    save_file(torch_values, st_path)
+    out = str(tmp_path / "mean.safetensors")
+    merge({"merge_method": "linear", "models": [{"model": tf_path, "parameters": {"weight": 3.0}},
+                                                {"model": st_path, "parameters": {"weight": 1.0}}]}, out, layout="torch")
+    got = load_file(out)
+    assert set(got) == {"dense.weight", "dense.bias"}
+    np.testing.assert_allclose(got["dense.weight"], (3 * tf_values["dense/kernel"].T + torch_values["dense.weight"]) / 4,
+                               rtol=1e-6)
+    np.testing.assert_allclose(got["dense.bias"], (3 * tf_values["dense/bias"] + torch_values["dense.bias"]) / 4,
+                               rtol=1e-6)
+
+
 # ------------------------------------------------------------------ recipes and errors
 
 

@@ -88,12 +88,13 @@ def _resolve(recipe: MergeRecipe, names, seed: int) -> dict:
                 raise InvalidArgumentError(f"density {bad[0]!r} for {name!r} is outside (0, 1]")
         params[name] = TensorParams(name, weight=values.get("weight", ()), density=values.get("density", ()),
                                     t=values.get("t", 0.5), lambda_=values.get("lambda", 1.0),
-                                    normalize=values.get("normalize", False), seed=seed)
+                                    normalize=values.get("normalize", False),
+                                    rescale=values.get("rescale", False), seed=seed)
     return params
 
 
-def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, intersection: bool = False,
-          mismatch: str = "error",
+def merge(recipe, out, *, to: str | None = None, layout: str | None = None, rules=None, include=None, exclude=None,
+          intersection: bool = False, mismatch: str = "error",
           max_shard_size=None, seed: int = 0, overwrite: bool = False, progress: bool = False,
           distributed: bool = False) -> MergeResult:
     """Merge models as a mergekit recipe says, streamed: each output tensor from one tensor of each source.
@@ -118,6 +119,12 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
             directory or ``max_shard_size`` is given: then a directory of safetensors
             shards (with the base's ``config.json``).
         to: the output format ('tf', 'safetensors', 'npz', 'torch').
+        layout: 'torch' to pair the sources by PyTorch names and axes, as a restore into a torch module
+            pairs them (a TF checkpoint's Dense kernel ``[in, out]`` is ``nn.Linear``'s ``weight``
+            ``[out, in]``; a PyTorch file from elsewhere is read as it is); the output takes those names.
+        rules: a rule set (``'bert-tf-to-hf'``, ``'gpt2-tf-to-hf'``, ... or a ``RuleSet``) every source is
+            seen through, as ``convert(rules=...)`` and a restore see it: a TF BERT checkpoint and a Hugging
+            Face one pair by the Hugging Face names (the output's). Not with ``layout``.
         include: patterns over entry names; only those are written (default every entry).
         exclude: patterns over entry names left out.
         intersection: merge only the entries every source holds with the same shape and
@@ -138,7 +145,8 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
 
     Raises:
         InvalidArgumentError: an unknown recipe key, method or parameter; a missing base model
-            or weight; slerp without two models; ``t`` outside [0, 1]; ``density`` outside (0, 1].
+            or weight; a layout other than 'torch', an unknown rule set, or both; slerp without two
+            models; ``t`` outside [0, 1]; ``density`` outside (0, 1].
         SourceMismatchError: the sources differ in names, shapes or dtypes, or in non-float values.
         NoMatchError: an include/exclude pattern matches no entry.
         CheckpointNotFoundError: a model path or the recipe file is missing.
@@ -154,17 +162,18 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise InvalidArgumentError(f"seed is an integer, got {seed!r}")
     _check_required(recipe)
-    options = dict(to=to, include=include, exclude=exclude, intersection=intersection, mismatch=mismatch,
+    options = dict(to=to, layout=layout, rules=rules, include=include, exclude=exclude, intersection=intersection,
+                   mismatch=mismatch,
                    max_shard_size=max_shard_size, seed=int(seed), overwrite=overwrite, progress=progress)
     return pipeline.across_ranks(out, to, recipe.sources[recipe.base_index or 0],
                                  lambda ranks: _merge(recipe, out, ranks, **options),
                                  max_shard_size=max_shard_size, distributed=distributed)
 
 
-def _merge(recipe: MergeRecipe, out, ranks, *, to, include, exclude, intersection: bool, mismatch: str,
+def _merge(recipe: MergeRecipe, out, ranks, *, to, layout, rules, include, exclude, intersection: bool, mismatch: str,
            max_shard_size, seed: int, overwrite: bool, progress: bool) -> MergeResult:
     method = METHODS[recipe.merge_method]
-    srcs = [pipeline.open_source(p) for p in recipe.sources]
+    srcs = [pipeline.open_source(p, layout=layout, rules=rules) for p in recipe.sources]
     base = recipe.base_index
     target = pipeline.output(out, to, srcs, reference=base or 0, max_shard_size=max_shard_size, dtype=recipe.dtype,
                              overwrite=overwrite)

@@ -34,6 +34,7 @@ class TensorParams:
     t: float = 0.5
     lambda_: float = 1.0
     normalize: bool = False
+    rescale: object = False  # True, False or BY_DENSITY (see below)
     seed: int = 0
 
 
@@ -81,11 +82,24 @@ class Linear(Method):
         return acc
 
 
-class _Cut:
-    """One model's TIES trim: keep magnitudes above ``cut``, and the first ``short`` entries equal to it."""
+# ``rescale`` of the sparsifying methods: mergekit's shared boolean (true: scale the kept entries so the delta
+# keeps its L1 norm; false: no scaling), or, unset for DARE, the paper's 1 / density.
+BY_DENSITY = "1/density"
+_EPS = 1e-7  # mergekit's: below it, either L1 norm leaves the kept entries as they are
 
-    def __init__(self, cut, short: int):
-        self.cut, self.short = cut, short
+
+def _l1_scale(before: float, after: float) -> float:
+    """mergekit's ``rescaled_masked_tensor`` factor: the delta's L1 norm over the kept entries' (1 when either is
+    below 1e-7)."""
+    return 1.0 if before < _EPS or after < _EPS else before / after
+
+
+class _Cut:
+    """One model's TIES trim: keep magnitudes above ``cut`` and the first ``short`` entries equal to it, then
+    scale by ``scale`` (1, or mergekit's L1 rescale)."""
+
+    def __init__(self, cut, short: int, scale: float = 1.0):
+        self.cut, self.short, self.scale = cut, short, scale
 
     def apply(self, delta: np.ndarray) -> None:
         mag = np.abs(delta).astype(np.float32)
@@ -95,45 +109,81 @@ class _Cut:
             keep[at_cut] = True
             self.short -= len(at_cut)
         delta[~keep] = 0.0
+        if self.scale != 1.0:
+            delta *= self.scale
 
 
-def _cut(stream, base, density: float) -> _Cut | None:
+def _cut(stream, base, density: float, rescale) -> _Cut | None:
     """The magnitude cut keeping the ``density`` share of the model's delta largest in magnitude (at least one
     entry), or None (keep all).
 
     Magnitudes are ranked in float32, as mergekit ranks them (``w.float()``): a float32 model's deltas, rounded,
     are exactly the float32 differences mergekit ranks. Equal magnitudes at the cut keep the earliest entries.
-    The magnitudes are one float32 array (the delta is read in chunks), partitioned in place.
+    The magnitudes are one float32 array (the delta is read in chunks), partitioned in place. With ``rescale``
+    true, a second pass sums the kept entries' magnitudes for mergekit's L1 rescale.
     """
     n = stream.size
     if density >= 1 or n == 0:
         return None
     k = max(1, int(density * n))
     mag = np.empty(n, np.float32)
+    before = 0.0
     for span in spans(n):
         delta = stream.read(span)
         delta -= base.read(span)
-        mag[span] = np.abs(delta)
+        np.abs(delta, out=delta)
+        if rescale is True:
+            before += float(delta.sum())
+        mag[span] = delta
     mag.partition(n - k)
     cut = mag[n - k]  # the k-th largest magnitude
     above = sum(int(np.count_nonzero(mag[span] > cut)) for span in spans(n))
     del mag
-    return _Cut(cut, k - above)
+    if rescale is not True:
+        return _Cut(cut, k - above)
+    trim, after = _Cut(cut, k - above), 0.0
+    for span in spans(n):
+        delta = stream.read(span)
+        delta -= base.read(span)
+        trim.apply(delta)
+        after += float(np.abs(delta).sum())
+    return _Cut(cut, k - above, _l1_scale(before, after))
 
 
-def _rng(params: TensorParams, index: int) -> np.random.Generator:
-    """DARE's mask generator of model ``index`` on this tensor: the same recipe and seed give the same merge, in
-    any tensor order."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-        [params.seed & 0xFFFFFFFF, zlib.crc32(params.name.encode("utf-8")), index])))
+class _Drop:
+    """One model's DARE drop: each entry dropped with probability 1 - density (numpy's Generator seeded from
+    (seed, tensor name, model index), drawn in element order, so the chunks of a tensor draw one mask), the
+    kept ones scaled by ``scale``."""
+
+    def __init__(self, params: TensorParams, index: int, density: float, scale: float):
+        self.density, self.scale = density, scale
+        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+            [params.seed & 0xFFFFFFFF, zlib.crc32(params.name.encode("utf-8")), index])))
+
+    def apply(self, delta: np.ndarray) -> None:
+        dropped = self.rng.random(delta.size) >= self.density
+        delta[dropped] = 0.0
+        if self.scale != 1.0:
+            delta *= self.scale
 
 
-def _drop(delta: np.ndarray, density: float, rng: np.random.Generator) -> None:
-    """Drop each entry of ``delta`` with probability 1 - density and rescale the rest by 1 / density, in place
-    (the next ``delta.size`` draws of ``rng``, so the chunks of a tensor draw its mask in element order)."""
-    dropped = rng.random(delta.size) >= density
-    delta[dropped] = 0.0
-    delta *= 1.0 / density
+def _drop(stream, base, params: TensorParams, index: int, rescale) -> _Drop | None:
+    """Model ``index``'s DARE drop, or None (density 1: keep all). ``rescale`` unset: the kept entries times
+    1 / density (the paper's rule); true: mergekit's L1 rescale (a first pass draws the same mask to sum the
+    norms); false: as they are."""
+    density = params.density[index]
+    if density >= 1:
+        return None
+    if rescale is not True:
+        return _Drop(params, index, density, 1.0 / density if rescale == BY_DENSITY else 1.0)
+    drop, before, after = _Drop(params, index, density, 1.0), 0.0, 0.0
+    for span in spans(stream.size):
+        delta = stream.read(span)
+        delta -= base.read(span)
+        before += float(np.abs(delta).sum())
+        drop.apply(delta)
+        after += float(np.abs(delta).sum())
+    return _Drop(params, index, density, _l1_scale(before, after))
 
 
 class TaskArithmetic(Method):
@@ -147,9 +197,9 @@ class TaskArithmetic(Method):
 
     def prepare(self, streams, base, params):
         if self.sparsify == "magnitude":
-            return [_cut(s, base, d) for s, d in zip(streams, params.density)]
+            return [_cut(s, base, d, params.rescale) for s, d in zip(streams, params.density)]
         if self.sparsify == "random":
-            return [None if d >= 1 else _rng(params, i) for i, d in enumerate(params.density)]
+            return [_drop(s, base, params, i, params.rescale) for i, s in enumerate(streams)]
         return None
 
     def merge(self, chunks, base, params, state):
@@ -159,10 +209,7 @@ class TaskArithmetic(Method):
         for i, (d, w) in enumerate(zip(parts, params.weight)):
             np.subtract(d, base, out=d)
             if state is not None and state[i] is not None:
-                if self.sparsify == "magnitude":
-                    state[i].apply(d)
-                else:
-                    _drop(d, params.density[i], state[i])
+                state[i].apply(d)  # the model's trim (ties) or drop (dare), and its rescale
             d *= w
         if self.consensus:
             # mergekit's 'sum' election: the sign of the summed weighted deltas (0 counts as +)
@@ -192,16 +239,19 @@ class Ties(TaskArithmetic):
     """TIES: trim each delta to ``density`` by magnitude, elect a sign per entry, average the agreeing deltas."""
 
     name = "ties"
-    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (True, False)}
+    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (True, False),
+                  "rescale": (False, False)}
     sparsify = "magnitude"
     consensus = True
 
 
 class DareLinear(TaskArithmetic):
-    """DARE: drop delta entries with probability 1 - density, rescale by 1 / density, add the weighted sum."""
+    """DARE: drop delta entries with probability 1 - density, rescale by 1 / density (``rescale: true``: to the
+    delta's L1 norm, as mergekit's default; ``false``: not at all), add the weighted sum."""
 
     name = "dare_linear"
-    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (False, False)}
+    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (False, False),
+                  "rescale": (BY_DENSITY, False)}
     sparsify = "random"
 
 

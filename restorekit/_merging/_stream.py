@@ -58,7 +58,8 @@ class Stream:
         self.dtype = np.dtype(numpy_dtype(entry.dtype))
         self._array: np.ndarray | None = None
         self._file: tuple[str, int] | None = None
-        where = ckpt.stored_range(name)
+        stored_range = getattr(ckpt, "stored_range", None)  # a layout's or rule set's view has none
+        where = stored_range(name) if stored_range is not None else None
         if where is not None and where[2] == self.size * self.dtype.itemsize:
             check = getattr(ckpt, "check", None)
             if check is not None:
