@@ -21,6 +21,7 @@ from restorekit import MergeRecipe, merge
 from restorekit.cli import main
 from restorekit.errors import (
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     InvalidArgumentError,
     OutputExistsError,
     SourceMismatchError,
@@ -312,6 +313,11 @@ def test_layout_torch_pairs_a_tf_checkpoint_with_a_pytorch_state_dict(tmp_path):
                                rtol=1e-6)
     np.testing.assert_allclose(got["dense.bias"], (3 * tf_values["dense/bias"] + torch_values["dense.bias"]) / 4,
                                rtol=1e-6)
+    recipe = tmp_path / "linear.yml"
+    recipe.write_text(yaml.safe_dump({"merge_method": "linear", "models": [tf_path, st_path]}))
+    assert main(["merge", str(recipe), str(tmp_path / "cli.safetensors"), "--layout", "torch", "-q"]) == 0
+    np.testing.assert_allclose(load_file(str(tmp_path / "cli.safetensors"))["dense.weight"],
+                               (tf_values["dense/kernel"].T + torch_values["dense.weight"]) / 2, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ recipes and errors
@@ -424,6 +430,27 @@ def test_peak_memory_is_the_output_tensor_and_one_magnitude_array_plus_chunks(tm
         assert np.count_nonzero(got != base["big"]) > 0.29 * got.size
     else:
         assert np.abs(got - (0.7 * base["big"] + 0.3 * first)).max() < 1e-5
+
+
+def test_a_tf_source_read_by_ranges_is_crc_checked_and_a_flipped_byte_writes_nothing(tmp_path):
+    """A TF checkpoint's tensors are streamed from their data shard by byte ranges, not through ``read``; their
+    crc32c is still checked first, so a corrupt shard fails the merge before anything is published."""
+    rng = np.random.RandomState(0)
+    values = [{"w": rng.randn(64, 32).astype(np.float32)} for _ in range(2)]
+    prefixes = [save_variables(tmp_path / f"m{i}" / "model.ckpt", v) for i, v in enumerate(values)]
+    recipe = {"merge_method": "linear", "models": prefixes}
+    out = str(tmp_path / "mean.safetensors")
+    merge(recipe, out)
+    np.testing.assert_array_equal(load_file(out)["w"], ((values[0]["w"].astype(np.float64) + values[1]["w"]) / 2)
+                                  .astype(np.float32))
+    data = prefixes[1] + ".data-00000-of-00001"
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x40
+    open(data, "wb").write(bytes(raw))
+    bad = str(tmp_path / "bad.safetensors")
+    with pytest.raises(ChecksumMismatchError, match="'w'"):
+        merge(recipe, bad)
+    assert _nothing_at(bad)
 
 
 # ------------------------------------------------------------------ CLI
