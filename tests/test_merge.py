@@ -123,6 +123,28 @@ def test_ties_on_a_hugging_face_directory_is_numpys_ties_with_layer_gradients_an
     assert "ties merge of 3 models" in str(result)
 
 
+def test_ties_over_several_chunks_with_ties_at_the_cut_keeps_the_earliest_entries_as_numpy_does(tmp_path):
+    """A tensor of 300k entries is merged in three chunks; its deltas are quarter steps, so thousands of entries tie
+    at each model's magnitude cut. The earliest of them are kept across chunk boundaries, as a stable argsort keeps
+    them: the merge equals the stacked numpy reference bit for bit (dtype float64)."""
+    from restorekit._merging._stream import CHUNK
+
+    rng = np.random.RandomState(0)
+    base = rng.randn(600, 500)
+    assert base.size > 2 * CHUNK
+    values = [base] + [base + np.round(4 * rng.randn(*base.shape)) / 4 for _ in range(3)]
+    paths = []
+    for i, v in enumerate(values):
+        paths.append(str(tmp_path / f"m{i}.safetensors"))
+        save_file({"w": v}, paths[-1])
+    weights, densities = [1.0, 0.5, 2.0], [0.3, 0.5, 0.71]
+    out = str(tmp_path / "ties.safetensors")
+    merge({"merge_method": "ties", "base_model": paths[0], "dtype": "float64",
+           "models": [{"model": p, "parameters": {"weight": w, "density": d}}
+                      for p, w, d in zip(paths[1:], weights, densities)]}, out)
+    np.testing.assert_array_equal(load_file(out)["w"], _ties_ref(base, values[1:], weights, densities))
+
+
 def test_task_arithmetic_linear_and_slerp_on_tf_checkpoints_compute_numpys_formulas(models, tmp_path):
     _, values = models
     ckpts = [save_variables(tmp_path / f"tf{i}" / "model.ckpt", {**{k.replace(".", "/"): v for k, v in vals.items()},
