@@ -1,19 +1,22 @@
 """Model merging (issue 37): peak memory and time of ``restorekit.merge`` against mergekit, on one TIES recipe.
 
 Four generated Hugging Face Llama directories (a base and three 'fine-tuned' copies, the
-base plus noise; default 3 layers at hidden size 1024, vocabulary 8192: about 0.22 GB of
-float32 each), written under the git-ignored ``benchmarks/data/`` and deleted afterwards;
-shrunk (fewer layers) when the disk has less than 8x their size free (the disk is shared).
+base plus noise; default 3 layers at hidden size 2048, intermediate 5632, vocabulary 32000:
+1.14 GB of float32 each, the largest tensor 250 MiB), written under the git-ignored
+``benchmarks/data/`` and deleted afterwards; refused when the disk has less than 8x their
+size free (the disk is shared). ``--hidden 1024 --intermediate 2816 --vocab 8192`` is the
+earlier 0.22 GB case.
 One recipe (ties, three models, density 0.5, dtype float32) is run by both tools, each in
 its own process of the torch environment's Python (mergekit needs torch); time excludes
-interpreter start and imports; peak memory is VmHWM minus VmRSS just before the run.
+interpreter start and imports; peak memory is VmHWM minus VmRSS just before the run (the
+process's whole VmHWM, its ru_maxrss, is printed too).
 
 - ours: ``restorekit.merge(recipe, out)``, one output tensor at a time.
 - mergekit: ``mergekit.merge.run_merge`` with ``MergeOptions(cuda=False)`` (its default lazy loader).
 
 Both outputs are compared (max abs difference). The ratios are ours / mergekit.
 
-    /work/venv-torch/bin/python benchmarks/bench_merge.py [--layers 3] [--repeat 1] [--keep]
+    flock /work/notes/bench.lock /work/venv-torch/bin/python benchmarks/bench_merge.py [--layers 3] [--repeat 1]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
+HIDDEN, INTERMEDIATE, VOCAB = 2048, 5632, 32000
 
 DRIVER = """
 import json, os, sys, time
@@ -47,7 +50,7 @@ before = rss('VmRSS:')
 start = time.perf_counter()
 {body}
 seconds = time.perf_counter() - start
-print(json.dumps({{"seconds": seconds, "peak": rss('VmHWM:') - before}}))
+print(json.dumps({{"seconds": seconds, "peak": rss('VmHWM:') - before, "hwm": rss('VmHWM:')}}))
 """
 
 OURS = ("import restorekit", "restorekit.merge(restorekit.MergeRecipe.from_yaml(recipe_text), out)")
@@ -100,6 +103,37 @@ def make_models(root: str, layers: int) -> list:
     return paths
 
 
+def compare(root: str, paths: list) -> tuple:
+    """(max abs difference, entries over 1e-6, those explained by a tie at a model's top-k cut, entries), one tensor
+    at a time: at a differing entry, some model's float32 |delta| equals the k-th largest of its tensor (density 0.5)."""
+    from safetensors import safe_open
+
+    def tensor(path, name):
+        with safe_open(path, framework="numpy") as f:
+            return f.get_tensor(name)
+
+    ours, theirs = (os.path.join(root, f"out-{k}", "model.safetensors") for k in ("ours", "mergekit"))
+    with safe_open(theirs, framework="numpy") as f:
+        names = list(f.keys())
+    worst, differing, at_cut, total = 0.0, 0, 0, 0
+    for name in names:
+        diff = np.abs(tensor(ours, name).astype(np.float64) - tensor(theirs, name))
+        worst = max(worst, float(diff.max()))
+        where = np.flatnonzero(diff.reshape(-1) > 1e-6)
+        total += diff.size
+        differing += len(where)
+        if len(where):
+            base = tensor(os.path.join(paths[0], "model.safetensors"), name).reshape(-1)
+            tied = np.zeros(len(where), bool)
+            for path in paths[1:]:
+                mag = np.abs(tensor(os.path.join(path, "model.safetensors"), name).reshape(-1) - base)
+                k = max(1, int(0.5 * mag.size))
+                cut = np.partition(mag, mag.size - k)[mag.size - k]
+                tied |= mag[where] == cut
+            at_cut += int(tied.sum())
+    return worst, differing, at_cut, total
+
+
 def run(tool, recipe: str, out: str) -> dict:
     code = DRIVER.format(repo=REPO, setup=tool[0], body=tool[1])
     proc = subprocess.run([sys.executable, "-c", code, recipe, out], capture_output=True, text=True)
@@ -109,16 +143,24 @@ def run(tool, recipe: str, out: str) -> dict:
 
 
 def main(argv=None) -> int:
+    global HIDDEN, INTERMEDIATE, VOCAB
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=os.path.join(REPO, "benchmarks", "data"))
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--intermediate", type=int, default=INTERMEDIATE)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--keep", action="store_true", help="keep the generated models")
     args = parser.parse_args(argv)
+    HIDDEN, INTERMEDIATE, VOCAB = args.hidden, args.intermediate, args.vocab
     os.makedirs(args.data, exist_ok=True)
     layers = args.layers
-    while layers > 1 and 8 * model_bytes(layers) > shutil.disk_usage(args.data).free:
-        layers -= 1  # four models and two outputs, with room to spare
+    need = 8 * model_bytes(layers)  # four models and two outputs, with room to spare
+    free = shutil.disk_usage(args.data).free
+    if need > free:
+        print(f"needs {need / 1e9:.1f} GB free under {args.data!r}, has {free / 1e9:.1f} GB", file=sys.stderr)
+        return 1
     root = os.path.join(args.data, "merge")
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
@@ -137,20 +179,20 @@ def main(argv=None) -> int:
                 out = os.path.join(root, f"out-{name}")
                 shutil.rmtree(out, ignore_errors=True)
                 rows[name].append(run(tool, recipe, out))
-        from safetensors.numpy import load_file
-
-        a = load_file(os.path.join(root, "out-ours", "model.safetensors"))
-        b = load_file(os.path.join(root, "out-mergekit", "model.safetensors"))
-        worst = max(float(np.max(np.abs(a[n].astype(np.float64) - b[n]))) for n in b)
+        worst, differing, at_cut, total = compare(root, paths)
         med = {k: (statistics.median(x["seconds"] for x in v), statistics.median(x["peak"] for x in v))
                for k, v in rows.items()}
         mib = 2**20
         print(f"TIES over 3 models + base, {layers} layers, {model_bytes(layers) / 1e9:.2f} GB each "
               f"(largest tensor {largest / mib:.0f} MiB as float32), repeat {args.repeat}")
         for k, (s, p) in med.items():
-            print(f"  {k:9s} {s:7.2f} s   peak {p / mib:7.1f} MiB = {p / largest:.1f}x the largest tensor")
+            hwm = statistics.median(x["hwm"] for x in rows[k])
+            print(f"  {k:9s} {s:7.2f} s   peak {p / mib:7.1f} MiB = {p / largest:.1f}x the largest tensor "
+                  f"(VmHWM {hwm / mib:.0f} MiB)")
         print(f"  ratio ours/mergekit: time {med['ours'][0] / med['mergekit'][0]:.2f}, "
               f"peak {med['ours'][1] / med['mergekit'][1]:.2f}; max abs difference {worst:.2e}")
+        print(f"  entries differing by more than 1e-6: {differing} of {total}; {at_cut} of them where some model's "
+              "float32 |delta| equals its top-k cut (a tie torch's argsort breaks arbitrarily)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

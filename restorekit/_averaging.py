@@ -3,8 +3,9 @@
 ``average`` is the ``linear`` merge over the pipeline every merge shares
 (``restorekit._merging._pipeline``): everything is decided from the sources' indexes
 and their non-float entries before anything is written; then each float tensor is read
-from every source in turn, accumulated in float64 and handed to the format's writer in
-its source dtype, so memory stays at a few tensors, never the model.
+from every source a chunk of elements at a time (``_merging._stream``), accumulated in
+float64 and written into the output tensor in its source dtype, so memory stays at one
+tensor and a few chunks, never the model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 
 from restorekit.errors import InvalidArgumentError, format_names
 from restorekit._merging import _pipeline as pipeline
-from restorekit._merging._methods import Linear
+from restorekit._merging._methods import METHODS, TensorParams, run
+from restorekit._merging._stream import Stream
 from restorekit._report import summary_row
 
 __all__ = ["AverageResult", "average", "interpolate"]
@@ -83,8 +85,8 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     Float tensors (float16, bfloat16, float32, float64) are accumulated in float64 and
     written in their stored dtype. Integer, boolean and string entries (step counters,
     vocabularies) must be equal in every source, or ``mismatch`` says whose to take.
-    Each tensor is read from each source in turn: memory holds a few tensors, not the
-    model (a torch output excepted: ``torch.save`` pickles one dict). The output appears
+    Each tensor is read from every source a chunk at a time: memory holds the output
+    tensor and a few chunks, not the model (a torch output excepted: ``torch.save`` pickles one dict). The output appears
     whole or not at all (the format's writer commits it).
 
         average(['run/ckpt-1000', 'run/ckpt-2000', 'run/ckpt-3000'], 'avg/model.ckpt')
@@ -153,13 +155,13 @@ def _average(sources: list, out, weights: tuple, ranks, *, include, exclude, wei
     plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
                          mismatch=mismatch)
     total = sum(weights)
+    linear = METHODS["linear"]
 
     def mean(name: str) -> np.ndarray:
-        # linear, streamed: one source's tensor at a time into a float64 accumulator
-        acc = np.zeros(srcs[0].ckpt.entries[name].shape, np.float64)
-        for src, w in zip(srcs, weights):
-            Linear.add(acc, src.ckpt.read(name), w)
-        return Linear.finish(acc, weights)
+        # linear, streamed: every source's tensor read in chunks into a float64 chunk, the output filled in place
+        streams = [Stream(src.ckpt, name) for src in srcs]
+        out = np.empty(streams[0].shape, pipeline.numpy_dtype(plan.dtypes[name]))
+        return run(linear, streams, None, TensorParams(name, weight=tuple(weights)), out)
 
     pipeline.write(plan, mean, progress=progress, ranks=ranks)
     return AverageResult(target.path, target.format, tuple(s.path for s in srcs), tuple(w / total for w in weights),

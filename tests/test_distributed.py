@@ -200,26 +200,26 @@ rank = dist.get_rank()
 average(recipe["sources"], os.path.join(work, "avg-two"), max_shard_size=shard, distributed=True)
 del recipe["sources"]
 ties = type(METHODS["ties"])
-original, merged = ties.merge, []
+original, merged = ties.prepare, []  # asked once per tensor, before its chunks are merged
 
-def counted(self, tensors, base, params):
+def counted(self, streams, base, params):
     merged.append(params.name)
-    return original(self, tensors, base, params)
+    return original(self, streams, base, params)
 
-ties.merge = counted
+ties.prepare = counted
 merge(recipe, os.path.join(work, "ties-two"), max_shard_size=shard, distributed=True)
 mine = list(merged)
 if rank == 1:
-    def failing(self, tensors, base, params):
+    def failing(self, streams, base, params):
         raise RuntimeError("injected while merging " + params.name)
-    ties.merge = failing
+    ties.prepare = failing
 try:
     merge(recipe, os.path.join(work, "failed"), max_shard_size=shard, distributed=True)
     failure = None
 except RankFailedError as e:
     failure = {"rank": e.rank, "message": str(e), "published": sorted(os.listdir(os.path.join(work, "failed")))
                if os.path.isdir(os.path.join(work, "failed")) else []}
-ties.merge = original
+ties.prepare = original
 dist.barrier()
 with open(os.path.join(work, f"rank{rank}.json"), "w") as f:
     json.dump({"merged": mine, "failure": failure}, f)

@@ -144,6 +144,42 @@ def test_a_peft_adapter_merges_into_tf_kernels_transposed_through_layout_torch(t
                                   base.get_layer("fc1").bias.numpy())
 
 
+def test_a_peft_adapter_in_hugging_face_names_merges_into_a_tf_bert_checkpoint_through_a_rule_set(tmp_path):
+    """rules='bert-tf-to-hf' pairs the adapter's modules (BertForPreTraining's names) with the TF checkpoint's
+    kernels, whose axes the rule set transposes: the delta goes back transposed, under the TF names."""
+    from conftest import save_variables
+
+    rng = np.random.RandomState(0)
+    layer = "bert/encoder/layer_0/"
+    values = {"bert/embeddings/word_embeddings": rng.normal(size=(30, 8)).astype("float32"),
+              layer + "attention/self/query/kernel": rng.normal(size=(8, 8)).astype("float32"),
+              layer + "attention/self/query/bias": rng.normal(size=8).astype("float32"),
+              layer + "intermediate/dense/kernel": rng.normal(size=(8, 16)).astype("float32"),
+              layer + "intermediate/dense/bias": rng.normal(size=16).astype("float32")}
+    base = save_variables(tmp_path / "tf" / "bert_model.ckpt", values)
+    qA, qB = rng.normal(size=(4, 8)), rng.normal(size=(8, 4))
+    iA, iB = rng.normal(size=(4, 8)), rng.normal(size=(16, 4))  # intermediate: nn.Linear(8, 16), weight [16, 8]
+    modules = ["bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.intermediate.dense"]
+    adapter = _adapter(tmp_path / "adapter", {f"{modules[0]}.lora_A.weight": qA, f"{modules[0]}.lora_B.weight": qB,
+                                              f"{modules[1]}.lora_A.weight": iA, f"{modules[1]}.lora_B.weight": iB},
+                       target_modules=["query", "dense"])
+    with pytest.raises(SourceMismatchError, match="or a rule set"):  # TF names, no rule set
+        restorekit.merge_lora(base, adapter, tmp_path / "no.safetensors")
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        restorekit.merge_lora(base, adapter, tmp_path / "no.safetensors", rules="bert-tf-to-hf", layout="torch")
+    assert not os.path.exists(tmp_path / "no.safetensors")
+    result = restorekit.merge_lora(base, adapter, tmp_path / "merged.safetensors", rules="bert-tf-to-hf")
+    assert sorted(result.merged) == [layer + "attention/self/query/kernel", layer + "intermediate/dense/kernel"]
+    got = load_file(tmp_path / "merged.safetensors")
+    assert set(got) == set(values)  # the base's names, every entry kept
+    np.testing.assert_allclose(got[layer + "attention/self/query/kernel"],
+                               values[layer + "attention/self/query/kernel"] + (2.0 * qB @ qA).T, atol=1e-5)
+    np.testing.assert_allclose(got[layer + "intermediate/dense/kernel"],
+                               values[layer + "intermediate/dense/kernel"] + (2.0 * iB @ iA).T, atol=1e-5)
+    for name in ("bert/embeddings/word_embeddings", layer + "attention/self/query/bias"):
+        np.testing.assert_array_equal(got[name], values[name])
+
+
 def test_embedding_factors_and_rank_pattern_merge_into_a_safetensors_base(tmp_path):
     rng = np.random.RandomState(0)
     weights = {"emb.weight": rng.normal(size=(10, 6)).astype("float32"),

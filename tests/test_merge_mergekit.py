@@ -87,6 +87,15 @@ models:
       weight: [0.2, 0.8]
       density: [{{filter: self_attn, value: 0.3}}, {{value: 0.7}}]
 """,
+    "ties_rescale": """merge_method: ties
+base_model: {base}
+models:
+  - model: {ft0}
+    parameters: {{weight: 0.6, density: 0.5}}
+  - model: {ft1}
+    parameters: {{weight: 0.4, density: 0.3}}
+parameters: {{rescale: true}}
+""",
     "slerp": """merge_method: slerp
 base_model: {base}
 models:
@@ -152,3 +161,64 @@ dtype: float32
     ours = _ours(whole, str(root / f"rk-{method}-whole"))
     for name, expected in theirs.items():
         np.testing.assert_allclose(ours[name], expected, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+class _Positional:
+    """A stand-in for a random generator whose draws are a fixed function of the element's position in its
+    tensor: given to both tools, they drop the same entries, so their rescaling can be compared exactly."""
+
+    def __init__(self):
+        self.at = 0
+
+    def random(self, n: int) -> np.ndarray:
+        draws = np.modf((self.at + np.arange(n, dtype=np.float64)) * 0.6180339887498949)[0]
+        self.at += n
+        return draws
+
+
+@pytest.mark.parametrize("method, rescale", [("dare_ties", "true"), ("dare_linear", "false")],
+                         ids=["dare_ties-l1-rescale", "dare_linear-no-rescale"])
+def test_dare_with_mergekits_rescale_equals_mergekit_given_the_same_masks(llama, monkeypatch, method, rescale):
+    """``rescale`` is mergekit's own parameter: true scales the kept entries so the delta keeps its L1 norm (mergekit's
+    default for DARE), false leaves them as they are. Both tools are given the same drop masks (a function of the
+    position: mergekit's ``bernoulli`` and restorekit's generator replaced), so the merges must agree within 1e-6."""
+    import torch
+    from mergekit import sparsify
+
+    import restorekit._merging._methods as methods
+
+    root, paths = llama
+
+    def bernoulli(tensor, density, rescale_norm=None):  # mergekit's, with the positional mask
+        if density >= 1:
+            return tensor
+        work = tensor.dtype if tensor.dtype == torch.bfloat16 else torch.float32
+        keep = _Positional().random(tensor.numel()) < density
+        mask = torch.from_numpy(keep.reshape(tuple(tensor.shape))).to(work)
+        return sparsify.rescaled_masked_tensor(tensor.to(work), mask, rescale_norm).to(tensor.dtype)
+
+    class Drop(methods._Drop):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.rng = _Positional()
+
+    monkeypatch.setattr(sparsify, "bernoulli", bernoulli)
+    monkeypatch.setattr(methods, "_Drop", Drop)
+    text = f"""merge_method: {method}
+base_model: {paths['base']}
+models:
+  - model: {paths['ft0']}
+    parameters: {{weight: 0.7, density: 0.4}}
+  - model: {paths['ft1']}
+    parameters: {{weight: 0.5, density: 0.6}}
+parameters: {{rescale: {rescale}}}
+dtype: float32
+"""
+    theirs = _mergekit(text, str(root / f"mk-{method}-{rescale}"))
+    ours = _ours(text, str(root / f"rk-{method}-{rescale}"))
+    base = load_file(os.path.join(paths["base"], "model.safetensors"))
+    moved = 0
+    for name, expected in theirs.items():
+        np.testing.assert_allclose(ours[name], expected, rtol=1e-6, atol=1e-6, err_msg=name)
+        moved += int(np.count_nonzero(ours[name] != base[name]))
+    assert moved > 0.5 * sum(v.size for v in base.values())  # the deltas were merged, not dropped wholesale

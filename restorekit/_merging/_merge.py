@@ -9,7 +9,8 @@ import numpy as np
 
 from restorekit.errors import InvalidArgumentError, format_names
 from restorekit._merging import _pipeline as pipeline
-from restorekit._merging._methods import METHODS, Linear, TensorParams
+from restorekit._merging._methods import METHODS, Linear, TensorParams, run
+from restorekit._merging._stream import Stream
 from restorekit._merging._recipe import MergeRecipe, layer_position, load_recipe
 from restorekit._report import summary_row
 
@@ -87,12 +88,13 @@ def _resolve(recipe: MergeRecipe, names, seed: int) -> dict:
                 raise InvalidArgumentError(f"density {bad[0]!r} for {name!r} is outside (0, 1]")
         params[name] = TensorParams(name, weight=values.get("weight", ()), density=values.get("density", ()),
                                     t=values.get("t", 0.5), lambda_=values.get("lambda", 1.0),
-                                    normalize=values.get("normalize", False), seed=seed)
+                                    normalize=values.get("normalize", False),
+                                    rescale=values.get("rescale", False), seed=seed)
     return params
 
 
-def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, intersection: bool = False,
-          mismatch: str = "error",
+def merge(recipe, out, *, to: str | None = None, layout: str | None = None, rules=None, include=None, exclude=None,
+          intersection: bool = False, mismatch: str = "error",
           max_shard_size=None, seed: int = 0, overwrite: bool = False, progress: bool = False,
           distributed: bool = False) -> MergeResult:
     """Merge models as a mergekit recipe says, streamed: each output tensor from one tensor of each source.
@@ -100,9 +102,11 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
     Methods: ``linear``, ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``, ``slerp``
     (``restorekit._merging._methods``). Sources are any mix restorekit opens (TF checkpoints, Keras
     files, safetensors files and Hugging Face directories, ``.pt``, ``.npz``, ONNX), paired by
-    name; optimizer state is left out; float tensors are computed in float64 and written in the
-    recipe's ``dtype`` (default: the stored dtype). Memory holds each tensor of every source once
-    (as float64) plus element chunks, never a model.
+    name; optimizer state is left out; float tensors are computed in float64, a chunk of elements
+    at a time, and written in the recipe's ``dtype`` (default: the stored dtype). Memory holds the
+    output tensor, a few chunks and, while TIES finds a model's magnitude cut, one float32 array of
+    the tensor's size: sources whose bytes lie in a file as stored (TF checkpoints, safetensors) are
+    read by ranges, never whole; others (``.pt``, ``.npz``) one tensor at a time in their stored dtype.
 
         restorekit.merge("ties.yml", "merged/")            # a Hugging Face directory, as mergekit writes
         restorekit.merge({"merge_method": "slerp", "base_model": "a/", "models": ["a/", "b/"],
@@ -115,6 +119,12 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
             directory or ``max_shard_size`` is given: then a directory of safetensors
             shards (with the base's ``config.json``).
         to: the output format ('tf', 'safetensors', 'npz', 'torch').
+        layout: 'torch' to pair the sources by PyTorch names and axes, as a restore into a torch module
+            pairs them (a TF checkpoint's Dense kernel ``[in, out]`` is ``nn.Linear``'s ``weight``
+            ``[out, in]``; a PyTorch file from elsewhere is read as it is); the output takes those names.
+        rules: a rule set (``'bert-tf-to-hf'``, ``'gpt2-tf-to-hf'``, ... or a ``RuleSet``) every source is
+            seen through, as ``convert(rules=...)`` and a restore see it: a TF BERT checkpoint and a Hugging
+            Face one pair by the Hugging Face names (the output's). Not with ``layout``.
         include: patterns over entry names; only those are written (default every entry).
         exclude: patterns over entry names left out.
         intersection: merge only the entries every source holds with the same shape and
@@ -135,7 +145,8 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
 
     Raises:
         InvalidArgumentError: an unknown recipe key, method or parameter; a missing base model
-            or weight; slerp without two models; ``t`` outside [0, 1]; ``density`` outside (0, 1].
+            or weight; a layout other than 'torch', an unknown rule set, or both; slerp without two
+            models; ``t`` outside [0, 1]; ``density`` outside (0, 1].
         SourceMismatchError: the sources differ in names, shapes or dtypes, or in non-float values.
         NoMatchError: an include/exclude pattern matches no entry.
         CheckpointNotFoundError: a model path or the recipe file is missing.
@@ -151,17 +162,18 @@ def merge(recipe, out, *, to: str | None = None, include=None, exclude=None, int
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise InvalidArgumentError(f"seed is an integer, got {seed!r}")
     _check_required(recipe)
-    options = dict(to=to, include=include, exclude=exclude, intersection=intersection, mismatch=mismatch,
+    options = dict(to=to, layout=layout, rules=rules, include=include, exclude=exclude, intersection=intersection,
+                   mismatch=mismatch,
                    max_shard_size=max_shard_size, seed=int(seed), overwrite=overwrite, progress=progress)
     return pipeline.across_ranks(out, to, recipe.sources[recipe.base_index or 0],
                                  lambda ranks: _merge(recipe, out, ranks, **options),
                                  max_shard_size=max_shard_size, distributed=distributed)
 
 
-def _merge(recipe: MergeRecipe, out, ranks, *, to, include, exclude, intersection: bool, mismatch: str,
+def _merge(recipe: MergeRecipe, out, ranks, *, to, layout, rules, include, exclude, intersection: bool, mismatch: str,
            max_shard_size, seed: int, overwrite: bool, progress: bool) -> MergeResult:
     method = METHODS[recipe.merge_method]
-    srcs = [pipeline.open_source(p) for p in recipe.sources]
+    srcs = [pipeline.open_source(p, layout=layout, rules=rules) for p in recipe.sources]
     base = recipe.base_index
     target = pipeline.output(out, to, srcs, reference=base or 0, max_shard_size=max_shard_size, dtype=recipe.dtype,
                              overwrite=overwrite)
@@ -170,22 +182,14 @@ def _merge(recipe: MergeRecipe, out, ranks, *, to, include, exclude, intersectio
     params = _resolve(recipe, plan.merged, seed)
 
     def merged(name: str) -> np.ndarray:
+        # each source's tensor streamed in chunks (stored dtype, read by element ranges), the output filled in place
         p = params[name]
-        if isinstance(method, Linear):
-            acc = np.zeros(srcs[0].ckpt.entries[name].shape, np.float64)
-            for src, w in zip(srcs, p.weight):
-                Linear.add(acc, src.ckpt.read(name), w)  # one source's tensor at a time
-            return Linear.finish(acc, p.weight)
-        assert base is not None  # every method but linear needs a base model: load_recipe refused a recipe without
-        tensors = [_as_float64(s.ckpt.read(name)) for i, s in enumerate(srcs) if i != base]
-        return method.merge(tensors, _as_float64(srcs[base].ckpt.read(name)), p)
+        streams = [Stream(s.ckpt, name) for i, s in enumerate(srcs) if i != base or isinstance(method, Linear)]
+        base_stream = None if isinstance(method, Linear) or base is None else Stream(srcs[base].ckpt, name)
+        out = np.empty(streams[0].shape, pipeline.numpy_dtype(plan.dtypes[name]))
+        return run(method, streams, base_stream, p, out)
 
     pipeline.write(plan, merged, progress=progress, ranks=ranks)
     return MergeResult(target.path, target.format, recipe.merge_method,
                        recipe.sources, recipe.base_model, plan.merged, tuple(plan.chosen), tuple(plan.taken),
                        srcs[0].dropped, tuple(plan.skipped), plan.nbytes)
-
-
-def _as_float64(value) -> np.ndarray:
-    """A tensor as a fresh float64 array the method may write into (the stored copy freed at once)."""
-    return np.array(value, dtype=np.float64)

@@ -1,13 +1,15 @@
-"""The merge methods: each a small class whose ``merge(tensors, base, params)`` makes one output tensor.
+"""The merge methods: each a small class with a per-tensor pre-pass (``prepare``) and a per-chunk ``merge``.
 
-Inputs are float64 arrays of one shape (``tensors`` every non-base model's, ``base`` the
-base model's or None); the result is float64. Methods may write into the arrays they are
-given (the pipeline hands each call fresh copies), so a merge holds the sources plus a
-fixed number of element chunks, never a stack of every delta.
+``run`` drives one output tensor: ``prepare`` reads the sources' streams once where the method
+needs a whole-tensor fact (TIES's magnitude cut per model, SLERP's norms and angle), then
+``merge`` makes each chunk of the output from the same chunk of every source (float64 arrays
+it may write into). So a merge holds the output tensor and a few chunks, plus one float32
+array of magnitudes while a TIES cut is found, never a source as float64.
 
-The arithmetic follows mergekit's (``merge_methods/``): the same order of weighting,
-sign election and normalization, so a recipe computes what mergekit computes for it, in
-float64. DARE's drop mask is numpy's, seeded from (seed, tensor name, model index).
+The arithmetic follows mergekit's (``merge_methods/``): the same order of weighting, sign
+election and normalization, so a recipe computes what mergekit computes for it, in float64.
+Every step is elementwise, so chunking changes no bit. DARE's drop mask is numpy's, seeded
+from (seed, tensor name, model index), drawn in element order.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["METHODS", "Method", "TensorParams"]
+from restorekit._merging._stream import spans
 
-# Elements handled at a time in elementwise steps: their temporaries stay a few MB.
-CHUNK = 1 << 16
+__all__ = ["METHODS", "Method", "TensorParams", "run"]
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,12 @@ class TensorParams:
     t: float = 0.5
     lambda_: float = 1.0
     normalize: bool = False
+    rescale: object = False  # True, False or BY_DENSITY (see below)
     seed: int = 0
 
 
 class Method:
-    """A merge method: its name, what it needs, its parameters with their defaults, and ``merge``."""
+    """A merge method: its name, what it needs, its parameters with their defaults, ``prepare`` and ``merge``."""
 
     name = ""
     needs_base = False
@@ -46,13 +48,24 @@ class Method:
     # parameter -> (default, per model?)
     parameters: dict = {}
 
-    def merge(self, tensors: list, base, params: TensorParams) -> np.ndarray:
+    def prepare(self, streams: list, base, params: TensorParams):
+        """What ``merge`` needs of the whole tensor (read from the streams), for one pass over its chunks."""
+        return None
+
+    def merge(self, chunks: list, base, params: TensorParams, state) -> np.ndarray:
         raise NotImplementedError
 
 
-def _chunks(size: int):
-    for start in range(0, size, CHUNK):
-        yield slice(start, min(start + CHUNK, size))
+def run(method: Method, streams: list, base, params: TensorParams, out: np.ndarray) -> np.ndarray:
+    """Fill ``out`` (the output tensor, any float dtype) chunk by chunk from ``streams`` (``_stream.Stream``, the
+    non-base models in order) and ``base`` (its Stream, or None)."""
+    state = method.prepare(streams, base, params)
+    flat = out.reshape(-1)
+    for span in spans(flat.size):
+        chunks = [s.read(span) for s in streams]
+        flat[span] = method.merge(chunks, None if base is None else base.read(span), params, state)
+        del chunks
+    return out
 
 
 class Linear(Method):
@@ -61,66 +74,116 @@ class Linear(Method):
     name = "linear"
     parameters = {"weight": (1.0, True)}
 
-    def merge(self, tensors, base, params):
-        acc = np.zeros(tensors[0].shape, np.float64)
-        for x, w in zip(tensors, params.weight):
-            self.add(acc, x, w)
-        return self.finish(acc, params.weight)
-
-    @staticmethod
-    def add(acc: np.ndarray, x: np.ndarray, w: float) -> None:
-        """``acc += w * x`` in element chunks (``x`` in any float dtype)."""
-        flat_acc, flat = acc.reshape(-1), x.reshape(-1)
-        for s in _chunks(flat.size):
-            flat_acc[s] += flat[s].astype(np.float64) * w
-
-    @staticmethod
-    def finish(acc: np.ndarray, weights) -> np.ndarray:
-        acc /= sum(weights)
+    def merge(self, chunks, base, params, state):
+        acc = np.zeros(chunks[0].shape, np.float64)
+        for x, w in zip(chunks, params.weight):
+            acc += x * w
+        acc /= sum(params.weight)
         return acc
 
 
-def _trim(delta: np.ndarray, density: float) -> None:
-    """Keep the ``density`` share of ``delta``'s entries largest in magnitude (at least one), zero the rest, in place.
+# ``rescale`` of the sparsifying methods: mergekit's shared boolean (true: scale the kept entries so the delta
+# keeps its L1 norm; false: no scaling), or, unset for DARE, the paper's 1 / density.
+BY_DENSITY = "1/density"
+_EPS = 1e-7  # mergekit's: below it, either L1 norm leaves the kept entries as they are
 
-    Magnitudes are ranked in float32, as mergekit ranks them (``w.float()``): a float32 model's
-    deltas, rounded, are exactly the float32 differences mergekit ranks. Equal magnitudes at the
-    cut keep the earliest entries.
+
+def _l1_scale(before: float, after: float) -> float:
+    """mergekit's ``rescaled_masked_tensor`` factor: the delta's L1 norm over the kept entries' (1 when either is
+    below 1e-7)."""
+    return 1.0 if before < _EPS or after < _EPS else before / after
+
+
+class _Cut:
+    """One model's TIES trim: keep magnitudes above ``cut`` and the first ``short`` entries equal to it, then
+    scale by ``scale`` (1, or mergekit's L1 rescale)."""
+
+    def __init__(self, cut, short: int, scale: float = 1.0):
+        self.cut, self.short, self.scale = cut, short, scale
+
+    def apply(self, delta: np.ndarray) -> None:
+        mag = np.abs(delta).astype(np.float32)
+        keep = mag > self.cut
+        if self.short > 0:
+            at_cut = np.flatnonzero(mag == self.cut)[: self.short]
+            keep[at_cut] = True
+            self.short -= len(at_cut)
+        delta[~keep] = 0.0
+        if self.scale != 1.0:
+            delta *= self.scale
+
+
+def _cut(stream, base, density: float, rescale) -> _Cut | None:
+    """The magnitude cut keeping the ``density`` share of the model's delta largest in magnitude (at least one
+    entry), or None (keep all).
+
+    Magnitudes are ranked in float32, as mergekit ranks them (``w.float()``): a float32 model's deltas, rounded,
+    are exactly the float32 differences mergekit ranks. Equal magnitudes at the cut keep the earliest entries.
+    The magnitudes are one float32 array (the delta is read in chunks), partitioned in place. With ``rescale``
+    true, a second pass sums the kept entries' magnitudes for mergekit's L1 rescale.
     """
-    if density >= 1:
-        return
-    flat = delta.reshape(-1)
-    n = flat.size
-    if n == 0:
-        return
+    n = stream.size
+    if density >= 1 or n == 0:
+        return None
     k = max(1, int(density * n))
-    mag = np.abs(flat).astype(np.float32)
-    cut = np.partition(mag, n - k)[n - k]  # the k-th largest magnitude
-    keep = mag > cut
-    short = k - int(np.count_nonzero(keep))
-    if short > 0:
-        at_cut = np.flatnonzero(mag == cut)[:short]
-        keep[at_cut] = True
+    mag = np.empty(n, np.float32)
+    before = 0.0
+    for span in spans(n):
+        delta = stream.read(span)
+        delta -= base.read(span)
+        np.abs(delta, out=delta)
+        if rescale is True:
+            before += float(delta.sum())
+        mag[span] = delta
+    mag.partition(n - k)
+    cut = mag[n - k]  # the k-th largest magnitude
+    above = sum(int(np.count_nonzero(mag[span] > cut)) for span in spans(n))
     del mag
-    flat[~keep] = 0.0
+    if rescale is not True:
+        return _Cut(cut, k - above)
+    trim, after = _Cut(cut, k - above), 0.0
+    for span in spans(n):
+        delta = stream.read(span)
+        delta -= base.read(span)
+        trim.apply(delta)
+        after += float(np.abs(delta).sum())
+    return _Cut(cut, k - above, _l1_scale(before, after))
 
 
-def _dare(delta: np.ndarray, density: float, name: str, seed: int, index: int) -> None:
-    """Drop each entry of ``delta`` with probability 1 - density and rescale the rest by 1 / density, in place.
+class _Drop:
+    """One model's DARE drop: each entry dropped with probability 1 - density (numpy's Generator seeded from
+    (seed, tensor name, model index), drawn in element order, so the chunks of a tensor draw one mask), the
+    kept ones scaled by ``scale``."""
 
-    The mask comes from numpy's Generator seeded from (seed, tensor name, model index): the same
-    recipe and seed give the same merge, in any tensor order.
-    """
+    def __init__(self, params: TensorParams, index: int, density: float, scale: float):
+        self.density, self.scale = density, scale
+        self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+            [params.seed & 0xFFFFFFFF, zlib.crc32(params.name.encode("utf-8")), index])))
+
+    def apply(self, delta: np.ndarray) -> None:
+        dropped = self.rng.random(delta.size) >= self.density
+        delta[dropped] = 0.0
+        if self.scale != 1.0:
+            delta *= self.scale
+
+
+def _drop(stream, base, params: TensorParams, index: int, rescale) -> _Drop | None:
+    """Model ``index``'s DARE drop, or None (density 1: keep all). ``rescale`` unset: the kept entries times
+    1 / density (the paper's rule); true: mergekit's L1 rescale (a first pass draws the same mask to sum the
+    norms); false: as they are."""
+    density = params.density[index]
     if density >= 1:
-        return
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-        [seed & 0xFFFFFFFF, zlib.crc32(name.encode("utf-8")), index])))
-    flat = delta.reshape(-1)
-    for s in _chunks(flat.size):
-        dropped = rng.random(s.stop - s.start) >= density
-        part = flat[s]
-        part[dropped] = 0.0
-        part *= 1.0 / density
+        return None
+    if rescale is not True:
+        return _Drop(params, index, density, 1.0 / density if rescale == BY_DENSITY else 1.0)
+    drop, before, after = _Drop(params, index, density, 1.0), 0.0, 0.0
+    for span in spans(stream.size):
+        delta = stream.read(span)
+        delta -= base.read(span)
+        before += float(np.abs(delta).sum())
+        drop.apply(delta)
+        after += float(np.abs(delta).sum())
+    return _Drop(params, index, density, _l1_scale(before, after))
 
 
 class TaskArithmetic(Method):
@@ -132,42 +195,43 @@ class TaskArithmetic(Method):
     sparsify = ""     # '', 'magnitude' (ties) or 'random' (dare)
     consensus = False  # elect a sign per entry and keep the deltas that agree (ties)
 
-    def merge(self, tensors, base, params):
-        if not tensors:
+    def prepare(self, streams, base, params):
+        if self.sparsify == "magnitude":
+            return [_cut(s, base, d, params.rescale) for s, d in zip(streams, params.density)]
+        if self.sparsify == "random":
+            return [_drop(s, base, params, i, params.rescale) for i, s in enumerate(streams)]
+        return None
+
+    def merge(self, chunks, base, params, state):
+        if not chunks:
             return base
-        deltas = tensors  # turned into weighted deltas in place: the sources plus chunks, never a stack
-        for i, (d, w) in enumerate(zip(deltas, params.weight)):
+        parts = chunks  # turned into weighted deltas in place
+        for i, (d, w) in enumerate(zip(parts, params.weight)):
             np.subtract(d, base, out=d)
-            if self.sparsify == "magnitude":
-                _trim(d, params.density[i])
-            elif self.sparsify == "random":
-                _dare(d, params.density[i], params.name, params.seed, i)
+            if state is not None and state[i] is not None:
+                state[i].apply(d)  # the model's trim (ties) or drop (dare), and its rescale
             d *= w
-        flat_base = base.reshape(-1)
-        flat = [d.reshape(-1) for d in deltas]
-        for s in _chunks(flat_base.size):
-            parts = [f[s] for f in flat]
-            if self.consensus:
-                # mergekit's 'sum' election: the sign of the summed weighted deltas (0 counts as +)
-                majority = np.where(sum(parts[1:], parts[0].copy()) >= 0, 1.0, -1.0)
-                mixed = np.zeros_like(majority)
-                divisor = np.zeros_like(majority)
-                for p, w in zip(parts, params.weight):
-                    agree = np.sign(p) == majority
-                    mixed += np.where(agree, p, 0.0)
-                    divisor += np.where(agree, w, 0.0)
-                divisor[divisor == 0] = 1.0
-            else:
-                mixed = parts[0].copy()
-                for p in parts[1:]:
-                    mixed += p
-                total = float(sum(params.weight))
-                divisor = np.full_like(mixed, 1.0 if abs(total) < 1e-8 else total)
-            if params.normalize:
-                mixed /= divisor
-            if params.lambda_ != 1:
-                mixed *= params.lambda_
-            flat_base[s] += mixed
+        if self.consensus:
+            # mergekit's 'sum' election: the sign of the summed weighted deltas (0 counts as +)
+            majority = np.where(sum(parts[1:], parts[0].copy()) >= 0, 1.0, -1.0)
+            mixed = np.zeros_like(majority)
+            divisor = np.zeros_like(majority)
+            for p, w in zip(parts, params.weight):
+                agree = np.sign(p) == majority
+                mixed += np.where(agree, p, 0.0)
+                divisor += np.where(agree, w, 0.0)
+            divisor[divisor == 0] = 1.0
+        else:
+            mixed = parts[0].copy()
+            for p in parts[1:]:
+                mixed += p
+            total = float(sum(params.weight))
+            divisor = np.full_like(mixed, 1.0 if abs(total) < 1e-8 else total)
+        if params.normalize:
+            mixed /= divisor
+        if params.lambda_ != 1:
+            mixed *= params.lambda_
+        base += mixed
         return base
 
 
@@ -175,16 +239,19 @@ class Ties(TaskArithmetic):
     """TIES: trim each delta to ``density`` by magnitude, elect a sign per entry, average the agreeing deltas."""
 
     name = "ties"
-    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (True, False)}
+    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (True, False),
+                  "rescale": (False, False)}
     sparsify = "magnitude"
     consensus = True
 
 
 class DareLinear(TaskArithmetic):
-    """DARE: drop delta entries with probability 1 - density, rescale by 1 / density, add the weighted sum."""
+    """DARE: drop delta entries with probability 1 - density, rescale by 1 / density (``rescale: true``: to the
+    delta's L1 norm, as mergekit's default; ``false``: not at all), add the weighted sum."""
 
     name = "dare_linear"
-    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (False, False)}
+    parameters = {"weight": (None, True), "density": (1.0, True), "lambda": (1.0, False), "normalize": (False, False),
+                  "rescale": (BY_DENSITY, False)}
     sparsify = "random"
 
 
@@ -206,27 +273,29 @@ class Slerp(Method):
     DOT_THRESHOLD = 0.9995
     EPS = 1e-8
 
-    def merge(self, tensors, base, params):
-        (other,) = tensors
+    def prepare(self, streams, base, params):
+        (other,) = streams
         t = float(params.t)
-        a, b = base.reshape(-1), other.reshape(-1)
-        if a.size == 0:
-            return base
-        norm_a, norm_b = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+        squares_a = squares_b = dot = 0.0
+        for span in spans(base.size):  # one pass for both norms and the dot product
+            a, b = base.read(span), other.read(span)
+            squares_a += float(np.dot(a, a))
+            squares_b += float(np.dot(b, b))
+            dot += float(np.dot(a, b))
+        norm_a, norm_b = float(np.sqrt(squares_a)), float(np.sqrt(squares_b))
         norm_a = norm_a if norm_a > self.EPS else 1.0
         norm_b = norm_b if norm_b > self.EPS else 1.0
-        dot = sum(float(np.dot(a[s] / norm_a, b[s] / norm_b)) for s in _chunks(a.size))
-        dot = min(1.0, max(-1.0, dot))
+        dot = min(1.0, max(-1.0, dot / norm_a / norm_b))
         if abs(dot) > self.DOT_THRESHOLD:
-            coef_a, coef_b = 1.0 - t, t
-        else:
-            theta = float(np.arccos(dot))
-            sin_theta = float(np.sin(theta))
-            coef_a, coef_b = float(np.sin((1 - t) * theta)) / sin_theta, float(np.sin(t * theta)) / sin_theta
-        for s in _chunks(a.size):
-            part = a[s]
-            part *= coef_a
-            part += coef_b * b[s]
+            return 1.0 - t, t
+        theta = float(np.arccos(dot))
+        sin_theta = float(np.sin(theta))
+        return float(np.sin((1 - t) * theta)) / sin_theta, float(np.sin(t * theta)) / sin_theta
+
+    def merge(self, chunks, base, params, state):
+        coef_a, coef_b = state
+        base *= coef_a
+        base += coef_b * chunks[0]
         return base
 
 

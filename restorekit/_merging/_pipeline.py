@@ -40,8 +40,9 @@ class Input:
     dropped: tuple
 
 
-def open_source(path, weights_only: bool = True) -> Input:
-    """A source as a checkpoint-like reader under TF names: a TF checkpoint, a Keras file, or any file convert reads."""
+def open_source(path, weights_only: bool = True, *, layout: str | None = None, rules=None) -> Input:
+    """A source as a checkpoint-like reader under TF names: a TF checkpoint, a Keras file, or any file convert reads;
+    with ``layout`` or ``rules``, under the names and axes a restore pairs it by (:func:`paired`)."""
     from restorekit._checkpoint import Checkpoint
     from restorekit.layouts._planned import keras_source
     from restorekit.formats._sink import checkpoint_files
@@ -57,12 +58,38 @@ def open_source(path, weights_only: bool = True) -> Input:
         files = list(ckpt.reader.files)
     else:
         files = checkpoint_files(ckpt.prefix)
+    if layout is not None or rules is not None:
+        ckpt = paired(ckpt, layout, rules)
     names = list(ckpt.entries)
     graph = ckpt.object_graph if ckpt.is_object_based and weights_only else None
     # the one rule for "which entries are weights" (optimizer slots, beta powers, global_step, save_counter)
     selection = select(names, graph=graph, weights_only=weights_only)
     kept = [n for n in selection.names.values() if n != OBJECT_GRAPH_KEY]
     return Input(path, ckpt, files, kept, tuple(selection.dropped))
+
+
+def paired(ckpt, layout: str | None, rules):
+    """``ckpt`` seen as a restore into a PyTorch / Hugging Face model sees it (``_torch_target.layout_source``, the one
+    resolution of ``layout=`` and ``rules=``): ``layout='torch'`` gives PyTorch names and axes (a foreign PyTorch file
+    already has them), a rule set (``'bert-tf-to-hf'``) the rule set's names and axes (a source it renames nothing
+    of, such as a Hugging Face file, is in those names already). So sources of different naming pair by name.
+
+    Raises:
+        InvalidArgumentError: a layout other than 'torch', both a layout and a rule set, or rules that name no
+            rule set.
+    """
+    from restorekit._torch_target import is_foreign_torch_file, layout_source
+    from restorekit.export._hf import rule_set
+
+    if layout == "torch" and rules is None and is_foreign_torch_file(ckpt):
+        return ckpt
+    if rules is not None:
+        rules = rule_set(rules)  # a name or a RuleSet (regex pairs name a model's variables, not a merge's sources)
+        renamed = [n for n in ckpt.entries if rules.target_of(n)[0] is not None and rules.target_of(n)[2] is None]
+        if layout is None and not renamed:
+            return ckpt  # the rule set renames nothing of it: the source is in its target's names already
+    view, _ = layout_source(ckpt, layout, rules)
+    return view
 
 
 @dataclass(frozen=True)

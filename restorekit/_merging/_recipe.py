@@ -221,9 +221,9 @@ def _leaves(setting, name: str, where: str):
 
 def _check_setting(name: str, setting, where: str) -> None:
     for value in _leaves(setting, name, where):
-        if name == "normalize":
+        if name in ("normalize", "rescale"):
             if not isinstance(value, bool):
-                raise InvalidArgumentError(f"{where}: normalize is true or false, got {value!r}")
+                raise InvalidArgumentError(f"{where}: {name} is true or false, got {value!r}")
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise InvalidArgumentError(f"{where}: {name} is a finite number, got {value!r}")

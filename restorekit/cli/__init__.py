@@ -11,7 +11,7 @@ Commands::
     restorekit cast CKPT OUT --dtype DTYPE [--filter PATTERN]
     restorekit convert SRC OUT [--to torch|safetensors|npz|tf] [--layout torch]
     restorekit average SRC SRC... OUT [--weights W...] [--intersection] [--mismatch error|first|last]
-    restorekit merge RECIPE.yml OUT [--to FORMAT] [--max-shard-size SIZE] [--seed N] [--mismatch error|first|last]
+    restorekit merge RECIPE.yml OUT [--to FORMAT] [--layout torch | --rules NAME] [--max-shard-size SIZE] [--seed N] [--mismatch error|first|last]
     restorekit graph inspect FILE [--json]
     restorekit freeze CKPT GRAPH --outputs a,b --out F.pb
     restorekit unfreeze F.pb OUT_PREFIX [--weights auto|large|n1,n2] [--reference R] [--trainable-graph]

@@ -268,6 +268,9 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the output: a file by its extension, or a directory (Hugging Face shards when the base "
                                "model is a Hugging Face directory, else a TF checkpoint)")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension)")
+    p.add_argument("--layout", choices=["torch"], help="pair the sources by PyTorch names and axes (layout='torch')")
+    p.add_argument("--rules", metavar="RULE_SET",
+                   help="see every source through a rule set (bert-tf-to-hf, gpt2-tf-to-hf, ...) to pair them by name")
     p.add_argument("--include", action="append", metavar="PATTERN", help="merge only entries matching PATTERN")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out entries matching PATTERN")
     p.add_argument("--mismatch", choices=["error", "first", "last"], default="error",
@@ -286,7 +289,8 @@ def _merge(args) -> int:
     from restorekit._merging import merge
 
     with reworded_exists_error(args.out):
-        result = merge(args.recipe, args.out, to=args.to, include=args.include, exclude=args.exclude,
+        result = merge(args.recipe, args.out, to=args.to, layout=args.layout, rules=args.rules, include=args.include,
+                       exclude=args.exclude,
                        intersection=args.intersection, mismatch=args.mismatch,
                        max_shard_size=_size_arg(args.max_shard_size), seed=args.seed, overwrite=args.overwrite,
                        progress=not _quiet(args), distributed=_distributed_arg(args))
