@@ -77,8 +77,8 @@ def _check_weights(weights, count: int) -> tuple:
     return tuple(float(w) for w in weights)
 
 
-def average(sources, out, *, weights=None, include=None, exclude=None, weights_only: bool = True,
-            intersection: bool = False, mismatch: str = "error", to: str | None = None, max_shard_size=None,
+def average(sources, out, *, weights=None, layout: str | None = None, rules=None, include=None, exclude=None,
+            weights_only: bool = True, intersection: bool = False, mismatch: str = "error", to: str | None = None, max_shard_size=None,
             overwrite: bool = False, progress: bool = False, distributed: bool = False) -> AverageResult:
     """Write the weighted mean of several checkpoints, tensor by tensor.
 
@@ -101,6 +101,10 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
             the first source's name); with ``max_shard_size``, a directory of safetensors shards.
         weights: one number per source (default: equal); normalized by their sum,
             which must be positive (a negative weight extrapolates).
+        layout: 'torch' to pair the sources by PyTorch names and axes, as ``merge(layout='torch')`` does
+            (a TF checkpoint and a PyTorch state dict of the same model then average together).
+        rules: a rule set (``'bert-tf-to-hf'``, ... or a ``RuleSet``) every source is seen through, as
+            ``merge(rules=...)`` and a restore see it. Not with ``layout``.
         include: patterns over entry names (``restorekit._names``): only matching
             entries are averaged and written. A pattern that matches nothing is an error.
         exclude: patterns over entry names whose entries are left out.
@@ -125,7 +129,8 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
 
     Raises:
         InvalidArgumentError: fewer than two sources, bad weights (wrong length, not
-            finite, a sum that is not positive), an unknown ``mismatch`` or format.
+            finite, a sum that is not positive), an unknown ``mismatch`` or format; a layout
+            other than 'torch', an unknown rule set, or both.
         SourceMismatchError: the sources differ in names, shapes or dtypes, or their
             non-float entries differ (``problems`` lists them all).
         NoMatchError: an include/exclude pattern matches no entry.
@@ -142,15 +147,15 @@ def average(sources, out, *, weights=None, include=None, exclude=None, weights_o
     weights = _check_weights(weights, len(sources))
     if mismatch not in pipeline.MISMATCH:
         raise InvalidArgumentError(f"mismatch is one of {pipeline.MISMATCH}, got {mismatch!r}")
-    options = dict(include=include, exclude=exclude, weights_only=weights_only, intersection=intersection,
+    options = dict(layout=layout, rules=rules, include=include, exclude=exclude, weights_only=weights_only, intersection=intersection,
                    mismatch=mismatch, to=to, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
     return pipeline.across_ranks(out, to, sources[0], lambda ranks: _average(sources, out, weights, ranks, **options),
                                  max_shard_size=max_shard_size, hf_directory=False, distributed=distributed)
 
 
-def _average(sources: list, out, weights: tuple, ranks, *, include, exclude, weights_only, intersection, mismatch, to,
+def _average(sources: list, out, weights: tuple, ranks, *, layout, rules, include, exclude, weights_only, intersection, mismatch, to,
              max_shard_size, overwrite: bool, progress: bool) -> AverageResult:
-    srcs = [pipeline.open_source(s, bool(weights_only)) for s in sources]
+    srcs = [pipeline.open_source(s, bool(weights_only), layout=layout, rules=rules) for s in sources]
     target = pipeline.output(out, to, srcs, max_shard_size=max_shard_size, overwrite=overwrite, hf_directory=False)
     plan = pipeline.plan(srcs, target, include=include, exclude=exclude, intersection=intersection,
                          mismatch=mismatch)

@@ -278,3 +278,49 @@ def test_cli_average(three, tmp_path, capsys):
     assert main(["average", *paths, str(tmp_path / "w" / "model.ckpt"), "--weights", "1"]) == 3
     assert _nothing_at(str(tmp_path / "w" / "model.ckpt"))
     assert restorekit.average is average
+
+
+def test_layout_and_rules_pair_sources_of_different_naming_as_merge_does(tmp_path):
+    """A TF checkpoint and a PyTorch-named safetensors file of the same Dense layer average together under
+    layout='torch' (the kernel transposed to nn.Linear's [out, in]), through the API and the CLI; without it
+    their names differ and nothing is written; a TF BERT checkpoint and its Hugging Face twin pair through
+    rules='bert-tf-to-hf'. Both options are merge's (pipeline.open_source), refused alike."""
+    from safetensors.numpy import load_file, save_file
+
+    from restorekit.export import convert
+
+    rng = np.random.RandomState(3)
+    tf_values = {"dense/kernel": rng.randn(6, 4).astype(np.float32), "dense/bias": rng.randn(4).astype(np.float32)}
+    pt_values = {"dense.weight": rng.randn(4, 6).astype(np.float32), "dense.bias": rng.randn(4).astype(np.float32)}
+    tf_path = save_variables(tmp_path / "tf" / "model.ckpt", tf_values)
+    st_path = str(tmp_path / "torch.safetensors")
+    save_file(pt_values, st_path)
+    out = str(tmp_path / "mean.safetensors")
+    with pytest.raises(SourceMismatchError):
+        average([tf_path, st_path], out)
+    with pytest.raises(InvalidArgumentError, match="leave layout=None"):
+        average([tf_path, st_path], out, layout="torch", rules="bert-tf-to-hf")
+    assert not os.path.exists(out)
+    result = average([tf_path, st_path], out, weights=[3, 1], layout="torch")
+    got = load_file(out)
+    assert set(got) == {"dense.weight", "dense.bias"} and len(result.averaged) == 2
+    np.testing.assert_allclose(got["dense.weight"], (3 * tf_values["dense/kernel"].T + pt_values["dense.weight"]) / 4,
+                               rtol=1e-6)
+    np.testing.assert_allclose(got["dense.bias"], (3 * tf_values["dense/bias"] + pt_values["dense.bias"]) / 4,
+                               rtol=1e-6)
+    cli_out = str(tmp_path / "cli.safetensors")
+    assert main(["average", tf_path, st_path, cli_out, "--layout", "torch", "-q"]) == 0
+    np.testing.assert_allclose(load_file(cli_out)["dense.weight"],
+                               (tf_values["dense/kernel"].T + pt_values["dense.weight"]) / 2, rtol=1e-6)
+
+    kernel = "bert/encoder/layer_0/attention/self/query/kernel"
+    bert_a = {kernel: rng.randn(8, 8).astype(np.float32)}
+    bert_b = {kernel: rng.randn(8, 8).astype(np.float32)}
+    tf_a = save_variables(tmp_path / "a" / "bert_model.ckpt", bert_a)
+    tf_b = save_variables(tmp_path / "b" / "bert_model.ckpt", bert_b)
+    hf_b = str(tmp_path / "hf_b.safetensors")
+    convert(tf_b, hf_b, rules="bert-tf-to-hf", weights_only=True)
+    bert_out = str(tmp_path / "bert.safetensors")
+    interpolate(tf_a, hf_b, 0.25, bert_out, rules="bert-tf-to-hf")
+    np.testing.assert_allclose(load_file(bert_out)["bert.encoder.layer.0.attention.self.query.weight"],
+                               (0.75 * bert_a[kernel] + 0.25 * bert_b[kernel]).T, rtol=1e-6)

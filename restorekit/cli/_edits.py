@@ -120,6 +120,15 @@ def _cast(args) -> int:
     return _save(editor, args, compact=not args.link)
 
 
+def _pairing_options(p: argparse.ArgumentParser,
+                     layout_help: str = "pair the sources by PyTorch names and axes (layout='torch')",
+                     rules_help: str = "see every source through a rule set (bert-tf-to-hf, gpt2-tf-to-hf, ...) to pair "
+                                       "them by name") -> None:
+    """``--layout`` and ``--rules``, the same two options (and the same resolution) on convert, average and merge."""
+    p.add_argument("--layout", choices=["torch"], help=layout_help)
+    p.add_argument("--rules", metavar="RULE_SET", help=rules_help)
+
+
 def _convert_args(p: argparse.ArgumentParser) -> None:
     from restorekit.export import FORMATS
 
@@ -128,9 +137,8 @@ def _convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output file (.pt, .safetensors, .npz, .weights.h5 from a Keras 3 source, .h5 from a "
                                "legacy Keras 2 .h5), or checkpoint prefix for --to tf")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension, else tf)")
-    p.add_argument("--layout", choices=["torch"], help="PyTorch names and axes (reversed on the way back)")
-    p.add_argument("--rules", metavar="NAME",
-                   help="a ready rule set of names and axes: bert-tf-to-hf, bert-hf-to-tf, gpt2-tf-to-hf, gpt2-hf-to-tf")
+    _pairing_options(p, "PyTorch names and axes (reversed on the way back)",
+                     "a ready rule set of names and axes: bert-tf-to-hf, bert-hf-to-tf, gpt2-tf-to-hf, gpt2-hf-to-tf")
     p.add_argument("--weights-only", action="store_true",
                    help="leave out optimizer state, global_step and save_counter")
     p.add_argument("--ema", action="store_true",
@@ -225,6 +233,7 @@ def _average_args(p: argparse.ArgumentParser) -> None:
                    help="two or more source checkpoints (any format convert reads), then the output")
     p.add_argument("--weights", nargs="+", type=float, metavar="W",
                    help="one weight per source (default: equal); normalized by their sum")
+    _pairing_options(p)
     p.add_argument("--include", action="append", metavar="PATTERN", help="average only entries matching PATTERN")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out entries matching PATTERN")
     p.add_argument("--keep-optimizer", action="store_true",
@@ -250,8 +259,8 @@ def _average(args) -> int:
         raise _Usage("average takes two or more sources and an output: SRC SRC [SRC...] OUT")
     *sources, out = args.paths
     with reworded_exists_error(out):
-        result = average(sources, out, weights=args.weights, include=args.include, exclude=args.exclude,
-                         weights_only=not args.keep_optimizer, intersection=args.intersection,
+        result = average(sources, out, weights=args.weights, layout=args.layout, rules=args.rules,
+                         include=args.include, exclude=args.exclude, weights_only=not args.keep_optimizer, intersection=args.intersection,
                          mismatch=args.mismatch, to=args.to, max_shard_size=_size_arg(args.max_shard_size),
                          overwrite=args.overwrite, progress=not _quiet(args), distributed=_distributed_arg(args))
     if not _quiet(args) and _first_rank():
@@ -268,9 +277,7 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="the output: a file by its extension, or a directory (Hugging Face shards when the base "
                                "model is a Hugging Face directory, else a TF checkpoint)")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension)")
-    p.add_argument("--layout", choices=["torch"], help="pair the sources by PyTorch names and axes (layout='torch')")
-    p.add_argument("--rules", metavar="RULE_SET",
-                   help="see every source through a rule set (bert-tf-to-hf, gpt2-tf-to-hf, ...) to pair them by name")
+    _pairing_options(p)
     p.add_argument("--include", action="append", metavar="PATTERN", help="merge only entries matching PATTERN")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out entries matching PATTERN")
     p.add_argument("--mismatch", choices=["error", "first", "last"], default="error",
