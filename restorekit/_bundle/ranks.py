@@ -21,7 +21,7 @@ import time
 
 from restorekit.errors import MissingDependencyError, OptionNotApplicableError, RankFailedError, RestoreKitError
 
-__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "launched_size"]
+__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "launched_size", "splittable"]
 
 # Seconds a collective waits for the other ranks when restorekit starts the group itself (the
 # CLI under torchrun or srun); a group the caller started keeps the timeout it was given.
@@ -53,13 +53,22 @@ def distribute(out, work, *, to: str, sharded: bool):
         MissingDependencyError: torch is not installed.
         RankFailedError: a rank failed or was killed (it is named); nothing was published.
     """
-    if to != "safetensors" or not sharded:
-        raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
-                                       ("safetensors with max_shard_size",), value=True)
+    splittable(to, sharded=sharded)
     ranks = Ranks.join(output=out)
     if ranks is None:
         return work(None)
     return ranks.run(lambda: work(ranks))
+
+
+def splittable(to: str, *, sharded: bool) -> None:
+    """Refuse ``distributed`` for an output ``to`` that is not a safetensors shard set (no torch import).
+
+    Raises:
+        OptionNotApplicableError: with ``option='distributed'``.
+    """
+    if to != "safetensors" or not sharded:
+        raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
+                                       ("safetensors with max_shard_size",), value=True)
 
 
 def _launch_env() -> tuple[int, int] | None:
