@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch, write_bundle
-from restorekit._bundle.ranks import assign
+from restorekit._bundle.ranks import assign, first_host, launched_size
 from restorekit import average, interpolate
 from restorekit._merging import merge
 from restorekit.errors import OptionNotApplicableError
@@ -39,7 +39,8 @@ def _port() -> int:
 
 def _env(**extra) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT, RESTOREKIT_DISTRIBUTED_TIMEOUT="60")
-    for key in ("RESTOREKIT_CRASH_HOOK", "RESTOREKIT_CRASH_RANK", "RANK", "WORLD_SIZE"):
+    for key in ("RESTOREKIT_CRASH_HOOK", "RESTOREKIT_CRASH_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                *(k for k in os.environ if k.startswith("SLURM_"))):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -154,6 +155,67 @@ def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leav
     assert [code for code, _ in results] == [0, 0], results
     convert(source, tmp_path / "one", max_shard_size=SHARD)
     assert _files(out) == _files(tmp_path / "one")  # every file, no hidden temporaries, locks or orphans
+
+
+# ------------------------------------------------------------------ SLURM without torchrun
+BATCH_SCRIPT = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_NODELIST": "node[07-10]"}
+SRUN_TASK = {**BATCH_SCRIPT, "SLURM_PROCID": "2", "SLURM_LOCALID": "2", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_STEP_NODELIST": "node[07-10]"}
+
+
+@pytest.mark.parametrize("env, size", [
+    ({}, 1),
+    (BATCH_SCRIPT, 1),
+    (SRUN_TASK, 4),
+    ({**BATCH_SCRIPT, "MASTER_ADDR": "node07"}, 4),
+    ({**SRUN_TASK, "RANK": "0", "WORLD_SIZE": "8"}, 8),
+], ids=["no launcher", "a batch script itself runs alone", "a task srun started", "MASTER_ADDR set by hand",
+        "torchrun under srun: torchrun's ranks"])
+def test_the_ranks_a_launcher_started_are_read_from_torchrun_then_slurm(monkeypatch, env, size):
+    for key in [k for k in os.environ if k.startswith("SLURM_")] + ["RANK", "WORLD_SIZE", "MASTER_ADDR"]:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launched_size() == size
+
+
+@pytest.mark.parametrize("nodelist, host", [("node[003-010,020],gpu5", "node003"), ("rack[1-2]-n[07,09]", "rack1-n07"),
+                                            ("localhost", "localhost"), ("a01,b02", "a01"), ("", None)])
+def test_rank_0s_host_is_the_first_host_of_the_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def _slurm_port() -> tuple[str, int]:
+    """A SLURM_JOB_ID whose derived port (15000 + id % 20000) is free here, and that port."""
+    for job in range(int(time.time()) % 20000, 20000 * 2, 7):
+        port = 15000 + job % 20000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(job), port
+    raise AssertionError("no free port")
+
+
+@requires_torch
+@pytest.mark.slow  # two ranks started by hand: each imports torch and forms the group
+@pytest.mark.parametrize("master", [False, True], ids=["rank 0 from the node list and the job id",
+                                                       "MASTER_ADDR and MASTER_PORT given"])
+def test_tasks_started_as_srun_starts_them_form_the_group_and_write_what_one_process_writes(source, tmp_path, master):
+    job, _ = _slurm_port()
+    common = {"SLURM_JOB_ID": job, "SLURM_NTASKS": "2"}
+    common.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())} if master else
+                  {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_NODELIST": "localhost"})
+    procs = [subprocess.Popen([sys.executable, "-m", "restorekit", *_convert_args(source, tmp_path / "two")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(**common, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)))
+             for rank in range(2)]
+    results = _wait(procs)
+    assert [code for code, _ in results] == [0, 0], results
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    one = _files(tmp_path / "one")
+    assert len(one) == 12 and _files(tmp_path / "two") == one
 
 
 # ------------------------------------------------------------------ average / interpolate / merge

@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import time
 
 from restorekit.errors import MissingDependencyError, OptionNotApplicableError, RankFailedError, RestoreKitError
 
-__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "launched_size", "splittable"]
+__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "first_host", "launched_size", "splittable"]
 
 # Seconds a collective waits for the other ranks when restorekit starts the group itself (the
 # CLI under torchrun or srun); a group the caller started keeps the timeout it was given.
@@ -73,16 +74,48 @@ def splittable(to: str, *, sharded: bool) -> None:
 
 def _launch_env() -> tuple[int, int] | None:
     """(rank, world size) a launcher gave this process: torchrun's ``RANK`` / ``WORLD_SIZE``, else SLURM's
-    ``SLURM_PROCID`` / ``SLURM_NTASKS`` when ``MASTER_ADDR`` says where rank 0 listens; None without either."""
+    ``SLURM_PROCID`` / ``SLURM_NTASKS`` in a task ``srun`` started (``SLURM_STEP_NUM_TASKS`` set) or with
+    ``MASTER_ADDR`` set; None without either. A batch script itself (no step, rank 0 of the job's tasks) is
+    no rank: a command there runs alone."""
     env = os.environ
     try:
         if "WORLD_SIZE" in env and "RANK" in env:
             return int(env["RANK"]), int(env["WORLD_SIZE"])
-        if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        in_step = "SLURM_STEP_NUM_TASKS" in env or "MASTER_ADDR" in env
+        if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and in_step and _slurm_master() is not None:
             return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
     except ValueError:
         return None
     return None
+
+
+def _slurm_master() -> tuple[str, int] | None:
+    """Where rank 0 of a SLURM job listens: ``MASTER_ADDR`` / ``MASTER_PORT`` when set, else the first host of the
+    job step's node list and a port every task of the job derives alike from ``SLURM_JOB_ID`` (15000 + the id
+    modulo 20000); None when neither says the host."""
+    env = os.environ
+    host = env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                                                or env.get("SLURM_NODELIST") or "")
+    if not host:
+        return None
+    try:
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    except ValueError:
+        return None
+    return host, port
+
+
+def first_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list, as ``scontrol show hostnames`` lists it first:
+    ``'node[003-010,020],gpu5'`` -> ``'node003'``, ``'rack[1-2]-n[07,09]'`` -> ``'rack1-n07'``; None for ''."""
+    depth, end = 0, len(nodelist)
+    for i, c in enumerate(nodelist):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            end = i
+            break
+    first = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], nodelist[:end].strip())
+    return first or None
 
 
 def launched_size() -> int:
@@ -168,8 +201,10 @@ class Ranks:
             if found is None or found[1] <= 1:
                 return None
             rank, size = found
-            dist.init_process_group("gloo", rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=_timeout()))
+            # torchrun's variables are read by env://; srun's tasks meet where _slurm_master says.
+            master = _slurm_master() if "RANK" not in os.environ else None
+            dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=_timeout()),
+                                    init_method=f"tcp://{master[0]}:{master[1]}" if master else None)
             owned = True
         if dist.get_world_size() <= 1:
             if owned:
