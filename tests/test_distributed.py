@@ -128,8 +128,9 @@ def test_a_rank_that_raises_stops_every_rank_naming_it_and_nothing_is_published(
     assert _files(out) == _files(tmp_path / "one")
 
 
-COMMIT_POINTS = [(1, "shard-2-staged"), (1, "rank-shards-staged"), (0, "ranks-gathered"), (0, "index-json-written"),
-                 (0, "commit-start"), (0, "rename-model-00005-of-00011.safetensors"), (0, "before-index-rename")]
+COMMIT_POINTS = [(0, "staging-made"), (1, "tensor-0"), (1, "before-replace"), (1, "shard-2-staged"),
+                 (1, "rank-shards-staged"), (0, "ranks-gathered"), (0, "index-json-written"), (0, "commit-start"),
+                 (0, "rename-model-00005-of-00011.safetensors"), (0, "before-index-rename")]
 
 
 @requires_torch
@@ -149,12 +150,39 @@ def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leav
     assert results[rank][0] == -signal.SIGKILL
     for err in survivors:
         assert f"rank {rank} failed" in err, err[-2000:]
+        assert "nothing was published" in err or "complete or absent" in err, err[-2000:]
     index = out / "model.safetensors.index.json"
     assert not index.exists()  # the index is the last rename: without it, no output
     results = _wait(_ranks(_convert_args(source, out)))
     assert [code for code, _ in results] == [0, 0], results
     convert(source, tmp_path / "one", max_shard_size=SHARD)
     assert _files(out) == _files(tmp_path / "one")  # every file, no hidden temporaries, locks or orphans
+
+
+def _killed_at(point: str, rank: int, args, marker) -> list:
+    procs = _ranks(args, RESTOREKIT_CRASH_HOOK=f"{point}:{marker}", RESTOREKIT_CRASH_RANK=str(rank))
+    deadline = time.monotonic() + 120
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the point was never reached"
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    return _wait(procs)
+
+
+@requires_torch
+@pytest.mark.slow
+def test_rank_0_killed_after_the_index_rename_leaves_the_whole_output_and_the_others_say_it_may_be(source, tmp_path):
+    out = tmp_path / "out"
+    results = _killed_at("after-index-rename", 0, _convert_args(source, out), tmp_path / "marker")
+    assert results[0][0] == -signal.SIGKILL
+    assert results[1][0] != 0 and "rank 0 failed" in results[1][1] and "complete or absent" in results[1][1]
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    one = _files(tmp_path / "one")
+    published = {name: (out / name).read_bytes() for name in os.listdir(out) if not name.startswith(".")}
+    assert published == one  # the commit had ended: every file of the output, whole
+    results = _wait(_ranks([*_convert_args(source, out), "--overwrite"]))
+    assert [code for code, _ in results] == [0, 0], results
+    assert _files(out) == one  # the staging directory rank 0 left is swept
 
 
 # ------------------------------------------------------------------ SLURM without torchrun

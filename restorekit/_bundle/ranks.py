@@ -181,6 +181,7 @@ class Ranks:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.stage = "starting"
+        self.published = False  # rank 0 sets it once its commit has published the output
         self._broken = False
         self._finished = False
         self.peers = self.exchange("starting", (os.getpid(), socket.gethostname()))
@@ -236,20 +237,28 @@ class Ranks:
 
     def _all_gather(self, message) -> list:
         if self._broken:
-            raise RankFailedError(path=self.output, rank=None, stage=self.stage, cause="the group broke earlier")
+            raise RankFailedError(path=self.output, rank=None, stage=self.stage, cause="the group broke earlier",
+                                  published=self._outcome())
         out: list = [None] * self.size
         try:
             self._dist.all_gather_object(out, message, group=self._group)
         except Exception as e:  # gloo: a peer closed its connection (killed) or the timeout passed
             self._broken = True
             raise RankFailedError(path=self.output, rank=self._dead_rank(), stage=self.stage,
-                                  cause=f"it stopped answering ({_describe(e)})") from e
+                                  cause=f"it stopped answering ({_describe(e)})", published=self._outcome()) from e
         failed = [(r, body) for r, (status, body) in enumerate(out) if status != "ok"]
         if failed:
             rank, (stage, cause) = failed[0]
             self._failed_ranks = [r for r, _ in failed]
             raise RankFailedError(path=self.output, rank=rank, stage=stage, cause=cause)
         return out
+
+    def _outcome(self) -> bool | None:
+        """What a rank knows of the output when the group breaks: rank 0 whether it published it; the others,
+        while rank 0 publishes, nothing (None: complete or absent); before that, that nothing was published."""
+        if self.published:
+            return True
+        return None if self.stage == "publishing" and self.rank != 0 else False
 
     def _dead_rank(self) -> int | None:
         """The rank whose process is gone (on this host), looked for for up to 2 s while its launcher reaps it."""
