@@ -14,12 +14,15 @@ two outputs and 5 GB more. Then, holding ``--lock`` (``flock``) while timing:
 - for each rank count N, ``python -m restorekit convert SRC OUT --max-shard-size SHARD`` and ``python -m restorekit
   average SRC0 SRC1 SRC2 OUT --max-shard-size SHARD``: N = 1 as a plain command, N > 1 as N processes started
   with the variables torchrun gives its ranks (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so
-  that each rank's peak resident memory (``ru_maxrss`` from ``wait4``) is its own. The sources' pages are dropped
+  that each rank's peak resident memory (``ru_maxrss`` from ``wait4``, which counts the pages of files it maps,
+  such as a shard whose crc32c it checks) is its own, beside its peak anonymous memory (``RssAnon`` sampled). The sources' pages are dropped
   from the page cache (``posix_fadvise(DONTNEED)``) before each command, so each reads them from the disk.
 
 Every output's files are hashed (sha256) and must equal the one-process output's. Times are wall-clock from the
-first process started to the last one ended, start-up included (printed apart: one ``python -c 'import
-restorekit.export, torch.distributed'``). Generated data is deleted unless --keep.
+first process started to the last one ended, start-up included. The start-up is measured in the same run: N idle
+ranks that start Python, import the CLI and torch.distributed and form the gloo group (one process: ``python -m
+restorekit --help``); "work" is a command's time less its rank count's start-up, compared with the disk-bound
+time. Generated data is deleted unless --keep.
 """
 
 from __future__ import annotations
@@ -107,8 +110,37 @@ def _drop_cache(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _run(args: list[str], ranks: int, env: dict) -> tuple[float, list[float]]:
-    """``python -m restorekit ARGS`` as ``ranks`` processes: (seconds, peak RSS of each rank in MB)."""
+# What a rank does before its work: start Python, import the CLI and torch.distributed, form the gloo group.
+IDLE_RANK = ("import restorekit.cli, restorekit.export, torch.distributed as d; d.init_process_group('gloo'); "
+             "d.barrier(); d.destroy_process_group()")
+
+
+def _idle(ranks: int) -> list[str]:
+    """The command line of a rank (one process: the command) that starts as the commands do and does nothing."""
+    return ["-m", "restorekit", "--help"] if ranks == 1 else ["-c", IDLE_RANK]
+
+
+def _anon_mb(pid: int) -> float:
+    """The process's resident anonymous memory (heap, arrays; not mapped file pages) in MB, 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _running(pid: int) -> bool:
+    """True while child ``pid`` has not exited; it is not reaped (WNOWAIT), so ``wait4`` still gets its usage."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+
+
+def _run(args: list[str], ranks: int, env: dict) -> tuple[float, list[float], list[float]]:
+    """``python ARGS`` as ``ranks`` processes (``args`` after ``-m restorekit`` unless it starts with ``-``):
+    (seconds, peak RSS of each rank in MB, peak anonymous RSS of each rank in MB sampled every 20 ms)."""
+    argv = args if args[0].startswith("-") else ["-m", "restorekit", *args]
     port = _free_port()
     procs, logs = [], []
     start = time.perf_counter()
@@ -116,9 +148,13 @@ def _run(args: list[str], ranks: int, env: dict) -> tuple[float, list[float]]:
         extra = {} if ranks == 1 else {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         log = tempfile.TemporaryFile()
-        procs.append(subprocess.Popen([sys.executable, "-m", "restorekit", *args], cwd=ROOT, env={**env, **extra},
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env={**env, **extra},
                                       stdout=subprocess.DEVNULL, stderr=log))
         logs.append(log)
+    anon = [0.0] * ranks
+    while any(_running(proc.pid) for proc in procs):
+        anon = [max(a, _anon_mb(proc.pid)) for a, proc in zip(anon, procs)]
+        time.sleep(0.02)
     peaks, failed = [], []
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         _, status, usage = os.wait4(proc.pid, 0)
@@ -130,7 +166,7 @@ def _run(args: list[str], ranks: int, env: dict) -> tuple[float, list[float]]:
     elapsed = time.perf_counter() - start
     if failed:
         raise SystemExit(f"restorekit {' '.join(args)} failed:\n" + "\n".join(failed))
-    return elapsed, peaks
+    return elapsed, peaks, anon
 
 
 def _hashes(directory: str) -> dict:
@@ -187,38 +223,40 @@ def main() -> None:
             _drop_cache(data)
             read_rate = _read_rate(data[0])
             write_rate = _write_rate(DATA)
-            start_up = _run(["--help"], 1, env)[0]  # python + the CLI's imports
-            torch_up = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "import restorekit.export, torch.distributed"], env=env, check=True)
-            torch_up = time.perf_counter() - torch_up
+            idle = {ranks: _run(_idle(ranks), ranks, env)[:2] for ranks in args.ranks}
             rows = []
             for op, command in commands.items():
                 reference = None
                 for ranks in args.ranks:
                     out = os.path.join(DATA, f"{op}-{ranks}")
                     _drop_cache(data)
-                    seconds, peaks = _run([*command, out, "--max-shard-size", args.shard, "-q"], ranks, env)
+                    seconds, peaks, anon = _run([*command, out, "--max-shard-size", args.shard, "-q"], ranks, env)
                     written = _size(out)
                     hashes = _hashes(out)
                     shutil.rmtree(out)
-                    if reference is None:
-                        reference = (seconds, hashes)
                     bound = reads[op] / 1e6 / read_rate + written / 1e6 / write_rate
-                    rows.append((op, ranks, seconds, reference[0] / seconds, bound, seconds / bound, peaks,
-                                 hashes == reference[1], len(hashes) - 1, written))
+                    work = seconds - idle[ranks][0]
+                    if ranks == 1:
+                        reference = (seconds, hashes, work)
+                    rows.append((op, ranks, seconds, reference[0] / seconds, work, reference[2] / work, bound,
+                                 work / bound, peaks, anon, hashes == reference[1], len(hashes) - 1, written))
             load = os.getloadavg()[0]
         print(f"sources: 3 TF checkpoints of {nbytes / 1e9:.2f} GB (float32, {COUNT} tensors) -> HF shards of <= "
               f"{args.shard}; cpus: {os.cpu_count()}, load average after the run {load:.1f}")
-        print(f"disk: read {read_rate:.0f} MB/s (O_DIRECT), write {write_rate:.0f} MB/s (fsync'd); start-up: "
-              f"python -m restorekit --help {start_up:.2f} s, import restorekit.export + torch.distributed "
-              f"{torch_up:.2f} s")
-        print("| command | ranks | time (s) | speed-up vs 1 process | disk-bound time (s) | time / disk-bound "
-              "| peak RSS per rank (MB) | byte-identical to 1 process |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
-        for op, ranks, seconds, speed, bound, ratio, peaks, same, shards, written in rows:
+        print(f"disk: read {read_rate:.0f} MB/s (O_DIRECT), write {write_rate:.0f} MB/s (fsync'd)")
+        print("start-up, idle ranks (python, the imports, the gloo group; nothing to do): " + ", ".join(
+            f"{ranks} rank{'s' if ranks > 1 else ''} {seconds:.1f} s, peak RSS {max(peaks):.0f} MB"
+            for ranks, (seconds, peaks) in idle.items()))
+        print("| command | ranks | time (s) | speed-up | work = time - start-up (s) | speed-up of the work "
+              "| disk-bound time (s) | work / disk-bound | peak RSS per rank (MB) | of it anonymous (MB) "
+              "| byte-identical to 1 process |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
+        for op, ranks, seconds, speed, work, work_speed, bound, ratio, peaks, anon, same, shards, written in rows:
             print(f"| {op} ({shards} shards, {written / 1e9:.2f} GB out) | {ranks} | {seconds:.1f} | {speed:.2f}x "
-                  f"| {bound:.1f} | {ratio:.2f}x | {', '.join(f'{p:.0f}' for p in peaks)} | {'yes' if same else 'NO'} |")
-        if not all(row[7] for row in rows):
+                  f"| {work:.1f} | {work_speed:.2f}x | {bound:.1f} | {ratio:.2f}x | "
+                  f"{', '.join(f'{p:.0f}' for p in peaks)} | {', '.join(f'{a:.0f}' for a in anon)} "
+                  f"| {'yes' if same else 'NO'} |")
+        if not all(row[10] for row in rows):
             raise SystemExit("outputs differ from one process's")
     finally:
         if not args.keep:
