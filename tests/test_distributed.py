@@ -46,10 +46,11 @@ def _env(**extra) -> dict:
     return env
 
 
-def _ranks(args, n=2, **extra) -> list[subprocess.Popen]:
-    """``python -m restorekit ARGS`` as ``n`` ranks, with the variables torchrun gives each."""
+def _ranks(args, n=2, *, script=None, **extra) -> list[subprocess.Popen]:
+    """``python -m restorekit ARGS`` (or ``python SCRIPT ARGS``) as ``n`` ranks, with the variables torchrun gives each."""
     port = _port()
-    return [subprocess.Popen([sys.executable, "-m", "restorekit", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    command = [str(script)] if script is not None else ["-m", "restorekit"]
+    return [subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=str(port), **extra))
@@ -150,7 +151,9 @@ def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leav
     assert results[rank][0] == -signal.SIGKILL
     for err in survivors:
         assert f"rank {rank} failed" in err, err[-2000:]
-        assert "nothing was published" in err or "complete or absent" in err, err[-2000:]
+        # rank 0 killed while it publishes: the others cannot tell whether its renames had ended
+        publishing = rank == 0 and point != "staging-made"
+        assert ("complete or absent" if publishing else "nothing was published") in err, err[-2000:]
     index = out / "model.safetensors.index.json"
     assert not index.exists()  # the index is the last rename: without it, no output
     results = _wait(_ranks(_convert_args(source, out)))
@@ -159,8 +162,9 @@ def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leav
     assert _files(out) == _files(tmp_path / "one")  # every file, no hidden temporaries, locks or orphans
 
 
-def _killed_at(point: str, rank: int, args, marker) -> list:
-    procs = _ranks(args, RESTOREKIT_CRASH_HOOK=f"{point}:{marker}", RESTOREKIT_CRASH_RANK=str(rank))
+def _killed_at(point: str, rank: int, args, marker, script=None) -> list:
+    """Every rank's (exit code, stderr) after ``rank`` was killed with SIGKILL at ``point``."""
+    procs = _ranks(args, script=script, RESTOREKIT_CRASH_HOOK=f"{point}:{marker}", RESTOREKIT_CRASH_RANK=str(rank))
     deadline = time.monotonic() + 120
     while not marker.exists() or not marker.read_text():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the point was never reached"
@@ -354,6 +358,28 @@ def test_two_ranks_average_and_ties_merge_to_the_bytes_one_process_writes_and_a_
         assert "injected while merging" in failure["message"] and "nothing was published" in failure["message"]
         assert [n for n in failure["published"] if not n.startswith(".")] == []
     assert _files(tmp_path / "failed") == _files(tmp_path / "ties-one")  # the rerun: no leftovers
+
+
+AVERAGE_POINTS = [(1, "rank-shards-staged"), (0, "before-index-rename")]
+
+
+@requires_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, point", AVERAGE_POINTS, ids=[f"rank {r} killed at {p}" for r, p in AVERAGE_POINTS])
+def test_a_rank_killed_while_averaging_publishes_nothing_and_the_rerun_leaves_no_leftovers(models, tmp_path, rank,
+                                                                                           point):
+    paths, _ = models
+    out = tmp_path / "out"
+    args = ["average", *paths, str(out), "--max-shard-size", str(MERGE_SHARD), "-q"]
+    results = _killed_at(point, rank, args, tmp_path / "marker")
+    assert results[rank][0] == -signal.SIGKILL
+    for err in [err for r, (_, err) in enumerate(results) if r != rank]:
+        assert f"rank {rank} failed" in err, err[-2000:]
+        assert ("complete or absent" if rank == 0 else "nothing was published") in err, err[-2000:]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert [code for code, _ in _wait(_ranks(args))] == [0, 0]
+    average(paths, tmp_path / "one", max_shard_size=MERGE_SHARD)
+    assert _files(out) == _files(tmp_path / "one")
 
 
 def test_the_cli_refuses_distributed_average_and_merge_of_an_unsharded_output(models, tmp_path, capsys):

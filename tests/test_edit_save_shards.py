@@ -14,7 +14,7 @@ from conftest import requires_torch
 from restorekit.edit import CheckpointEditor
 from restorekit.errors import OptionNotApplicableError, OutputError
 from restorekit.export import convert
-from test_distributed import ROOT, _env, _files, _port
+from test_distributed import ROOT, _env, _files, _killed_at, _port, _ranks, _wait
 
 SHARD = 12_000  # bytes: the checkpoint below makes six shards of it
 
@@ -183,3 +183,37 @@ def test_two_ranks_save_an_edited_checkpoint_as_one_process_does_and_a_failing_r
         assert "injected while computing" in failure["message"] and "nothing was published" in failure["message"]
         assert [n for n in failure["published"] if not n.startswith(".")] == []
     assert _files(tmp_path / "failed") == one  # the rerun completes: no leftovers
+
+
+# One rank of a launch started with torchrun's variables: the edits, then the save across the ranks.
+RANK_SCRIPT = """
+import os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from test_edit_save_shards import edit
+
+edit(sys.argv[2]).save(sys.argv[3], to="safetensors", max_shard_size=int(sys.argv[4]), distributed=True)
+"""
+
+
+@requires_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, point", [(1, "rank-shards-staged"), (0, "commit-start")],
+                         ids=["rank 1 killed after its shards", "rank 0 killed as its commit starts"])
+def test_a_rank_killed_during_a_distributed_save_publishes_nothing_and_the_rerun_leaves_no_leftovers(tf2, tmp_path,
+                                                                                                   rank, point):
+    import signal
+
+    prefix, _ = tf2
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    out = tmp_path / "out"
+    args = [ROOT, prefix, str(out), str(SHARD)]
+    results = _killed_at(point, rank, args, tmp_path / "marker", script=script)
+    assert results[rank][0] == -signal.SIGKILL
+    for err in [err for r, (_, err) in enumerate(results) if r != rank]:
+        assert f"rank {rank} failed" in err, err[-2000:]
+        assert ("complete or absent" if rank == 0 else "nothing was published") in err, err[-2000:]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert [code for code, _ in _wait(_ranks(args, script=script))] == [0, 0]
+    edit(prefix).save(tmp_path / "one", to="safetensors", max_shard_size=SHARD)
+    assert _files(out) == _files(tmp_path / "one")
