@@ -404,21 +404,27 @@ class WriteFailedError(OutputError):
 
 class RankFailedError(WriteFailedError):
     """A rank of a distributed write (``convert(..., distributed=True)``) raised, was killed or stopped
-    answering; no rank published anything, and the next run sweeps what was staged.
+    answering; nothing was published, and the next run sweeps what was staged.
 
     ``rank`` is the rank that failed (None when a rank stopped answering and which one cannot be
     told: it runs on another host), ``stage`` the step the ranks were at (``'staging'``, ``'writing'``,
-    ``'publishing'``), ``cause`` what that rank reported, ``path`` the output.
+    ``'publishing'``), ``cause`` what that rank reported, ``path`` the output. ``published`` is False
+    (nothing was published), True (rank 0 had published the whole output when another rank was killed)
+    or None (rank 0 was killed while it published: the output is complete or absent, never a mix).
     """
 
     def __init__(self, message: str | None = None, *, path=None, rank: int | None = None, stage: str = "",
-                 cause: str = ""):
+                 cause: str = "", published: bool | None = False):
         self.rank = rank
         self.stage = stage
+        self.published = published
         who = f"rank {rank}" if rank is not None else "a rank"
         if message is None:
-            message = (f"{who} failed while {stage or 'writing'} {str(path)!r}: {cause or 'it stopped answering'}; "
-                       "nothing was published (the next run sweeps what was staged)")
+            outcome = ("nothing was published (the next run sweeps what was staged)" if published is False else
+                       "the output had been published whole before" if published else
+                       "rank 0 was publishing the output: it is complete or absent, never a mix (the next run "
+                       "sweeps what was staged)")
+            message = f"{who} failed while {stage or 'writing'} {str(path)!r}: {cause or 'it stopped answering'}; {outcome}"
         super().__init__(message, path=path, cause=cause)
 
 

@@ -205,6 +205,25 @@ def test_a_lock_whose_holder_was_killed_is_free_and_swept(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_lock_file_another_writer_sweeps_between_its_creation_and_its_flock_is_made_again(tmp_path, monkeypatch):
+    from restorekit._bundle import locking
+
+    real_open, swept = os.open, []
+
+    def racing_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if str(path).endswith(locking.LOCK_SUFFIX) and not swept:
+            swept.append(path)
+            sweep_stale(str(tmp_path))  # another writer's sweep: the new lock file is not held yet
+        return fd
+
+    monkeypatch.setattr(locking.os, "open", racing_open)
+    with output_lock(str(tmp_path / "model.safetensors")) as lock:
+        assert swept == [lock] and os.path.exists(lock)
+        assert os.stat(lock).st_nlink == 1
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_sweep_removes_hugging_face_shards_a_dead_commit_left_without_their_index(tmp_path):
     import json
 

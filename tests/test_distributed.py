@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_torch, write_bundle
-from restorekit._bundle.ranks import assign
+from restorekit._bundle.ranks import assign, first_host, launched_size
 from restorekit import average, interpolate
 from restorekit._merging import merge
 from restorekit.errors import OptionNotApplicableError
@@ -39,16 +39,18 @@ def _port() -> int:
 
 def _env(**extra) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT, RESTOREKIT_DISTRIBUTED_TIMEOUT="60")
-    for key in ("RESTOREKIT_CRASH_HOOK", "RESTOREKIT_CRASH_RANK", "RANK", "WORLD_SIZE"):
+    for key in ("RESTOREKIT_CRASH_HOOK", "RESTOREKIT_CRASH_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                *(k for k in os.environ if k.startswith("SLURM_"))):
         env.pop(key, None)
     env.update(extra)
     return env
 
 
-def _ranks(args, n=2, **extra) -> list[subprocess.Popen]:
-    """``python -m restorekit ARGS`` as ``n`` ranks, with the variables torchrun gives each."""
+def _ranks(args, n=2, *, script=None, **extra) -> list[subprocess.Popen]:
+    """``python -m restorekit ARGS`` (or ``python SCRIPT ARGS``) as ``n`` ranks, with the variables torchrun gives each."""
     port = _port()
-    return [subprocess.Popen([sys.executable, "-m", "restorekit", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    command = [str(script)] if script is not None else ["-m", "restorekit"]
+    return [subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=str(port), **extra))
@@ -127,8 +129,9 @@ def test_a_rank_that_raises_stops_every_rank_naming_it_and_nothing_is_published(
     assert _files(out) == _files(tmp_path / "one")
 
 
-COMMIT_POINTS = [(1, "shard-2-staged"), (1, "rank-shards-staged"), (0, "ranks-gathered"), (0, "index-json-written"),
-                 (0, "commit-start"), (0, "rename-model-00005-of-00011.safetensors"), (0, "before-index-rename")]
+COMMIT_POINTS = [(0, "staging-made"), (1, "tensor-0"), (1, "before-replace"), (1, "shard-2-staged"),
+                 (1, "rank-shards-staged"), (0, "ranks-gathered"), (0, "index-json-written"), (0, "commit-start"),
+                 (0, "rename-model-00005-of-00011.safetensors"), (0, "before-index-rename")]
 
 
 @requires_torch
@@ -148,12 +151,103 @@ def test_a_rank_killed_at_each_commit_point_publishes_nothing_and_the_rerun_leav
     assert results[rank][0] == -signal.SIGKILL
     for err in survivors:
         assert f"rank {rank} failed" in err, err[-2000:]
+        # rank 0 killed while it publishes: the others cannot tell whether its renames had ended
+        publishing = rank == 0 and point != "staging-made"
+        assert ("complete or absent" if publishing else "nothing was published") in err, err[-2000:]
     index = out / "model.safetensors.index.json"
     assert not index.exists()  # the index is the last rename: without it, no output
     results = _wait(_ranks(_convert_args(source, out)))
     assert [code for code, _ in results] == [0, 0], results
     convert(source, tmp_path / "one", max_shard_size=SHARD)
     assert _files(out) == _files(tmp_path / "one")  # every file, no hidden temporaries, locks or orphans
+
+
+def _killed_at(point: str, rank: int, args, marker, script=None) -> list:
+    """Every rank's (exit code, stderr) after ``rank`` was killed with SIGKILL at ``point``."""
+    procs = _ranks(args, script=script, RESTOREKIT_CRASH_HOOK=f"{point}:{marker}", RESTOREKIT_CRASH_RANK=str(rank))
+    deadline = time.monotonic() + 120
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the point was never reached"
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    return _wait(procs)
+
+
+@requires_torch
+@pytest.mark.slow
+def test_rank_0_killed_after_the_index_rename_leaves_the_whole_output_and_the_others_say_it_may_be(source, tmp_path):
+    out = tmp_path / "out"
+    results = _killed_at("after-index-rename", 0, _convert_args(source, out), tmp_path / "marker")
+    assert results[0][0] == -signal.SIGKILL
+    assert results[1][0] != 0 and "rank 0 failed" in results[1][1] and "complete or absent" in results[1][1]
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    one = _files(tmp_path / "one")
+    published = {name: (out / name).read_bytes() for name in os.listdir(out) if not name.startswith(".")}
+    assert published == one  # the commit had ended: every file of the output, whole
+    results = _wait(_ranks([*_convert_args(source, out), "--overwrite"]))
+    assert [code for code, _ in results] == [0, 0], results
+    assert _files(out) == one  # the staging directory rank 0 left is swept
+
+
+# ------------------------------------------------------------------ SLURM without torchrun
+BATCH_SCRIPT = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_NODELIST": "node[07-10]"}
+SRUN_TASK = {**BATCH_SCRIPT, "SLURM_PROCID": "2", "SLURM_LOCALID": "2", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_STEP_NODELIST": "node[07-10]"}
+
+
+@pytest.mark.parametrize("env, size", [
+    ({}, 1),
+    (BATCH_SCRIPT, 1),
+    (SRUN_TASK, 4),
+    ({**BATCH_SCRIPT, "MASTER_ADDR": "node07"}, 4),
+    ({**SRUN_TASK, "RANK": "0", "WORLD_SIZE": "8"}, 8),
+], ids=["no launcher", "a batch script itself runs alone", "a task srun started", "MASTER_ADDR set by hand",
+        "torchrun under srun: torchrun's ranks"])
+def test_the_ranks_a_launcher_started_are_read_from_torchrun_then_slurm(monkeypatch, env, size):
+    for key in [k for k in os.environ if k.startswith("SLURM_")] + ["RANK", "WORLD_SIZE", "MASTER_ADDR"]:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launched_size() == size
+
+
+@pytest.mark.parametrize("nodelist, host", [("node[003-010,020],gpu5", "node003"), ("rack[1-2]-n[07,09]", "rack1-n07"),
+                                            ("localhost", "localhost"), ("a01,b02", "a01"), ("", None)])
+def test_rank_0s_host_is_the_first_host_of_the_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def _slurm_port() -> tuple[str, int]:
+    """A SLURM_JOB_ID whose derived port (15000 + id % 20000) is free here, and that port."""
+    for job in range(int(time.time()) % 20000, 20000 * 2, 7):
+        port = 15000 + job % 20000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(job), port
+    raise AssertionError("no free port")
+
+
+@requires_torch
+@pytest.mark.slow  # two ranks started by hand: each imports torch and forms the group
+@pytest.mark.parametrize("master", [False, True], ids=["rank 0 from the node list and the job id",
+                                                       "MASTER_ADDR and MASTER_PORT given"])
+def test_tasks_started_as_srun_starts_them_form_the_group_and_write_what_one_process_writes(source, tmp_path, master):
+    job, _ = _slurm_port()
+    common = {"SLURM_JOB_ID": job, "SLURM_NTASKS": "2"}
+    common.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())} if master else
+                  {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_NODELIST": "localhost"})
+    procs = [subprocess.Popen([sys.executable, "-m", "restorekit", *_convert_args(source, tmp_path / "two")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(**common, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)))
+             for rank in range(2)]
+    results = _wait(procs)
+    assert [code for code, _ in results] == [0, 0], results
+    convert(source, tmp_path / "one", max_shard_size=SHARD)
+    one = _files(tmp_path / "one")
+    assert len(one) == 12 and _files(tmp_path / "two") == one
 
 
 # ------------------------------------------------------------------ average / interpolate / merge
@@ -264,6 +358,28 @@ def test_two_ranks_average_and_ties_merge_to_the_bytes_one_process_writes_and_a_
         assert "injected while merging" in failure["message"] and "nothing was published" in failure["message"]
         assert [n for n in failure["published"] if not n.startswith(".")] == []
     assert _files(tmp_path / "failed") == _files(tmp_path / "ties-one")  # the rerun: no leftovers
+
+
+AVERAGE_POINTS = [(1, "rank-shards-staged"), (0, "before-index-rename")]
+
+
+@requires_torch
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, point", AVERAGE_POINTS, ids=[f"rank {r} killed at {p}" for r, p in AVERAGE_POINTS])
+def test_a_rank_killed_while_averaging_publishes_nothing_and_the_rerun_leaves_no_leftovers(models, tmp_path, rank,
+                                                                                           point):
+    paths, _ = models
+    out = tmp_path / "out"
+    args = ["average", *paths, str(out), "--max-shard-size", str(MERGE_SHARD), "-q"]
+    results = _killed_at(point, rank, args, tmp_path / "marker")
+    assert results[rank][0] == -signal.SIGKILL
+    for err in [err for r, (_, err) in enumerate(results) if r != rank]:
+        assert f"rank {rank} failed" in err, err[-2000:]
+        assert ("complete or absent" if rank == 0 else "nothing was published") in err, err[-2000:]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert [code for code, _ in _wait(_ranks(args))] == [0, 0]
+    average(paths, tmp_path / "one", max_shard_size=MERGE_SHARD)
+    assert _files(out) == _files(tmp_path / "one")
 
 
 def test_the_cli_refuses_distributed_average_and_merge_of_an_unsharded_output(models, tmp_path, capsys):

@@ -83,7 +83,9 @@ def _lock_problem(st: os.stat_result) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a file"
         return f"is {kind}"
-    if st.st_nlink != 1:
+    # No link at all: another writer's sweep removed the file, then unheld, between our open and our flock
+    # (ranks writing one staging directory sweep it at once); _acquire then locks what the name means now.
+    if st.st_nlink > 1:
         return "is a hard link to another file"
     if st.st_size > _LOCK_BYTES:
         return f"holds {st.st_size} bytes, not a lock's pid"

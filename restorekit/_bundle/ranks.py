@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import time
 
 from restorekit.errors import MissingDependencyError, OptionNotApplicableError, RankFailedError, RestoreKitError
 
-__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "launched_size"]
+__all__ = ["TIMEOUT_ENV", "Ranks", "assign", "distribute", "first_host", "launched_size", "splittable"]
 
 # Seconds a collective waits for the other ranks when restorekit starts the group itself (the
 # CLI under torchrun or srun); a group the caller started keeps the timeout it was given.
@@ -53,27 +54,68 @@ def distribute(out, work, *, to: str, sharded: bool):
         MissingDependencyError: torch is not installed.
         RankFailedError: a rank failed or was killed (it is named); nothing was published.
     """
-    if to != "safetensors" or not sharded:
-        raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
-                                       ("safetensors with max_shard_size",), value=True)
+    splittable(to, sharded=sharded)
     ranks = Ranks.join(output=out)
     if ranks is None:
         return work(None)
     return ranks.run(lambda: work(ranks))
 
 
+def splittable(to: str, *, sharded: bool) -> None:
+    """Refuse ``distributed`` for an output ``to`` that is not a safetensors shard set (no torch import).
+
+    Raises:
+        OptionNotApplicableError: with ``option='distributed'``.
+    """
+    if to != "safetensors" or not sharded:
+        raise OptionNotApplicableError("distributed", f"{to} (unsharded)" if to == "safetensors" else to,
+                                       ("safetensors with max_shard_size",), value=True)
+
+
 def _launch_env() -> tuple[int, int] | None:
     """(rank, world size) a launcher gave this process: torchrun's ``RANK`` / ``WORLD_SIZE``, else SLURM's
-    ``SLURM_PROCID`` / ``SLURM_NTASKS`` when ``MASTER_ADDR`` says where rank 0 listens; None without either."""
+    ``SLURM_PROCID`` / ``SLURM_NTASKS`` in a task ``srun`` started (``SLURM_STEP_NUM_TASKS`` set) or with
+    ``MASTER_ADDR`` set; None without either. A batch script itself (no step, rank 0 of the job's tasks) is
+    no rank: a command there runs alone."""
     env = os.environ
     try:
         if "WORLD_SIZE" in env and "RANK" in env:
             return int(env["RANK"]), int(env["WORLD_SIZE"])
-        if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        in_step = "SLURM_STEP_NUM_TASKS" in env or "MASTER_ADDR" in env
+        if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and in_step and _slurm_master() is not None:
             return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
     except ValueError:
         return None
     return None
+
+
+def _slurm_master() -> tuple[str, int] | None:
+    """Where rank 0 of a SLURM job listens: ``MASTER_ADDR`` / ``MASTER_PORT`` when set, else the first host of the
+    job step's node list and a port every task of the job derives alike from ``SLURM_JOB_ID`` (15000 + the id
+    modulo 20000); None when neither says the host."""
+    env = os.environ
+    host = env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                                                or env.get("SLURM_NODELIST") or "")
+    if not host:
+        return None
+    try:
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    except ValueError:
+        return None
+    return host, port
+
+
+def first_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list, as ``scontrol show hostnames`` lists it first:
+    ``'node[003-010,020],gpu5'`` -> ``'node003'``, ``'rack[1-2]-n[07,09]'`` -> ``'rack1-n07'``; None for ''."""
+    depth, end = 0, len(nodelist)
+    for i, c in enumerate(nodelist):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            end = i
+            break
+    first = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], nodelist[:end].strip())
+    return first or None
 
 
 def launched_size() -> int:
@@ -139,6 +181,7 @@ class Ranks:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.stage = "starting"
+        self.published = False  # rank 0 sets it once its commit has published the output
         self._broken = False
         self._finished = False
         self.peers = self.exchange("starting", (os.getpid(), socket.gethostname()))
@@ -159,8 +202,10 @@ class Ranks:
             if found is None or found[1] <= 1:
                 return None
             rank, size = found
-            dist.init_process_group("gloo", rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=_timeout()))
+            # torchrun's variables are read by env://; srun's tasks meet where _slurm_master says.
+            master = _slurm_master() if "RANK" not in os.environ else None
+            dist.init_process_group("gloo", rank=rank, world_size=size, timeout=datetime.timedelta(seconds=_timeout()),
+                                    init_method=f"tcp://{master[0]}:{master[1]}" if master else None)
             owned = True
         if dist.get_world_size() <= 1:
             if owned:
@@ -192,20 +237,28 @@ class Ranks:
 
     def _all_gather(self, message) -> list:
         if self._broken:
-            raise RankFailedError(path=self.output, rank=None, stage=self.stage, cause="the group broke earlier")
+            raise RankFailedError(path=self.output, rank=None, stage=self.stage, cause="the group broke earlier",
+                                  published=self._outcome())
         out: list = [None] * self.size
         try:
             self._dist.all_gather_object(out, message, group=self._group)
         except Exception as e:  # gloo: a peer closed its connection (killed) or the timeout passed
             self._broken = True
             raise RankFailedError(path=self.output, rank=self._dead_rank(), stage=self.stage,
-                                  cause=f"it stopped answering ({_describe(e)})") from e
+                                  cause=f"it stopped answering ({_describe(e)})", published=self._outcome()) from e
         failed = [(r, body) for r, (status, body) in enumerate(out) if status != "ok"]
         if failed:
             rank, (stage, cause) = failed[0]
             self._failed_ranks = [r for r, _ in failed]
             raise RankFailedError(path=self.output, rank=rank, stage=stage, cause=cause)
         return out
+
+    def _outcome(self) -> bool | None:
+        """What a rank knows of the output when the group breaks: rank 0 whether it published it; the others,
+        while rank 0 publishes, nothing (None: complete or absent); before that, that nothing was published."""
+        if self.published:
+            return True
+        return None if self.stage == "publishing" and self.rank != 0 else False
 
     def _dead_rank(self) -> int | None:
         """The rank whose process is gone (on this host), looked for for up to 2 s while its launcher reaps it."""

@@ -18,11 +18,13 @@ from restorekit.edit import _keras_renames as keras_renames, _renames as renames
 from restorekit.edit._plan import FLOATS, Item, check_new_name, initial_plan, lookup, select
 from restorekit.edit._save_export import save_export, with_options
 from restorekit.edit._save_remote import save_remote
-from restorekit.edit._save_tf import save_tf
+from restorekit.edit._save_shards import save_shards, splits
+from restorekit.edit._save_tf import missing_directories, remove_if_empty, save_tf
 from restorekit.edit._source import Source
 from restorekit.formats import _sinks as formats
 from restorekit.formats import detect
-from restorekit.export._request import KERAS_LEGACY, KERAS_SHARDED, check, renamed_keywords, request
+from restorekit._bundle.ranks import splittable
+from restorekit.export._request import KERAS_LEGACY, KERAS_SHARDED, check, given, renamed_keywords, request
 from restorekit.export._targets import target_format
 from restorekit.keras_files._legacy_writer import is_legacy_name
 from restorekit.keras_files._reader import KerasCheckpoint
@@ -398,7 +400,7 @@ class CheckpointEditor:
     def save(self, out, *, to: str | None = None, layout: str | None = None, weights_only: bool = False, ema=None,
              compact: bool = False, num_shards: int | None = None, overwrite: bool = False,
              update_state_file: bool = False, progress: bool = False, check_kept: bool = True,
-             max_shard_size=None) -> str:
+             max_shard_size=None, distributed: bool = False) -> str:
         """Write the edited checkpoint to ``out`` (created if needed), atomically.
 
         Args:
@@ -442,7 +444,10 @@ class CheckpointEditor:
                 ``num_shards``, implies ``compact``; a larger tensor gets a shard alone); for
                 a Keras 3 file saved as ``NAME.weights.json``, a sharded set as
                 ``model.save_weights(..., max_shard_size=)`` writes it (Keras' GB float 2 is
-                ``'2GiB'``; from a sharded set it defaults to the largest shard of the source).
+                ``'2GiB'``; from a sharded set it defaults to the largest shard of the source); for
+                ``'safetensors'``, a Hugging Face shard set (``out`` a directory) as ``convert`` writes it.
+            distributed: write that shard set across the ranks of a torch.distributed process group,
+                as ``convert(distributed=True)`` (docs/cluster.md); call it on every rank alike.
 
         Returns:
             The output prefix (or file).
@@ -460,13 +465,18 @@ class CheckpointEditor:
             ChecksumMismatchError: a source tensor the output keeps fails its crc32c;
                 nothing is written.
             CorruptCheckpointError: a source tensor fails its other checks; nothing is written.
+            RankFailedError: with ``distributed``, a rank failed or was killed (it is named); nothing is published.
         """
         if self._keras:
-            return self._save_keras(out, to=to, layout=layout, weights_only=weights_only, ema=ema,
-                                    overwrite=overwrite, progress=progress, max_shard_size=max_shard_size)
+            return self._save_keras(out, to=to, layout=layout, weights_only=weights_only, ema=ema, overwrite=overwrite,
+                                    progress=progress, max_shard_size=max_shard_size, distributed=distributed)
         format = target_format(out, to)  # before anything is read or written
-        _check_options(format, "tf", layout=layout, num_shards=num_shards, max_shard_size=max_shard_size)
+        _check_options(format, "tf", layout=layout, num_shards=num_shards, max_shard_size=max_shard_size,
+                       distributed=distributed)
         plan = with_options(self._reader, self._plan, weights_only=weights_only, ema=ema)
+        if splits(format, max_shard_size, distributed):
+            return save_shards(self._reader, plan, out, format, layout=layout, max_shard_size=max_shard_size,
+                               overwrite=overwrite, progress=progress, distributed=distributed)
         out = os.fspath(out)
         if files.is_remote(out):
             return save_remote(out, source_prefix=self.prefix, format=format, overwrite=overwrite,
@@ -485,7 +495,7 @@ class CheckpointEditor:
             raise OutputExistsError(path=out, is_source=True)
         # One writer per output: the lock is taken before the exists-check and held to the final rename.
         directory = os.path.dirname(prefix)
-        made = _missing_directories(directory)
+        made = missing_directories(directory)
         try:
             with output_lock(prefix):
                 existing = os.path.exists(prefix + ".index")
@@ -495,7 +505,7 @@ class CheckpointEditor:
                                replacing=existing, update_state_file=update_state_file, progress=progress,
                                num_shards=num_shards, check_kept=check_kept, max_shard_size=max_shard_size)
         except BaseException:
-            _remove_if_empty(made)  # a refused or failed save leaves no directory behind either
+            remove_if_empty(made)  # a refused or failed save leaves no directory behind either
             raise
 
     def _save_local(self, plan, path: str, format: str, *, layout, compact: bool, overwrite: bool,
@@ -507,7 +517,7 @@ class CheckpointEditor:
         return save_export(self._reader, plan, path, format, overwrite=overwrite, layout=layout, progress=progress)
 
     def _save_keras(self, out, *, to: str | None, layout, weights_only: bool, ema, overwrite: bool, progress: bool,
-                    max_shard_size=None) -> str:
+                    max_shard_size=None, distributed: bool = False) -> str:
         """``save`` for a Keras file: a ``.weights.h5`` (Keras' own keys, checked to load) or another format."""
         out = os.fspath(out)
         if files.is_remote(out):
@@ -521,14 +531,14 @@ class CheckpointEditor:
         if os.path.realpath(out) in {os.path.realpath(f) for f in self._keras_file.files}:
             raise OutputExistsError(path=out, is_source=True)
         if format is None and is_legacy_name(out):  # a legacy Keras '.h5': from a legacy Keras 2 file only
-            _check_options(KERAS_LEGACY, "keras", layout=layout, max_shard_size=max_shard_size)
+            _check_options(KERAS_LEGACY, "keras", layout=layout, max_shard_size=max_shard_size, distributed=distributed)
             return save_keras.save_legacy_h5(self._reader, plan, os.path.abspath(out), overwrite=overwrite)
         if format is None:  # by the name, as for a TF source: a '.safetensors' is one
             format = formats.TF if save_keras.is_keras_output(out, formats.TF) else target_format(out, None)
         sharded = out.lower().endswith(save_keras.SHARDED)
         keras_output = save_keras.is_keras_output(out, format)
         target = (KERAS_SHARDED if sharded else save_keras.KERAS) if keras_output else format
-        _check_options(target, "keras", layout=layout, max_shard_size=max_shard_size)
+        _check_options(target, "keras", layout=layout, max_shard_size=max_shard_size, distributed=distributed)
         if keras_output:
             if sharded:
                 return save_keras.save_sharded(self._reader, plan, os.path.abspath(out), overwrite=overwrite,
@@ -537,7 +547,7 @@ class CheckpointEditor:
                                               layer_names=self._layer_names)
         return save_keras.save_other(self._reader, plan, os.path.abspath(out), format, layout=layout,
                                      overwrite=overwrite, progress=progress, layer_names=self._layer_names,
-                                     max_shard_size=max_shard_size)
+                                     max_shard_size=max_shard_size, distributed=distributed)
 
     def save_in_place(self, *, compact: bool = False, update_state_file: bool = False,
                       progress: bool = False, check_kept: bool = True, max_shard_size=None) -> str:
@@ -608,23 +618,6 @@ class CheckpointEditor:
         return self.prefix
 
 
-def _missing_directories(directory: str) -> list[str]:
-    """The directories on the way to ``directory`` that do not exist yet, deepest first."""
-    missing = []
-    while directory and not os.path.exists(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    return missing
-
-
-def _remove_if_empty(directories: list[str]) -> None:
-    for directory in directories:
-        try:
-            os.rmdir(directory)
-        except OSError:  # not empty (another writer's files) or already gone
-            return
-
-
 def _fingerprint(prefix: str) -> tuple | None:
     """Identity of the checkpoint's index file (a Keras file itself): replaced or rewritten, it changes
     (None for remote files)."""
@@ -634,8 +627,10 @@ def _fingerprint(prefix: str) -> tuple | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _check_options(target: str, source: str, **options) -> None:
+def _check_options(target: str, source: str, *, distributed: bool = False, **options) -> None:
     """``restorekit.export._request.check`` of a save's options (``OptionNotApplicableError``), before anything is read."""
-    check(options, target=target, source=source, save=True)
+    check(options, target=target, source=source)
+    if distributed:  # before any rank joins a group: only a safetensors shard set is split across ranks
+        splittable(target, sharded=given(options.get("max_shard_size")))
     if target == "tf":  # the values too: a shard count or size that cannot work, or both at once
         request(num_shards=options.get("num_shards"), max_shard_size=options.get("max_shard_size"))

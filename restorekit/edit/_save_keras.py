@@ -16,6 +16,7 @@ from restorekit._bundle.files import check_space
 from restorekit._bundle.format import dtype_name
 from restorekit.edit import _keras_renames as keras_renames
 from restorekit.edit._plan import Item
+from restorekit.edit._save_shards import save_shards, splits
 from restorekit.edit._source import Source
 from restorekit.errors import InvalidArgumentError, OutputExistsError
 from restorekit._names import Kind, entry_kind
@@ -163,11 +164,15 @@ def _weights(source: Source, plan: dict[str, Item], out: str, layer_names: dict 
 
 
 def save_other(source: Source, plan: dict[str, Item], out: str, format: str, *, layout, overwrite: bool,
-               progress: bool, layer_names: dict | None = None, max_shard_size=None) -> str:
-    """Write an edited Keras file as a TF checkpoint (``max_shard_size``: in data shards of at most that size)
-    or a file of the export registry, under readable paths."""
+               progress: bool, layer_names: dict | None = None, max_shard_size=None, distributed: bool = False) -> str:
+    """Write an edited Keras file as a TF checkpoint (``max_shard_size``: in data shards of at most that size),
+    safetensors shards (``max_shard_size``, across ranks with ``distributed``) or a file of the export registry,
+    under readable paths."""
     plan = _readable(source, _decoded(source, plan), layer_names or {})
     source.checkpoint.check_crc()  # a .keras member is read in place, past zipfile's own CRC check
+    if splits(format, max_shard_size, distributed):
+        return save_shards(source, plan, out, format, layout=layout, max_shard_size=max_shard_size,
+                           overwrite=overwrite, progress=progress, distributed=distributed)
     if format == "tf":
         from restorekit.formats.tf._writer import data_parts, write_tf
 

@@ -492,3 +492,20 @@ def verify(index_path: str, sizes: dict[int, int], expected: set[bytes], written
             raise OutputError(
                 f"verification of {index_path!r} failed: {key[:80]!r} points past its shard {entry.shard_id}"
             )
+
+
+def missing_directories(directory: str) -> list[str]:
+    """The directories on the way to ``directory`` that do not exist yet, deepest first."""
+    missing = []
+    while directory and not os.path.exists(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    return missing
+
+
+def remove_if_empty(directories: list[str]) -> None:
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (another writer's files) or already gone
+            return

@@ -18,7 +18,7 @@ import warnings
 
 from restorekit.errors import InvalidArgumentError, OptionNotApplicableError
 
-__all__ = ["OPTIONS", "SAVE_TARGETS", "Applies", "Request", "check", "given", "renamed_keywords", "request"]
+__all__ = ["OPTIONS", "Applies", "Request", "check", "given", "renamed_keywords", "request"]
 
 TF = "tf"
 KERAS = "keras"  # a Keras 3 .weights.h5
@@ -68,22 +68,16 @@ TARGET_HINTS: dict[str, str] = {
                   "{weights_only} (and {overwrite}) only.",
 }
 
-# What CheckpointEditor.save takes where it takes less than a conversion: its safetensors
-# files are written whole (restorekit.convert writes safetensors shards).
-SAVE_TARGETS: dict[str, tuple[str, ...]] = {"max_shard_size": (TF, KERAS_SHARDED)}
-
 
 def given(value) -> bool:
     """True when an option is set (None and False are its 'not given')."""
     return value is not None and value is not False
 
 
-def check(options: dict, *, target: str, source: str | None = None, save: bool = False) -> None:
+def check(options: dict, *, target: str, source: str | None = None) -> None:
     """Refuse the first given option of ``options`` ({keyword: value}) that applies to neither ``target`` nor ``source``.
 
         check({'num_shards': 2}, target='npz')   # OptionNotApplicableError('num_shards', 'npz', ('tf',))
-
-    ``save=True`` (``CheckpointEditor.save``): :data:`SAVE_TARGETS` narrows where an option applies.
 
     Raises:
         OptionNotApplicableError: with ``option``, ``format``, ``applies_to`` and ``value``.
@@ -92,10 +86,6 @@ def check(options: dict, *, target: str, source: str | None = None, save: bool =
         if not given(value):
             continue
         rule = OPTIONS[option]
-        if save and option in SAVE_TARGETS:
-            rule = dataclasses.replace(rule, targets=SAVE_TARGETS[option],
-                                       hint="restorekit.convert (restorekit convert) writes safetensors shards; "
-                                            + rule.hint)
         if target in rule.targets or (source is not None and source in rule.sources):
             continue
         raise OptionNotApplicableError(option, target, rule.applies_to, value=value,

@@ -241,6 +241,7 @@ def _publish_ranks(out, parts: list, overwrite: bool, write_one, texts, ranks, n
                 weight_map.update({name: os.path.basename(paths[k - 1]) for name in names})
             crashpoints.crash_point("ranks-gathered")
             _finish(staging, out, old, results, weight_map, bool(extra))
+            ranks.published = True
         extra = tuple(ranks.exchange("publishing", extra)[0])
     return _result(out, results, extra)
 
