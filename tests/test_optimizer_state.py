@@ -22,7 +22,7 @@ from restorekit._optim import _convert as convert
 from tf1_optimizer_runs import AFTER, BEFORE, RUNS, batches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EXACT = ["adam", "momentum", "nesterov", "rmsprop", "rmsprop_centered", "rmsprop_plain", "adagrad"]
+EXACT = ["adam", "momentum", "nesterov", "rmsprop", "rmsprop_centered", "rmsprop_plain", "adagrad", "bert_adamw"]
 
 
 # ------------------------------------------------------------------ the conversions, in numpy
@@ -106,9 +106,16 @@ def _twin(torch, classes: int = 3):
     return Net()
 
 
-def _optimizer(torch, name: str, params):
+def _optimizer(torch, name: str, net):
     """The torch.optim twin of run ``name``'s TF1 optimizer, given the TF run's hyper-parameters."""
     cls, kw = RUNS[name]
+    params = net.parameters()
+    if cls == "AdamWeightDecayOptimizer":  # BERT's: decoupled decay, biases excluded
+        named = dict(net.named_parameters())
+        groups = [{"params": [p for n, p in named.items() if not n.endswith("bias")]},
+                  {"params": [p for n, p in named.items() if n.endswith("bias")], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=kw["learning_rate"], eps=kw["epsilon"],
+                                 weight_decay=kw["weight_decay_rate"])
     if cls == "AdamOptimizer":
         return torch.optim.Adam(params, lr=kw["learning_rate"], betas=(kw.get("beta1", 0.9), kw.get("beta2", 0.999)),
                                 eps=kw.get("epsilon", 1e-8))
@@ -125,7 +132,7 @@ def _continue(torch, runs, name: str, carry: bool):
     """The torch twin restored from run ``name`` (optimizer state carried, or fresh), then 20 steps: its losses."""
     out, _ = runs
     net = _twin(torch)
-    optimizer = _optimizer(torch, name, net.parameters())
+    optimizer = _optimizer(torch, name, net)
     report = restorekit.scan(os.path.join(out, name, "model.ckpt"), net, layout="torch",
                              optimizer=optimizer if carry else None)
     restorekit.restore(report)
@@ -149,8 +156,13 @@ def test_a_resumed_torch_run_follows_tensorflows_own_continuation(runs, name):
     got, report = _continue(torch, runs, name, carry=True)
     relative = np.abs(got - want) / np.abs(want)
     assert relative.max() < 1e-5, f"{name}: step losses differ by up to {relative.max():.2e}\n{report}"
-    assert [r.parameter for r in report.optimizer.carried] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert report.optimizer.reset == () and report.optimizer.step == BEFORE
+    assert sorted(r.parameter for r in report.optimizer.carried) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert report.optimizer.reset == ()
+    if name == "bert_adamw":  # no bias correction: a step count at which torch's corrections are exactly 1
+        assert report.optimizer.step == convert.uncorrected_steps(0.9, 0.999) > 37000
+        assert report.optimizer.step_from == "no bias correction"
+    else:
+        assert report.optimizer.step == BEFORE
     fresh, _ = _continue(torch, runs, name, carry=False)  # the control: a warm start, not a resume
     assert (np.abs(fresh - want) / np.abs(want)).max() > 1e-3
 
@@ -266,3 +278,25 @@ def test_a_weight_without_slots_and_an_excluded_weight_start_fresh_with_their_re
     excluded = restorekit.scan(prefix, net, layout="torch", exclude=["fc.weight"],
                                optimizer=torch.optim.Adagrad(net.parameters(), lr=0.1))
     assert excluded.optimizer.reset[0].how == "not_restored" and "excluded" in excluded.optimizer.reset[0].reason
+
+
+@requires_torch
+def test_scan_and_restore_together_read_each_slot_from_the_checkpoint_once(runs, monkeypatch):
+    import torch
+    from restorekit._checkpoint import Checkpoint
+
+    out, _ = runs
+    reads = []
+    real = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.append(name) or real(self, name))
+    net = _twin(torch)
+    optimizer = _optimizer(torch, "adam", net)
+    report = restorekit.scan(os.path.join(out, "adam", "model.ckpt"), net, layout="torch", optimizer=optimizer)
+    restorekit.restore(report)
+    slots = sorted(n for n in reads if n.endswith(("/Adam", "/Adam_1")))
+    assert slots == sorted(f"{w}/{leaf}" for w in ("fc1/kernel", "fc1/bias", "fc2/kernel", "fc2/bias")
+                           for leaf in ("Adam", "Adam_1"))  # once each: scan's values are the ones restore writes
+    checkpoint = restorekit.Checkpoint(os.path.join(out, "adam", "model.ckpt"))
+    np.testing.assert_array_equal(optimizer.state[net.fc2.weight]["exp_avg_sq"].numpy(),
+                                  checkpoint.read("fc2/kernel/Adam_1").T)
+    assert report.optimizer.step == BEFORE

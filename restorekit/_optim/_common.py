@@ -15,7 +15,9 @@ from restorekit._policies import CAST
 from restorekit._report import OptimizerNote, format_shape, policy_of
 from restorekit.errors import InvalidArgumentError
 
-__all__ = ["held_kinds", "source_state", "steps_of", "weight_status", "why_reset"]
+__all__ = ["BERT", "held_kinds", "source_state", "steps_of", "weight_status", "why_reset"]
+
+BERT = "Adam (BERT)"  # google-research BERT's AdamWeightDecayOptimizer: Adam's m and v, no bias correction
 
 
 def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> TF1State:
@@ -67,6 +69,12 @@ def steps_of(state, adam: bool, betas: list, notes: list) -> tuple:
     """The steps the source run took, and what says so: TF1 Adam's beta powers (what its bias correction reads,
     checked against ``betas``, one ``(beta1, beta2)`` per group), else the step counter (``global_step``, a Keras
     optimizer's ``iterations``)."""
+    if adam and state.kinds.get(BERT):
+        steps = max([convert.uncorrected_steps(float(b1), float(b2)) for b1, b2 in betas] + [state.global_step or 0])
+        notes.append(OptimizerNote("step", f"BERT's AdamWeightDecayOptimizer has no bias correction: from step {steps} "
+                                           f"on, 1 - beta^step is exactly 1 (global_step {state.global_step} counts "
+                                           f"the rate schedule, not a correction)"))
+        return steps, "no bias correction"
     if adam and state.beta1_power is not None:
         found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(b1), float(b2), state.global_step)
                  for b1, b2 in betas}
@@ -93,6 +101,8 @@ def roles(wanted: str, leaves: dict, centered: bool) -> dict:
     ``mg``, ``mom`` (RMSProp; ``mg`` when centered, ``mom`` where the source keeps one), ``acc`` (Adagrad)."""
     if wanted == "Adam":
         return {"m": leaves["Adam"], "v": leaves["Adam_1"]}
+    if wanted == BERT:
+        return {"m": leaves["adam_m"], "v": leaves["adam_v"]}
     if wanted == "Momentum":
         return {"a": leaves["Momentum"]}
     if wanted == "RMSProp":
@@ -116,21 +126,30 @@ def slot_reader(source, checkpoint, record, state, wanted: str) -> tuple:
             return None, ("slot_shape", f"slot {key!r} {format_shape(checkpoint.entries[key].shape)} does not have "
                                         f"its weight's shape {format_shape(shape)}")
 
+    held: list = []
+
     def read() -> dict | None:
+        # Scan reads the slots (to set eps, measure drift, check shapes) and restore writes them: the values read
+        # at scan are kept for restore and handed over once, so each slot is read from the checkpoint once and
+        # held once (a later call reads again).
+        if held:
+            return held.pop()
         leaves = {}
         for leaf, key in slots.items():
             array = state.read(checkpoint, leaf, key)
             leaves[leaf] = array if like is None else like(record.checkpoint_name, array)
-        if any(a is None for a in leaves.values()):
-            return None
-        return roles(wanted, leaves, state.centered)
+        found = None if any(a is None for a in leaves.values()) else roles(wanted, leaves, state.centered)
+        held.append(found)
+        return found
 
     return slots, read
 
 
 def source_label(state, wanted: str) -> str:
     """What the report calls the source's optimizer state: ``'Adam (TF1)'``, ``'Keras 3 Adam'``."""
-    return state.label if state.label != "TF1" else f"{wanted} (TF1)"
+    if state.label != "TF1":
+        return state.label
+    return "AdamWeightDecayOptimizer (BERT, TF1)" if wanted == BERT else f"{wanted} (TF1)"
 
 
 def trained_keys(report, checkpoint, names) -> list:

@@ -22,8 +22,9 @@ SLOT_LEAVES = {
     "RMSProp": ("RMSProp", "RMSProp_1"),  # ms (starts at 1.0), momentum
     "RMSProp centered": ("RMSProp", "RMSProp_1", "RMSProp_2"),  # ms, mg, momentum
     "Adagrad": ("Adagrad",),  # the accumulator (starts at initial_accumulator_value)
+    "Adam (BERT)": ("adam_m", "adam_v"),  # google-research BERT's AdamWeightDecayOptimizer: m, v
 }
-TF1_KINDS = ("Adam", "Momentum", "RMSProp", "Adagrad")
+TF1_KINDS = ("Adam", "Momentum", "RMSProp", "Adagrad", "Adam (BERT)")
 
 
 @dataclass
