@@ -160,11 +160,7 @@ class RuleSetSource(LayoutSource):
     def like(self, name: str, array):
         """``array`` (an optimizer slot of the weight behind ``name``) through the rule set's transform of ``name``."""
         source = self._source_of.get(name)
-        if source is None:
-            return array
-        if self._transform(source) == "transpose" and array.ndim == 2:
-            return array.T  # as read() gives the weight: the target copies it (torch's strided copy is faster)
-        return self.plan.apply(self._base_of.get(source, source), array)
+        return array if source is None else self.plan.apply(self._base_of.get(source, source), array)
 
     def read(self, name: str):
         source = self._source_of.get(name)

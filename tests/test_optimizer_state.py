@@ -300,3 +300,42 @@ def test_scan_and_restore_together_read_each_slot_from_the_checkpoint_once(runs,
     np.testing.assert_array_equal(optimizer.state[net.fc2.weight]["exp_avg_sq"].numpy(),
                                   checkpoint.read("fc2/kernel/Adam_1").T)
     assert report.optimizer.step == BEFORE
+
+
+@requires_torch
+def test_berts_own_slots_follow_the_rule_set_into_adamw_and_its_next_step_is_berts_update(tmp_path):
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    values = bert_values()
+    values.update({k: np.abs(v) for k, v in values.items() if k.endswith("/adam_v")})  # v is a mean square
+    prefix = save_variables(tmp_path / "bert_model.ckpt", values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER, max_position_embeddings=POSITIONS)
+    torch.manual_seed(0)
+    model = transformers.BertForPreTraining(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, eps=1e-6)
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf", optimizer=optimizer)
+    restorekit.restore(report)
+    assert len(report.optimizer.carried) == len(list(model.parameters())) and report.optimizer.reset == ()
+    assert report.optimizer.source == "AdamWeightDecayOptimizer (BERT, TF1)"
+    kernel = "bert/encoder/layer_1/intermediate/dense/kernel"  # [16, 32] in TF, transposed for torch
+    weight = model.bert.encoder.layer[1].intermediate.dense.weight
+    state = optimizer.state[weight]
+    np.testing.assert_array_equal(state["exp_avg"].numpy(), values[kernel + "/adam_m"].T)
+    np.testing.assert_array_equal(state["exp_avg_sq"].numpy(), values[kernel + "/adam_v"].T)
+    assert state["exp_avg"].is_contiguous() and float(state["step"]) == convert.uncorrected_steps(0.9, 0.999)
+    np.testing.assert_array_equal(optimizer.state[model.bert.embeddings.word_embeddings.weight]["exp_avg"].numpy(),
+                                  values["bert/embeddings/word_embeddings/adam_m"])
+    # one step with a known gradient: BERT's update, no bias correction, decoupled decay
+    g = np.random.default_rng(5).standard_normal(weight.shape).astype(np.float32)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    weight.grad = torch.from_numpy(g.copy())
+    var, m, v = values[kernel].T.astype(np.float64), values[kernel + "/adam_m"].T, values[kernel + "/adam_v"].T
+    m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+    want = var - 0.01 * (m / (np.sqrt(v) + 1e-6) + 0.1 * var)
+    optimizer.step()
+    np.testing.assert_allclose(weight.detach().numpy(), want, rtol=1e-5, atol=1e-6)

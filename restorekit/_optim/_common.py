@@ -8,11 +8,14 @@ are given here once.
 
 from __future__ import annotations
 
+import numpy as np
+
 from restorekit._optim import _convert as convert
 from restorekit._optim._keras_state import is_keras_optimizer, keras_state
 from restorekit._optim._tf1 import TF1_KINDS, TF1State, tf1_state
 from restorekit._policies import CAST
 from restorekit._report import OptimizerNote, format_shape, policy_of
+from restorekit._torch_target import stored_tensor
 from restorekit.errors import InvalidArgumentError
 
 __all__ = ["BERT", "held_kinds", "source_state", "steps_of", "weight_status", "why_reset"]
@@ -111,15 +114,39 @@ def roles(wanted: str, leaves: dict, centered: bool) -> dict:
     return {"acc": leaves["Adagrad"]}
 
 
-def slot_reader(source, checkpoint, record, state, wanted: str) -> tuple:
+class Scratch:
+    """One buffer, reused, that the slots of a weight the view transposes are read into: the view's transpose copies
+    each out, so a slot costs one array of fresh memory, not two."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, np.uint8)
+
+    def get(self, entry) -> np.ndarray | None:
+        """Room for ``entry`` (a 2-D tensor of a numpy dtype) in the buffer; None for any other."""
+        try:
+            dtype = np.dtype(entry.dtype)
+        except TypeError:  # bfloat16 and the like: read as they are
+            return None
+        if len(entry.shape) != 2 or entry.nbytes != dtype.itemsize * int(np.prod(entry.shape)):
+            return None
+        if self._buffer.size < entry.nbytes:
+            self._buffer = np.empty(entry.nbytes, np.uint8)
+        return self._buffer[: entry.nbytes].view(dtype).reshape(entry.shape)
+
+
+def slot_reader(source, checkpoint, record, state, wanted: str, *, scratch: Scratch | None = None) -> tuple:
     """``(slots, read)`` for the weight of ``record``: ``slots`` the entries ``{leaf: key}``, ``read()`` their values
     by :func:`roles`, each put through the record's view as its weight is (None where the view computes the weight
-    instead of showing a stored one); or ``(None, (how, why))`` where the weight has no slots of that shape."""
+    instead of showing a stored one); or ``(None, (how, why))`` where the weight has no slots of that shape.
+    With ``scratch``, slots the view transposes are read into it first (the transpose is their one copy)."""
     base = entry_key(checkpoint, record.stored_name or record.checkpoint_name)
     slots = state.slots_of(base, wanted)
     if not slots:
         return None, ("no_slots", f"no {wanted} slots under {base!r} in the checkpoint")
     like = getattr(source, "like", None)
+    if scratch is not None and like is not None:
+        found = stored_tensor(source, record.checkpoint_name)
+        scratch = scratch if found is not None and found[2] and found[0] is checkpoint else None
     shape = tuple(checkpoint.entries[base].shape)
     for key in slots.values():
         if tuple(checkpoint.entries[key].shape) != shape:
@@ -136,7 +163,8 @@ def slot_reader(source, checkpoint, record, state, wanted: str) -> tuple:
             return held.pop()
         leaves = {}
         for leaf, key in slots.items():
-            array = state.read(checkpoint, leaf, key)
+            out = scratch.get(checkpoint.entries[key]) if scratch is not None else None
+            array = state.read(checkpoint, leaf, key) if out is None else state.read_into(checkpoint, leaf, key, out)
             leaves[leaf] = array if like is None else like(record.checkpoint_name, array)
         found = None if any(a is None for a in leaves.values()) else roles(wanted, leaves, state.centered)
         held.append(found)

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from restorekit._optim import _convert as convert
-from restorekit._optim._common import BERT, held_kinds, slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
+from restorekit._optim._common import BERT, Scratch, held_kinds, slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
 from restorekit._optim._keras import is_keras_optimizer, with_keras_optimizer
 from restorekit._optim._optax import is_optax_optimizer, with_optax_optimizer
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
@@ -116,11 +116,13 @@ def with_optimizer(report, variables, optimizer):
     carried: list = []
     reset: list = []
     stats: dict = {}
+    scratch = Scratch()
     for g, param in _params(optimizer):
         name = names.get(id(param))
         why = why_reset(name, status, matched, state)
         if why is None:
-            record, read, values, why = _carry(source, checkpoint, matched[name], param, state, wanted, kind, groups[g], steps)
+            record, read, values, why = _carry(source, checkpoint, matched[name], param, state, wanted, kind, groups[g],
+                                               steps, scratch)
         if why is not None:
             plan.resets.append(param)
             reset.append(OptimizerRecord(name or f"param_groups[{g}] parameter {len(reset)}", reason=why[1], how=why[0]))
@@ -134,10 +136,10 @@ def with_optimizer(report, variables, optimizer):
     return replace(report, optimizer=section, _optimizer=plan)
 
 
-def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps):
+def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps, scratch):
     """``(OptimizerRecord, read, its values now, None)`` for a parameter whose slots are carried, or
     ``(None, None, None, (how, why))``."""
-    slots, read_slots = slot_reader(source, checkpoint, record, state, wanted)
+    slots, read_slots = slot_reader(source, checkpoint, record, state, wanted, scratch=scratch)
     if slots is None:
         return None, None, None, read_slots
 

@@ -44,6 +44,12 @@ class TF1State:
         del leaf
         return checkpoint.read(key)
 
+    def read_into(self, checkpoint, leaf: str, key: str, out):
+        """:meth:`read`, into ``out`` (a buffer of the entry's dtype and shape); returns the value."""
+        del leaf
+        checkpoint.read_into(key, out)
+        return out
+
     def slots_of(self, base: str, kind: str) -> dict | None:
         """``{leaf: key}`` of ``kind``'s slots under weight ``base`` (``'RMSProp'`` finds the centered set too);
         None when any is missing."""
