@@ -13,6 +13,7 @@ import numpy as np
 from restorekit._optim import _convert as convert
 from restorekit._optim._keras_state import is_keras_optimizer, keras_state
 from restorekit._optim._tf1 import TF1_KINDS, TF1State, tf1_state
+from restorekit._optim._torch_state import TorchState, is_torch_training_file, torch_state
 from restorekit._policies import CAST
 from restorekit._report import OptimizerNote, format_shape, policy_of
 from restorekit._torch_target import stored_tensor
@@ -28,6 +29,8 @@ def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, ord
     the optimizer that takes ``wanted`` (TF1) state; ``order()`` gives the target's trainable weights' keys."""
     if is_keras_optimizer(checkpoint):
         return keras_state(checkpoint, wanted, momentum=momentum, centered=centered, order=order())
+    if is_torch_training_file(checkpoint):
+        return torch_state(checkpoint) or TorchState(label="torch")
     return tf1_state(checkpoint)
 
 
@@ -147,10 +150,10 @@ def slot_reader(source, checkpoint, record, state, wanted: str, *, scratch: Scra
     if scratch is not None and like is not None:
         found = stored_tensor(source, record.checkpoint_name)
         scratch = scratch if found is not None and found[2] and found[0] is checkpoint else None
-    shape = tuple(checkpoint.entries[base].shape)
+    shape = state.shape_of(checkpoint, base) if base in checkpoint.entries else None
     for key in slots.values():
-        if tuple(checkpoint.entries[key].shape) != shape:
-            return None, ("slot_shape", f"slot {key!r} {format_shape(checkpoint.entries[key].shape)} does not have "
+        if shape is not None and state.shape_of(checkpoint, key) != shape:
+            return None, ("slot_shape", f"slot {key!r} {format_shape(state.shape_of(checkpoint, key))} does not have "
                                         f"its weight's shape {format_shape(shape)}")
 
     held: list = []

@@ -50,6 +50,10 @@ class TF1State:
         checkpoint.read_into(key, out)
         return out
 
+    def shape_of(self, checkpoint, key: str) -> tuple:
+        """The stored shape of ``key`` (a weight or a slot)."""
+        return tuple(checkpoint.entries[key].shape)
+
     def slots_of(self, base: str, kind: str) -> dict | None:
         """``{leaf: key}`` of ``kind``'s slots under weight ``base`` (``'RMSProp'`` finds the centered set too);
         None when any is missing."""
