@@ -107,3 +107,18 @@ def test_optimizer_state_that_does_not_pair_with_the_model_by_order_is_refused(t
     target = keras.optimizers.Adam(0.01)
     with pytest.raises(restorekit.InvalidArgumentError, match=r"parameter 0 has Adam of shape \[3, 16\].*'fc1\.weight'"):
         restorekit.scan(path + ":model", compiled(keras, target), layout="torch", optimizer=target)
+
+
+def test_torchs_own_state_into_torch_optim_is_refused_not_converted_as_tf1s(runs):
+    torch = pytest.importorskip("torch")
+
+    out, _ = runs
+    net = torch.nn.Sequential()
+    net.add_module("fc1", torch.nn.Linear(8, 16))
+    net.add_module("relu", torch.nn.ReLU())
+    net.add_module("fc2", torch.nn.Linear(16, 3))
+    before = net.fc1.weight.detach().clone()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    with pytest.raises(restorekit.InvalidArgumentError, match=r"torch optimizer's state \(torch Adam\).*load_state_dict"):
+        restorekit.scan(os.path.join(out, "adam.pt:model"), net, optimizer=optimizer)
+    assert torch.equal(net.fc1.weight, before) and not optimizer.state
