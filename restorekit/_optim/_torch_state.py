@@ -66,7 +66,10 @@ def is_torch_training_file(checkpoint) -> bool:
 def _load(path: str):
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:  # the file was opened (and checked: weights only) as the source already
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a legacy (not zip) file cannot be memory-mapped
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _numpy(value) -> np.ndarray:
