@@ -303,6 +303,7 @@ def test_scan_and_restore_together_read_each_slot_from_the_checkpoint_once(runs,
 
 
 @requires_torch
+@pytest.mark.slow  # transformers' import and a BertForPreTraining: ~4 s
 def test_berts_own_slots_follow_the_rule_set_into_adamw_and_its_next_step_is_berts_update(tmp_path):
     import torch
 
