@@ -1,8 +1,9 @@
-"""A torch training checkpoint's optimizer state as a source (issue 36): a torch run resumed in Keras 3 on JAX.
+"""A torch training checkpoint's optimizer state as a source (issue 36): a torch run resumed in Keras 3 and Flax NNX.
 
 The oracle is torch: ``tests/torch_optimizer_runs.py`` trains the torch twin of the TF1 net 5
 steps with Adam and with SGD + momentum, saves ``{'model', 'optimizer', 'epoch'}``, and continues
-20 steps. Keras 3 on JAX (TensorFlow blocked) resumes each from ``FILE:model`` with ``optimizer=``.
+20 steps. Keras 3 on JAX and Flax NNX with optax (TensorFlow blocked) resume each from ``FILE:model``
+with ``optimizer=``.
 """
 
 import json
@@ -43,6 +44,21 @@ def resumed(runs):
         return json.load(f)
 
 
+@pytest.fixture(scope="module")
+def resumed_flax(runs):
+    """Every run resumed in the Flax NNX twin with optax, in its own process, TensorFlow blocked."""
+    why = _missing("flax", "optax")
+    if why:
+        pytest.skip(f"Flax NNX {why}")
+    out, _ = runs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([BLOCKER, os.path.dirname(HERE)])}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "torch_optimizer_runs.py"), "flax", out],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(os.path.join(out, "flax.json")) as f:
+        return json.load(f)
+
+
 def _relative(got, want) -> float:
     return float(np.max(np.abs(np.asarray(got) - np.asarray(want)) / np.abs(np.asarray(want))))
 
@@ -60,6 +76,20 @@ def test_a_torch_run_resumed_in_keras_on_jax_follows_torchs_own_continuation(run
     assert (report["step"], report["step_from"]) == ((5, "step") if name == "adam" else (0, "no step"))
     assert [r["parameter"] for r in report["carried"]] == ["fc1/kernel", "fc1/bias", "fc2/kernel", "fc2/bias"]
     assert report["carried"][0]["slots"][0] == "optimizer.state.0." + ("exp_avg" if name == "adam" else "momentum_buffer")
+
+
+@pytest.mark.slow  # a Flax process: ~20 s
+@pytest.mark.parametrize("name", list(RUNS), ids=[f"torch {n} resumed in Flax NNX with optax" for n in RUNS])
+def test_a_torch_run_resumed_in_flax_nnx_follows_torchs_own_continuation(runs, resumed_flax, name):
+    want = runs[1][name]
+    assert _relative(resumed_flax["losses"][name], want) < 1e-5, resumed_flax["reports"][name]
+    assert _relative(resumed_flax["fresh"][name], want) > 1e-3
+    assert not resumed_flax["tensorflow_imported"]
+    report = resumed_flax["reports"][name]
+    assert report["differences"] == [] and report["reset"] == []  # optax adds eps where torch does: nothing differs
+    slots = {r["parameter"]: r["slots"][0].rpartition(".")[0] for r in report["carried"]}
+    assert slots == {"fc1/kernel": "optimizer.state.0", "fc1/bias": "optimizer.state.1",
+                     "fc2/kernel": "optimizer.state.2", "fc2/bias": "optimizer.state.3"}  # torch's order, by name
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ steps by torch itself: the oracle, in ``OUT/losses.json``.
 ``python torch_optimizer_runs.py resume OUT`` (``KERAS_BACKEND=jax``, TensorFlow blocked): each
 run restored into the Keras twin from ``OUT/NAME.pt:model`` with ``optimizer=`` (and, the control,
 without), continued on the same batches; losses and reports in ``OUT/<backend>.json``.
+``python torch_optimizer_runs.py flax OUT``: the same into the Flax NNX twin with an
+``nnx.Optimizer`` over optax; ``OUT/flax.json``.
 """
 
 import json
@@ -69,20 +71,43 @@ def resume(out: str, name: str, carry: bool, classes: int = 3):
     return continue_run(net), report
 
 
+# name: the optax optimizer of the torch run's hyper-parameters
+OPTAX = {"adam": lambda optax: optax.adam(0.01), "momentum": lambda optax: optax.sgd(0.05, momentum=0.9)}
+
+
+def resume_flax(out: str, name: str, carry: bool):
+    """Run ``name`` restored into the Flax NNX twin with an ``nnx.Optimizer`` (state carried, or fresh), then 20 steps."""
+    import optax
+    from flax import nnx
+
+    import restorekit
+    from flax_optimizer_cases import continue_run as flax_continue, twin
+
+    model = twin()
+    opt = nnx.Optimizer(model, OPTAX[name](optax), wrt=nnx.Param)
+    report = restorekit.scan(os.path.join(out, f"{name}.pt:model"), model, layout="torch",
+                             optimizer=opt if carry else None)
+    restorekit.restore(report)
+    return flax_continue(model, opt), report
+
+
 def main(mode: str, out: str) -> None:
     if mode == "torch":
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump({name: torch_run(name, out) for name in RUNS}, f)
         return
-    import keras
-
+    run = resume_flax if mode == "flax" else resume
     found: dict = {"losses": {}, "fresh": {}, "reports": {}}
     for name in RUNS:
-        found["losses"][name], report = resume(out, name, True)
+        found["losses"][name], report = run(out, name, True)
         found["reports"][name] = report.to_dict()["optimizer"]
-        found["fresh"][name], _ = resume(out, name, False)
+        found["fresh"][name], _ = run(out, name, False)
     found["tensorflow_imported"] = "tensorflow" in sys.modules
-    with open(os.path.join(out, f"{keras.config.backend()}.json"), "w") as f:
+    if mode != "flax":
+        import keras
+
+        mode = keras.config.backend()
+    with open(os.path.join(out, f"{mode}.json"), "w") as f:
         json.dump(found, f)
 
 

@@ -208,10 +208,10 @@ def held_kinds(state, wanted: str, *, into: str, target: str, choices: dict) -> 
     ``into`` names the target family in the message ('torch.optim', 'Keras', 'optax');
     ``choices`` maps each optimizer of that family to the TF1 kind it takes.
     """
-    if isinstance(state, TorchState) and state.kinds and into != "Keras":
+    if isinstance(state, TorchState) and state.kinds and into not in ("Keras", "optax"):
         raise InvalidArgumentError(
             f"the checkpoint holds a torch optimizer's state ({state.label}); carrying it into {into} is not "
-            f"supported yet (into Keras 3 optimizers it is; into torch.optim, load it with "
+            f"supported yet (into Keras 3 optimizers and optax it is; into torch.optim, load it with "
             f"optimizer.load_state_dict): scan without optimizer= for a warm start")
     others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
     if others:

@@ -14,7 +14,7 @@ state is read in TF1's terms, as every target takes it:
 | ``SGD(lr, momentum, nesterov, dampening=0)``: ``buf = mu buf + g``, ``p -= lr buf`` | ``momentum_buffer`` | ``Momentum = buf`` (the same recursion) | ``SGD``'s ``momentum = -lr buf``: exact |
 
 ``dampening``, ``amsgrad`` and ``weight_decay`` (coupled, in ``Adam`` and ``SGD``) have no TF1
-term: the first two are refused, the decay is reported with its size.
+term: the first two are refused, the decay is reported with its size. Into optax nothing converts: optax adds eps where torch does.
 """
 
 from __future__ import annotations
