@@ -1,6 +1,6 @@
 """Benchmark for issue 38: ``restorekit convert`` to Hugging Face safetensors shards, one process vs N gloo ranks.
 
-    /work/venv-torch/bin/python benchmarks/bench_distribute_convert.py [--gb 1.0] [--ranks 2] [--shard 100MB] [--keep]
+    python benchmarks/bench_distribute_convert.py [--gb 1.0] [--ranks 2] [--shard 100MB] [--keep]
 
 A TF checkpoint of about ``--gb`` GB of float32 (64 tensors, one data shard) is written with
 restorekit's BundleWriter under ``benchmarks/data/bench_distribute_convert/`` (git-ignored),

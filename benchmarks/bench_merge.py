@@ -16,7 +16,7 @@ process's whole VmHWM, its ru_maxrss, is printed too).
 
 Both outputs are compared (max abs difference). The ratios are ours / mergekit.
 
-    flock /work/notes/bench.lock /work/venv-torch/bin/python benchmarks/bench_merge.py [--layers 3] [--repeat 1]
+    python benchmarks/bench_merge.py [--layers 3] [--repeat 1]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmark for issue 38's bar: 1, 2 and 4 gloo ranks on localhost convert a TF checkpoint of more than 2 GB to
 Hugging Face safetensors shards, and average three such checkpoints; outputs byte-identical to one process.
 
-    /work/venv-torch/bin/python benchmarks/bench_ranks_bar.py [--gb 2.2] [--ranks 1 2 4] [--shard 200MB]
+    python benchmarks/bench_ranks_bar.py [--gb 2.2] [--ranks 1 2 4] [--shard 200MB]
                                                              [--lock FILE] [--keep]
 
 Three TF checkpoints of ``--gb`` GB of float32 each (64 tensors, one data shard) are written with restorekit's

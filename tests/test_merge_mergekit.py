@@ -1,6 +1,6 @@
 """restorekit.merge against mergekit itself (an oracle only): the same recipe on a tiny Hugging Face Llama.
 
-Run with torch and mergekit installed (``/work/venv-torch/bin/python -m pytest tests/test_merge_mergekit.py``);
+Run with torch and mergekit installed (``python -m pytest tests/test_merge_mergekit.py``);
 skipped with the reason where either is missing.
 """
 

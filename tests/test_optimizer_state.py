@@ -22,7 +22,7 @@ from restorekit._optim import _convert as convert
 from tf1_optimizer_runs import AFTER, BEFORE, RUNS, batches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EXACT = ["adam", "momentum", "nesterov", "rmsprop", "rmsprop_centered", "rmsprop_plain", "adagrad"]
+EXACT = ["adam", "momentum", "nesterov", "rmsprop", "rmsprop_centered", "rmsprop_plain", "adagrad", "bert_adamw"]
 
 
 # ------------------------------------------------------------------ the conversions, in numpy
@@ -106,9 +106,16 @@ def _twin(torch, classes: int = 3):
     return Net()
 
 
-def _optimizer(torch, name: str, params):
+def _optimizer(torch, name: str, net):
     """The torch.optim twin of run ``name``'s TF1 optimizer, given the TF run's hyper-parameters."""
     cls, kw = RUNS[name]
+    params = net.parameters()
+    if cls == "AdamWeightDecayOptimizer":  # BERT's: decoupled decay, biases excluded
+        named = dict(net.named_parameters())
+        groups = [{"params": [p for n, p in named.items() if not n.endswith("bias")]},
+                  {"params": [p for n, p in named.items() if n.endswith("bias")], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=kw["learning_rate"], eps=kw["epsilon"],
+                                 weight_decay=kw["weight_decay_rate"])
     if cls == "AdamOptimizer":
         return torch.optim.Adam(params, lr=kw["learning_rate"], betas=(kw.get("beta1", 0.9), kw.get("beta2", 0.999)),
                                 eps=kw.get("epsilon", 1e-8))
@@ -125,7 +132,7 @@ def _continue(torch, runs, name: str, carry: bool):
     """The torch twin restored from run ``name`` (optimizer state carried, or fresh), then 20 steps: its losses."""
     out, _ = runs
     net = _twin(torch)
-    optimizer = _optimizer(torch, name, net.parameters())
+    optimizer = _optimizer(torch, name, net)
     report = restorekit.scan(os.path.join(out, name, "model.ckpt"), net, layout="torch",
                              optimizer=optimizer if carry else None)
     restorekit.restore(report)
@@ -149,8 +156,13 @@ def test_a_resumed_torch_run_follows_tensorflows_own_continuation(runs, name):
     got, report = _continue(torch, runs, name, carry=True)
     relative = np.abs(got - want) / np.abs(want)
     assert relative.max() < 1e-5, f"{name}: step losses differ by up to {relative.max():.2e}\n{report}"
-    assert [r.parameter for r in report.optimizer.carried] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert report.optimizer.reset == () and report.optimizer.step == BEFORE
+    assert sorted(r.parameter for r in report.optimizer.carried) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+    assert report.optimizer.reset == ()
+    if name == "bert_adamw":  # no bias correction: a step count at which torch's corrections are exactly 1
+        assert report.optimizer.step == convert.uncorrected_steps(0.9, 0.999) > 37000
+        assert report.optimizer.step_from == "no bias correction"
+    else:
+        assert report.optimizer.step == BEFORE
     fresh, _ = _continue(torch, runs, name, carry=False)  # the control: a warm start, not a resume
     assert (np.abs(fresh - want) / np.abs(want)).max() > 1e-3
 
@@ -266,3 +278,65 @@ def test_a_weight_without_slots_and_an_excluded_weight_start_fresh_with_their_re
     excluded = restorekit.scan(prefix, net, layout="torch", exclude=["fc.weight"],
                                optimizer=torch.optim.Adagrad(net.parameters(), lr=0.1))
     assert excluded.optimizer.reset[0].how == "not_restored" and "excluded" in excluded.optimizer.reset[0].reason
+
+
+@requires_torch
+def test_scan_and_restore_together_read_each_slot_from_the_checkpoint_once(runs, monkeypatch):
+    import torch
+    from restorekit._checkpoint import Checkpoint
+
+    out, _ = runs
+    reads = []
+    real = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.append(name) or real(self, name))
+    net = _twin(torch)
+    optimizer = _optimizer(torch, "adam", net)
+    report = restorekit.scan(os.path.join(out, "adam", "model.ckpt"), net, layout="torch", optimizer=optimizer)
+    restorekit.restore(report)
+    slots = sorted(n for n in reads if n.endswith(("/Adam", "/Adam_1")))
+    assert slots == sorted(f"{w}/{leaf}" for w in ("fc1/kernel", "fc1/bias", "fc2/kernel", "fc2/bias")
+                           for leaf in ("Adam", "Adam_1"))  # once each: scan's values are the ones restore writes
+    checkpoint = restorekit.Checkpoint(os.path.join(out, "adam", "model.ckpt"))
+    np.testing.assert_array_equal(optimizer.state[net.fc2.weight]["exp_avg_sq"].numpy(),
+                                  checkpoint.read("fc2/kernel/Adam_1").T)
+    assert report.optimizer.step == BEFORE
+
+
+@requires_torch
+@pytest.mark.slow  # transformers' import and a BertForPreTraining: ~4 s
+def test_berts_own_slots_follow_the_rule_set_into_adamw_and_its_next_step_is_berts_update(tmp_path):
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from test_export_hf import HIDDEN, INNER, LAYERS, POSITIONS, VOCAB, bert_values
+
+    values = bert_values()
+    values.update({k: np.abs(v) for k, v in values.items() if k.endswith("/adam_v")})  # v is a mean square
+    prefix = save_variables(tmp_path / "bert_model.ckpt", values)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                     num_attention_heads=2, intermediate_size=INNER, max_position_embeddings=POSITIONS)
+    torch.manual_seed(0)
+    model = transformers.BertForPreTraining(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, eps=1e-6)
+    report = restorekit.scan(prefix, model, rules="bert-tf-to-hf", optimizer=optimizer)
+    restorekit.restore(report)
+    assert len(report.optimizer.carried) == len(list(model.parameters())) and report.optimizer.reset == ()
+    assert report.optimizer.source == "AdamWeightDecayOptimizer (BERT, TF1)"
+    kernel = "bert/encoder/layer_1/intermediate/dense/kernel"  # [16, 32] in TF, transposed for torch
+    weight = model.bert.encoder.layer[1].intermediate.dense.weight
+    state = optimizer.state[weight]
+    np.testing.assert_array_equal(state["exp_avg"].numpy(), values[kernel + "/adam_m"].T)
+    np.testing.assert_array_equal(state["exp_avg_sq"].numpy(), values[kernel + "/adam_v"].T)
+    assert state["exp_avg"].is_contiguous() and float(state["step"]) == convert.uncorrected_steps(0.9, 0.999)
+    np.testing.assert_array_equal(optimizer.state[model.bert.embeddings.word_embeddings.weight]["exp_avg"].numpy(),
+                                  values["bert/embeddings/word_embeddings/adam_m"])
+    # one step with a known gradient: BERT's update, no bias correction, decoupled decay
+    g = np.random.default_rng(5).standard_normal(weight.shape).astype(np.float32)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    weight.grad = torch.from_numpy(g.copy())
+    var, m, v = values[kernel].T.astype(np.float64), values[kernel + "/adam_m"].T, values[kernel + "/adam_v"].T
+    m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+    want = var - 0.01 * (m / (np.sqrt(v) + 1e-6) + 0.1 * var)
+    optimizer.step()
+    np.testing.assert_allclose(weight.detach().numpy(), want, rtol=1e-5, atol=1e-6)

@@ -26,7 +26,46 @@ RUNS = {
                                               "centered": True}),
     "rmsprop_plain": ("RMSPropOptimizer", {"learning_rate": 0.01, "decay": 0.9, "epsilon": 1e-10}),
     "adagrad": ("AdagradOptimizer", {"learning_rate": 0.1, "initial_accumulator_value": 0.1}),
+    # google-research BERT's optimizer (adam_m / adam_v slots, no bias correction, decoupled decay but on biases)
+    "bert_adamw": ("AdamWeightDecayOptimizer", {"learning_rate": 0.01, "weight_decay_rate": 0.1, "epsilon": 1e-6}),
 }
+
+
+def bert_optimizer(tf, **kwargs):
+    """BERT's ``AdamWeightDecayOptimizer`` (google-research/bert ``optimization.py``, Apache 2.0), as it is there
+    but for ``tf.compat.v1`` names and the step count it increments (``run_pretraining.py`` does that beside it)."""
+    import re
+
+    tf1 = tf.compat.v1
+
+    class AdamWeightDecayOptimizer(tf1.train.Optimizer):
+        def __init__(self, learning_rate, weight_decay_rate=0.0, beta_1=0.9, beta_2=0.999, epsilon=1e-6,
+                     exclude_from_weight_decay=("LayerNorm", "layer_norm", "bias"), name="AdamWeightDecayOptimizer"):
+            super().__init__(False, name)
+            self.learning_rate, self.weight_decay_rate = learning_rate, weight_decay_rate
+            self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+            self.exclude_from_weight_decay = exclude_from_weight_decay
+
+        def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+            assignments = []
+            for grad, param in grads_and_vars:
+                param_name = re.match("^(.*):\\d+$", param.name).group(1)
+                m = tf1.get_variable(param_name + "/adam_m", shape=param.shape.as_list(), dtype=tf.float32,
+                                     trainable=False, initializer=tf1.zeros_initializer())
+                v = tf1.get_variable(param_name + "/adam_v", shape=param.shape.as_list(), dtype=tf.float32,
+                                     trainable=False, initializer=tf1.zeros_initializer())
+                next_m = self.beta_1 * m + (1.0 - self.beta_1) * grad
+                next_v = self.beta_2 * v + (1.0 - self.beta_2) * tf.square(grad)
+                update = next_m / (tf.sqrt(next_v) + self.epsilon)
+                if self.weight_decay_rate and not any(re.search(r, param_name) for r in self.exclude_from_weight_decay):
+                    update += self.weight_decay_rate * param
+                assignments.extend([param.assign(param - self.learning_rate * update), m.assign(next_m),
+                                    v.assign(next_v)])
+            if global_step is not None:
+                assignments.append(global_step.assign_add(1))
+            return tf.group(*assignments, name=name)
+
+    return AdamWeightDecayOptimizer(**kwargs)
 
 
 def batches(seed: int = 0):
@@ -59,7 +98,8 @@ def run(name: str, out: str) -> list:
         logits = hidden @ weights["fc2/kernel"] + weights["fc2/bias"]
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
         step = tf1.train.get_or_create_global_step()
-        train = getattr(tf1.train, cls)(**kwargs).minimize(loss, global_step=step)
+        make = (lambda **kw: bert_optimizer(tf, **kw)) if cls == "AdamWeightDecayOptimizer" else getattr(tf1.train, cls)
+        train = make(**kwargs).minimize(loss, global_step=step)
         saver = tf1.train.Saver()
         losses = []
         with tf1.Session() as sess:

@@ -57,6 +57,7 @@ __all__ = [
     "decode_slice_key",
     "decode_tensor",
     "dtype_enum",
+    "empty_array",
     "empty_tensor",
     "dtype_name",
     "encode_slice_key",
@@ -381,6 +382,13 @@ def empty_tensor(dtype: int, shape: tuple, nbytes: int, *, name: str = "") -> np
         except ValueError:
             raise CorruptCheckpointError(f"{name!r}: stored shape {list(shape)} is not a possible array shape") from None
     return _aligned(nbytes).view(numpy_dtype(dtype)).reshape(shape)
+
+
+def empty_array(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialized array of fresh memory, as :func:`empty_tensor` gives (aligned; large ones populated at once)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return _aligned(nbytes).view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
 
 
 def _aligned(nbytes: int) -> np.ndarray:

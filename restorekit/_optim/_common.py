@@ -8,15 +8,21 @@ are given here once.
 
 from __future__ import annotations
 
+import numpy as np
+
 from restorekit._optim import _convert as convert
 from restorekit._optim._keras2_state import is_keras2_optimizer, keras2_state
 from restorekit._optim._keras_state import is_keras_optimizer, keras_state
 from restorekit._optim._tf1 import TF1_KINDS, TF1State, tf1_state
+from restorekit._optim._torch_state import TorchState, is_torch_training_file, torch_state
 from restorekit._policies import CAST
 from restorekit._report import OptimizerNote, format_shape, policy_of
+from restorekit._torch_target import stored_tensor
 from restorekit.errors import InvalidArgumentError
 
-__all__ = ["held_kinds", "source_state", "steps_of", "weight_status", "why_reset"]
+__all__ = ["BERT", "held_kinds", "source_state", "steps_of", "weight_status", "why_reset"]
+
+BERT = "Adam (BERT)"  # google-research BERT's AdamWeightDecayOptimizer: Adam's m and v, no bias correction
 
 
 def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, order) -> TF1State:
@@ -27,6 +33,8 @@ def source_state(checkpoint, wanted: str, *, momentum: bool, centered: bool, ord
         return keras2_state(checkpoint)
     if is_keras_optimizer(checkpoint):
         return keras_state(checkpoint, wanted, momentum=momentum, centered=centered, order=order())
+    if is_torch_training_file(checkpoint):
+        return torch_state(checkpoint) or TorchState(label="torch")
     return tf1_state(checkpoint)
 
 
@@ -71,6 +79,12 @@ def steps_of(state, adam: bool, betas: list, notes: list) -> tuple:
     """The steps the source run took, and what says so: TF1 Adam's beta powers (what its bias correction reads,
     checked against ``betas``, one ``(beta1, beta2)`` per group), else the step counter (``global_step``, a Keras
     optimizer's ``iterations``). Betas a source saved (Keras 2's ``beta_1``, ``beta_2``) are checked too."""
+    if adam and state.kinds.get(BERT):
+        steps = max([convert.uncorrected_steps(float(b1), float(b2)) for b1, b2 in betas] + [state.global_step or 0])
+        notes.append(OptimizerNote("step", f"BERT's AdamWeightDecayOptimizer has no bias correction: from step {steps} "
+                                           f"on, 1 - beta^step is exactly 1 (global_step {state.global_step} counts "
+                                           f"the rate schedule, not a correction)"))
+        return steps, "no bias correction"
     if adam and state.beta1_power is not None:
         found = {convert.adam_steps(state.beta1_power, state.beta2_power, float(b1), float(b2), state.global_step)
                  for b1, b2 in betas}
@@ -106,6 +120,8 @@ def roles(wanted: str, leaves: dict, centered: bool) -> dict:
     where the source keeps one), ``acc`` (Adagrad)."""
     if wanted == "Adam":
         return {"m": leaves["Adam"], "v": leaves["Adam_1"], **({"vhat": leaves["vhat"]} if "vhat" in leaves else {})}
+    if wanted == BERT:
+        return {"m": leaves["adam_m"], "v": leaves["adam_v"]}
     if wanted == "Momentum":
         return {"a": leaves["Momentum"]}
     if wanted == "RMSProp":
@@ -114,36 +130,70 @@ def roles(wanted: str, leaves: dict, centered: bool) -> dict:
     return {"acc": leaves["Adagrad"]}
 
 
-def slot_reader(source, checkpoint, record, state, wanted: str) -> tuple:
+class Scratch:
+    """One buffer, reused, that the slots of a weight the view transposes are read into: the view's transpose copies
+    each out, so a slot costs one array of fresh memory, not two."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, np.uint8)
+
+    def get(self, entry) -> np.ndarray | None:
+        """Room for ``entry`` (a 2-D tensor of a numpy dtype) in the buffer; None for any other."""
+        try:
+            dtype = np.dtype(entry.dtype)
+        except TypeError:  # bfloat16 and the like: read as they are
+            return None
+        if len(entry.shape) != 2 or entry.nbytes != dtype.itemsize * int(np.prod(entry.shape)):
+            return None
+        if self._buffer.size < entry.nbytes:
+            self._buffer = np.empty(entry.nbytes, np.uint8)
+        return self._buffer[: entry.nbytes].view(dtype).reshape(entry.shape)
+
+
+def slot_reader(source, checkpoint, record, state, wanted: str, *, scratch: Scratch | None = None) -> tuple:
     """``(slots, read)`` for the weight of ``record``: ``slots`` the entries ``{leaf: key}``, ``read()`` their values
     by :func:`roles`, each put through the record's view as its weight is (None where the view computes the weight
-    instead of showing a stored one); or ``(None, (how, why))`` where the weight has no slots of that shape."""
+    instead of showing a stored one); or ``(None, (how, why))`` where the weight has no slots of that shape.
+    With ``scratch``, slots the view transposes are read into it first (the transpose is their one copy)."""
     base = entry_key(checkpoint, record.stored_name or record.checkpoint_name)
     slots = state.slots_of(base, wanted)
     if not slots:
         return None, ("no_slots", f"no {wanted} slots under {base!r} in the checkpoint")
     like = getattr(source, "like", None)
-    shape = tuple(checkpoint.entries[base].shape)
+    if scratch is not None and like is not None:
+        found = stored_tensor(source, record.checkpoint_name)
+        scratch = scratch if found is not None and found[2] and found[0] is checkpoint else None
+    shape = state.shape_of(checkpoint, base) if base in checkpoint.entries else None
     for key in slots.values():
-        if tuple(checkpoint.entries[key].shape) != shape:
-            return None, ("slot_shape", f"slot {key!r} {format_shape(checkpoint.entries[key].shape)} does not have "
+        if shape is not None and state.shape_of(checkpoint, key) != shape:
+            return None, ("slot_shape", f"slot {key!r} {format_shape(state.shape_of(checkpoint, key))} does not have "
                                         f"its weight's shape {format_shape(shape)}")
 
+    held: list = []
+
     def read() -> dict | None:
+        # Scan reads the slots (to set eps, measure drift, check shapes) and restore writes them: the values read
+        # at scan are kept for restore and handed over once, so each slot is read from the checkpoint once and
+        # held once (a later call reads again).
+        if held:
+            return held.pop()
         leaves = {}
         for leaf, key in slots.items():
-            array = state.read(checkpoint, leaf, key)
+            out = scratch.get(checkpoint.entries[key]) if scratch is not None else None
+            array = state.read(checkpoint, leaf, key) if out is None else state.read_into(checkpoint, leaf, key, out)
             leaves[leaf] = array if like is None else like(record.checkpoint_name, array)
-        if any(a is None for a in leaves.values()):
-            return None
-        return roles(wanted, leaves, state.centered)
+        found = None if any(a is None for a in leaves.values()) else roles(wanted, leaves, state.centered)
+        held.append(found)
+        return found
 
     return slots, read
 
 
 def source_label(state, wanted: str) -> str:
     """What the report calls the source's optimizer state: ``'Adam (TF1)'``, ``'Keras 3 Adam'``."""
-    return state.label if state.label != "TF1" else f"{wanted} (TF1)"
+    if state.label != "TF1":
+        return state.label
+    return "AdamWeightDecayOptimizer (BERT, TF1)" if wanted == BERT else f"{wanted} (TF1)"
 
 
 def trained_keys(report, checkpoint, names) -> list:
@@ -172,6 +222,11 @@ def held_kinds(state, wanted: str, *, into: str, target: str, choices: dict, ams
     ``choices`` maps each optimizer of that family to the TF1 kind it takes; ``amsgrad`` says whether the
     target keeps the maximum of ``v`` (an amsgrad source's ``vhat`` goes nowhere else).
     """
+    if isinstance(state, TorchState) and state.kinds and into not in ("Keras", "optax"):
+        raise InvalidArgumentError(
+            f"the checkpoint holds a torch optimizer's state ({state.label}); carrying it into {into} is not "
+            f"supported yet (into Keras 3 optimizers and optax it is; into torch.optim, load it with "
+            f"optimizer.load_state_dict): scan without optimizer= for a warm start")
     others = {k: n for k, n in state.kinds.items() if k not in TF1_KINDS}
     if others:
         raise InvalidArgumentError(

@@ -12,6 +12,7 @@ for a gradient ``g`` at step ``k`` (1-based: ``k = t + 1`` after ``t`` steps):
 | ``MomentumOptimizer`` | ``a = mu a + g``, ``var -= lr a`` (nesterov: ``var -= lr (g + mu a)``) | ``SGD(momentum=mu, dampening=0, nesterov=...)``: the same | ``momentum_buffer = a``, exact |
 | ``RMSPropOptimizer`` | ``ms = rho ms + (1-rho) g^2`` (``ms`` starts at 1), ``mom = mu mom + lr g / sqrt(ms + eps)``, ``var -= mom`` | ``RMSprop(alpha=rho)``: ``buf = mu buf + g / (sqrt(ms) + eps')``, ``p -= lr buf`` | ``square_avg = ms``, ``momentum_buffer = mom / lr`` (TF's buffer holds the rate); ``eps`` inside the root cannot be matched by one ``eps'`` outside it: ``eps'`` makes the smallest ``ms`` exact, the rest differ by at most the size reported |
 | centered | ``mg = rho mg + (1-rho) g``, root of ``ms - mg^2 + eps`` | ``centered=True``: root of ``ms - mg^2``, ``+ eps'`` | ``grad_avg = mg``, as above |
+| BERT's ``AdamWeightDecayOptimizer`` | ``m``, ``v`` as Adam's, ``var -= lr (m / (sqrt(v) + eps) + wd var)``: no bias correction | ``AdamW(weight_decay=wd)``: ``p *= 1 - lr wd``, then the Adam step | ``exp_avg = adam_m``, ``exp_avg_sq = adam_v``, ``step`` = the first count at which ``1 - beta^step`` is 1.0 in float64 (:func:`uncorrected_steps`, 37,412 for 0.999): exact, ``eps`` kept |
 | ``AdagradOptimizer`` | ``acc += g^2`` (``acc`` starts at ``initial_accumulator_value``), ``var -= lr g / sqrt(acc)`` | ``Adagrad``: ``p -= lr g / (sqrt(sum) + eps')`` | ``sum = acc``, ``eps' = 0`` (``acc`` is never 0), exact |
 
 A torch ``weight_decay`` (coupled in ``Adam``/``SGD``/``RMSprop``/``Adagrad``, decoupled in
@@ -27,7 +28,7 @@ import numpy as np
 
 from restorekit.errors import InvalidArgumentError
 
-__all__ = ["adam_epsilon", "adam_epsilon_drift", "adam_steps", "rmsprop_epsilon", "rmsprop_epsilon_error",
+__all__ = ["adam_epsilon", "adam_epsilon_drift", "adam_steps", "uncorrected_steps", "rmsprop_epsilon", "rmsprop_epsilon_error",
            "to_adagrad", "to_adam", "to_rmsprop", "to_sgd"]
 
 
@@ -69,6 +70,22 @@ def adam_steps(beta1_power: float, beta2_power: float | None, beta1: float, beta
             f"the checkpoint's {found} are not beta1^(t+1) and beta2^(t+1) for the optimizer's betas "
             f"({beta1!r}, {beta2!r}) at any step count t; give the optimizer the betas the TF run used, or scan "
             f"without optimizer= for a warm start")
+    return steps
+
+
+def uncorrected_steps(beta1: float, beta2: float) -> int:
+    """The step count from which torch's Adam bias corrections ``1 - beta^step`` are exactly 1.0 (in float64, and so in
+    float32): BERT's ``AdamWeightDecayOptimizer`` has none, and from there torch's update is its update."""
+    steps = 1
+    for beta in (beta1, beta2):
+        if not 0.0 <= beta < 1.0:
+            raise InvalidArgumentError(f"beta {beta!r} is not in [0, 1)")
+        if beta == 0.0:
+            continue
+        t = math.ceil(54 * math.log(2.0) / -math.log(beta))  # beta^t <= 2**-54: 1 - beta^t rounds to 1.0
+        while 1.0 - beta ** t != 1.0 or math.sqrt(1.0 - beta ** t) != 1.0:
+            t += 1
+        steps = max(steps, t)
     return steps
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from restorekit._optim._common import held_kinds, slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
+from restorekit._optim._torch_state import TorchState, check_groups, keras_epsilon
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit.errors import InvalidArgumentError
 
@@ -38,6 +39,7 @@ _LISTS = {"Adam": {"momentum": "_momentums", "velocity": "_velocities", "velocit
           "SGD": {"momentum": "momentums"},
           "RMSprop": {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"},
           "Adagrad": {"accumulator": "_accumulators"}}
+AHEAD = 100  # how far ahead an epsilon drift is measured
 _TERMS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "gradient_accumulation_steps")
 
 
@@ -51,6 +53,7 @@ class KerasPlan:
     carries: list = field(default_factory=list)  # (variable, read): read() gives {slot name: array}
     resets: list = field(default_factory=list)  # variables whose slots start at zero
     steps: int | None = None
+    epsilon: float | None = None  # set where the source adds epsilon elsewhere (torch's Adam)
 
 
 def is_keras_optimizer(optimizer) -> bool:
@@ -145,6 +148,7 @@ def with_keras_optimizer(report, variables, optimizer):
     steps, step_from = steps_of(state, wanted == "Adam", betas, notes)
     lr = _number(optimizer.learning_rate)
     plan = KerasPlan(optimizer, kind, trainable, steps=steps)
+    roots: list = []
     status = weight_status(report)
     matched = {r.variable_name: r for r in report.matched}
     carried: list = []
@@ -159,6 +163,8 @@ def with_keras_optimizer(report, variables, optimizer):
             why = found if slots is None else None
         if why is None:
             values = found()
+            if values is not None and "v" in values and steps is not None:
+                roots.append(float(np.median(np.sqrt(values["v"] / (1 - float(optimizer.beta_2) ** (steps + 1))))))
             if values is None:
                 why = ("view", f"{matched[name].checkpoint_name!r} is computed by the view, not a stored weight")
             else:
@@ -178,6 +184,9 @@ def with_keras_optimizer(report, variables, optimizer):
     settings, differences = _notes(optimizer, kind, state, steps, lr, reset)
     if kind == "Adagrad" and smallest:
         differences += (_adagrad_epsilon(float(optimizer.epsilon), min(smallest), state),)
+    if isinstance(state, TorchState) and state.kinds:
+        more = _from_torch(plan, optimizer, wanted, state, steps, roots)
+        settings, differences = settings + more[0], differences + more[1]
     label = f"keras.optimizers.{kind} ({_backend(trainable[0])})"
     section = OptimizerSection(label, source_label(state, wanted), steps, step_from, tuple(carried), tuple(reset),
                                tuple(notes) + settings, differences)
@@ -190,10 +199,28 @@ def _backend(variable) -> str:
     return keras_backend(variable)
 
 
+def _from_torch(plan, optimizer, wanted: str, state, steps, roots: list) -> tuple:
+    """A torch optimizer's state into Keras: the source's hyper-parameters checked, Adam's epsilon moved."""
+    betas = (optimizer.beta_1, optimizer.beta_2) if wanted == "Adam" else None
+    terms = check_groups(state, wanted, betas=betas, nesterov=getattr(optimizer, "nesterov", None))
+    settings, differences = [], [OptimizerNote(what, text, size) for what, text, size in terms]
+    if wanted == "Adam" and steps is not None and roots:
+        eps, new, drift = keras_epsilon(state, float(optimizer.beta_2), steps, float(np.median(roots)), AHEAD)
+        plan.epsilon = new
+        settings.append(OptimizerNote("epsilon", f"{eps:.4g} (torch's) -> {new:.4g}: torch adds eps to the bias-"
+                                                 f"corrected sqrt(v_hat), Keras to sqrt(v) ('epsilon hat'); equal at "
+                                                 f"step {steps + 1}"))
+        differences.append(OptimizerNote("epsilon", f"torch's eps sqrt(1-beta_2^k) moves with the step k, Keras's "
+                                                    f"epsilon stays: over the next {AHEAD} steps the update's "
+                                                    f"denominator differs by up to {drift:.2g} (relative, at the "
+                                                    f"median sqrt(v_hat))", drift))
+    return tuple(settings), tuple(differences)
+
+
 def _notes(optimizer, kind: str, state, steps, lr: float, reset: list) -> tuple:
     settings, differences = [], []
     tf1 = state.label == "TF1"
-    if kind in ("Adam", "AdamW"):
+    if kind in ("Adam", "AdamW") and not isinstance(state, TorchState):
         settings.append(OptimizerNote("epsilon", "kept: Keras 3 Adam adds epsilon after the bias correction of the "
                                                  "rate, as TF1 ('epsilon hat'): the same update at every step"))
         if reset and steps:
@@ -264,5 +291,7 @@ def load(plan, values: list) -> None:
             if target is not None:
                 fresh = float(optimizer.initial_accumulator_value) if plan.kind == "Adagrad" else 0.0  # as build
                 target.assign(np.full(tuple(target.shape), fresh, np.dtype(str(getattr(target, "dtype", "float32")))))
+    if plan.epsilon is not None:
+        optimizer.epsilon = plan.epsilon
     if plan.steps is not None:
         optimizer.iterations.assign(plan.steps)

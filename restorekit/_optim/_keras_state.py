@@ -56,6 +56,11 @@ class KerasState(TF1State):
         factor = self.factors.get(key)
         return value if factor is None else (value * np.asarray(factor, value.dtype)).astype(value.dtype)
 
+    def read_into(self, checkpoint, leaf: str, key: str, out):
+        checkpoint.read_into(key, out)
+        factor = self.factors.get(key)
+        return out if factor is None else (out * np.asarray(factor, out.dtype)).astype(out.dtype)
+
     def slots_of(self, base: str, kind: str) -> dict | None:
         del kind
         return self.slots.get(base)

@@ -26,6 +26,7 @@ import numpy as np
 
 from restorekit._flax_target import module_variables, variable_name
 from restorekit._optim._common import held_kinds, slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
+from restorekit._optim._torch_state import TorchState, check_groups
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit.errors import InvalidArgumentError
 
@@ -147,6 +148,13 @@ def with_optax_optimizer(report, variables, optimizer):
     state = source_state(checkpoint, wanted, momentum=momentum, centered=centered,
                          order=lambda: trained_keys(report, checkpoint, order))
     _check(kind, wanted, state, momentum, centered)
+    from_torch = False
+    terms = []
+    if isinstance(state, TorchState) and state.kinds:  # torch's own hyper-parameters, checked against the chain's
+        from_torch = True
+        adam_params = params.get("scale_by_adam", {})
+        terms = check_groups(state, wanted, betas=(adam_params.get("b1", 0.9), adam_params.get("b2", 0.999))
+                             if kind == "adam" else None, nesterov=params.get("trace", {}).get("nesterov"))
     notes: list = []
     adam = params.get("scale_by_adam", {})
     steps, step_from = steps_of(state, kind == "adam", [(adam.get("b1", 0.9), adam.get("b2", 0.999))], notes)
@@ -181,11 +189,33 @@ def with_optax_optimizer(report, variables, optimizer):
             roots.append(float(np.median(np.sqrt(values["v"] / (1 - adam.get("b2", 0.999) ** (steps + 1))))))
         plan.carries.append((name, lambda found=found, have=set(leaves[name]): _to_optax(kind, found(), have)))
         carried.append(OptimizerRecord(name, tuple((slots or {}).values()), tuple(written or {}) + (("count",) if kind == "adam" else ())))
-    settings, differences = _notes(kind, params, state, steps, roots, reset, lr)
+    settings, differences = _notes(kind, params, state, steps, [] if from_torch else roots, reset, lr)
+    if from_torch:
+        more = _from_torch(kind, params, state, terms)
+        settings, differences = settings + more[0], differences + more[1]
     label = f"nnx.Optimizer(optax.{'adamw' if 'add_decayed_weights' in params else kind})"
     section = OptimizerSection(label, source_label(state, wanted), steps, step_from, tuple(carried), tuple(reset),
                                tuple(notes) + settings, differences)
     return replace(report, optimizer=section, _optimizer=plan)
+
+
+def _from_torch(kind: str, params: dict, state, terms: list) -> tuple:
+    """torch's Adam adds eps where optax does (to sqrt(nu_hat)): the same update, where the two eps agree."""
+    settings = [OptimizerNote("state", "torch's own update: " + ("exp_avg -> mu, exp_avg_sq -> nu, step -> count"
+                                                             if kind == "adam" else "momentum_buffer -> trace"))]
+    differences = [OptimizerNote(what, text, size) for what, text, size in terms]
+    if kind == "adam":
+        p = params["scale_by_adam"]
+        torch_eps = {float(g.get("eps", 1e-8)) for g in state.groups}
+        eps, root_eps = float(p["eps"]), float(p.get("eps_root", 0.0))
+        for other in sorted(torch_eps - {eps}):
+            differences.append(OptimizerNote("eps", f"{eps:g}; the torch run's is {other:g} (optax cannot change "
+                                                    f"it on a built optimizer): pass optax.adam(eps={other:g})",
+                                             abs(eps - other) / max(other, 1e-300)))
+        if root_eps:
+            differences.append(OptimizerNote("eps_root", f"{root_eps:g}: torch adds nothing inside the square root",
+                                             root_eps))
+    return tuple(settings), tuple(differences)
 
 
 def _check(kind: str, wanted: str, state, momentum: bool, centered: bool) -> None:

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from restorekit._optim import _convert as convert
-from restorekit._optim._common import held_kinds, slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
+from restorekit._optim._common import BERT, Scratch, held_kinds, slot_reader, source_state, source_label as _source_label, steps_of, trained_keys, weight_status, why_reset
 from restorekit._optim._keras import is_keras_optimizer, with_keras_optimizer
 from restorekit._optim._optax import is_optax_optimizer, with_optax_optimizer
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
@@ -27,6 +27,8 @@ __all__ = ["OptimizerPlan", "with_optimizer"]
 
 # torch.optim class -> the TF1 optimizer whose slots it takes
 TARGETS = {"Adam": "Adam", "AdamW": "Adam", "SGD": "Momentum", "RMSprop": "RMSProp", "Adagrad": "Adagrad"}
+# what the refusals name: each torch.optim class and the TF1 state it takes
+CHOICES = {**TARGETS, "AdamW (for BERT's AdamWeightDecayOptimizer)": BERT}
 # How far ahead the Adam epsilon drift is measured.
 AHEAD = 100
 
@@ -93,7 +95,9 @@ def with_optimizer(report, variables, optimizer):
     state = source_state(checkpoint, wanted, momentum=any(g.get("momentum", 0) for g in groups),
                          centered=any(g.get("centered") for g in groups),
                          order=lambda: trained_keys(report, checkpoint, [names.get(id(p)) for _, p in _params(optimizer)]))
-    held_kinds(state, wanted, into="torch.optim", target=f"torch.optim.{kind}", choices=TARGETS,
+    if wanted == "Adam" and state.kinds.get(BERT):
+        wanted = BERT  # BERT's adam_m / adam_v: Adam's moments without bias correction
+    held_kinds(state, wanted, into="torch.optim", target=f"torch.optim.{kind}", choices=CHOICES,
                amsgrad=any(g.get("amsgrad") for g in groups))
     plan = OptimizerPlan(optimizer, kind)
     notes: list = []
@@ -113,11 +117,13 @@ def with_optimizer(report, variables, optimizer):
     carried: list = []
     reset: list = []
     stats: dict = {}
+    scratch = Scratch()
     for g, param in _params(optimizer):
         name = names.get(id(param))
         why = why_reset(name, status, matched, state)
         if why is None:
-            record, read, values, why = _carry(source, checkpoint, matched[name], param, state, wanted, kind, groups[g], steps)
+            record, read, values, why = _carry(source, checkpoint, matched[name], param, state, wanted, kind, groups[g],
+                                               steps, scratch)
         if why is not None:
             plan.resets.append(param)
             reset.append(OptimizerRecord(name or f"param_groups[{g}] parameter {len(reset)}", reason=why[1], how=why[0]))
@@ -131,10 +137,10 @@ def with_optimizer(report, variables, optimizer):
     return replace(report, optimizer=section, _optimizer=plan)
 
 
-def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps):
+def _carry(source, checkpoint, record, param, state, wanted, kind, group, steps, scratch):
     """``(OptimizerRecord, read, its values now, None)`` for a parameter whose slots are carried, or
     ``(None, None, None, (how, why))``."""
-    slots, read_slots = slot_reader(source, checkpoint, record, state, wanted)
+    slots, read_slots = slot_reader(source, checkpoint, record, state, wanted, scratch=scratch)
     if slots is None:
         return None, None, None, read_slots
 
@@ -171,7 +177,15 @@ def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:
     for g, group in enumerate(groups):
         values = stats.get(g, [])
         where = f" (param group {g})" if len(groups) > 1 else ""
-        if kind in ("Adam", "AdamW") and values:
+        if kind in ("Adam", "AdamW") and values and state.kinds.get(BERT):
+            settings.append(OptimizerNote("eps", f"{float(group['eps']):.4g} kept{where}: BERT adds epsilon to sqrt(v) "
+                                                 f"as torch does once its bias corrections are 1"))
+            decay = float(group.get("weight_decay", 0) or 0)
+            settings.append(OptimizerNote("weight_decay", f"{decay:g}{where}: " + (
+                "decoupled, as BERT's weight_decay_rate (the checkpoint does not keep it): give each group the "
+                "source run's rate, 0 where it excluded parameters (LayerNorm, bias)" if kind == "AdamW" else
+                "torch.optim.Adam decays coupled; BERT's weight_decay_rate is decoupled: use AdamW")))
+        elif kind in ("Adam", "AdamW") and values:
             eps, beta2 = float(group["eps"]), float(group["betas"][1])
             new = convert.adam_epsilon(eps, beta2, steps)
             plan.groups.setdefault(g, {})["eps"] = new
@@ -214,14 +228,17 @@ def _settings(plan, kind: str, state, groups, stats: dict, steps) -> tuple:
             if float(group.get("lr_decay", 0)):
                 differences.append(OptimizerNote("lr_decay", f"{group['lr_decay']}{where}: TF1 Adagrad has no decay "
                                                              f"of the rate; every update differs"))
-        differences.extend(_terms_tf1_lacks(kind, group, where, state.amsgrad))
+        differences.extend(_terms_tf1_lacks(kind, group, where, kept_vhat=state.amsgrad,
+                                            bert=bool(state.kinds.get(BERT))))
     return tuple(settings), tuple(differences)
 
 
-def _terms_tf1_lacks(kind: str, group, where: str, kept_vhat: bool = False) -> list:
+def _terms_tf1_lacks(kind: str, group, where: str, *, kept_vhat: bool = False, bert: bool = False) -> list:
     out = []
     decay = float(group.get("weight_decay", 0) or 0)
-    if decay:
+    if bert and kind == "AdamW":
+        pass  # AdamW's decoupled decay is BERT's weight_decay_rate term: the update is the same
+    elif decay:
         how = ("decoupled: p *= 1 - lr*weight_decay" if kind == "AdamW"
                else "coupled: weight_decay*p added to the gradient")
         out.append(OptimizerNote("weight_decay", f"{decay:g}{where} ({how}): the TF1 optimizer has no such term; "

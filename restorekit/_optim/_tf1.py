@@ -22,8 +22,9 @@ SLOT_LEAVES = {
     "RMSProp": ("RMSProp", "RMSProp_1"),  # ms (starts at 1.0), momentum
     "RMSProp centered": ("RMSProp", "RMSProp_1", "RMSProp_2"),  # ms, mg, momentum
     "Adagrad": ("Adagrad",),  # the accumulator (starts at initial_accumulator_value)
+    "Adam (BERT)": ("adam_m", "adam_v"),  # google-research BERT's AdamWeightDecayOptimizer: m, v
 }
-TF1_KINDS = ("Adam", "Momentum", "RMSProp", "Adagrad")
+TF1_KINDS = ("Adam", "Momentum", "RMSProp", "Adagrad", "Adam (BERT)")
 
 
 @dataclass
@@ -45,6 +46,16 @@ class TF1State:
         """Slot ``leaf`` (stored at ``key``) as TF1 keeps it: the values the conversions take."""
         del leaf
         return checkpoint.read(key)
+
+    def read_into(self, checkpoint, leaf: str, key: str, out):
+        """:meth:`read`, into ``out`` (a buffer of the entry's dtype and shape); returns the value."""
+        del leaf
+        checkpoint.read_into(key, out)
+        return out
+
+    def shape_of(self, checkpoint, key: str) -> tuple:
+        """The stored shape of ``key`` (a weight or a slot)."""
+        return tuple(checkpoint.entries[key].shape)
 
     def slots_of(self, base: str, kind: str) -> dict | None:
         """``{leaf: key}`` of ``kind``'s slots under weight ``base`` (``'RMSProp'`` finds the centered set too);

@@ -194,6 +194,11 @@ class FileView(EntryMapping):
         with boundary(self.prefix, f"{self.format} file"):
             return np.asarray(self._file.read(name))
 
+    def like(self, name: str, array):
+        """``array`` (an optimizer slot of the stored tensor behind ``name``) in ``name``'s axes, as :meth:`read`
+        gives ``name``; None where ``name`` is no one stored tensor."""
+        return self._file.like(name, array) if hasattr(self._file, "like") else None
+
     @cached_property
     def _graph(self):
         if "_CHECKPOINTABLE_OBJECT_GRAPH" not in self.entries:
@@ -356,6 +361,17 @@ class FileCheckpoint:
     @property
     def object_graph(self):
         return self._record.object_graph()
+
+    def like(self, name: str, array):
+        """``array``, shaped as the stored tensor behind ``name`` (an optimizer slot of it), in ``name``'s TF axes;
+        None where ``name`` is not one stored tensor."""
+        parts = self._parts.get(name)
+        if parts is None or len(parts) != 1:
+            return None
+        record = LayoutRecord(self._record.layout, {p: self._record.tensors[p] for p in parts if p in self._record.tensors})
+        for _, out, _ in record.restore_all([(parts[0], array)]):
+            return out
+        return None
 
     def read(self, name: str) -> np.ndarray:
         if name in self._strings:
