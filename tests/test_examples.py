@@ -20,7 +20,9 @@ def load(name):
 def test_keras_from_tf1_restores_a_sequential_model_with_a_grown_head(tmp_path, capsys):
     report = load("keras_from_tf1").main(str(tmp_path))
     assert report.is_complete and len(report.matched) == 4
-    assert {r.variable_name: r.reason for r in report.matched}["sequential/logits/kernel"] == "slice_or_pad"
+    # the model's own name is Keras' counter ('sequential', 'sequential_1', ...: it depends on what ran before)
+    reasons = {r.variable_name.split("/", 1)[1]: r.reason for r in report.matched}
+    assert reasons["logits/kernel"] == "slice_or_pad"
     assert "head keeps its 3 trained classes" in capsys.readouterr().out
 
 
