@@ -23,7 +23,12 @@ from restorekit.formats._sink import checkpoint_files
 from torch_optimizer_runs import RUNS, torch_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CLASSES = {"adam": "AdamOptimizer", "momentum": "MomentumOptimizer"}
+# every run: (torch.optim class and arguments, tf1_training's optimizer=, the TF1 class that resumes it)
+BACK = {"adam": (RUNS["adam"][0], "adam", "AdamOptimizer"),
+        "momentum": (RUNS["momentum"][0], "momentum", "MomentumOptimizer"),
+        # a large eps, where torch's and TF1's placements differ by more than the bar: the epsilon hat must be right
+        "adam_eps": (("Adam", {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-3}), "adam", "AdamOptimizer"),
+        "nesterov": (("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True}), "momentum", "MomentumOptimizer")}
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +37,10 @@ def runs(tmp_path_factory):
     as a TF1 checkpoint."""
     pytest.importorskip("torch")
     out = str(tmp_path_factory.mktemp("tf1_back"))
-    losses = {name: torch_run(name, out) for name in RUNS}
+    losses = {name: torch_run(name, out, spec) for name, (spec, _, _) in BACK.items()}
     results = {name: restorekit.tf1_training(os.path.join(out, f"{name}.pt:model"), os.path.join(out, name, "model.ckpt"),
-                                             optimizer=name)
-               for name in RUNS}
+                                             optimizer=optimizer)
+               for name, (_, optimizer, _) in BACK.items()}
     return out, losses, results
 
 
@@ -142,10 +147,12 @@ def test_state_tf1_has_no_term_for_is_refused_before_anything_is_written(tmp_pat
 
 @pytest.fixture(scope="module")
 def resumed(runs):
-    """Every run resumed by TF1 (graph mode, its own process): the losses carried, and fresh (the control)."""
+    """Every run resumed by TF1 (graph mode, its own process): the losses carried, and fresh (the control); and
+    ``adam_eps`` once more with torch's eps given to TF1 as it is (not the epsilon hat)."""
     pytest.importorskip("tensorflow")
     out, _, results = runs
-    jobs = [[results[name].path, CLASSES[name], results[name].optimizer.arguments] for name in RUNS]
+    jobs = [[results[name].path, cls, results[name].optimizer.arguments] for name, (_, _, cls) in BACK.items()]
+    jobs.append([results["adam_eps"].path, "AdamOptimizer", {**results["adam_eps"].optimizer.arguments, "epsilon": 1e-3}])
     path = os.path.join(out, "jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
@@ -153,14 +160,31 @@ def resumed(runs):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(path + ".out.json") as f:
-        return dict(zip(RUNS, json.load(f)))
+        return dict(zip([*BACK, "adam_eps as torch's"], json.load(f)))
 
 
 @pytest.mark.slow  # a TF1 graph-mode process: ~10 s
-@pytest.mark.parametrize("name", list(RUNS), ids=[f"torch {n} resumed by TF1" for n in RUNS])
+@pytest.mark.parametrize("name", ["adam", "momentum", "nesterov"], ids=lambda n: f"torch {n} resumed by TF1")
 def test_a_torch_run_resumed_by_tf1_follows_torchs_own_continuation(runs, resumed, name):
     carried, fresh = resumed[name]
     want = runs[1][name]
     assert len(carried) == len(want) == 20
     assert _relative(carried, want) < 1e-5, runs[2][name]
     assert _relative(fresh, want) > 1e-3  # the control: a warm start with fresh slots, not a resume
+
+
+@pytest.mark.slow
+def test_a_large_eps_makes_the_next_step_torchs_and_names_the_drift_after(runs, resumed):
+    """TF1's epsilon is fixed, torch's epsilon hat eps sqrt(1-b2^k) moves with k: one value makes one step equal.
+    The loss after the first update is torch's; given torch's eps as it is, TF1 misses it already there."""
+    section = runs[2]["adam_eps"].optimizer
+    assert math.isclose(section.arguments["epsilon"], 1e-3 * math.sqrt(1 - 0.99 ** 6), rel_tol=1e-12)
+    (drift,) = [n for n in section.differences if n.what == "epsilon"]
+    assert drift.size > 1e-3  # a large eps: the fixed epsilon hat drifts, and the report says by how much
+    want = runs[1]["adam_eps"]
+    carried, fresh = resumed["adam_eps"]
+    as_torchs, _ = resumed["adam_eps as torch's"]
+    assert _relative(carried[:2], want[:2]) < 1e-6 < 1e-4 < _relative(as_torchs[1:2], want[1:2])
+    # 20 steps on: 5.8e-4 against 4.1e-3 (measured); the report named up to 9.8e-3 of the denominator
+    assert _relative(carried, want) < drift.size and _relative(carried, want) < _relative(as_torchs, want) / 5
+    assert _relative(fresh, want) > 1e-3
