@@ -188,3 +188,24 @@ def test_a_large_eps_makes_the_next_step_torchs_and_names_the_drift_after(runs, 
     # 20 steps on: 5.8e-4 against 4.1e-3 (measured); the report named up to 9.8e-3 of the denominator
     assert _relative(carried, want) < drift.size and _relative(carried, want) < _relative(as_torchs, want) / 5
     assert _relative(fresh, want) > 1e-3
+
+
+def test_a_parameter_torch_never_stepped_gets_tf1s_fresh_slots_and_is_reported_reset(tmp_path):
+    torch = pytest.importorskip("torch")
+
+    net = torch.nn.Sequential()
+    net.add_module("fc1", torch.nn.Linear(4, 3))
+    net.add_module("fc2", torch.nn.Linear(3, 2))
+    net.fc1.requires_grad_(False)  # in the optimizer, but no gradient: torch keeps no state for it
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "train.pt")
+    result = restorekit.tf1_training(f"{tmp_path / 'train.pt'}:model", tmp_path / "tf" / "model.ckpt",
+                                     optimizer="momentum")
+    checkpoint = restorekit.formats.open(result.path)
+    assert [(r.parameter, r.how) for r in result.optimizer.reset] == [("fc1/kernel", "no_slots"), ("fc1/bias", "no_slots")]
+    assert [r.parameter for r in result.optimizer.carried] == ["fc2/kernel", "fc2/bias"]
+    np.testing.assert_array_equal(checkpoint.read("fc1/kernel/Momentum"), np.zeros((4, 3), np.float32))
+    np.testing.assert_array_equal(checkpoint.read("fc2/kernel/Momentum"),
+                                  optimizer.state[net.fc2.weight]["momentum_buffer"].numpy().T)
