@@ -82,6 +82,7 @@ from restorekit._scan import scan
 from restorekit._sources import From
 from restorekit._tf1 import assign_from_checkpoint_fn, partial_saver, source_savers, warm_start
 from restorekit._tf2 import restore
+from restorekit._optim._tf1_target import tf1_training
 
 __version__ = "0.1.0"
 
@@ -194,6 +195,7 @@ __all__ = [
     "resume_or_warm_start",
     "scale_gradients",
     "scan",
+    "tf1_training",
     "tensor_stats",
     "unfreeze",
     "uninitialized_initializer",

@@ -133,7 +133,9 @@ class OptimizerSection:
     optimizer state (``'Adam (TF1)'``), ``step`` the steps the source run had taken as the
     target's ``step`` now says (``step_from``: what it was read from). ``carried`` and
     ``reset`` hold an :class:`OptimizerRecord` per parameter of the optimizer;
-    ``settings`` the hyper-parameters set, ``differences`` what stays different and by how much.
+    ``settings`` the hyper-parameters set, ``differences`` what stays different and by how much;
+    ``arguments`` the target optimizer's constructor arguments that make its next update the source's,
+    where restorekit does not build it (``tf.compat.v1.train.AdamOptimizer(**arguments)``).
     """
 
     optimizer: str
@@ -144,6 +146,7 @@ class OptimizerSection:
     reset: tuple = ()
     settings: tuple = ()
     differences: tuple = ()
+    arguments: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(asdict(self)))
@@ -158,6 +161,8 @@ class OptimizerSection:
 
         out.append("  " + summary_row("carried", len(self.carried), shown(self.carried, lambda r: r.parameter)))
         out.append("  " + summary_row("reset", len(self.reset), shown(self.reset, lambda r: f"{r.parameter} ({r.reason})")))
+        if self.arguments:
+            out.append("    arguments " + ", ".join(f"{k}={v!r}" for k, v in self.arguments.items()))
         out.extend(f"    set {n.what}: {n.text}" for n in self.settings)
         out.extend(f"    differs {n.what}: {n.text}" for n in self.differences)
         return out

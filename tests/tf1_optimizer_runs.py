@@ -6,6 +6,9 @@ without sharing a process with TensorFlow's graph mode. For every optimizer in `
 net (Dense 8 -> 16, relu, Dense 16 -> 3, softmax cross-entropy) trained ``BEFORE`` steps on fixed
 batches, saved with ``tf.compat.v1.train.Saver``, then continued ``AFTER`` steps; the losses of
 the continuation are TensorFlow's own, the oracle the torch run must meet.
+
+``python tests/tf1_optimizer_runs.py resume JOBS.json`` goes the other way (``tf1_training``): each
+job's TF1 checkpoint, written from a torch run, restored and continued by TF1 (:func:`resume`).
 """
 
 import json
@@ -114,6 +117,35 @@ def run(name: str, out: str) -> list:
     return losses
 
 
+def resume(prefix: str, cls: str, kwargs: dict, carry: bool) -> list:
+    """The TF1 net restored from ``prefix`` with a ``Saver`` (all of it; the control, ``carry=False``: the weights
+    only, fresh slots) and continued ``AFTER`` steps with ``tf.compat.v1.train.<cls>(**kwargs)``; the losses.
+
+    A checkpoint without ``global_step`` (torch's SGD keeps no count) is resumed by a graph without one."""
+    import tensorflow as tf
+
+    tf1 = tf.compat.v1
+    xs, ys = batches()
+    held = set(dict(tf.train.list_variables(prefix)))
+    with tf.Graph().as_default():
+        x, y = tf1.placeholder(tf.float32, [None, 8]), tf1.placeholder(tf.int64, [None])
+        weights = {k: tf1.get_variable(k, initializer=tf.constant(v * 0)) for k, v in initial_weights().items()}
+        hidden = tf.nn.relu(x @ weights["fc1/kernel"] + weights["fc1/bias"])
+        logits = hidden @ weights["fc2/kernel"] + weights["fc2/bias"]
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        step = tf1.train.get_or_create_global_step() if "global_step" in held else None
+        train = getattr(tf1.train, cls)(**kwargs).minimize(loss, global_step=step)
+        saver = tf1.train.Saver(None if carry else list(weights.values()))
+        losses = []
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            saver.restore(sess, prefix)
+            for i in range(BEFORE, BEFORE + AFTER):
+                value, _ = sess.run([loss, train], {x: xs[i], y: ys[i]})
+                losses.append(float(value))
+    return losses
+
+
 def main(out: str, names: list) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     losses = {name: run(name, out) for name in names}
@@ -122,4 +154,11 @@ def main(out: str, names: list) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] or list(RUNS))
+    if sys.argv[1] == "resume":  # resume JOBS.json: [[prefix, cls, kwargs], ...] -> JOBS.out.json: [[carried, fresh]]
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        with open(sys.argv[2]) as f:
+            jobs = json.load(f)
+        with open(sys.argv[2] + ".out.json", "w") as f:
+            json.dump([[resume(*job, carry=True), resume(*job, carry=False)] for job in jobs], f)
+    else:
+        main(sys.argv[1], sys.argv[2:] or list(RUNS))

@@ -25,7 +25,9 @@ RUNS = {
 }
 
 
-def torch_run(name: str, out: str) -> list:
+def torch_run(name: str, out: str, optimizer: tuple | None = None) -> list:
+    """Run ``name`` (its torch optimizer ``RUNS[name][0]``, or ``optimizer``: (class, arguments)), saved after
+    ``BEFORE`` steps as ``OUT/NAME.pt``; torch's losses of the ``AFTER`` steps after."""
     import numpy as np
     import torch
 
@@ -38,7 +40,7 @@ def torch_run(name: str, out: str) -> list:
         for layer in ("fc1", "fc2"):
             getattr(net, layer).weight.copy_(torch.from_numpy(weights[f"{layer}/kernel"].T.copy()))
             getattr(net, layer).bias.copy_(torch.from_numpy(weights[f"{layer}/bias"]))
-    cls, kwargs = RUNS[name][0]
+    cls, kwargs = optimizer or RUNS[name][0]
     optimizer = getattr(torch.optim, cls)(net.parameters(), **kwargs)
     xs, ys = batches()
     losses = []

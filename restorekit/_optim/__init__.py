@@ -9,4 +9,6 @@ into ``torch.optim`` state (pure numpy; the table of semantics is its docstring)
 builds the report's optimizer section for ``torch.optim`` (``_torch`` writes it at restore)
 hands a Keras 3 optimizer to ``_keras``, which plans and assigns on any backend, and an ``nnx.Optimizer``
 to ``_optax``, which reads its optax chain by name and sets its state after the weights.
+``_tf1_target`` goes back: a torch training checkpoint's state, in the same TF1 terms, written as TF1 slots
+beside the weights (``tf1_training``).
 """

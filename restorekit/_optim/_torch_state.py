@@ -15,6 +15,7 @@ state is read in TF1's terms, as every target takes it:
 
 ``dampening``, ``amsgrad`` and ``weight_decay`` (coupled, in ``Adam`` and ``SGD``) have no TF1
 term: the first two are refused, the decay is reported with its size. Into optax nothing converts: optax adds eps where torch does.
+Back into TF1 slots, ``_tf1_target`` writes these leaves under their TF names (``var/Adam``, ...).
 """
 
 from __future__ import annotations
@@ -177,11 +178,11 @@ def check_groups(state: TorchState, kind: str, *, betas=None, nesterov=None) -> 
 
 
 def keras_epsilon(state: TorchState, beta2: float, steps: int, root: float, ahead: int) -> tuple:
-    """Keras's epsilon hat that makes its next step (``steps + 1``) torch's, and the drift of the update's
+    """Keras's (and TF1's) epsilon hat that makes its next step (``steps + 1``) torch's, and the drift of the update's
     denominator over the next ``ahead`` steps (relative, at ``root`` = the median ``sqrt(v_hat)``).
 
-    torch adds ``eps`` to ``sqrt(v_hat)``; Keras adds its epsilon to ``sqrt(v)`` before the
-    bias correction: equal when Keras's is ``eps sqrt(1 - b2^k)``, which moves with ``k``.
+    torch adds ``eps`` to ``sqrt(v_hat)``; Keras and TF1's ``AdamOptimizer`` add their epsilon to
+    ``sqrt(v)`` before the bias correction: equal when theirs is ``eps sqrt(1 - b2^k)``, which moves with ``k``.
     """
     eps = {float(g.get("eps", 1e-8)) for g in state.groups}
     if len(eps) > 1:

@@ -7,6 +7,7 @@ already checked against the formats: plan (``sources.file_plan``), then write.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 from restorekit._bundle.files import check_space
@@ -27,11 +28,18 @@ __all__ = ["write_file", "write_tf_checkpoint"]
 
 
 def write_tf_checkpoint(reader, out: str, options: Request, *, overwrite: bool, progress: bool,
-                        max_output_bytes) -> ExportResult:
-    """The file behind ``reader`` as the TF checkpoint ``out`` (its layout record undone, or names guessed)."""
+                        max_output_bytes, extra=None) -> ExportResult:
+    """The file behind ``reader`` as the TF checkpoint ``out`` (its layout record undone, or names guessed).
+
+    ``extra(reader, record)`` (optimizer state written beside the weights: ``restorekit._optim._tf1_target``)
+    returns ``(tensors, fields)``: more ``(TF name, array, TF dtype or None)`` to write after the weights, in the
+    same commit, and fields of the result to set. It runs before anything is written, so what it refuses leaves
+    no output.
+    """
     with locked_output(out, formats.TF, reader.files, options, overwrite=overwrite):
         arrays, record = open_source(reader, options.layout, max_output_bytes, options.flatten_channels)
         plan = file_plan(reader, record, options)
+        more, fields = extra(reader, record) if extra is not None else ((), {})
         check_space(out_dir(out), source_nbytes(reader))
         if plan is None:
             # tensors whose stored bytes are their TF bytes are copied as they lie (rawimport)
@@ -41,9 +49,9 @@ def write_tf_checkpoint(reader, out: str, options: Request, *, overwrite: bool, 
         if options.num_shards is not None or options.max_shard_size is not None:
             parts = data_parts(tf_sizes(reader, record, plan), num_shards=options.num_shards,
                                max_shard_size=options.max_shard_size)
-        result = write_tf(out, tf_tensors(arrays, record, plan), layout=record.layout, permuted=permuted,
-                          progress=progress, parts=parts)
-        return finish(dataclasses.replace(result, unmapped=tuple(record.unmapped)), plan)
+        result = write_tf(out, itertools.chain(tf_tensors(arrays, record, plan), more), layout=record.layout,
+                          permuted=permuted, progress=progress, parts=parts)
+        return finish(dataclasses.replace(result, unmapped=tuple(record.unmapped), **fields), plan)
 
 
 def write_file(reader, out: str, to: str, options: Request, *, overwrite: bool, progress: bool,

@@ -15,7 +15,7 @@ import numpy as np
 
 from restorekit._bundle.staging import atomic_output  # noqa: F401  (format modules write through it)
 from restorekit.errors import InvalidArgumentError, format_names
-from restorekit._report import format_bytes
+from restorekit._report import OptimizerSection, format_bytes
 
 __all__ = [
     "STRINGS_LIMIT",
@@ -47,7 +47,8 @@ class ExportResult:
     found no shadow for (exported raw), ``renamed`` the rule set applied, ``files``
     every file written when there are several (shards, index, ``config.json``), ``added``
     the stored names layout 'torch' wrote with no TF tensor behind them (a BatchNorm's
-    ``num_batches_tracked``): ``count`` counts them, as the file holds them.
+    ``num_batches_tracked``): ``count`` counts them, as the file holds them. ``optimizer`` is the
+    ``OptimizerSection`` of a TF1 training checkpoint written with optimizer slots (``tf1_training``).
     """
 
     path: str
@@ -64,6 +65,7 @@ class ExportResult:
     files: tuple = ()
     unmapped: tuple = ()
     added: tuple = ()
+    optimizer: OptimizerSection | None = None
 
     def __str__(self) -> str:
         text = f"wrote {self.count} tensors ({format_bytes(self.nbytes)}) to {self.path!r} as {self.format}"
@@ -84,6 +86,8 @@ class ExportResult:
             text += f"; no EMA shadow, raw values for {len(self.fallback)}: {format_names(self.fallback)}"
         if self.unmapped:
             text += f"; left in TF layout (not mapped) {len(self.unmapped)}: {format_names(self.unmapped)}"
+        if self.optimizer is not None:
+            text += "\n" + "\n".join(self.optimizer.lines())
         return text
 
 
