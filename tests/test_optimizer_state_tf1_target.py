@@ -123,6 +123,25 @@ def test_an_optimizer_that_cannot_take_the_state_is_refused_before_anything_is_w
     assert not os.listdir(os.path.dirname(target)) and not checkpoint_files(target)
 
 
+def test_the_cli_writes_the_same_checkpoint_and_refuses_as_the_api_does(runs, capsys):
+    """``restorekit tf1-training SRC OUT --optimizer adam`` writes what tf1_training wrote (every tensor equal) and
+    prints the arguments; the wrong optimizer for the state is the API's error, exit 2 and nothing written."""
+    from restorekit.cli import main
+
+    out, _, results = runs
+    target = os.path.join(out, "cli", "model.ckpt")
+    assert main(["tf1-training", os.path.join(out, "adam.pt:model"), target, "--optimizer", "adam"]) == 0
+    assert "epsilon=" in capsys.readouterr().out
+    mine, api = restorekit.formats.open(target), restorekit.formats.open(results["adam"].path)
+    assert sorted(mine.entries) == sorted(api.entries)
+    for name in api.entries:
+        np.testing.assert_array_equal(mine.read(name), api.read(name), name)
+    refused = os.path.join(out, "cli_refused", "model.ckpt")
+    assert main(["tf1-training", os.path.join(out, "adam.pt:model"), refused, "--optimizer", "momentum"]) != 0
+    assert "pass optimizer=adam" in capsys.readouterr().err
+    assert not checkpoint_files(refused) and not os.path.exists(os.path.dirname(refused))
+
+
 @pytest.mark.parametrize("case", ["amsgrad", "dampening", "no optimizer"])
 def test_state_tf1_has_no_term_for_is_refused_before_anything_is_written(tmp_path, case):
     torch = pytest.importorskip("torch")

@@ -112,3 +112,12 @@ def reworded_exists_error(out):
         yield
     except OutputExistsError as e:
         raise cli_exists_error(e, out) from None
+
+
+def _pairing_options(p: argparse.ArgumentParser,
+                     layout_help: str = "pair the sources by PyTorch names and axes (layout='torch')",
+                     rules_help: str = "see every source through a rule set (bert-tf-to-hf, gpt2-tf-to-hf, ...) to pair "
+                                       "them by name") -> None:
+    """``--layout`` and ``--rules``, the same two options (and the same resolution) on convert, average and merge."""
+    p.add_argument("--layout", choices=["torch"], help=layout_help)
+    p.add_argument("--rules", metavar="RULE_SET", help=rules_help)

@@ -9,6 +9,7 @@ import os
 from restorekit._report import format_bytes
 
 from restorekit.cli._base import (
+    _pairing_options,
     cli_exists_error,
     EXIT_OK,
     reworded_exists_error,
@@ -118,15 +119,6 @@ def _cast(args) -> int:
     editor = _editor(args.checkpoint)
     editor.cast(args.filter, args.dtype)
     return _save(editor, args, compact=not args.link)
-
-
-def _pairing_options(p: argparse.ArgumentParser,
-                     layout_help: str = "pair the sources by PyTorch names and axes (layout='torch')",
-                     rules_help: str = "see every source through a rule set (bert-tf-to-hf, gpt2-tf-to-hf, ...) to pair "
-                                       "them by name") -> None:
-    """``--layout`` and ``--rules``, the same two options (and the same resolution) on convert, average and merge."""
-    p.add_argument("--layout", choices=["torch"], help=layout_help)
-    p.add_argument("--rules", metavar="RULE_SET", help=rules_help)
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
