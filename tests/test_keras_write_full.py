@@ -75,7 +75,8 @@ def listing(directory) -> dict:
 
 
 # (A legacy Keras 2 .h5 is only ever read: no restorekit writer writes one, or a .weights.h5 from one.)
-@pytest.mark.parametrize("case", ["deep-weights-h5", "keras-in-place", "sharded-set"])
+@pytest.mark.parametrize("case", [pytest.param("deep-weights-h5", marks=pytest.mark.slow), "keras-in-place",
+                                  pytest.param("sharded-set", marks=pytest.mark.slow)])  # ~10 s each
 def test_a_write_past_the_file_size_limit_is_write_failed_with_nothing_left(sources, tmp_path, case):
     name, op, out_name = {"deep-weights-h5": ("deep.weights.h5", "convert", "out.weights.h5"),
                           "keras-in-place": ("wide.keras", "in-place", None),

@@ -18,8 +18,12 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCKER = os.path.join(HERE, "blockers", "no_tensorflow")
 REASON = "optax state as a target needs flax and optax installed (pip install 'restorekit[flax]')"
-BAR = ["adam", "momentum", "rmsprop"]  # the bar, in the default set
+BAR = ["adam", "momentum", "rmsprop"]  # the bar
 MORE = ["nesterov", "rmsprop_centered", "adam_eps"]  # slow: the variants, and Adam with a large epsilon
+
+
+# every case needs a TF oracle process and a Flax process (~25 s each fixture): the slow set, which CI runs too
+pytestmark = pytest.mark.slow
 
 
 def _relative(got, want) -> float:
@@ -63,7 +67,6 @@ def test_flax_with_optax_follows_tensorflows_own_continuation(bar, case):
     assert section["reset"] == [] and section["step"] == 5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", MORE[:2], ids=[f"{c} resumes in optax as TensorFlow continues" for c in MORE[:2]])
 def test_flax_with_optax_variants_follow_tensorflow(more, case):
     want, got = more
@@ -71,7 +74,6 @@ def test_flax_with_optax_variants_follow_tensorflow(more, case):
     assert _relative(got["fresh"][case], want[case]) > 1e-3
 
 
-@pytest.mark.slow
 def test_adam_with_a_large_epsilon_reports_the_epsilon_hat_drift_optax_cannot_follow(more):
     want, got = more
     drift = {d["what"]: d for d in got["reports"]["adam_eps"]["differences"]}["eps"]

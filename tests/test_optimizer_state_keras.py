@@ -46,7 +46,9 @@ _RESUMED: dict = {}
 
 
 # Keras on torch runs in the slow set (CI runs both): one backend process in the fast set keeps it under 10 minutes.
-@pytest.fixture(scope="module", params=["jax", pytest.param("torch", marks=pytest.mark.slow)])
+# each backend is one Keras process (~25 s): both run in the slow set, which CI runs too
+@pytest.fixture(scope="module", params=[pytest.param("jax", marks=pytest.mark.slow),
+                                        pytest.param("torch", marks=pytest.mark.slow)])
 def resumed(request, runs):
     """Every case resumed by Keras 3 on one backend, in its own process with TensorFlow blocked."""
     backend = request.param
