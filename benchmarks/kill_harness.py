@@ -55,7 +55,10 @@ CHILD_TIMEOUT = 180.0
 # Run before each writer's body: reads its arguments; in a traced run, records every
 # crash point reached instead of pausing (to list the points a writer has).
 _PROLOGUE = """
-import json, os, sys
+import json, os, signal, sys
+# Ctrl-C as a terminal delivers it: a KeyboardInterrupt. A child of a background job inherits SIGINT ignored
+# (and Python then installs no handler), which would make the SIGINT cases test nothing.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 args = json.loads(sys.argv[1])
 if os.environ.get("KILL_HARNESS_TRACE"):
     import atexit
