@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 
 from restorekit._optim._keras_state import KerasState
+from restorekit._optim._tf1 import scalar
 from restorekit.errors import InvalidArgumentError
 
 __all__ = ["is_keras2_optimizer", "keras2_state"]
@@ -87,7 +87,7 @@ def _hyper(checkpoint, graph, optimizer: int) -> dict:
     for child, name in graph.nodes[optimizer].children:
         key, full_name = _key(graph.nodes[child])
         if key is not None and key in checkpoint.entries and tuple(checkpoint.entries[key].shape) == ():
-            found[name] = (np.asarray(checkpoint.read(key)).reshape(()).item(), full_name)
+            found[name] = (scalar(checkpoint, key), full_name)
     return found
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from restorekit._optim._tf1 import TF1State
+from restorekit._optim._tf1 import TF1State, scalar
 from restorekit.errors import InvalidArgumentError
 
 __all__ = ["KERAS_NAMES", "KerasState", "is_keras_optimizer", "keras_state"]
@@ -84,10 +84,6 @@ def is_keras_optimizer(checkpoint) -> bool:
     return bool(_numbered(checkpoint, _FILE) or _numbered(checkpoint, _TF2))
 
 
-def _scalar(checkpoint, key: str):
-    return np.asarray(checkpoint.read(key)).reshape(()).item()
-
-
 def keras_state(checkpoint, kind: str, *, momentum: bool, centered: bool, order: list) -> KerasState:
     """The Keras 3 optimizer state of ``checkpoint``, read as ``KERAS_NAMES[kind]``'s with the target's
     ``momentum`` and ``centered``; ``order`` is the target's trainable weights' checkpoint keys, in order
@@ -117,14 +113,14 @@ def keras_state(checkpoint, kind: str, *, momentum: bool, centered: bool, order:
                 f"the {len(weights)} trainable weights the target pairs with the checkpoint would have "
                 f"{per_weight * len(weights) + 2} (or {per_weight * len(weights) + 1} with a rate schedule). Pass the "
                 f"optimizer the source run used, a model built as the source's, or scan without optimizer=")
-        iterations = _scalar(checkpoint, listed[0])
-        rate = float(_scalar(checkpoint, listed[1])) if head == 2 else None
+        iterations = scalar(checkpoint, listed[0])
+        rate = float(scalar(checkpoint, listed[1])) if head == 2 else None
         slots = listed[head:]
     else:
         # iterations (variable 0) and learning_rate are saved under their own names, never as _variables/N; Keras
         # 3 lists the rate second, tf-keras' optimizers (TF 2.11+, the same build and updates) do not list it
-        iterations = _scalar(checkpoint, _TF2_ITERATIONS)
-        rate = float(_scalar(checkpoint, _TF2_RATE)) if _TF2_RATE in checkpoint.entries else None
+        iterations = scalar(checkpoint, _TF2_ITERATIONS)
+        rate = float(scalar(checkpoint, _TF2_RATE)) if _TF2_RATE in checkpoint.entries else None
         slots = [variables[i] for i in sorted(variables) if i >= 1]
         if len(slots) != per_weight * len(weights):
             raise InvalidArgumentError(

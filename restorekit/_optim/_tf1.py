@@ -13,7 +13,7 @@ import numpy as np
 
 from restorekit._names import Kind, counter_kind, entry_kind, optimizer_slot_kind
 
-__all__ = ["SLOT_LEAVES", "TF1State", "tf1_state"]
+__all__ = ["SLOT_LEAVES", "TF1State", "scalar", "tf1_state"]
 
 # The slots a TF1 optimizer makes per variable, in creation order (TF numbers a second slot '_1').
 SLOT_LEAVES = {
@@ -79,7 +79,8 @@ class TF1State:
         return any("vhat" in leaves for leaves in self.slots.values())
 
 
-def _scalar(checkpoint, key: str):
+def scalar(checkpoint, key: str):
+    """The one value of the scalar entry ``key`` (a step counter, a beta power, a saved hyper-parameter)."""
     return np.asarray(checkpoint.read(key)).reshape(()).item()
 
 
@@ -89,13 +90,13 @@ def tf1_state(checkpoint) -> TF1State:
     for name in checkpoint.entries:
         kind = entry_kind(name)
         if kind is Kind.COUNTER and counter_kind(name) == "global_step" and state.global_step is None:
-            state.global_step = int(_scalar(checkpoint, name))
+            state.global_step = int(scalar(checkpoint, name))
         if kind is not Kind.OPTIMIZER:
             continue
         slot = optimizer_slot_kind(name) or "optimizer"
         state.kinds[slot] += 1
         if name in ("beta1_power", "beta2_power"):
-            setattr(state, name, float(_scalar(checkpoint, name)))
+            setattr(state, name, float(scalar(checkpoint, name)))
         elif slot in TF1_KINDS:
             base, _, leaf = name.rpartition("/")
             state.slots.setdefault(base, {})[leaf] = name
