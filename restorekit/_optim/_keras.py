@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from restorekit._optim._common import held_kinds, slot_reader, source_label, source_state, steps_of, trained_keys, weight_status, why_reset
-from restorekit._optim._torch_state import TorchState, check_groups, keras_epsilon
+from restorekit._optim._torch_state import TorchState, check_groups, epsilon_hat_notes
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection, format_shape
 from restorekit.errors import InvalidArgumentError
 
@@ -39,7 +39,6 @@ _LISTS = {"Adam": {"momentum": "_momentums", "velocity": "_velocities", "velocit
           "SGD": {"momentum": "momentums"},
           "RMSprop": {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"},
           "Adagrad": {"accumulator": "_accumulators"}}
-AHEAD = 100  # how far ahead an epsilon drift is measured
 _TERMS = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema", "gradient_accumulation_steps")
 
 
@@ -205,15 +204,10 @@ def _from_torch(plan, optimizer, wanted: str, state, steps, roots: list) -> tupl
     terms = check_groups(state, wanted, betas=betas, nesterov=getattr(optimizer, "nesterov", None))
     settings, differences = [], [OptimizerNote(what, text, size) for what, text, size in terms]
     if wanted == "Adam" and steps is not None and roots:
-        eps, new, drift = keras_epsilon(state, float(optimizer.beta_2), steps, float(np.median(roots)), AHEAD)
-        plan.epsilon = new
-        settings.append(OptimizerNote("epsilon", f"{eps:.4g} (torch's) -> {new:.4g}: torch adds eps to the bias-"
-                                                 f"corrected sqrt(v_hat), Keras to sqrt(v) ('epsilon hat'); equal at "
-                                                 f"step {steps + 1}"))
-        differences.append(OptimizerNote("epsilon", f"torch's eps sqrt(1-beta_2^k) moves with the step k, Keras's "
-                                                    f"epsilon stays: over the next {AHEAD} steps the update's "
-                                                    f"denominator differs by up to {drift:.2g} (relative, at the "
-                                                    f"median sqrt(v_hat))", drift))
+        plan.epsilon, setting, difference = epsilon_hat_notes(state, float(optimizer.beta_2), steps,
+                                                              float(np.median(roots)), "Keras")
+        settings.append(setting)
+        differences.append(difference)
     return tuple(settings), tuple(differences)
 
 

@@ -21,9 +21,9 @@ import os
 
 import numpy as np
 
-from restorekit._optim._keras import AHEAD
 from restorekit._optim._tf1 import SLOT_LEAVES
-from restorekit._optim._torch_state import _BUFFERS, check_groups, is_torch_training_file, keras_epsilon, torch_state
+from restorekit._optim._torch_state import (
+    _BUFFERS, check_groups, epsilon_hat_notes, is_torch_training_file, torch_state)
 from restorekit._report import OptimizerNote, OptimizerRecord, OptimizerSection
 from restorekit.errors import InvalidArgumentError
 from restorekit.export import _from_files as from_files, _sources as sources
@@ -114,12 +114,9 @@ def _arguments(state, kind: str) -> tuple:
     steps = int(state.global_step or 0)
     roots = [float(np.median(np.sqrt(state.values[keys["Adam_1"]] / (1 - beta2 ** (steps + 1)))))
              for keys in state.slots.values()]
-    eps, hat, drift = keras_epsilon(state, beta2, steps, float(np.median(roots)), AHEAD)
-    settings = (OptimizerNote("epsilon", f"{eps:.4g} (torch's) -> {hat:.4g}: torch adds eps to the bias-corrected "
-                                         f"sqrt(v_hat), TF1 to sqrt(v) ('epsilon hat'); equal at step {steps + 1}"),)
-    differences.append(OptimizerNote("epsilon", f"torch's eps sqrt(1-beta2^k) moves with the step k, TF1's epsilon "
-                                                f"stays: over the next {AHEAD} steps the update's denominator differs "
-                                                f"by up to {drift:.2g} (relative, at the median sqrt(v_hat))", drift))
+    hat, setting, difference = epsilon_hat_notes(state, beta2, steps, float(np.median(roots)), "TF1")
+    settings = (setting,)
+    differences.append(difference)
     return ({"learning_rate": lr, "beta1": beta1, "beta2": beta2, "epsilon": hat}, settings, tuple(differences))
 
 

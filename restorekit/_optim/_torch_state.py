@@ -28,6 +28,7 @@ import numpy as np
 
 from restorekit._optim._tf1 import TF1State
 from restorekit._registry import file_and_group
+from restorekit._report import OptimizerNote
 from restorekit.errors import InvalidArgumentError
 
 __all__ = ["TorchState", "check_groups", "is_torch_training_file", "keras_epsilon", "torch_state"]
@@ -194,3 +195,19 @@ def keras_epsilon(state: TorchState, beta2: float, steps: int, root: float, ahea
         wanted = torch_eps * math.sqrt(1.0 - beta2 ** k)
         drift = max(drift, abs(fixed - wanted) / (root * math.sqrt(1.0 - beta2 ** k) + wanted))
     return torch_eps, fixed, drift
+
+
+AHEAD = 100  # how far ahead an epsilon drift is measured
+
+
+def epsilon_hat_notes(state: TorchState, beta2: float, steps: int, root: float, target: str) -> tuple:
+    """``(epsilon hat, setting, difference)`` for Adam state carried from torch into ``target`` ('Keras', 'TF1'),
+    an optimizer that adds its epsilon to ``sqrt(v)``: the epsilon set (:func:`keras_epsilon`), and the report's
+    notes of it and of its drift over the next :data:`AHEAD` steps."""
+    eps, hat, drift = keras_epsilon(state, beta2, steps, root, AHEAD)
+    setting = OptimizerNote("epsilon", f"{eps:.4g} (torch's) -> {hat:.4g}: torch adds eps to the bias-corrected "
+                                       f"sqrt(v_hat), {target} to sqrt(v) ('epsilon hat'); equal at step {steps + 1}")
+    difference = OptimizerNote("epsilon", f"torch's eps sqrt(1-beta2^k) moves with the step k, {target}'s epsilon "
+                                          f"stays: over the next {AHEAD} steps the update's denominator differs by up "
+                                          f"to {drift:.2g} (relative, at the median sqrt(v_hat))", drift)
+    return hat, setting, difference
